@@ -1,0 +1,18 @@
+"""The ``ephemeral`` command. Each command group lives in its own module; this one wires them."""
+
+from __future__ import annotations
+
+import typer
+
+from ephemeral.cli import admin, analysis, recipes, runs, sandbox
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+runs.register(app)
+sandbox.register(app)
+admin.register(app)
+recipes.register(app)
+analysis.register(app)
+
+
+def main() -> None:
+    app()

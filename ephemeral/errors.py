@@ -1,0 +1,165 @@
+"""One exception tree, one JSON error shape (RFC 9457 problem+json).
+
+    EphemeralError                      500 generic
+    ├── InvalidRequest                  422 with ``errors=[{field, message}]``
+    │   └── RecipeError                 422 names file, line and field
+    ├── Unauthorized                    401
+    ├── NotFound                        404 (also another org's object: never 403)
+    ├── Conflict                        409
+    ├── PaymentRequired                 402 (balance or budget cannot cover the request)
+    ├── PayloadTooLarge                 413
+    ├── UnsupportedMediaType            415
+    ├── IsolationUnavailable            422 asked-for isolation cannot run on this host
+    ├── UnknownModel                    422 model not in the price book / no provider
+    ├── SandboxError                    502 the sandbox or its guest agent failed or lied
+    ├── ModelError                      502 the model provider failed
+    │   └── TransientModelError         retryable (429, 5xx, connection reset)
+    └── BudgetExhausted                 the next step does not fit the remaining budget
+
+The HTTP layer renders every one of them with :meth:`EphemeralError.to_problem`; the Python
+client maps the status back to the same classes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class EphemeralError(Exception):
+    status: ClassVar[int] = 500
+    slug: ClassVar[str] = "internal"
+    title: ClassVar[str] = "Internal error"
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        errors: list[dict[str, str]] | None = None,
+        cause: BaseException | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.errors = errors
+        self.cause = cause
+        if cause is not None:
+            self.__cause__ = cause
+
+    def to_problem(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "type": f"https://ephemeral.dev/errors/{self.slug}",
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+        }
+        if self.errors:
+            body["errors"] = self.errors
+        return body
+
+
+class InvalidRequest(EphemeralError):
+    status = 422
+    slug = "invalid-request"
+    title = "Invalid request"
+
+    @classmethod
+    def field(cls, field: str, message: str) -> InvalidRequest:
+        return cls(f"{field}: {message}", errors=[{"field": field, "message": message}])
+
+
+class RecipeError(InvalidRequest):
+    slug = "invalid-recipe"
+    title = "Invalid recipe"
+
+
+class Unauthorized(EphemeralError):
+    status = 401
+    slug = "unauthorized"
+    title = "Unauthorized"
+
+
+class NotFound(EphemeralError):
+    status = 404
+    slug = "not-found"
+    title = "Not found"
+
+
+class Conflict(EphemeralError):
+    status = 409
+    slug = "conflict"
+    title = "Conflict"
+
+
+class PaymentRequired(EphemeralError):
+    status = 402
+    slug = "insufficient-balance"
+    title = "Insufficient balance"
+
+
+class PayloadTooLarge(EphemeralError):
+    status = 413
+    slug = "payload-too-large"
+    title = "Payload too large"
+
+
+class UnsupportedMediaType(EphemeralError):
+    status = 415
+    slug = "unsupported-media-type"
+    title = "Unsupported media type"
+
+
+class IsolationUnavailable(EphemeralError):
+    status = 422
+    slug = "isolation-unavailable"
+    title = "Isolation unavailable"
+
+
+class UnknownModel(EphemeralError):
+    status = 422
+    slug = "unknown-model"
+    title = "Unknown model"
+
+
+class SandboxError(EphemeralError):
+    status = 502
+    slug = "sandbox-error"
+    title = "Sandbox error"
+
+
+class ModelError(EphemeralError):
+    status = 502
+    slug = "model-error"
+    title = "Model error"
+
+
+class TransientModelError(ModelError):
+    slug = "model-unavailable"
+    title = "Model temporarily unavailable"
+
+    def __init__(self, detail: str, *, retry_after: float | None = None, **kw: Any) -> None:
+        super().__init__(detail, **kw)
+        self.retry_after = retry_after
+
+
+class BudgetExhausted(EphemeralError):
+    status = 402
+    slug = "budget-exhausted"
+    title = "Budget exhausted"
+
+
+ALL_ERRORS: tuple[type[EphemeralError], ...] = (
+    EphemeralError, InvalidRequest, RecipeError, Unauthorized, NotFound, Conflict,
+    PaymentRequired, PayloadTooLarge, UnsupportedMediaType, IsolationUnavailable,
+    UnknownModel, SandboxError, ModelError, TransientModelError, BudgetExhausted,
+)
+
+
+def error_for(status: int, slug: str | None = None) -> type[EphemeralError]:
+    """The most specific class for a problem document (used by the client)."""
+    if slug:
+        for cls in reversed(ALL_ERRORS):
+            if cls.slug == slug:
+                return cls
+    for cls in ALL_ERRORS:
+        if cls.status == status and cls is not EphemeralError:
+            return cls
+    return EphemeralError

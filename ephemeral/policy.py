@@ -1,0 +1,149 @@
+"""The permission manifest and the run request (DESIGN §1, §3).
+
+Anything not granted here is unavailable in the run. The policy a run ran under is stored with
+it and returned with it unchanged.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ephemeral.settings import Isolation
+
+MAX_FILE_BYTES = 1 << 20  # 1 MiB per file
+MAX_FILES_BYTES = 8 << 20  # 8 MiB in total
+MAX_FILES = 64
+MAX_PROMPT_CHARS = 100_000
+MAX_COST_MICROS = 100_000_000  # $100 per run
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_HTTP_METHODS = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileSpec(_Strict):
+    path: str = Field(min_length=1, max_length=255)
+    content_base64: str
+
+    @field_validator("path")
+    @classmethod
+    def _relative(cls, v: str) -> str:
+        if _CONTROL.search(v):
+            raise ValueError("must not contain NUL or control characters")
+        if v.startswith("/"):
+            raise ValueError("must be relative to the scratch directory")
+        parts = v.split("/")
+        if any(p in ("", ".", "..") for p in parts):
+            raise ValueError("must not contain empty, '.' or '..' segments")
+        return v
+
+    @field_validator("content_base64")
+    @classmethod
+    def _b64(cls, v: str) -> str:
+        try:
+            data = base64.b64decode(v, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError("is not valid base64") from exc
+        if len(data) > MAX_FILE_BYTES:
+            raise ValueError(f"decodes to more than {MAX_FILE_BYTES} bytes")
+        return v
+
+    def data(self) -> bytes:
+        return base64.b64decode(self.content_base64)
+
+
+class Connection(_Strict):
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
+    methods: list[str] = Field(default_factory=lambda: ["GET"], min_length=1)
+    paths: list[str] = Field(default_factory=lambda: ["/*"], min_length=1)
+
+    @field_validator("methods")
+    @classmethod
+    def _methods(cls, v: list[str]) -> list[str]:
+        bad = [m for m in v if m not in _HTTP_METHODS]
+        if bad:
+            raise ValueError(f"unknown HTTP method(s): {', '.join(bad)}")
+        return v
+
+    @field_validator("paths")
+    @classmethod
+    def _paths(cls, v: list[str]) -> list[str]:
+        for p in v:
+            if not p.startswith("/") or _CONTROL.search(p):
+                raise ValueError("each path must start with '/' and have no control characters")
+        return v
+
+
+class Policy(_Strict):
+    web: bool = False
+    shell: bool = True
+    files: list[FileSpec] = Field(default_factory=list, max_length=MAX_FILES)
+    connections: list[Connection] = Field(default_factory=list)
+    zero_data_retention: bool = False
+    timeout_seconds: int = Field(default=120, ge=1, le=3600)
+    max_cost_micros: int = Field(default=40_000, ge=1, le=MAX_COST_MICROS)
+    isolation: Isolation = "auto"
+
+    @model_validator(mode="after")
+    def _files_total(self) -> Policy:
+        seen: set[str] = set()
+        total = 0
+        for f in self.files:
+            if f.path in seen:
+                raise ValueError(f"files: duplicate path {f.path!r}")
+            seen.add(f.path)
+            total += len(f.content_base64) * 3 // 4
+        if total > MAX_FILES_BYTES:
+            raise ValueError(f"files: more than {MAX_FILES_BYTES} bytes in total")
+        names = [c.name for c in self.connections]
+        if len(names) != len(set(names)):
+            raise ValueError("connections: duplicate name")
+        return self
+
+
+class RunRequest(_Strict):
+    """The body of ``POST /v1/runs``: a prompt, an optional model and the policy fields."""
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    model: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9_.-]*/[A-Za-z0-9_.:/-]+$")
+    web: bool = False
+    shell: bool = True
+    files: list[FileSpec] = Field(default_factory=list, max_length=MAX_FILES)
+    connections: list[Connection] = Field(default_factory=list)
+    zero_data_retention: bool = False
+    timeout_seconds: int = Field(default=120, ge=1, le=3600)
+    max_cost_micros: int = Field(default=40_000, ge=1, le=MAX_COST_MICROS)
+    isolation: Isolation = "auto"
+
+    def policy(self) -> Policy:
+        return Policy(**self.model_dump(exclude={"prompt", "model"}))
+
+
+RunStatus = Literal[
+    "queued", "provisioning", "running",
+    "succeeded", "failed", "timed_out", "cancelled", "budget_exhausted",
+]
+TERMINAL_STATUSES: frozenset[str] = frozenset(
+    {"succeeded", "failed", "timed_out", "cancelled", "budget_exhausted"}
+)
+TerminationReason = Literal[
+    "completed", "timeout", "budget_exhausted", "cancelled", "policy_violation",
+    "model_error", "sandbox_error", "infra_error",
+]
+STATUS_FOR_REASON: dict[str, str] = {
+    "completed": "succeeded",
+    "timeout": "timed_out",
+    "budget_exhausted": "budget_exhausted",
+    "cancelled": "cancelled",
+    "policy_violation": "failed",
+    "model_error": "failed",
+    "sandbox_error": "failed",
+    "infra_error": "failed",
+}

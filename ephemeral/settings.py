@@ -1,0 +1,94 @@
+"""The one typed settings object, read once at the entry point and passed down.
+
+No other module reads ``os.environ`` for configuration: the CLI, the API server and the flows
+each call :func:`Settings.load` (or receive a ``Settings``) and hand it on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Isolation = Literal["auto", "microvm", "microvm-kvm", "microvm-tcg", "gvisor", "namespaces"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _default_state_dir() -> Path:
+    return Path.home() / ".local" / "state" / "ephemeral"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EPHEMERAL_", extra="ignore", frozen=True)
+
+    # client side
+    url: str | None = None
+    api_key: SecretStr | None = None
+
+    # server side
+    state_dir: Path = Field(default_factory=_default_state_dir)
+    database_url: str | None = None
+    default_model: str = "replay/sandbox-proof"
+    isolation: Isolation = "auto"
+    price_book: Path | None = None
+    image: str = "default"
+    images_dir: Path = REPO_ROOT / "sandbox_images"
+    recipes_dir: Path = REPO_ROOT / "recipes"
+    cassettes_dir: Path = REPO_ROOT / "recipes" / "cassettes"
+    pool_size: int = Field(default=0, ge=0, le=64)
+    max_concurrent_runs: int = Field(default=8, ge=1, le=512)
+    retention_days: int = Field(default=30, ge=1)
+    max_turns: int = Field(default=20, ge=1, le=200)
+    use_prefect: bool = True
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    # providers: keys never leave the host process
+    openai_api_key: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("OPENAI_API_KEY", "EPHEMERAL_OPENAI_API_KEY")
+    )
+    openrouter_api_key: SecretStr | None = Field(
+        default=None,
+        validation_alias=AliasChoices("OPENROUTER_API_KEY", "EPHEMERAL_OPENROUTER_API_KEY"),
+    )
+    anthropic_api_key: SecretStr | None = Field(
+        default=None,
+        validation_alias=AliasChoices("ANTHROPIC_API_KEY", "EPHEMERAL_ANTHROPIC_API_KEY"),
+    )
+    openai_base_url: str = "https://api.openai.com/v1"
+    openrouter_base_url: str = "https://openrouter.ai/api/v1"
+    anthropic_base_url: str = "https://api.anthropic.com"
+
+    @field_validator("state_dir", "images_dir", "recipes_dir", "cassettes_dir")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        return v.expanduser().resolve()
+
+    @classmethod
+    def load(cls, **overrides: object) -> Settings:
+        return cls(**overrides)  # type: ignore[arg-type]
+
+    # derived paths: one place decides the layout of the state directory
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite+aiosqlite:///{self.state_dir / 'ephemeral.db'}"
+
+    @property
+    def records_dir(self) -> Path:
+        return self.state_dir / "records"
+
+    @property
+    def image_cache_dir(self) -> Path:
+        return self.state_dir / "images"
+
+    @property
+    def sandboxes_dir(self) -> Path:
+        """Persisted sandbox handles; the reaper reads them after a crash."""
+        return self.state_dir / "sandboxes"
+
+    @property
+    def prefect_home(self) -> Path:
+        return self.state_dir / "prefect"

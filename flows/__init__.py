@@ -1,0 +1,1 @@
+"""Prefect flows: agent_run, recipe_run, eval_suite."""
