@@ -1,0 +1,88 @@
+"""The sandbox seam: what every driver offers and what callers may rely on."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Strongest first. microvm-tcg is deliberately absent: emulation is not a security boundary.
+STRENGTH_ORDER: tuple[str, ...] = ("microvm-kvm", "gvisor", "namespaces")
+ALL_ISOLATIONS: tuple[str, ...] = ("microvm-kvm", "microvm-tcg", "gvisor", "namespaces")
+
+
+class Limits(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    cpus: float = Field(default=1.0, gt=0, le=64)
+    memory_mib: int = Field(default=512, ge=32, le=1 << 20)
+    pids: int = Field(default=256, ge=8, le=1 << 16)
+    disk_mib: int = Field(default=256, ge=1, le=1 << 20)
+    lifetime_seconds: float = Field(default=600, gt=0)
+
+
+class ExecResult(BaseModel):
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration_ms: int
+    truncated: bool
+    timed_out: bool
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    id: str
+    isolation: str
+    image: str
+    boot_ms: int
+    workdir: str
+
+    async def exec(
+        self,
+        command: str | list[str],
+        *,
+        stdin: bytes = b"",
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = 30.0,
+        max_output: int = 64 * 1024,
+    ) -> ExecResult:
+        """Run a shell string (``sh -c``) or an argv as ``worker``; never raises for a non-zero
+        exit. Raises SandboxError if the sandbox or its agent fails or lies."""
+        ...
+
+    async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
+
+    async def get_file(self, path: str, max_bytes: int = 1 << 20) -> bytes: ...
+
+    async def destroy(self) -> None:
+        """Idempotent; afterwards no process, mount, cgroup or file of the sandbox remains."""
+        ...
+
+
+class SandboxDriver(Protocol):
+    isolation: str
+
+    async def probe(self) -> str | None:
+        """None if this driver really starts a sandbox here, else the reason it cannot."""
+        ...
+
+    async def create(self, *, owner: str, limits: Limits) -> Sandbox: ...
+
+
+class Handle(BaseModel):
+    """What is persisted (``<sandboxes_dir>/<id>.json``) before a sandbox starts, so that a
+    crashed host process leaves enough for the reaper to destroy it."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    driver: str
+    owner: str
+    host_pid: int
+    created_at: float
+    pids: list[int] = []
+    pgid: int | None = None
+    cgroups: list[str] = []
+    runsc_root: str | None = None
+    container_id: str | None = None
+    paths: list[str] = []  # host directories to delete (bundles, state)

@@ -1,0 +1,205 @@
+"""Host-side client of the guest agent, over any byte channel (pipes, a unix socket, ...).
+
+Drivers own the channel and the process; this class owns the conversation. One request is in
+flight at a time (the agent is sequential), so calls are serialised with a lock. A failure of
+any kind marks the client broken: the sandbox behind it can no longer be trusted and must be
+destroyed, so every later call fails fast with the first error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any, Protocol
+
+from pydantic import BaseModel
+
+from ephemeral import errors
+from ephemeral.sandbox import protocol as p
+from ephemeral.sandbox.base import ExecResult
+
+# Time the agent may take beyond a command's own deadline to kill it and reply.
+EXEC_GRACE_SECONDS = 5.0
+OP_TIMEOUT_SECONDS = 30.0
+# base64 + JSON envelope of an exec reply carrying two capped streams
+_ENVELOPE = 4096
+
+
+class FrameWriter(Protocol):
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+
+class GuestClient:
+    def __init__(self, reader: p.FrameReader, writer: FrameWriter, *, label: str = "guest"):
+        self._reader = reader
+        self._writer = writer
+        self._ids = itertools.count(1)
+        self._lock = asyncio.Lock()
+        self._broken: errors.SandboxError | None = None
+        self.label = label
+        self.hello: p.Hello | None = None
+
+    @property
+    def workdir(self) -> str:
+        if self.hello is None:
+            raise errors.SandboxError(f"{self.label}: no hello from the guest agent yet")
+        return self.hello.workdir
+
+    async def handshake(self, timeout: float) -> p.Hello:
+        """Wait for the agent's hello; check the protocol version."""
+        try:
+            obj = await p.read_frame(self._reader, timeout=timeout, max_frame=64 * 1024)
+            hello = p.parse(p.Hello, obj, "hello frame")
+            if hello.protocol != p.PROTOCOL_VERSION:
+                raise errors.SandboxError(
+                    f"guest agent speaks protocol {hello.protocol}, host speaks "
+                    f"{p.PROTOCOL_VERSION}: rebuild the image (ephemeral images build)"
+                )
+        except errors.SandboxError as exc:
+            self._broken = exc
+            raise
+        self.hello = hello
+        return hello
+
+    async def _call(self, req: BaseModel, timeout: float, max_frame: int) -> dict[str, Any]:
+        if self._broken is not None:
+            raise errors.SandboxError(f"{self.label}: unusable after: {self._broken.detail}")
+        async with self._lock:
+            try:
+                self._writer.write(p.encode_frame(req))
+                async with asyncio.timeout(timeout):
+                    await self._writer.drain()
+                obj = await p.read_frame(self._reader, timeout=timeout, max_frame=max_frame)
+                rid = getattr(req, "id", None)
+                if obj.get("id") != rid:
+                    raise errors.SandboxError(
+                        f"guest replied to id {obj.get('id')!r}, expected {rid}"
+                    )
+                if obj.get("ok") is False:
+                    err = p.parse(p.ErrorReply, obj, "error reply")
+                    # A refused request is an answer, not a broken agent.
+                    raise _GuestRefused(err.kind, err.error)
+                return obj
+            except _GuestRefused:
+                raise
+            except TimeoutError:
+                self._broken = errors.SandboxError(f"guest agent did not read for {timeout:.1f}s")
+                raise self._broken from None
+            except errors.SandboxError as exc:
+                self._broken = exc
+                raise
+            except (ConnectionError, OSError) as exc:
+                self._broken = errors.SandboxError(f"guest channel failed: {exc}")
+                raise self._broken from exc
+
+    async def exec(
+        self,
+        command: str | list[str],
+        *,
+        stdin: bytes = b"",
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = 30.0,
+        max_output: int = 64 * 1024,
+    ) -> ExecResult:
+        if isinstance(command, str):
+            req = p.ExecRequest(id=next(self._ids), shell=command, timeout=timeout,
+                                max_output=max_output, stdin=p.b64encode(stdin),
+                                env=env or {}, cwd=cwd)
+        else:
+            if not command or not all(isinstance(a, str) for a in command):
+                raise errors.InvalidRequest.field("command", "argv must be non-empty strings")
+            req = p.ExecRequest(id=next(self._ids), argv=list(command), timeout=timeout,
+                                max_output=max_output, stdin=p.b64encode(stdin),
+                                env=env or {}, cwd=cwd)
+        frame_cap = min(p.MAX_FRAME, 2 * (4 * max_output // 3 + 4) + _ENVELOPE)
+        try:
+            obj = await self._call(req, timeout + EXEC_GRACE_SECONDS, frame_cap)
+        except _GuestRefused as exc:
+            raise errors.SandboxError(f"guest refused exec: {exc.kind}: {exc.message}") from None
+        reply = self._checked(p.ExecReply, obj, "exec reply")
+        out = self._b64(reply.stdout, "stdout", max_output)
+        err = self._b64(reply.stderr, "stderr", max_output)
+        return ExecResult(
+            exit_code=reply.exit_code,
+            stdout=out.decode("utf-8", errors="replace"),
+            stderr=err.decode("utf-8", errors="replace"),
+            duration_ms=reply.duration_ms,
+            truncated=reply.truncated,
+            timed_out=reply.timed_out,
+        )
+
+    async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        req = p.PutRequest(id=next(self._ids), path=path, data=p.b64encode(data), mode=mode)
+        try:
+            obj = await self._call(req, OP_TIMEOUT_SECONDS, 64 * 1024)
+        except _GuestRefused as exc:
+            raise errors.SandboxError(f"put {path}: {exc.kind}: {exc.message}") from None
+        reply = self._checked(p.PutReply, obj, "put reply")
+        if reply.size != len(data):
+            raise self._lie(f"put {path}: guest wrote {reply.size} of {len(data)} bytes")
+
+    async def get_file(self, path: str, max_bytes: int = 1 << 20) -> bytes:
+        req = p.GetRequest(id=next(self._ids), path=path, max_bytes=max_bytes)
+        cap = min(p.MAX_FRAME, 4 * max_bytes // 3 + _ENVELOPE)
+        try:
+            obj = await self._call(req, OP_TIMEOUT_SECONDS, cap)
+        except _GuestRefused as exc:
+            if exc.kind == "too_large":
+                raise errors.PayloadTooLarge(f"{path}: {exc.message}") from None
+            if exc.kind in ("os_error", "not_a_file"):
+                raise errors.NotFound(f"{path}: {exc.message}") from None
+            raise errors.SandboxError(f"get {path}: {exc.kind}: {exc.message}") from None
+        reply = self._checked(p.GetReply, obj, "get reply")
+        return self._b64(reply.data, "file", max_bytes)
+
+    async def reseed(self, entropy: bytes) -> bool:
+        req = p.ReseedRequest(id=next(self._ids), entropy=p.b64encode(entropy))
+        try:
+            obj = await self._call(req, OP_TIMEOUT_SECONDS, 4096)
+        except _GuestRefused as exc:
+            raise errors.SandboxError(f"reseed: {exc.kind}: {exc.message}") from None
+        return self._checked(p.ReseedReply, obj, "reseed reply").credited
+
+    async def ping(self, timeout: float = OP_TIMEOUT_SECONDS) -> None:
+        try:
+            obj = await self._call(p.PingRequest(id=next(self._ids)), timeout, 4096)
+        except _GuestRefused as exc:
+            raise errors.SandboxError(f"ping: {exc.kind}: {exc.message}") from None
+        self._checked(p.EmptyReply, obj, "ping reply")
+
+    async def shutdown(self, timeout: float = 2.0) -> None:
+        """Ask the agent to exit; best effort (the driver kills the sandbox anyway)."""
+        if self._broken is not None:
+            return
+        try:
+            await self._call(p.ShutdownRequest(id=next(self._ids)), timeout, 4096)
+        except (errors.SandboxError, _GuestRefused):
+            return
+
+    def _checked(self, model: type[p.M], obj: dict[str, Any], what: str) -> p.M:
+        try:
+            return p.parse(model, obj, what)
+        except errors.SandboxError as exc:
+            self._broken = exc
+            raise
+
+    def _b64(self, value: str, field: str, cap: int) -> bytes:
+        try:
+            return p.b64decode(value, field=field, max_bytes=cap)
+        except errors.SandboxError as exc:
+            self._broken = exc
+            raise
+
+    def _lie(self, detail: str) -> errors.SandboxError:
+        self._broken = errors.SandboxError(detail)
+        return self._broken
+
+
+class _GuestRefused(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.message = message

@@ -1,0 +1,547 @@
+#!/usr/bin/python3 -I -S
+"""Ephemeral guest agent: runs inside the sandbox, speaks one framed protocol on one channel.
+
+Frame: 4-byte big-endian length, then that many bytes of UTF-8 JSON (one object).
+First frame (agent -> host): {"type": "hello", "protocol": 1, "workdir": ..., "pid": ..., "uid": ...}
+Then request/response, strictly one at a time:
+  host  -> {"id": N, "op": "exec"|"put"|"get"|"reseed"|"ping"|"shutdown", ...}
+  agent -> {"id": N, "ok": true, ...} | {"id": N, "ok": false, "kind": "...", "error": "..."}
+Binary payloads travel base64-encoded. The host mirror is ephemeral/sandbox/protocol.py.
+
+Stdlib only; runs as `python3 -I -S agent.py --channel stdio|virtio:<port-name>`.
+"""
+
+import base64
+import ctypes
+import errno
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 64 << 20
+WORKER_UID = 1000
+WORKER_GID = 1000
+WORKER_HOME = "/home/worker"
+BASE_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": WORKER_HOME,
+    "USER": "worker",
+    "LOGNAME": "worker",
+    "LANG": "C.UTF-8",
+    "SHELL": "/bin/sh",
+}
+PR_SET_CHILD_SUBREAPER = 36
+
+
+class ProtocolError(Exception):
+    pass
+
+
+class OpError(Exception):
+    def __init__(self, kind, message):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+def log(msg):
+    try:
+        os.write(2, ("agent: %s\n" % msg).encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+# ----------------------------------------------------------------------------- channel
+
+
+class Channel:
+    """A byte stream that may be non-blocking (gVisor donates a socketpair): select and retry."""
+
+    def __init__(self, rfd, wfd):
+        self.rfd = rfd
+        self.wfd = wfd
+
+    def _read_exact(self, n):
+        buf = bytearray()
+        while len(buf) < n:
+            try:
+                chunk = os.read(self.rfd, min(n - len(buf), 1 << 20))
+            except BlockingIOError:
+                select.select([self.rfd], [], [], 1.0)
+                continue
+            except InterruptedError:
+                continue
+            if not chunk:
+                if not buf:
+                    raise EOFError
+                raise ProtocolError("channel closed mid-frame")
+            buf += chunk
+        return bytes(buf)
+
+    def read_frame(self):
+        header = self._read_exact(4)
+        size = int.from_bytes(header, "big")
+        if size > MAX_FRAME:
+            raise ProtocolError("frame too large: %d" % size)
+        obj = json.loads(self._read_exact(size).decode("utf-8"))
+        if not isinstance(obj, dict):
+            raise ProtocolError("frame is not an object")
+        return obj
+
+    def write_frame(self, obj):
+        body = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+        data = memoryview(len(body).to_bytes(4, "big") + body)
+        while data:
+            try:
+                n = os.write(self.wfd, data)
+            except BlockingIOError:
+                select.select([], [self.wfd], [], 1.0)
+                continue
+            except InterruptedError:
+                continue
+            data = data[n:]
+
+
+def open_stdio():
+    # Keep the protocol off fds 0/1 so nothing else (a stray print, a child) can write into it.
+    rfd = os.dup(0)
+    wfd = os.dup(1)
+    null = os.open("/dev/null", os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(2, 1)
+    os.close(null)
+    return Channel(rfd, wfd)
+
+
+def open_virtio(name, wait_seconds=10.0):
+    # The port name shows up asynchronously after the driver probes: poll instead of failing.
+    deadline = time.monotonic() + wait_seconds
+    direct = "/dev/virtio-ports/" + name
+    while True:
+        path = direct if os.path.exists(direct) else _virtio_by_sysfs(name)
+        if path:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                return Channel(fd, fd)
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise ProtocolError("cannot open %s: %s" % (path, exc)) from exc
+        if time.monotonic() > deadline:
+            raise ProtocolError("virtio port %r did not appear within %.0fs" % (name, wait_seconds))
+        time.sleep(0.002)
+
+
+def _virtio_by_sysfs(name):
+    base = "/sys/class/virtio-ports"
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            with open(os.path.join(base, entry, "name")) as fh:
+                if fh.read().strip() == name:
+                    return "/dev/" + entry
+        except OSError:
+            continue
+    return None
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def b64(data):
+    return base64.b64encode(data).decode("ascii")
+
+
+def unb64(value, field):
+    if not isinstance(value, str):
+        raise OpError("bad_request", "%s must be a base64 string" % field)
+    try:
+        return base64.b64decode(value.encode("ascii"), validate=True)
+    except ValueError as exc:
+        raise OpError("bad_request", "%s: invalid base64" % field) from exc
+
+
+def is_root():
+    return os.getuid() == 0
+
+
+def resolve(path, workdir):
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise OpError("bad_request", "path must be a non-empty string")
+    return path if path.startswith("/") else os.path.join(workdir, path)
+
+
+def set_subreaper():
+    # Orphans of a command re-parent to us, so a deadline can find and kill them.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def proc_stat(pid):
+    """(ppid, pgid, sid, state) from /proc/PID/stat, or None if gone."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as fh:
+            raw = fh.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    rest = raw[raw.rfind(")") + 2:].split()
+    return int(rest[1]), int(rest[2]), int(rest[3]), rest[0]
+
+
+def children_of_me():
+    me = os.getpid()
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = proc_stat(int(name))
+            if st and st[0] == me:
+                out.append((int(name), st))
+    return out
+
+
+def reap_zombies(exclude=()):
+    for pid, st in children_of_me():
+        if st[3] == "Z" and pid not in exclude:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
+def kill_group(sid):
+    """Kill the command's process group and every orphan of it that re-parented to us."""
+    for _ in range(3):
+        try:
+            os.killpg(sid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pid, st in children_of_me():
+            if pid != sid and (st[1] == sid or st[2] == sid) and st[3] != "Z":
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        time.sleep(0.005)
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+class Agent:
+    def __init__(self, channel, workdir):
+        self.channel = channel
+        self.workdir = workdir
+
+    def serve(self):
+        self.channel.write_frame({
+            "type": "hello", "protocol": PROTOCOL_VERSION, "workdir": self.workdir,
+            "pid": os.getpid(), "uid": os.getuid(),
+        })
+        while True:
+            try:
+                req = self.channel.read_frame()
+            except EOFError:
+                return 0
+            rid = req.get("id")
+            if not isinstance(rid, int) or isinstance(rid, bool):
+                raise ProtocolError("request without an integer id")
+            op = req.get("op")
+            handler = {
+                "exec": self.op_exec, "put": self.op_put, "get": self.op_get,
+                "reseed": self.op_reseed, "ping": self.op_ping, "shutdown": self.op_shutdown,
+            }.get(op)
+            try:
+                if handler is None:
+                    raise OpError("bad_request", "unknown op %r" % (op,))
+                result = handler(req)
+                resp = {"id": rid, "ok": True}
+                resp.update(result)
+            except OpError as exc:
+                resp = {"id": rid, "ok": False, "kind": exc.kind, "error": exc.message}
+            except OSError as exc:
+                resp = {"id": rid, "ok": False, "kind": "os_error",
+                        "error": "%s: %s" % (errno.errorcode.get(exc.errno, "?"), exc.strerror)}
+            self.channel.write_frame(resp)
+            reap_zombies()
+            if op == "shutdown" and resp.get("ok"):
+                self.shutdown()
+                return 0
+
+    def op_ping(self, req):
+        return {}
+
+    def op_exec(self, req):
+        argv = req.get("argv")
+        shell = req.get("shell")
+        if shell is not None:
+            if not isinstance(shell, str):
+                raise OpError("bad_request", "shell must be a string")
+            argv = ["/bin/sh", "-c", shell]
+        if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
+            raise OpError("bad_request", "argv must be a non-empty list of strings")
+        stdin = unb64(req.get("stdin", ""), "stdin")
+        env = dict(BASE_ENV)
+        extra = req.get("env") or {}
+        if not isinstance(extra, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and k and "=" not in k
+                for k, v in extra.items()):
+            raise OpError("bad_request", "env must map names to strings")
+        env.update(extra)
+        cwd = resolve(req.get("cwd") or self.workdir, self.workdir)
+        timeout = req.get("timeout", 30.0)
+        cap = req.get("max_output", 64 * 1024)
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise OpError("bad_request", "timeout must be a positive number")
+        if not isinstance(cap, int) or cap < 0:
+            raise OpError("bad_request", "max_output must be a non-negative integer")
+        return run_command(argv, stdin, env, cwd, float(timeout), cap)
+
+    def op_put(self, req):
+        path = resolve(req.get("path"), self.workdir)
+        data = unb64(req.get("data", ""), "data")
+        mode = req.get("mode", 0o644)
+        if not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+            raise OpError("bad_request", "mode must be an integer permission")
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            os.makedirs(parent, exist_ok=True)
+            if is_root():
+                os.chown(parent, WORKER_UID, WORKER_GID)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     mode & 0o777)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fchmod(fd, mode)
+            if is_root():
+                os.fchown(fd, WORKER_UID, WORKER_GID)
+        finally:
+            os.close(fd)
+        return {"size": len(data)}
+
+    def op_get(self, req):
+        path = resolve(req.get("path"), self.workdir)
+        limit = req.get("max_bytes", 1 << 20)
+        if not isinstance(limit, int) or limit < 0:
+            raise OpError("bad_request", "max_bytes must be a non-negative integer")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+            if not (st.st_mode & 0o170000) == 0o100000:
+                raise OpError("not_a_file", "%s is not a regular file" % path)
+            if st.st_size > limit:
+                raise OpError("too_large", "%s is %d bytes, over the %d limit"
+                              % (path, st.st_size, limit))
+            chunks = []
+            total = 0
+            while True:
+                chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                total += len(chunk)
+                if total > limit:
+                    raise OpError("too_large", "%s grew over the %d limit" % (path, limit))
+        finally:
+            os.close(fd)
+        return {"data": b64(b"".join(chunks))}
+
+    def op_reseed(self, req):
+        data = unb64(req.get("entropy", ""), "entropy")
+        if not data:
+            raise OpError("bad_request", "entropy must not be empty")
+        with open("/dev/urandom", "wb") as fh:
+            fh.write(data)
+        credited = False
+        if is_root():
+            # RNDADDENTROPY credits the bytes, so a restored snapshot stops sharing RNG state.
+            import fcntl
+            import struct
+            RNDADDENTROPY = 0x40085203
+            buf = struct.pack("ii", len(data) * 8, len(data)) + data
+            try:
+                with open("/dev/urandom", "wb") as fh:
+                    fcntl.ioctl(fh.fileno(), RNDADDENTROPY, buf)
+                credited = True
+            except OSError:
+                credited = False
+        return {"credited": credited}
+
+    def op_shutdown(self, req):
+        return {}
+
+    def shutdown(self):
+        for pid, _st in children_of_me():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if os.getpid() == 1:
+            os.sync()
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.reboot(0x4321FEDC)  # RB_POWER_OFF
+            except (OSError, AttributeError):
+                pass
+
+
+def _demote():
+    if is_root():
+        os.setgroups([])
+        os.setgid(WORKER_GID)
+        os.setuid(WORKER_UID)
+
+
+def run_command(argv, stdin, env, cwd, timeout, cap):
+    started = time.monotonic()
+    deadline = started + timeout
+    try:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=env, cwd=cwd, start_new_session=True, close_fds=True,
+            preexec_fn=_demote if is_root() else None,
+        )
+    except FileNotFoundError:
+        return _result(127, b"", ("%s: command not found\n" % argv[0]).encode(), False, False,
+                       started)
+    except NotADirectoryError:
+        raise OpError("bad_cwd", "cwd %s is not a directory" % cwd) from None
+    except PermissionError as exc:
+        return _result(126, b"", ("%s: %s\n" % (argv[0], exc.strerror)).encode(), False, False,
+                       started)
+    ofd, efd = proc.stdout.fileno(), proc.stderr.fileno()
+    out = {ofd: bytearray(), efd: bytearray()}
+    readers = [ofd, efd]
+    for fd in readers:
+        os.set_blocking(fd, False)
+    wfd = proc.stdin.fileno()
+    os.set_blocking(wfd, False)
+    pending = memoryview(stdin)
+    writers = [wfd] if pending else []
+    if not pending:
+        proc.stdin.close()
+    truncated = False
+    timed_out = False
+    while readers or writers:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            timed_out = True
+            break
+        r, w, _ = select.select(readers, writers, [], min(remaining, 1.0))
+        for fd in w:
+            try:
+                n = os.write(fd, pending[:65536])
+                pending = pending[n:]
+            except BlockingIOError:
+                continue
+            except BrokenPipeError:
+                pending = pending[:0]
+            if not pending:
+                writers.remove(fd)
+                proc.stdin.close()
+        for fd in r:
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                readers.remove(fd)
+                continue
+            buf = out[fd]
+            room = cap - len(buf)
+            if room > 0:
+                buf += chunk[:room]
+            if len(chunk) > room:
+                truncated = True
+    if timed_out:
+        kill_group(proc.pid)
+    else:
+        # The pipes closed; the command may still be running (it closed its fds): wait for it.
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_group(proc.pid)
+    if timed_out:
+        proc.wait()
+    for f in (proc.stdin, proc.stdout, proc.stderr):
+        try:
+            f.close()
+        except OSError:
+            pass
+    code = proc.returncode
+    if code < 0:
+        code = 128 - code  # shell convention: killed by signal N -> 128+N
+    return _result(code, bytes(out[ofd]), bytes(out[efd]), truncated, timed_out, started)
+
+
+def _result(code, stdout, stderr, truncated, timed_out, started):
+    return {
+        "exit_code": code, "stdout": b64(stdout), "stderr": b64(stderr),
+        "truncated": truncated, "timed_out": timed_out,
+        "duration_ms": int((time.monotonic() - started) * 1000),
+    }
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def make_workdir():
+    run = tempfile.mkdtemp(prefix="ephemeral-run-", dir="/tmp")
+    scratch = os.path.join(run, "scratch")
+    os.mkdir(scratch, 0o755)
+    if is_root():
+        for p in (run, scratch):
+            os.chown(p, WORKER_UID, WORKER_GID)
+    return scratch
+
+
+def parse_args(argv):
+    channel = "stdio"
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--channel" and i + 1 < len(argv):
+            channel = argv[i + 1]
+            i += 2
+        elif a.startswith("--channel="):
+            channel = a.split("=", 1)[1]
+            i += 1
+        else:
+            raise SystemExit("usage: agent.py [--channel stdio|virtio:<port-name>]")
+    return channel
+
+
+def main(argv):
+    channel_spec = parse_args(argv)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    set_subreaper()
+    if channel_spec == "stdio":
+        channel = open_stdio()
+    elif channel_spec.startswith("virtio:") and len(channel_spec) > 7:
+        channel = open_virtio(channel_spec[7:])
+    else:
+        raise SystemExit("unknown channel %r" % channel_spec)
+    os.umask(0o022)
+    workdir = make_workdir()
+    try:
+        return Agent(channel, workdir).serve()
+    except ProtocolError as exc:
+        log("protocol error: %s" % exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
