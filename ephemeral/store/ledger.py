@@ -1,0 +1,282 @@
+"""Money: admission (reserve), itemised charges inside a reservation, settlement, org credits.
+
+Every money move is one conditional ``UPDATE … RETURNING`` whose WHERE clause states the
+invariant it must keep, plus a ledger row with a unique idempotency key. No row back means the
+move did not fit; nothing is read first and decided later, so concurrent writers cannot
+overdraw (PostgreSQL re-checks the WHERE clause after waiting for a row lock; SQLite runs one
+writer at a time under ``BEGIN IMMEDIATE``).
+
+Balance semantics: ``orgs.balance_micros`` is money the org owns, ``orgs.reserved_micros`` the
+part held by unsettled runs. Admission raises ``reserved``; settlement lowers ``reserved`` by
+the run's reservation and ``balance`` by what the run was charged.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ephemeral import errors
+from ephemeral.ids import new_id, rfc3339, utcnow
+from ephemeral.store.models import Settlement
+from ephemeral.store.schema import CHARGE_KINDS, idempotency, ledger, orgs, run_events, runs
+
+MAX_IDEMPOTENCY_KEY = 255
+MAX_LEDGER_KEY = 300
+
+
+def insert(conn: AsyncConnection, table: sa.Table) -> Any:
+    """A dialect ``INSERT`` that supports ``ON CONFLICT`` (both backends spell it the same)."""
+    if conn.dialect.name == "postgresql":
+        return postgresql.insert(table)
+    return sqlite.insert(table)
+
+
+def usd(micros: int) -> str:
+    sign = "-" if micros < 0 else ""
+    whole, frac = divmod(abs(micros), 1_000_000)
+    return f"{sign}${whole}.{frac:06d}"
+
+
+def check_micros(field: str, value: object, *, allow_zero: bool = True) -> int:
+    # bool is an int in Python; a JSON `true` must not become one micro-dollar.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise errors.InvalidRequest.field(field, "must be an integer number of micro-dollars")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise errors.InvalidRequest.field(field, "must be positive" if not allow_zero else ">= 0")
+    return value
+
+
+async def claim_idempotency(
+    conn: AsyncConnection, *, org_id: str, key: str, body_hash: str | None, run_id: str,
+    now: datetime,
+) -> sa.Row[Any] | None:
+    """Claim ``key`` for ``run_id``; return the earlier claim instead if there is one.
+
+    The claim is written as ``admitting`` and flipped to ``done`` in the same transaction, so
+    a committed ``admitting`` row only exists while another writer holds it open across
+    transactions; a request that meets one gets 409.
+    """
+    if not key or len(key) > MAX_IDEMPOTENCY_KEY or not key.isascii() or not key.isprintable():
+        raise errors.InvalidRequest.field(
+            "Idempotency-Key", f"must be 1-{MAX_IDEMPOTENCY_KEY} printable ASCII characters"
+        )
+    claimed = await conn.execute(
+        insert(conn, idempotency)
+        .values(org_id=org_id, key=key, body_hash=body_hash, run_id=run_id, state="admitting",
+                created_at=now)
+        .on_conflict_do_nothing()
+        .returning(idempotency.c.run_id)
+    )
+    if claimed.first() is not None:
+        return None
+    earlier = (
+        await conn.execute(
+            sa.select(idempotency).where(idempotency.c.org_id == org_id, idempotency.c.key == key)
+        )
+    ).one()
+    if earlier.body_hash != body_hash:
+        raise errors.InvalidRequest.field(
+            "Idempotency-Key", "was already used with a different request body"
+        )
+    if earlier.state != "done":
+        raise errors.Conflict("a request with this Idempotency-Key is still being admitted")
+    return earlier
+
+
+async def hold(conn: AsyncConnection, *, org_id: str, amount: int) -> None:
+    """Raise the org's reservation by ``amount`` if its available balance covers it."""
+    held = await conn.execute(
+        sa.update(orgs)
+        .where(orgs.c.id == org_id, orgs.c.balance_micros - orgs.c.reserved_micros >= amount)
+        .values(reserved_micros=orgs.c.reserved_micros + amount)
+        .returning(orgs.c.reserved_micros)
+    )
+    if held.first() is None:
+        org = (
+            await conn.execute(sa.select(orgs).where(orgs.c.id == org_id))
+        ).first()
+        if org is None:
+            raise errors.NotFound(f"org {org_id} not found")
+        available = org.balance_micros - org.reserved_micros
+        raise errors.PaymentRequired(
+            f"max_cost_micros {amount} ({usd(amount)}) does not fit: the org's available balance "
+            f"is {available} micros ({usd(available)}; balance {org.balance_micros}, "
+            f"held by running runs {org.reserved_micros})"
+        )
+
+
+async def admit(
+    conn: AsyncConnection, *, org_id: str, run_id: str, model: str, prompt: str | None,
+    policy: dict[str, Any], labels: dict[str, Any], idempotency_key: str | None,
+    body_hash: str | None,
+) -> str | None:
+    """Admit a run in the caller's transaction. Returns the replayed run id, or None if new."""
+    amount = check_micros("max_cost_micros", policy.get("max_cost_micros"), allow_zero=False)
+    now = utcnow()
+    if idempotency_key is not None:
+        earlier = await claim_idempotency(conn, org_id=org_id, key=idempotency_key,
+                                          body_hash=body_hash, run_id=run_id, now=now)
+        if earlier is not None:
+            return str(earlier.run_id)
+    await hold(conn, org_id=org_id, amount=amount)
+    await conn.execute(
+        sa.insert(runs).values(
+            id=run_id, org_id=org_id, status="queued", model=model, prompt=prompt, policy=policy,
+            labels=labels, created_at=now, usage={}, reserved_micros=amount, charged_micros=0,
+            refunded_micros=0, breakdown={}, idempotency_key=idempotency_key, last_seq=1,
+        )
+    )
+    await conn.execute(
+        sa.insert(ledger).values(org_id=org_id, run_id=run_id, kind="reserve",
+                                 amount_micros=amount, idempotency_key=f"{run_id}:reserve", at=now)
+    )
+    await conn.execute(
+        sa.insert(run_events).values(run_id=run_id, seq=1, type="run.queued", at=rfc3339(now),
+                                     data={"reserved_micros": amount})
+    )
+    if idempotency_key is not None:
+        await conn.execute(
+            sa.update(idempotency)
+            .where(idempotency.c.org_id == org_id, idempotency.c.key == idempotency_key)
+            .values(state="done")
+        )
+    return None
+
+
+async def charge(conn: AsyncConnection, *, run_id: str, kind: str, micros: int, key: str) -> int:
+    if kind not in CHARGE_KINDS:
+        raise errors.InvalidRequest.field("kind", f"must be one of {', '.join(CHARGE_KINDS)}")
+    check_micros("micros", micros)
+    if not key or len(key) > MAX_LEDGER_KEY:
+        raise errors.InvalidRequest.field("key", f"must be 1-{MAX_LEDGER_KEY} characters")
+    run = (
+        await conn.execute(sa.select(runs.c.org_id).where(runs.c.id == run_id))
+    ).first()
+    if run is None:
+        raise errors.NotFound(f"run {run_id} not found")
+    # The ledger row goes first: a concurrent duplicate waits on the unique key and then
+    # does nothing, so a retried charge can never be counted twice.
+    fresh = await conn.execute(
+        insert(conn, ledger)
+        .values(org_id=run.org_id, run_id=run_id, kind=kind, amount_micros=micros,
+                idempotency_key=key, at=utcnow())
+        .on_conflict_do_nothing()
+        .returning(ledger.c.id)
+    )
+    if fresh.first() is None:
+        earlier = (
+            await conn.execute(sa.select(ledger).where(ledger.c.idempotency_key == key))
+        ).one()
+        if (earlier.run_id, earlier.kind, earlier.amount_micros) != (run_id, kind, micros):
+            raise errors.Conflict(
+                f"charge key {key!r} was already used for {earlier.kind} "
+                f"{earlier.amount_micros} micros on run {earlier.run_id}"
+            )
+        total = await conn.scalar(sa.select(runs.c.charged_micros).where(runs.c.id == run_id))
+        return int(total or 0)
+    added = await conn.execute(
+        sa.update(runs)
+        .where(runs.c.id == run_id, runs.c.settled_at.is_(None),
+               runs.c.charged_micros + micros <= runs.c.reserved_micros)
+        .values(charged_micros=runs.c.charged_micros + micros)
+        .returning(runs.c.charged_micros)
+    )
+    row = added.first()
+    if row is not None:
+        return int(row.charged_micros)
+    now_run = (
+        await conn.execute(sa.select(runs).where(runs.c.id == run_id))
+    ).one()
+    if now_run.settled_at is not None:
+        raise errors.Conflict(f"run {run_id} is already settled; no further charges")
+    raise errors.BudgetExhausted(
+        f"a {kind} charge of {micros} micros would bring run {run_id} to "
+        f"{now_run.charged_micros + micros} micros, over its {now_run.reserved_micros} reserved"
+    )
+
+
+async def breakdown(conn: AsyncConnection, run_id: str) -> dict[str, int]:
+    rows = await conn.execute(
+        sa.select(ledger.c.kind, sa.func.sum(ledger.c.amount_micros))
+        .where(ledger.c.run_id == run_id, ledger.c.kind.in_(CHARGE_KINDS))
+        .group_by(ledger.c.kind)
+    )
+    sums = {kind: int(total) for kind, total in rows}
+    return {f"{kind}_micros": sums.get(kind, 0) for kind in CHARGE_KINDS}
+
+
+async def settle(conn: AsyncConnection, run_id: str) -> Settlement:
+    now = utcnow()
+    # Marking the run settled first row-locks it: a charge racing with us either committed
+    # before (and is counted below) or re-checks `settled_at IS NULL` after us and fails.
+    marked = (
+        await conn.execute(
+            sa.update(runs)
+            .where(runs.c.id == run_id, runs.c.settled_at.is_(None))
+            .values(settled_at=now,
+                    refunded_micros=runs.c.reserved_micros - runs.c.charged_micros)
+            .returning(runs.c.org_id, runs.c.reserved_micros, runs.c.charged_micros)
+        )
+    ).first()
+    if marked is None:
+        done = (await conn.execute(sa.select(runs).where(runs.c.id == run_id))).first()
+        if done is None:
+            raise errors.NotFound(f"run {run_id} not found")
+        return Settlement(reserved_micros=done.reserved_micros,
+                          charged_micros=done.charged_micros,
+                          refunded_micros=done.refunded_micros, breakdown=dict(done.breakdown))
+    reserved, charged = int(marked.reserved_micros), int(marked.charged_micros)
+    items = await breakdown(conn, run_id)
+    if sum(items.values()) != charged:
+        raise errors.EphemeralError(
+            f"ledger of run {run_id} sums to {sum(items.values())} but the run says {charged}"
+        )
+    refunded = reserved - charged
+    await conn.execute(sa.update(runs).where(runs.c.id == run_id).values(breakdown=items))
+    await conn.execute(
+        sa.update(orgs)
+        .where(orgs.c.id == marked.org_id)
+        .values(reserved_micros=orgs.c.reserved_micros - reserved,
+                balance_micros=orgs.c.balance_micros - charged)
+    )
+    await conn.execute(
+        sa.insert(ledger),
+        [
+            {"org_id": marked.org_id, "run_id": run_id, "kind": "settle", "amount_micros": charged,
+             "idempotency_key": f"{run_id}:settle", "note": None, "at": now},
+            {"org_id": marked.org_id, "run_id": run_id, "kind": "refund",
+             "amount_micros": refunded, "idempotency_key": f"{run_id}:refund", "note": None,
+             "at": now},
+        ],
+    )
+    return Settlement(reserved_micros=reserved, charged_micros=charged,
+                      refunded_micros=refunded, breakdown=items)
+
+
+async def credit(conn: AsyncConnection, *, org_id: str, micros: int, note: str) -> None:
+    """Add (or, negative, remove) money; never below what running runs hold."""
+    if not isinstance(micros, int) or isinstance(micros, bool) or micros == 0:
+        raise errors.InvalidRequest.field("micros", "must be a non-zero integer")
+    done = await conn.execute(
+        sa.update(orgs)
+        .where(orgs.c.id == org_id, orgs.c.balance_micros + micros >= orgs.c.reserved_micros)
+        .values(balance_micros=orgs.c.balance_micros + micros)
+        .returning(orgs.c.id)
+    )
+    if done.first() is None:
+        exists = await conn.scalar(sa.select(orgs.c.id).where(orgs.c.id == org_id))
+        if exists is None:
+            raise errors.NotFound(f"org {org_id} not found")
+        raise errors.InvalidRequest.field(
+            "micros", "would leave the balance below what running runs have reserved"
+        )
+    await conn.execute(
+        sa.insert(ledger).values(org_id=org_id, run_id=None, kind="credit", amount_micros=micros,
+                                 idempotency_key=new_id("credit"), note=note[:500] or None,
+                                 at=utcnow())
+    )

@@ -1,0 +1,491 @@
+"""The operational store: orgs, member keys, runs, their events, money and transcripts.
+
+One :class:`Store` per process, opened with the settings' ``db_url`` and passed down. Every
+method is one transaction. Money moves live in :mod:`ephemeral.store.ledger`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from collections.abc import Collection
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from ephemeral import errors
+from ephemeral.events import Event, redact_for_zdr
+from ephemeral.ids import RUN_ID_RE, new_id, rfc3339, utcnow
+from ephemeral.policy import TERMINAL_STATUSES
+from ephemeral.store import keys, ledger
+from ephemeral.store.engine import create_engine, reader
+from ephemeral.store.models import ApiKey, Org, Principal, RunRow, Settlement
+from ephemeral.store.schema import (
+    api_keys,
+    idempotency,
+    metadata,
+    orgs,
+    run_events,
+    run_transcripts,
+    runs,
+)
+
+RUN_STATUSES = frozenset({"queued", "provisioning", "running"}) | TERMINAL_STATUSES
+TERMINATION_REASONS = frozenset({
+    "completed", "timeout", "budget_exhausted", "cancelled", "policy_violation",
+    "model_error", "sandbox_error", "infra_error",
+})
+ORG_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+EVENT_TYPE_RE = re.compile(r"^[a-z][a-z_]*(\.[a-z][a-z_]*)+$")
+MAX_EVENT_BYTES = 1 << 20
+MAX_TRANSCRIPT_BYTES = 32 << 20
+MAX_PAGE = 100
+IDEMPOTENCY_RETENTION = timedelta(hours=24)
+
+_DATETIME_FIELDS = ("started_at", "ended_at")
+_TEXT_FIELDS = ("isolation", "sandbox_id", "termination_detail", "output", "owner", "prompt")
+_DICT_FIELDS = ("usage", "labels")
+UPDATABLE_FIELDS = frozenset(
+    {"status", "termination_reason", *_DATETIME_FIELDS, *_TEXT_FIELDS, *_DICT_FIELDS}
+)
+
+
+def _json_size(field: str, value: Any, limit: int) -> int:
+    try:
+        size = len(json.dumps(value, separators=(",", ":")).encode())
+    except (TypeError, ValueError) as exc:
+        raise errors.InvalidRequest.field(field, f"is not JSON-serialisable: {exc}") from exc
+    if size > limit:
+        raise errors.InvalidRequest.field(field, f"is {size} bytes, over the {limit}-byte cap")
+    return size
+
+
+def _zdr(policy: Any) -> bool:
+    return isinstance(policy, dict) and bool(policy.get("zero_data_retention"))
+
+
+def _encode_cursor(created_at: datetime, run_id: str) -> str:
+    raw = json.dumps([created_at.isoformat(), run_id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        stamp, run_id = json.loads(raw)
+        created_at = datetime.fromisoformat(stamp)
+        if created_at.tzinfo is None or not RUN_ID_RE.match(run_id):
+            raise ValueError(cursor)
+    except (binascii.Error, ValueError, TypeError) as exc:
+        raise errors.InvalidRequest.field("cursor", "is not a cursor this API returned") from exc
+    return created_at, run_id
+
+
+class Store:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._reader = reader(engine)
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self._engine
+
+    @property
+    def dialect(self) -> str:
+        return self._engine.dialect.name
+
+    @classmethod
+    async def open(cls, url: str) -> Store:
+        engine = create_engine(url)
+        async with engine.begin() as conn:
+            await conn.run_sync(metadata.create_all)
+        return cls(engine)
+
+    async def close(self) -> None:
+        await self._engine.dispose()
+
+    # -- orgs ---------------------------------------------------------------------------------
+
+    async def create_org(self, name: str) -> Org:
+        if not isinstance(name, str) or not ORG_NAME_RE.match(name):
+            raise errors.InvalidRequest.field(
+                "name", "must be 1-100 characters of letters, digits, '.', '_' or '-'"
+            )
+        async with self._engine.begin() as conn:
+            made = await conn.execute(
+                ledger.insert(conn, orgs)
+                .values(id=new_id("org"), name=name, balance_micros=0, reserved_micros=0,
+                        created_at=utcnow())
+                .on_conflict_do_nothing()
+                .returning(*orgs.c)
+            )
+            row = made.first()
+        if row is None:
+            raise errors.Conflict(f"org {name!r} already exists")
+        return Org.model_validate(row._mapping)
+
+    async def get_org(self, name_or_id: str) -> Org:
+        async with self._reader.connect() as conn:
+            return await self._org(conn, name_or_id)
+
+    async def _org(self, conn: AsyncConnection, name_or_id: str) -> Org:
+        row = (
+            await conn.execute(
+                sa.select(orgs).where(sa.or_(orgs.c.id == name_or_id, orgs.c.name == name_or_id))
+            )
+        ).first()
+        if row is None:
+            raise errors.NotFound(f"org {name_or_id!r} not found")
+        return Org.model_validate(row._mapping)
+
+    async def ensure_org(self, name: str, *, initial_credit_micros: int = 0) -> Org:
+        """Get ``name``, creating it with ``initial_credit_micros`` if it does not exist yet."""
+        ledger.check_micros("initial_credit_micros", initial_credit_micros)
+        try:
+            org = await self.create_org(name)
+        except errors.Conflict:
+            return await self.get_org(name)
+        if initial_credit_micros:
+            org = await self.credit(org.id, initial_credit_micros, "initial credit")
+        return org
+
+    async def credit(self, org_id: str, micros: int, note: str = "") -> Org:
+        async with self._engine.begin() as conn:
+            org = await self._org(conn, org_id)
+            await ledger.credit(conn, org_id=org.id, micros=micros, note=note)
+            return await self._org(conn, org.id)
+
+    # -- keys ---------------------------------------------------------------------------------
+
+    async def create_key(self, org_id: str, member: str) -> tuple[ApiKey, str]:
+        if not isinstance(member, str) or not 0 < len(member) <= 320 or not member.isprintable():
+            raise errors.InvalidRequest.field("member", "must be 1-320 printable characters")
+        plaintext = keys.generate()
+        async with self._engine.begin() as conn:
+            org = await self._org(conn, org_id)
+            row = (
+                await conn.execute(
+                    sa.insert(api_keys)
+                    .values(id=new_id("key"), org_id=org.id, member=member,
+                            prefix=keys.prefix(plaintext), hash=keys.digest(plaintext),
+                            created_at=utcnow())
+                    .returning(*api_keys.c)
+                )
+            ).one()
+        return ApiKey.model_validate(row._mapping), plaintext
+
+    async def revoke_key(self, key_id: str) -> None:
+        async with self._engine.begin() as conn:
+            found = await conn.scalar(sa.select(api_keys.c.id).where(api_keys.c.id == key_id))
+            if found is None:
+                raise errors.NotFound(f"key {key_id!r} not found")
+            await conn.execute(
+                sa.update(api_keys)
+                .where(api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None))
+                .values(revoked_at=utcnow())
+            )
+
+    async def list_keys(self, org_id: str) -> list[ApiKey]:
+        async with self._reader.connect() as conn:
+            org = await self._org(conn, org_id)
+            rows = await conn.execute(
+                sa.select(api_keys)
+                .where(api_keys.c.org_id == org.id)
+                .order_by(api_keys.c.created_at, api_keys.c.id)
+            )
+            return [ApiKey.model_validate(r._mapping) for r in rows]
+
+    async def authenticate(self, plaintext: str) -> Principal:
+        if not keys.well_formed(plaintext):
+            raise errors.Unauthorized("missing or malformed API key")
+        async with self._reader.connect() as conn:
+            candidates = (
+                await conn.execute(
+                    sa.select(api_keys).where(api_keys.c.prefix == keys.prefix(plaintext))
+                )
+            ).all()
+        for row in candidates:
+            if keys.matches(row.hash, plaintext):
+                if row.revoked_at is not None:
+                    raise errors.Unauthorized("this API key has been revoked")
+                return Principal(org_id=row.org_id, member=row.member, key_id=row.id)
+        raise errors.Unauthorized("unknown API key")
+
+    # -- runs ---------------------------------------------------------------------------------
+
+    async def admit_run(
+        self, *, org_id: str, run_id: str, model: str, prompt: str | None,
+        policy: dict[str, Any], labels: dict[str, Any] | None = None,
+        idempotency_key: str | None = None, body_hash: str | None = None,
+    ) -> tuple[RunRow, bool]:
+        """Claim the idempotency key, reserve the budget, record the run and ``run.queued``.
+
+        All in one transaction: a refused admission leaves nothing behind, not even the key.
+        Returns ``(run, replayed)``.
+        """
+        if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id):
+            raise errors.InvalidRequest.field("run_id", "must be run_ + 32 lowercase hex digits")
+        if not isinstance(policy, dict):
+            raise errors.InvalidRequest.field("policy", "must be an object")
+        _json_size("policy", policy, 16 << 20)
+        _json_size("labels", labels or {}, 64 << 10)
+        async with self._engine.begin() as conn:
+            replayed = await ledger.admit(
+                conn, org_id=org_id, run_id=run_id, model=model, prompt=prompt, policy=policy,
+                labels=labels or {}, idempotency_key=idempotency_key, body_hash=body_hash,
+            )
+            run = await self._run(conn, replayed or run_id)
+        return run, replayed is not None
+
+    async def _run(self, conn: AsyncConnection, run_id: str, org_id: str | None = None) -> RunRow:
+        query = sa.select(runs).where(runs.c.id == run_id)
+        if org_id is not None:
+            query = query.where(runs.c.org_id == org_id)
+        row = (await conn.execute(query)).first()
+        if row is None:
+            raise errors.NotFound(f"run {run_id} not found")
+        return RunRow.model_validate(row._mapping)
+
+    async def get_run(self, run_id: str, org_id: str | None = None) -> RunRow:
+        """The run; another org's run is NotFound, exactly like a missing one."""
+        async with self._reader.connect() as conn:
+            return await self._run(conn, run_id, org_id)
+
+    async def list_runs(
+        self, org_id: str, *, status: str | None = None, limit: int = 20,
+        cursor: str | None = None,
+    ) -> tuple[list[RunRow], str | None]:
+        """Newest first; the second value is the cursor of the next page, or None at the end."""
+        if not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
+            raise errors.InvalidRequest.field("limit", f"must be between 1 and {MAX_PAGE}")
+        if status is not None and status not in RUN_STATUSES:
+            raise errors.InvalidRequest.field(
+                "status", f"must be one of {', '.join(sorted(RUN_STATUSES))}"
+            )
+        query = sa.select(runs).where(runs.c.org_id == org_id)
+        if status is not None:
+            query = query.where(runs.c.status == status)
+        if cursor:
+            created_at, last_id = _decode_cursor(cursor)
+            query = query.where(
+                sa.or_(runs.c.created_at < created_at,
+                       sa.and_(runs.c.created_at == created_at, runs.c.id < last_id))
+            )
+        query = query.order_by(runs.c.created_at.desc(), runs.c.id.desc()).limit(limit + 1)
+        async with self._reader.connect() as conn:
+            rows = [RunRow.model_validate(r._mapping) for r in await conn.execute(query)]
+        if len(rows) <= limit:
+            return rows, None
+        page = rows[:limit]
+        return page, _encode_cursor(page[-1].created_at, page[-1].id)
+
+    async def update_run(
+        self, run_id: str, *, if_status: Collection[str] | None = None, **fields: Any
+    ) -> RunRow:
+        """Set run fields (not money: that is :meth:`charge`/:meth:`settle`).
+
+        With ``if_status``, the update applies only while the run is in one of those statuses
+        (e.g. so a cancel cannot overwrite a run that just succeeded); otherwise Conflict.
+        """
+        values = self._run_values(fields)
+        async with self._engine.begin() as conn:
+            if not values:
+                return await self._run(conn, run_id)
+            query = sa.update(runs).where(runs.c.id == run_id)
+            if if_status is not None:
+                query = query.where(runs.c.status.in_(list(if_status)))
+            row = (await conn.execute(query.values(**values).returning(*runs.c))).first()
+            if row is None:
+                current = await self._run(conn, run_id)
+                raise errors.Conflict(
+                    f"run {run_id} is {current.status}, not one of {sorted(if_status or ())}"
+                )
+        return RunRow.model_validate(row._mapping)
+
+    @staticmethod
+    def _run_values(fields: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(fields) - UPDATABLE_FIELDS)
+        if unknown:
+            raise errors.InvalidRequest.field(
+                unknown[0], f"is not an updatable run field ({', '.join(sorted(UPDATABLE_FIELDS))})"
+            )
+        status = fields.get("status")
+        if status is not None and status not in RUN_STATUSES:
+            raise errors.InvalidRequest.field("status", f"unknown run status {status!r}")
+        reason = fields.get("termination_reason")
+        if reason is not None and reason not in TERMINATION_REASONS:
+            raise errors.InvalidRequest.field("termination_reason", f"unknown reason {reason!r}")
+        for name in _DATETIME_FIELDS:
+            value = fields.get(name)
+            if value is not None and (not isinstance(value, datetime) or value.tzinfo is None):
+                raise errors.InvalidRequest.field(name, "must be an aware datetime")
+        for name in _TEXT_FIELDS:
+            if fields.get(name) is not None and not isinstance(fields[name], str):
+                raise errors.InvalidRequest.field(name, "must be a string")
+        for name in _DICT_FIELDS:
+            if name in fields:
+                if not isinstance(fields[name], dict):
+                    raise errors.InvalidRequest.field(name, "must be an object")
+                _json_size(name, fields[name], 1 << 20)
+        return dict(fields)
+
+    async def open_runs(self) -> list[RunRow]:
+        """Runs not yet in a terminal status (what crash recovery has to finish)."""
+        return await self._runs_where(runs.c.status.not_in(sorted(TERMINAL_STATUSES)))
+
+    async def unsettled_runs(self) -> list[RunRow]:
+        """Terminal runs whose reservation was never settled (a crash between the two)."""
+        return await self._runs_where(
+            runs.c.status.in_(sorted(TERMINAL_STATUSES)), runs.c.settled_at.is_(None)
+        )
+
+    async def _runs_where(self, *where: Any) -> list[RunRow]:
+        async with self._reader.connect() as conn:
+            rows = await conn.execute(sa.select(runs).where(*where).order_by(runs.c.created_at))
+            return [RunRow.model_validate(r._mapping) for r in rows]
+
+    # -- events -------------------------------------------------------------------------------
+
+    async def append_event(self, run_id: str, type: str, data: dict[str, Any]) -> Event:
+        """Append with the next ``seq`` of the run (1, 2, 3… with no gaps).
+
+        Under zero data retention, or once the run's content was erased, the stored data is
+        redacted to sizes (DESIGN §4); delivering content live is the caller's job.
+        """
+        if not isinstance(type, str) or not EVENT_TYPE_RE.match(type) or len(type) > 64:
+            raise errors.InvalidRequest.field("type", f"{type!r} is not an event type")
+        if not isinstance(data, dict):
+            raise errors.InvalidRequest.field("data", "must be an object")
+        _json_size("data", data, MAX_EVENT_BYTES)
+        async with self._engine.begin() as conn:
+            # Bumping the counter row-locks the run, so concurrent appends queue here.
+            bumped = (
+                await conn.execute(
+                    sa.update(runs)
+                    .where(runs.c.id == run_id)
+                    .values(last_seq=runs.c.last_seq + 1)
+                    .returning(runs.c.last_seq, runs.c.policy, runs.c.erased_at)
+                )
+            ).first()
+            if bumped is None:
+                raise errors.NotFound(f"run {run_id} not found")
+            if _zdr(bumped.policy) or bumped.erased_at is not None:
+                data = redact_for_zdr(data)
+            at = rfc3339(utcnow())
+            await conn.execute(
+                sa.insert(run_events).values(run_id=run_id, seq=bumped.last_seq, type=type, at=at,
+                                             data=data)
+            )
+        return Event(seq=bumped.last_seq, run_id=run_id, type=type, at=at, data=data)
+
+    async def list_events(
+        self, run_id: str, after_seq: int = 0, limit: int | None = None
+    ) -> list[Event]:
+        query = (
+            sa.select(run_events)
+            .where(run_events.c.run_id == run_id, run_events.c.seq > after_seq)
+            .order_by(run_events.c.seq)
+        )
+        if limit is not None:
+            query = query.limit(limit)
+        async with self._reader.connect() as conn:
+            rows = (await conn.execute(query)).all()
+            if not rows:
+                await self._run(conn, run_id)  # NotFound for a run that does not exist
+        return [
+            Event(seq=r.seq, run_id=r.run_id, type=r.type, at=r.at, data=dict(r.data))
+            for r in rows
+        ]
+
+    # -- money --------------------------------------------------------------------------------
+
+    async def charge(self, run_id: str, kind: str, micros: int, key: str) -> int:
+        """Charge inside the run's reservation; idempotent on ``key``; returns the run's total.
+
+        Raises BudgetExhausted if the total would pass the reservation (nothing is charged).
+        """
+        async with self._engine.begin() as conn:
+            return await ledger.charge(conn, run_id=run_id, kind=kind, micros=micros, key=key)
+
+    async def charged(self, run_id: str) -> dict[str, int]:
+        async with self._reader.connect() as conn:
+            await self._run(conn, run_id)
+            return await ledger.breakdown(conn, run_id)
+
+    async def settle(self, run_id: str) -> Settlement:
+        """Release the reservation and debit the org by what was charged. Idempotent."""
+        async with self._engine.begin() as conn:
+            return await ledger.settle(conn, run_id)
+
+    # -- content ------------------------------------------------------------------------------
+
+    async def save_transcript(self, run_id: str, messages: list[dict[str, Any]]) -> None:
+        """Keep the model messages; a no-op under zero data retention or after erasure."""
+        if not isinstance(messages, list):
+            raise errors.InvalidRequest.field("messages", "must be a list")
+        _json_size("messages", messages, MAX_TRANSCRIPT_BYTES)
+        async with self._engine.begin() as conn:
+            run = await self._run(conn, run_id)
+            if _zdr(run.policy) or run.erased_at is not None:
+                return
+            stmt = ledger.insert(conn, run_transcripts).values(
+                run_id=run_id, messages=messages, updated_at=utcnow()
+            )
+            await conn.execute(
+                stmt.on_conflict_do_update(
+                    index_elements=[run_transcripts.c.run_id],
+                    set_={"messages": stmt.excluded.messages,
+                          "updated_at": stmt.excluded.updated_at},
+                )
+            )
+
+    async def get_transcript(self, run_id: str) -> list[dict[str, Any]] | None:
+        async with self._reader.connect() as conn:
+            row = await conn.scalar(
+                sa.select(run_transcripts.c.messages).where(run_transcripts.c.run_id == run_id)
+            )
+        return None if row is None else list(row)
+
+    async def erase_content(self, run_id: str) -> None:
+        """Remove prompt, output, transcript and event content; money and usage stay."""
+        async with self._engine.begin() as conn:
+            await self._run(conn, run_id)
+            await conn.execute(
+                sa.update(runs).where(runs.c.id == run_id)
+                .values(prompt=None, output=None, erased_at=utcnow())
+            )
+            await conn.execute(
+                sa.delete(run_transcripts).where(run_transcripts.c.run_id == run_id)
+            )
+            rows = await conn.execute(
+                sa.select(run_events.c.seq, run_events.c.data).where(run_events.c.run_id == run_id)
+            )
+            for seq, data in rows.all():
+                redacted = redact_for_zdr(data)
+                if redacted != data:
+                    await conn.execute(
+                        sa.update(run_events)
+                        .where(run_events.c.run_id == run_id, run_events.c.seq == seq)
+                        .values(data=redacted)
+                    )
+        if self.dialect == "sqlite":
+            # Old page images of the erased rows linger in the WAL until a checkpoint.
+            # It must run outside a transaction, so it bypasses SQLAlchemy's begin hook.
+            async with self._engine.connect() as conn:
+                raw = await conn.get_raw_connection()
+                driver: Any = raw.driver_connection
+                await driver.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    async def purge_idempotency(self, older_than: timedelta = IDEMPOTENCY_RETENTION) -> int:
+        """Forget idempotency keys older than ``older_than`` (never less than 24 h)."""
+        if older_than < IDEMPOTENCY_RETENTION:
+            raise errors.InvalidRequest.field("older_than", "idempotency keys are kept >= 24 h")
+        async with self._engine.begin() as conn:
+            gone = await conn.execute(
+                sa.delete(idempotency).where(idempotency.c.created_at < utcnow() - older_than)
+            )
+        return int(gone.rowcount or 0)
