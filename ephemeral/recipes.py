@@ -1,0 +1,540 @@
+"""Recipes and suites: YAML files that declare prompts and a policy, expanded into runs (DESIGN §5).
+
+Loading is all-or-nothing and reports *every* problem at once, each naming the file, the line
+and the field (``{"field": "policy.timeout_seconds", "message": …, "file": …, "line": 12}``):
+YAML syntax, the schema (unknown keys, wrong types, bad policy values, bad check regexes), the
+names the prompt may use, and the prompt itself, which is rendered for every expanded run so
+that an undefined variable or a refused attribute is found before anything runs. ``line`` 0
+means the file as a whole (unreadable, too large).
+
+The recipe's own cap is ``budget_micros: N``. DESIGN writes it ``budget``; ``budget: N`` and
+``budget: {max_cost_micros: N}`` are accepted as the same field. The recipe flow stops starting
+runs when the next run's ``max_cost_micros`` would not fit in what is left of it.
+
+Prompts are Jinja2 in an immutable sandbox with ``StrictUndefined``. A prompt sees ``vars``,
+the values of its matrix cell and ``repeat_index`` (0-based).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, NamedTuple, NoReturn
+
+import yaml
+from jinja2 import StrictUndefined, TemplateSyntaxError
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+)
+
+from ephemeral.checks import CHECK_KINDS, Check
+from ephemeral.errors import RecipeError, UnknownModel
+from ephemeral.policy import MAX_PROMPT_CHARS, Policy
+from ephemeral.settings import Settings
+
+MAX_FILE_BYTES = 1 << 20
+MAX_PLANNED_RUNS = 1_000
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+MODEL_PATTERN = r"^[a-z0-9][a-z0-9_.-]*/[A-Za-z0-9_.:/-]+$"
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_RESERVED = frozenset({"repeat_index"})
+_NOT_IDENT = "must be an identifier (letters, digits, _) other than repeat_index"
+# A key the schema knows under two spellings: errors on one are shown at the line of the other.
+_ALIASES = {"budget_micros": "budget", "budget": "budget_micros"}
+
+Loc = tuple[str | int, ...]
+
+
+# --------------------------------------------------------------------------- schema
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _budget_value(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        if set(v) != {"max_cost_micros"}:
+            raise ValueError("must be an integer or {max_cost_micros: N}")
+        return v["max_cost_micros"]
+    return v
+
+
+Budget = Annotated[int | None, BeforeValidator(_budget_value)]
+
+
+def _budget_field() -> Any:
+    return Field(
+        default=None, ge=1, validation_alias=AliasChoices("budget_micros", "budget")
+    )
+
+
+class Recipe(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str = Field(default="", max_length=2_000)
+    model: str | None = Field(default=None, pattern=MODEL_PATTERN)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    vars: dict[str, Any] = Field(default_factory=dict)
+    matrix: dict[str, Annotated[list[Any], Field(min_length=1)]] = Field(default_factory=dict)
+    repeat: int = Field(default=1, ge=1, le=MAX_PLANNED_RUNS)
+    policy: Policy = Field(default_factory=Policy)
+    budget_micros: Budget = _budget_field()
+    checks: list[Check] = Field(default_factory=list)
+
+    _source: _Source | None = PrivateAttr(default=None)
+
+    @property
+    def source_file(self) -> str | None:
+        return self._source.file if self._source else None
+
+    def cells(self) -> list[dict[str, Any]]:
+        """Matrix cells in file order: the first key varies slowest."""
+        keys = list(self.matrix)
+        return [dict(zip(keys, combo, strict=True)) for combo in
+                itertools.product(*(self.matrix[k] for k in keys))]
+
+    def run_count(self) -> int:
+        return math.prod(len(v) for v in self.matrix.values()) * self.repeat
+
+
+class PlannedRun(BaseModel):
+    """One run a recipe expands into; nothing has been reserved or started."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    recipe: str
+    prompt: str
+    model: str
+    policy: Policy
+    cell: dict[str, Any]
+    repeat_index: int
+
+    def pair_key(self) -> str:
+        """Stable across suite runs: pairs this run with its twin in a previous run."""
+        cell = json.dumps(self.cell, sort_keys=True, default=str, separators=(",", ":"))
+        return f"{self.recipe}/{cell}/{self.repeat_index}"
+
+
+class Gates(_Strict):
+    min_pass_rate: float = Field(default=1.0, ge=0.0, le=1.0)
+
+
+class Suite(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str = Field(default="", max_length=2_000)
+    recipes: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
+    budget_micros: Budget = _budget_field()
+    gates: Gates = Field(default_factory=Gates)
+    concurrency: int = Field(default=2, ge=1, le=64)
+
+    _source: _Source | None = PrivateAttr(default=None)
+    _loaded: list[Recipe] = PrivateAttr(default_factory=list)
+
+    @property
+    def source_file(self) -> str | None:
+        return self._source.file if self._source else None
+
+    @property
+    def loaded_recipes(self) -> list[Recipe]:
+        """The suite's recipes, loaded and validated by :func:`load_suite`, in file order."""
+        return list(self._loaded)
+
+
+# --------------------------------------------------------------------------- YAML with lines
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a document came from, and the line of every key and list item in it."""
+
+    file: str
+    lines: dict[tuple[str, ...], int] = field(default_factory=dict)
+    prompt_node: yaml.Node | None = None
+
+    def line_of(self, loc: Loc) -> int:
+        key = tuple(str(p) for p in loc)
+        if key and key[0] in _ALIASES and key not in self.lines:
+            key = (_ALIASES[key[0]], *key[1:])
+        while key:
+            if key in self.lines:
+                return self.lines[key]
+            key = key[:-1]
+        return self.lines.get((), 1)
+
+    def template_line(self, lineno: int) -> int:
+        """The file line of line ``lineno`` of the prompt template."""
+        node = self.prompt_node
+        if node is None:
+            return self.line_of(("prompt",))
+        block = isinstance(node, yaml.ScalarNode) and node.style in ("|", ">")
+        return node.start_mark.line + lineno + (1 if block else 0)
+
+
+class _Problem(NamedTuple):
+    loc: Loc
+    message: str
+    template_line: int | None = None  # a line of the prompt template, mapped into the file
+    line: int | None = None  # a file line known directly (YAML syntax errors)
+
+
+def _field_name(loc: Loc) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else part
+    return out or "(root)"
+
+
+def _error(source: _Source, p: _Problem) -> dict[str, Any]:
+    if p.line is not None:
+        line = p.line
+    elif p.template_line is not None:
+        line = source.template_line(p.template_line)
+    else:
+        line = source.line_of(p.loc)
+    return {"field": _field_name(p.loc), "message": p.message, "file": source.file, "line": line}
+
+
+def _fail_errors(errors: list[dict[str, Any]]) -> NoReturn:
+    first = errors[0]
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    raise RecipeError(
+        f"{first['file']}:{first['line']}: {first['field']}: {first['message']}{more}",
+        errors=errors,
+    )
+
+
+def _fail(source: _Source, problems: list[_Problem]) -> NoReturn:
+    _fail_errors(sorted((_error(source, p) for p in problems), key=lambda e: e["line"]))
+
+
+def _check(source: _Source, problems: list[_Problem]) -> None:
+    if problems:
+        _fail(source, problems)
+
+
+def _index(node: yaml.Node, path: tuple[str, ...], src: _Source, dups: list[_Problem]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+            here = (*path, key)
+            line = key_node.start_mark.line + 1
+            if here in src.lines:
+                dups.append(_Problem(here, f"duplicate key (first at line {src.lines[here]})",
+                                     line=line))
+            else:
+                src.lines[here] = line
+            _index(value_node, here, src, dups)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            src.lines[(*path, str(i))] = item.start_mark.line + 1
+            _index(item, (*path, str(i)), src, dups)
+
+
+def _read(path: Path, label: str) -> tuple[dict[str, Any], _Source, list[_Problem]]:
+    """Parse one YAML file into plain data, its line index and its duplicate keys."""
+    whole = _Source(file=label, lines={(): 0})  # line 0: the file as a whole
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        _fail(whole, [_Problem((), f"cannot read the file: {exc.strerror or exc}")])
+    if len(raw) > MAX_FILE_BYTES:
+        _fail(whole, [_Problem((), f"larger than {MAX_FILE_BYTES} bytes")])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        _fail(whole, [_Problem((), f"not UTF-8 (byte {exc.start})")])
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else 1
+        _fail(whole, [_Problem(("yaml",), exc.problem or str(exc), line=line)])
+    except yaml.YAMLError as exc:
+        _fail(whole, [_Problem(("yaml",), str(exc), line=1)])
+    finally:
+        loader.dispose()
+    if node is None or not isinstance(data, dict):
+        _fail(whole, [_Problem((), "must be a YAML mapping of fields", line=1)])
+    src = _Source(file=label, lines={(): node.start_mark.line + 1}, prompt_node=next(
+        (v for k, v in node.value if getattr(k, "value", None) == "prompt"), None))
+    dups: list[_Problem] = []
+    _index(node, (), src, dups)
+    return data, src, dups
+
+
+# --------------------------------------------------------------------------- pydantic errors
+
+
+_KNOWN_FIELDS = sorted(
+    {
+        name
+        for model in (Recipe, Suite, Gates, Policy)
+        for name in model.model_fields
+    }
+    | {"budget", "path", "content_base64", "name", "methods", "paths", *CHECK_KINDS,
+       "command_matches", "exit_code", "exit_code_not", "stdout_contains"}
+)
+
+
+def _schema_problems(exc: ValidationError) -> list[_Problem]:
+    import difflib
+
+    problems = []
+    for err in exc.errors(include_url=False):
+        loc: Loc = tuple(p for p in err["loc"] if p != "[key]")
+        # A tagged check repeats its key in the location: checks.0.shell.shell.command_matches.
+        if len(loc) >= 4 and loc[0] == "checks" and loc[2] in CHECK_KINDS and loc[2] == loc[3]:
+            loc = loc[:2] + loc[3:]
+        kind, msg = err["type"], err["msg"]
+        if kind == "extra_forbidden":
+            name = str(loc[-1]) if loc else ""
+            if loc == ("budget",):
+                msg = "budget and budget_micros are the same cap: give one"
+            else:
+                close = difflib.get_close_matches(name, _KNOWN_FIELDS, n=1)
+                msg = "unknown field" + (f" (did you mean {close[0]!r}?)" if close else "")
+        elif kind == "missing":
+            msg = "required"
+        elif kind == "value_error":
+            msg = msg.removeprefix("Value error, ")
+        problems.append(_Problem(loc, msg))
+    return problems
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+class _PromptEnvironment(ImmutableSandboxedEnvironment):
+    """No mutation of values, no private attributes, and no way to build a huge string."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and isinstance(right, int | float) and abs(right) > 64:
+            raise SecurityError("exponent too large in a prompt template")
+        if operator == "*":
+            sized = [x for x in (left, right) if isinstance(x, str | list | tuple)]
+            counts = [x for x in (left, right) if isinstance(x, int)]
+            if sized and counts and len(sized[0]) * counts[0] > MAX_PROMPT_CHARS:
+                raise SecurityError("repetition too large in a prompt template")
+        return super().call_binop(context, operator, left, right)
+
+
+_ENV = _PromptEnvironment(undefined=StrictUndefined, autoescape=False, keep_trailing_newline=False)
+
+
+def _template_lineno(exc: BaseException) -> int | None:
+    # Jinja rewrites render tracebacks so frames of the template carry template line numbers.
+    line = None
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def _names_problems(recipe: Recipe) -> list[_Problem]:
+    problems = []
+    for key in recipe.vars:
+        if not _IDENT.match(key) or key in _RESERVED:
+            problems.append(_Problem(("vars", key), _NOT_IDENT))
+    for key in recipe.matrix:
+        if not _IDENT.match(key) or key in _RESERVED:
+            problems.append(_Problem(("matrix", key), _NOT_IDENT))
+        elif key in recipe.vars:
+            problems.append(_Problem(("matrix", key), "also defined in vars; rename one"))
+    if recipe.run_count() > MAX_PLANNED_RUNS:
+        problems.append(_Problem(
+            ("matrix",) if recipe.matrix else ("repeat",),
+            f"expands to {recipe.run_count()} runs, more than {MAX_PLANNED_RUNS}",
+        ))
+    if recipe.budget_micros is not None and recipe.budget_micros < recipe.policy.max_cost_micros:
+        problems.append(_Problem(
+            ("budget_micros",),
+            f"{recipe.budget_micros} is below one run's policy.max_cost_micros "
+            f"({recipe.policy.max_cost_micros}): no run could start",
+        ))
+    return problems
+
+
+Rendered = tuple[dict[str, Any], int, str]  # cell, repeat_index, prompt
+
+
+def _render_all(recipe: Recipe) -> tuple[list[Rendered], list[_Problem]]:
+    """Render the prompt for every cell and repeat; report each distinct failure once."""
+    try:
+        template = _ENV.from_string(recipe.prompt)
+    except TemplateSyntaxError as exc:
+        return [], [_Problem(("prompt",), f"template syntax: {exc.message}", exc.lineno)]
+    rendered: list[Rendered] = []
+    problems: dict[str, _Problem] = {}
+    for cell in recipe.cells():
+        where = f" (cell {json.dumps(cell, default=str)})" if cell else ""
+        for i in range(recipe.repeat):
+            try:
+                text = template.render({**recipe.vars, **cell, "repeat_index": i})
+            except Exception as exc:  # noqa: BLE001 - any failure of an author's template is a recipe error
+                msg = f"template: {exc or type(exc).__name__}"
+                problems.setdefault(msg, _Problem(("prompt",), msg + where, _template_lineno(exc)))
+                continue
+            if not text.strip():
+                msg = "renders to an empty prompt"
+            elif len(text) > MAX_PROMPT_CHARS:
+                msg = f"renders to more than {MAX_PROMPT_CHARS} characters"
+            else:
+                rendered.append((cell, i, text))
+                continue
+            problems.setdefault(msg, _Problem(("prompt",), msg + where))
+    return rendered, list(problems.values())
+
+
+def _recipe_problems(recipe: Recipe) -> tuple[list[Rendered], list[_Problem]]:
+    names = _names_problems(recipe)
+    if recipe.run_count() > MAX_PLANNED_RUNS:
+        return [], names  # rendering that many cells is the problem itself
+    rendered, problems = _render_all(recipe)
+    return rendered, names + problems
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _label(path: Path) -> str:
+    return str(path)
+
+
+def _build_recipe(data: Any, source: _Source, dups: list[_Problem]) -> Recipe:
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        _fail(source, dups + _schema_problems(exc))
+    recipe._source = source
+    _check(source, dups + _recipe_problems(recipe)[1])
+    return recipe
+
+
+def load_recipe(path: str | os.PathLike[str], *, label: str | None = None) -> Recipe:
+    """Load, validate and test-render a recipe; raise :class:`RecipeError` listing every problem."""
+    p = Path(path)
+    data, source, dups = _read(p, label or _label(p))
+    return _build_recipe(data, source, dups)
+
+
+def load_suite(path: str | os.PathLike[str], *, label: str | None = None) -> Suite:
+    """Load a suite and every recipe it names (paths relative to the suite file)."""
+    p = Path(path)
+    data, source, dups = _read(p, label or _label(p))
+    return _build_suite(p, data, source, dups)
+
+
+def _build_suite(p: Path, data: Any, source: _Source, dups: list[_Problem]) -> Suite:
+    try:
+        suite = Suite.model_validate(data)
+    except ValidationError as exc:
+        _fail(source, dups + _schema_problems(exc))
+    errors = [_error(source, d) for d in dups]
+    loaded: list[Recipe] = []
+    names: dict[str, int] = {}
+    base_label = os.path.dirname(source.file)
+    for i, rel in enumerate(suite.recipes):
+        where = _Problem(("recipes", i), "")
+        target = (p.parent / rel).resolve()
+        if not target.is_file():
+            errors.append(_error(source, where._replace(message=f"no recipe file at {target}")))
+            continue
+        try:
+            recipe = load_recipe(target, label=os.path.normpath(os.path.join(base_label, rel)))
+        except RecipeError as exc:
+            errors.extend(exc.errors or [])
+            continue
+        if recipe.name in names:
+            errors.append(_error(source, where._replace(
+                message=f"recipe name {recipe.name!r} is also recipes[{names[recipe.name]}]")))
+        names[recipe.name] = i
+        loaded.append(recipe)
+    if suite.budget_micros is not None:
+        for i, recipe in enumerate(loaded):
+            if suite.budget_micros < recipe.policy.max_cost_micros:
+                errors.append(_error(source, _Problem(
+                    ("budget_micros",),
+                    f"{suite.budget_micros} is below one run of {recipe.name!r} "
+                    f"({recipe.policy.max_cost_micros}); recipes[{i}] could never start",
+                )))
+    if errors:
+        _fail_errors(errors)
+    suite._source = source
+    suite._loaded = loaded
+    return suite
+
+
+def load_any(path: str | os.PathLike[str]) -> Recipe | Suite:
+    """A suite if the file lists ``recipes:`` and has no ``prompt:``, otherwise a recipe."""
+    p = Path(path)
+    data, source, dups = _read(p, _label(p))
+    if "recipes" in data and "prompt" not in data:
+        return _build_suite(p, data, source, dups)
+    return _build_recipe(data, source, dups)
+
+
+def expand(recipe: Recipe, *, default_model: str) -> list[PlannedRun]:
+    """Every run of the recipe: matrix keys in file order, values in order, then repeats."""
+    rendered, problems = _recipe_problems(recipe)
+    _check(recipe._source or _Source(file=f"<recipe {recipe.name}>"), problems)
+    model = recipe.model or default_model
+    return [
+        PlannedRun(recipe=recipe.name, prompt=text, model=model, policy=recipe.policy,
+                   cell=cell, repeat_index=i)
+        for cell, i, text in rendered
+    ]
+
+
+def worst_case_micros(planned: list[PlannedRun]) -> int:
+    """What the runs could cost at most: each run's cap, summed."""
+    return sum(run.policy.max_cost_micros for run in planned)
+
+
+def validate_recipe(recipe: Recipe, settings: Settings) -> None:
+    """Checks that need the host's configuration: today, that the model has a price.
+
+    Tolerates a build without :mod:`ephemeral.pricing`; admission still refuses unknown models.
+    """
+    try:
+        from ephemeral.pricing import PriceBook
+    except ModuleNotFoundError as exc:
+        if exc.name == "ephemeral.pricing":
+            return
+        raise
+    model = recipe.model or settings.default_model
+    try:
+        PriceBook.load(settings).check_model(model)
+    except UnknownModel as exc:
+        source = recipe._source or _Source(file=f"<recipe {recipe.name}>")
+        why = "" if recipe.model else " (the default model: the recipe names none)"
+        _fail(source, [_Problem(("model",), f"{exc.detail}{why}")])
+
+
+def iter_recipes(item: Recipe | Suite) -> Iterator[Recipe]:
+    if isinstance(item, Suite):
+        yield from item.loaded_recipes
+    else:
+        yield item
