@@ -1,0 +1,60 @@
+"""Content removal shared by zero data retention (at write time) and the retention purge.
+
+Content is what a run saw or said: prompts, outputs, commands, their output, URLs and paths,
+and the check verdicts' reasons (they quote the output). Billing figures, token counts, times,
+sizes, statuses and exit codes are not content and always stay.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ephemeral.events import CONTENT_KEYS, redact_for_zdr
+
+
+def _redact(value: Any) -> Any:
+    # The event contract is flat, but a nested payload must not smuggle content past the rule.
+    if isinstance(value, dict):
+        return {k: _redact(v) for k, v in redact_for_zdr(value).items()}
+    if isinstance(value, list):
+        return [_redact(v) for v in value]
+    return value
+
+
+def redact_event_data(data: str | None) -> str | None:
+    """Event JSON with every content key replaced by its size; unreadable JSON becomes ``{}``."""
+    if data is None:
+        return None
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return "{}"
+    if not isinstance(parsed, dict):
+        return "{}"
+    return json.dumps(_redact(parsed), sort_keys=True)
+
+
+def event_data_has_content(data: str | None) -> bool:
+    """True when :func:`redact_event_data` would change the stored text."""
+    return data is not None and redact_event_data(data) != data
+
+
+def redact_checks(checks: str | None) -> str | None:
+    """Check verdicts keep their label and pass/fail; the reason (which quotes output) goes."""
+    if checks is None:
+        return None
+    try:
+        parsed = json.loads(checks)
+    except ValueError:
+        return None
+    if not isinstance(parsed, list):
+        return None
+    kept = [
+        {k: v for k, v in item.items() if k != "reason"} if isinstance(item, dict) else item
+        for item in parsed
+    ]
+    return json.dumps(kept, sort_keys=True)
+
+
+__all__ = ["CONTENT_KEYS", "event_data_has_content", "redact_checks", "redact_event_data"]
