@@ -57,6 +57,8 @@ def parse_usd(text: str) -> int:
         raise errors.InvalidRequest.field("--usd", f"{text!r} is not a dollar amount") from exc
     if not amount.is_finite():
         raise errors.InvalidRequest.field("--usd", "must be a finite amount")
+    if abs(amount) > 10**9:
+        raise errors.InvalidRequest.field("--usd", "must be at most $1,000,000,000")
     micros = amount * 1_000_000
     if micros != micros.to_integral_value():
         raise errors.InvalidRequest.field("--usd", "has more than 6 decimal places")

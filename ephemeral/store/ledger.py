@@ -27,6 +27,8 @@ from ephemeral.store.schema import CHARGE_KINDS, idempotency, ledger, orgs, run_
 
 MAX_IDEMPOTENCY_KEY = 255
 MAX_LEDGER_KEY = 300
+# Far below BIGINT's 9.2e18 so that sums of many amounts cannot overflow either.
+MAX_MICROS = 10**15  # $1,000,000,000
 
 
 def insert(conn: AsyncConnection, table: sa.Table) -> Any:
@@ -48,6 +50,8 @@ def check_micros(field: str, value: object, *, allow_zero: bool = True) -> int:
         raise errors.InvalidRequest.field(field, "must be an integer number of micro-dollars")
     if value < 0 or (value == 0 and not allow_zero):
         raise errors.InvalidRequest.field(field, "must be positive" if not allow_zero else ">= 0")
+    if value > MAX_MICROS:
+        raise errors.InvalidRequest.field(field, f"must be at most {MAX_MICROS}")
     return value
 
 
@@ -262,6 +266,8 @@ async def credit(conn: AsyncConnection, *, org_id: str, micros: int, note: str) 
     """Add (or, negative, remove) money; never below what running runs hold."""
     if not isinstance(micros, int) or isinstance(micros, bool) or micros == 0:
         raise errors.InvalidRequest.field("micros", "must be a non-zero integer")
+    if abs(micros) > MAX_MICROS:
+        raise errors.InvalidRequest.field("micros", f"must be at most {MAX_MICROS} in size")
     done = await conn.execute(
         sa.update(orgs)
         .where(orgs.c.id == org_id, orgs.c.balance_micros + micros >= orgs.c.reserved_micros)

@@ -111,22 +111,26 @@ class Store:
     # -- orgs ---------------------------------------------------------------------------------
 
     async def create_org(self, name: str) -> Org:
+        async with self._engine.begin() as conn:
+            org = await self._insert_org(conn, name)
+        if org is None:
+            raise errors.Conflict(f"org {name!r} already exists")
+        return org
+
+    async def _insert_org(self, conn: AsyncConnection, name: str) -> Org | None:
         if not isinstance(name, str) or not ORG_NAME_RE.match(name):
             raise errors.InvalidRequest.field(
                 "name", "must be 1-100 characters of letters, digits, '.', '_' or '-'"
             )
-        async with self._engine.begin() as conn:
-            made = await conn.execute(
-                ledger.insert(conn, orgs)
-                .values(id=new_id("org"), name=name, balance_micros=0, reserved_micros=0,
-                        created_at=utcnow())
-                .on_conflict_do_nothing()
-                .returning(*orgs.c)
-            )
-            row = made.first()
-        if row is None:
-            raise errors.Conflict(f"org {name!r} already exists")
-        return Org.model_validate(row._mapping)
+        made = await conn.execute(
+            ledger.insert(conn, orgs)
+            .values(id=new_id("org"), name=name, balance_micros=0, reserved_micros=0,
+                    created_at=utcnow())
+            .on_conflict_do_nothing()
+            .returning(*orgs.c)
+        )
+        row = made.first()
+        return None if row is None else Org.model_validate(row._mapping)
 
     async def get_org(self, name_or_id: str) -> Org:
         async with self._reader.connect() as conn:
@@ -145,13 +149,14 @@ class Store:
     async def ensure_org(self, name: str, *, initial_credit_micros: int = 0) -> Org:
         """Get ``name``, creating it with ``initial_credit_micros`` if it does not exist yet."""
         ledger.check_micros("initial_credit_micros", initial_credit_micros)
-        try:
-            org = await self.create_org(name)
-        except errors.Conflict:
-            return await self.get_org(name)
-        if initial_credit_micros:
-            org = await self.credit(org.id, initial_credit_micros, "initial credit")
-        return org
+        async with self._engine.begin() as conn:
+            made = await self._insert_org(conn, name)
+            if made is None:
+                return await self._org(conn, name)
+            if initial_credit_micros:
+                await ledger.credit(conn, org_id=made.id, micros=initial_credit_micros,
+                                    note="initial credit")
+            return await self._org(conn, made.id)
 
     async def credit(self, org_id: str, micros: int, note: str = "") -> Org:
         async with self._engine.begin() as conn:

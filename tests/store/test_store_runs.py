@@ -1,0 +1,185 @@
+"""Runs, their events and content: seq order, paging, updates, erasure and retention."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from ephemeral import errors
+from ephemeral.ids import new_run_id, utcnow
+from ephemeral.store import Org, RunRow, Store
+from ephemeral.store.schema import ledger
+from tests.store.storehelp import policy
+
+CANARY = "CANARY-7f3a9c-not-for-storage"
+
+
+async def _run(store: Store, org: Org, **pol: object) -> RunRow:
+    run, _ = await store.admit_run(org_id=org.id, run_id=new_run_id(), model="replay/x",
+                                   prompt=f"echo {CANARY}", policy=policy(10_000, **pol))
+    return run
+
+
+async def test_concurrent_appends_get_gapless_seqs(store: Store, org: Org) -> None:
+    run = await _run(store, org)
+    appended = await asyncio.gather(
+        *(store.append_event(run.id, "model.called", {"i": i}) for i in range(100))
+    )
+    assert sorted(e.seq for e in appended) == list(range(2, 102))
+    listed = await store.list_events(run.id)
+    assert [e.seq for e in listed] == list(range(1, 102))
+    assert {e.data.get("i") for e in listed[1:]} == set(range(100))
+    assert [e.seq for e in await store.list_events(run.id, after_seq=99)] == [100, 101]
+    assert listed[1].at.endswith("Z") and len(listed[1].at) == len("2026-01-01T00:00:00.000Z")
+
+
+async def test_event_validation(store: Store, org: Org) -> None:
+    run = await _run(store, org)
+    with pytest.raises(errors.InvalidRequest):
+        await store.append_event(run.id, "Not A Type", {})
+    with pytest.raises(errors.InvalidRequest) as info:
+        await store.append_event(run.id, "shell.executed", {"stdout": "x" * (2 << 20)})
+    assert info.value.errors and info.value.errors[0]["field"] == "data"
+    with pytest.raises(errors.NotFound):
+        await store.append_event("run_" + "0" * 32, "run.queued", {})
+    with pytest.raises(errors.NotFound):
+        await store.list_events("run_" + "0" * 32)
+
+
+async def test_zero_data_retention_keeps_no_content(store: Store, org: Org) -> None:
+    run = await _run(store, org, zero_data_retention=True)
+    event = await store.append_event(
+        run.id, "shell.executed",
+        {"command": f"echo {CANARY}", "exit_code": 0, "stdout": CANARY, "stderr": "",
+         "duration_ms": 3, "truncated": False},
+    )
+    assert CANARY not in str(event.data)
+    assert event.data["command_bytes"] == len(f"echo {CANARY}") and event.data["exit_code"] == 0
+    await store.save_transcript(run.id, [{"role": "user", "content": CANARY}])
+    assert await store.get_transcript(run.id) is None
+
+
+async def test_erase_content_keeps_billing(store: Store, org: Org) -> None:
+    run = await _run(store, org)
+    await store.append_event(run.id, "shell.executed", {"command": f"echo {CANARY}",
+                                                        "stdout": CANARY, "exit_code": 0})
+    await store.append_event(run.id, "run.output", {"markdown": CANARY})
+    await store.save_transcript(run.id, [{"role": "user", "content": CANARY}])
+    await store.update_run(run.id, output=CANARY, usage={"model_calls": 1})
+    await store.charge(run.id, "model", 123, "m1")
+    settled = await store.settle(run.id)
+
+    await store.erase_content(run.id)
+
+    after = await store.get_run(run.id)
+    assert after.prompt is None and after.output is None and after.erased_at is not None
+    assert await store.get_transcript(run.id) is None
+    events = await store.list_events(run.id)
+    assert CANARY not in str([e.data for e in events])
+    assert [e.type for e in events] == ["run.queued", "shell.executed", "run.output"]
+    assert events[1].data["exit_code"] == 0 and events[2].data["markdown_bytes"] == len(CANARY)
+    assert (after.charged_micros, after.refunded_micros) == (123, settled.refunded_micros)
+    assert after.usage == {"model_calls": 1}
+    assert await store.charged(run.id) == settled.breakdown
+    # A late event after erasure is stored redacted too.
+    late = await store.append_event(run.id, "shell.executed", {"stdout": CANARY})
+    assert CANARY not in str(late.data)
+    await store.save_transcript(run.id, [{"content": CANARY}])
+    assert await store.get_transcript(run.id) is None
+    async with store.engine.connect() as conn:
+        kinds = (await conn.execute(sa.select(ledger.c.kind).where(ledger.c.run_id == run.id)
+                                    .order_by(ledger.c.id))).scalars().all()
+    assert kinds == ["reserve", "model", "settle", "refund"]
+
+
+async def test_erased_content_is_gone_from_the_sqlite_files(sqlite_store: Store,
+                                                           sqlite_url: str) -> None:
+    org = await sqlite_store.ensure_org("zdr", initial_credit_micros=100_000)
+    run = await _run(sqlite_store, org)
+    await sqlite_store.append_event(run.id, "run.output", {"markdown": CANARY * 20})
+    await sqlite_store.save_transcript(run.id, [{"content": CANARY * 20}])
+    await sqlite_store.erase_content(run.id)
+    await sqlite_store.close()
+    db = Path(sqlite_url.split("///", 1)[1])
+    files = [p for p in db.parent.iterdir() if p.name.startswith(db.name)]
+    assert files
+    for path in files:
+        assert CANARY.encode() not in path.read_bytes(), path.name
+
+
+async def test_transcript_roundtrip_and_overwrite(store: Store, org: Org) -> None:
+    run = await _run(store, org)
+    assert await store.get_transcript(run.id) is None
+    await store.save_transcript(run.id, [{"role": "user", "content": "a"}])
+    await store.save_transcript(run.id, [{"role": "user", "content": "a"},
+                                         {"role": "assistant", "content": "b"}])
+    assert await store.get_transcript(run.id) == [{"role": "user", "content": "a"},
+                                                  {"role": "assistant", "content": "b"}]
+
+
+async def test_update_run_fields_and_guard(store: Store, org: Org) -> None:
+    run = await _run(store, org)
+    now = utcnow()
+    updated = await store.update_run(run.id, status="running", isolation="gvisor",
+                                     sandbox_id="sb-1", started_at=now, owner="host:123")
+    assert (updated.status, updated.isolation, updated.sandbox_id, updated.owner) == (
+        "running", "gvisor", "sb-1", "host:123")
+    assert updated.started_at is not None
+    assert abs(updated.started_at - now) < timedelta(milliseconds=1)
+    done = await store.update_run(run.id, if_status={"running"}, status="succeeded",
+                                  termination_reason="completed", ended_at=utcnow())
+    assert done.status == "succeeded"
+    with pytest.raises(errors.Conflict):
+        await store.update_run(run.id, if_status={"queued", "running"}, status="cancelled")
+    for bad in ({"status": "exploded"}, {"termination_reason": "meh"}, {"reserved_micros": 1},
+                {"usage": "x"}, {"ended_at": now.replace(tzinfo=None)}):
+        with pytest.raises(errors.InvalidRequest) as info:
+            await store.update_run(run.id, **bad)
+        assert info.value.errors and info.value.errors[0]["field"] == next(iter(bad))
+    with pytest.raises(errors.NotFound):
+        await store.update_run("run_" + "0" * 32, status="failed")
+
+
+async def test_open_and_unsettled_runs(store: Store, org: Org) -> None:
+    queued = await _run(store, org)
+    finished = await _run(store, org)
+    settled = await _run(store, org)
+    await store.update_run(finished.id, status="failed", termination_reason="infra_error")
+    await store.update_run(settled.id, status="succeeded")
+    await store.settle(settled.id)
+    assert [r.id for r in await store.open_runs()] == [queued.id]
+    assert [r.id for r in await store.unsettled_runs()] == [finished.id]
+
+
+async def test_list_runs_pages_newest_first(store: Store, org: Org) -> None:
+    ids = [(await _run(store, org)).id for _ in range(7)]
+    await store.update_run(ids[3], status="running")
+    seen: list[str] = []
+    cursor: str | None = None
+    while True:
+        page, cursor = await store.list_runs(org.id, limit=3, cursor=cursor)
+        seen += [r.id for r in page]
+        if cursor is None:
+            break
+    assert seen == ids[::-1]
+    running, nxt = await store.list_runs(org.id, status="running")
+    assert [r.id for r in running] == [ids[3]] and nxt is None
+    with pytest.raises(errors.InvalidRequest) as info:
+        await store.list_runs(org.id, cursor="garbage!")
+    assert info.value.errors and info.value.errors[0]["field"] == "cursor"
+    for bad in ({"limit": 0}, {"limit": 101}, {"status": "nope"}):
+        with pytest.raises(errors.InvalidRequest):
+            await store.list_runs(org.id, **bad)  # type: ignore[arg-type]
+
+
+async def test_another_orgs_run_is_not_found(store: Store, org: Org) -> None:
+    run = await _run(store, org)
+    other = await store.ensure_org("other", initial_credit_micros=100_000)
+    assert (await store.get_run(run.id, org.id)).id == run.id
+    with pytest.raises(errors.NotFound):
+        await store.get_run(run.id, other.id)
+    assert await store.list_runs(other.id) == ([], None)
