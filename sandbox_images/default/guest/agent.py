@@ -374,6 +374,10 @@ class Agent:
             try:
                 with open("/dev/urandom", "wb") as fh:
                     fcntl.ioctl(fh.fileno(), RNDADDENTROPY, buf)
+                    # Crediting alone leaves the running CRNG key as it was (Linux >= 5.18
+                    # reseeds on a timer): force the reseed, or restored VMs stay identical.
+                    RNDRESEEDCRNG = 0x5207
+                    fcntl.ioctl(fh.fileno(), RNDRESEEDCRNG)
                 credited = True
             except OSError:
                 credited = False

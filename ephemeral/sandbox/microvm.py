@@ -1,0 +1,597 @@
+"""``microvm-kvm`` / ``microvm-tcg`` isolation: QEMU ``-M microvm`` started from a memory snapshot.
+
+Each sandbox is one QEMU process: Debian's cloud kernel, the stage0 initramfs, the image's ext4
+root attached ``readonly=on`` (every guest write lands in a tmpfs overlay in guest RAM), no NIC
+(no ``-netdev``/``-nic`` at all), and the guest agent on a virtio-serial port named ``sbx`` that
+QEMU connects to a unix socket the host listens on.
+
+Cold boots are paid once per (image, kernel, QEMU, limits): boot, wait for the agent's hello,
+save the whole VM with QMP ``migrate`` to a file, check the file by restoring it once. Every
+``create()`` then starts QEMU with the same argv plus ``-incoming "exec:cat <file>"`` and a fresh
+agent socket, and reseeds the guest RNG first thing, because every restore starts from the
+same RNG state. Memory, vCPUs, the overlay size and the process limit are part of the guest at
+snapshot time, so they are part of the snapshot key; the wall-clock lifetime is the host's.
+
+Under TCG (no hardware virtualisation) this is emulation, not a security boundary, so
+``microvm-tcg`` exists for exercising this code path and is never picked by ``auto``. Cold TCG
+boots used to hang in TSC calibration against the PIT; ``tsc_early_khz`` skips that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel
+
+from ephemeral import errors
+from ephemeral.sandbox import handles, images, microvm_image
+from ephemeral.sandbox import protocol as p
+from ephemeral.sandbox.base import ExecResult, Handle, Limits, Sandbox
+from ephemeral.sandbox.guest import GuestClient
+from ephemeral.sandbox.microvm_image import BootArtifacts
+from ephemeral.sandbox.process import new_handle
+from ephemeral.sandbox.qmp import QMPClient
+from ephemeral.settings import Settings
+
+Accel = Literal["kvm", "tcg"]
+QEMU = "qemu-system-x86_64"
+CONSOLE_KEEP = 64 * 1024
+BOOT_ATTEMPTS = 6
+BOOT_DEADLINE = {"kvm": 20.0, "tcg": 40.0}
+PROBE_DEADLINE = {"kvm": 20.0, "tcg": 30.0}
+RESTORE_DEADLINE = 30.0
+SETTLE_SECONDS = 0.5  # let the guest go idle after hello, so the saved state is quiescent
+RESEED_BYTES = 64
+RUN_PLACEHOLDER = "@RUN@"
+
+KERNEL_ARGS = (
+    "console=ttyS0 quiet panic=-1 reboot=t no_timer_check tsc=reliable random.trust_cpu=on "
+    "i8042.noaux i8042.nomux i8042.nopnp i8042.nokbd cryptomgr.notests nowatchdog 8250.nr_uarts=1"
+)
+
+
+class SnapshotMeta(BaseModel):
+    key: str
+    hello: p.Hello
+    qemu: str
+    kernel: str
+    boot_attempts: int
+    boot_ms: int
+    save_ms: int
+    size_bytes: int
+    built_at: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    state: Path
+    argv: list[str]  # with RUN_PLACEHOLDER for the per-sandbox directory
+    meta: SnapshotMeta
+
+
+# ---------------------------------------------------------------------------- host facts
+
+_qemu_version: str | None = None
+
+
+def qemu_version() -> str:
+    global _qemu_version
+    if _qemu_version is None:
+        path = shutil.which(QEMU)
+        if path is None:
+            raise errors.IsolationUnavailable(f"{QEMU} is not installed (apt-get install "
+                                              "qemu-system-x86)")
+        import subprocess
+        out = subprocess.run([path, "--version"], capture_output=True, timeout=10, check=False)
+        lines = out.stdout.decode(errors="replace").strip().splitlines()
+        _qemu_version = lines[0][:200] if lines else "unknown"
+    return _qemu_version
+
+
+def host_tsc_khz() -> int:
+    """The host's TSC rate, which TCG's guest TSC follows; calibration against the PIT hangs."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                return round(float(line.split(":", 1)[1]) * 1000)
+    except (OSError, ValueError):
+        pass
+    return 2_000_000
+
+
+def kvm_unavailable_reason() -> str | None:
+    if not os.path.exists("/dev/kvm"):
+        return "no /dev/kvm"
+    try:
+        fd = os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        return f"/dev/kvm cannot be opened: {exc.strerror}"
+    os.close(fd)
+    return None
+
+
+# ---------------------------------------------------------------------------- argv
+
+
+def qemu_argv(accel: Accel, art: BootArtifacts, *, memory_mib: int, vcpus: int,
+              kernel_args: str, disk: bool = True) -> list[str]:
+    """The VM definition; RUN_PLACEHOLDER stands for the per-VM socket directory."""
+    if accel == "kvm":
+        machine = ["-M", "microvm,x-option-roms=off,pit=off,pic=off,rtc=off,isa-serial=on",
+                   "-enable-kvm", "-cpu", "host,-arch-capabilities"]
+    else:
+        # TCG needs the PIT: without kvm-clock there is no other clocksource.
+        machine = ["-M", "microvm,x-option-roms=off,isa-serial=on", "-accel", "tcg",
+                   "-cpu", "max"]
+        kernel_args += f" tsc_early_khz={host_tsc_khz()}"
+    argv = [
+        QEMU, *machine, "-m", str(memory_mib), "-smp", str(vcpus),
+        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        "-kernel", str(art.kernel.vmlinuz), "-initrd", str(art.initrd),
+        "-chardev", "stdio,id=con,signal=off", "-serial", "chardev:con",
+    ]
+    if disk:
+        argv += [
+            "-drive", f"id=root,file={art.rootfs_ext4},format=raw,if=none,readonly=on,"
+                      "cache=unsafe",
+            "-device", "virtio-blk-device,drive=root",
+        ]
+    argv += [
+        "-device", "virtio-serial-device,max_ports=2",
+        "-chardev", f"socket,id=agent,path={RUN_PLACEHOLDER}/agent.sock",
+        "-device", "virtserialport,chardev=agent,name=sbx,nr=1",
+        "-append", kernel_args,
+    ]
+    return argv
+
+
+def _bind(argv: list[str], run_dir: Path) -> list[str]:
+    return [a.replace(RUN_PLACEHOLDER, str(run_dir)) for a in argv]
+
+
+# ---------------------------------------------------------------------------- one QEMU process
+
+
+class QemuProcess:
+    """A QEMU child in its own process group, its console drained into a bounded buffer."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.proc: asyncio.subprocess.Process | None = None
+        self.console = bytearray()
+        self.stderr = bytearray()
+        self._drains: list[asyncio.Task[None]] = []
+        self._listener: socket.socket | None = None
+
+    def listen(self) -> None:
+        """The host side of the agent channel exists before QEMU, which connects as a client."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(self.run_dir / "agent.sock"))
+        sock.listen(1)
+        sock.setblocking(False)
+        self._listener = sock
+
+    async def spawn(self, argv: list[str], on_pid: Callable[[int], None] | None = None) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, cwd=str(self.run_dir),
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+        )
+        if on_pid is not None:
+            on_pid(self.proc.pid)
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._drains = [
+            asyncio.create_task(_drain(self.proc.stdout, self.console)),
+            asyncio.create_task(_drain(self.proc.stderr, self.stderr)),
+        ]
+
+    async def accept(self, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """QEMU's connection to the agent socket, or SandboxError if QEMU dies or stalls."""
+        assert self.proc is not None and self._listener is not None
+        loop = asyncio.get_running_loop()
+        accept = asyncio.ensure_future(loop.sock_accept(self._listener))
+        died = asyncio.ensure_future(self.proc.wait())
+        try:
+            done, _ = await asyncio.wait({accept, died}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (accept, died):
+                if not t.done():
+                    t.cancel()
+        if accept in done:
+            conn, _ = accept.result()
+            self._listener.close()
+            self._listener = None
+            return await asyncio.open_unix_connection(sock=conn)
+        await asyncio.sleep(0.05)
+        if died in done:
+            raise errors.SandboxError(f"QEMU exited ({self.proc.returncode}): {self.diagnostics()}")
+        raise errors.SandboxError(f"QEMU did not connect the agent channel in {timeout:.0f}s")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    def diagnostics(self, n: int = 1500) -> str:
+        err = self.stderr[-n:].decode(errors="replace").strip()
+        con = self.console[-n:].decode(errors="replace").strip()
+        return f"stderr: {err or '(empty)'}; console: {con or '(empty)'}"
+
+    async def kill(self) -> None:
+        """SIGKILL the whole group and reap; idempotent, never raises."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                await self.proc.wait()
+        for t in self._drains:
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(t, 2.0)
+
+
+async def _drain(stream: asyncio.StreamReader, buf: bytearray) -> None:
+    while chunk := await stream.read(65536):
+        buf += chunk
+        if len(buf) > CONSOLE_KEEP:
+            del buf[: len(buf) - CONSOLE_KEEP]
+
+
+def _new_run_dir() -> Path:
+    # Short and private: unix socket paths are capped at 108 bytes.
+    return Path(tempfile.mkdtemp(prefix="ephemeral-vm-"))
+
+
+# ---------------------------------------------------------------------------- the sandbox
+
+
+class MicroVMSandbox:
+    def __init__(self, *, sandbox_id: str, isolation: str, image: str, handle: Handle,
+                 handle_file: Path, qemu: QemuProcess, limits: Limits) -> None:
+        self.id = sandbox_id
+        self.isolation = isolation
+        self.image = image
+        self.boot_ms = 0
+        self.workdir = ""
+        self.limits = limits
+        self._handle = handle
+        self._handle_file = handle_file
+        self._qemu = qemu
+        self._client: GuestClient | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._lifetime_task: asyncio.Task[None] | None = None
+        self._destroyed = False
+        self._destroy_lock = asyncio.Lock()
+
+    @property
+    def qemu_pid(self) -> int | None:
+        return self._qemu.proc.pid if self._qemu.proc is not None else None
+
+    @property
+    def host_pids(self) -> set[int]:
+        return {self._qemu.proc.pid} if self._qemu.alive() and self._qemu.proc else set()
+
+    def log_tail(self, n: int = CONSOLE_KEEP) -> str:
+        return self._qemu.diagnostics(n)
+
+    async def _restore(self, snap: Snapshot) -> None:
+        t0 = time.monotonic()
+        run_dir = self._qemu.run_dir
+        self._qemu.listen()
+
+        def persist(pid: int) -> None:
+            self._handle.pgid = pid
+            self._handle.pids = [pid]
+            handles.write(self._handle_file.parent, self._handle)
+
+        await self._qemu.spawn(
+            [*_bind(snap.argv, run_dir), "-incoming", f"exec:cat {snap.state}"], persist)
+        reader, writer = await self._qemu.accept(RESTORE_DEADLINE)
+        self._writer = writer
+        client = GuestClient(reader, writer, label=self.id)
+        # The hello was said before the snapshot; every restore resumes right after it.
+        client.hello = snap.meta.hello
+        # Every restore shares the saved RNG state: fresh host entropy before anything else.
+        try:
+            await asyncio.wait_for(client.reseed(os.urandom(RESEED_BYTES)), RESTORE_DEADLINE)
+        except (errors.SandboxError, TimeoutError) as exc:
+            raise errors.SandboxError(
+                f"restored microVM did not answer: {exc}; {self._qemu.diagnostics()}") from exc
+        self._client = client
+        self.workdir = snap.meta.hello.workdir
+        self.boot_ms = int((time.monotonic() - t0) * 1000)
+        self._lifetime_task = asyncio.create_task(self._expire(self.limits.lifetime_seconds))
+
+    async def _expire(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        await self.destroy()
+
+    def _guest(self) -> GuestClient:
+        if self._destroyed or self._client is None:
+            raise errors.SandboxError(f"sandbox {self.id} is destroyed")
+        return self._client
+
+    async def exec(self, command: str | list[str], *, stdin: bytes = b"",
+                   env: dict[str, str] | None = None, cwd: str | None = None,
+                   timeout: float = 30.0, max_output: int = 64 * 1024) -> ExecResult:
+        return await self._guest().exec(command, stdin=stdin, env=env, cwd=cwd,
+                                        timeout=timeout, max_output=max_output)
+
+    async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        await self._guest().put_file(path, data, mode)
+
+    async def get_file(self, path: str, max_bytes: int = 1 << 20) -> bytes:
+        return await self._guest().get_file(path, max_bytes)
+
+    async def destroy(self) -> None:
+        async with self._destroy_lock:
+            if self._destroyed:
+                return
+            self._destroyed = True
+            if self._lifetime_task is not None and self._lifetime_task is not \
+                    asyncio.current_task():
+                self._lifetime_task.cancel()
+            if self._writer is not None:
+                self._writer.close()
+            await self._qemu.kill()
+            await asyncio.to_thread(handles.teardown, self._handle, self._handle_file)
+
+
+# ---------------------------------------------------------------------------- the driver
+
+
+class MicroVMDriver:
+    """One accelerator's microVMs. ``MicroVMDriver(settings, "kvm")`` is ``microvm-kvm``."""
+
+    def __init__(self, settings: Settings, accel: Accel = "kvm") -> None:
+        self.settings = settings
+        self.accel: Accel = accel
+        self.isolation = f"microvm-{accel}"
+        self._artifacts: BootArtifacts | None = None
+        self._agent_path = "/opt/ephemeral/agent.py"
+        self._snapshots: dict[str, Snapshot] = {}
+
+    # ---- artifacts
+
+    async def artifacts(self) -> BootArtifacts:
+        """Image rootfs, then kernel + initramfs + ext4 (all cached by hash)."""
+        if self._artifacts is None:
+            name = self.settings.image
+            rootfs = await images.ensure_image(self.settings, name)
+            defn = images.load_definition(images.definition_dir(self.settings, name))
+            self._agent_path = defn.agent.path
+            image_hash = images.image_dir(self.settings, name).name.rsplit("-", 1)[-1]
+            self._artifacts = await asyncio.to_thread(
+                microvm_image.ensure_boot_artifacts, self.settings, name, rootfs, image_hash)
+        return self._artifacts
+
+    def _kernel_args(self, limits: Limits) -> str:
+        return (f"{KERNEL_ARGS} ephemeral.agent={self._agent_path} "
+                f"ephemeral.overlay={limits.disk_mib}m ephemeral.pids={limits.pids}")
+
+    @staticmethod
+    def vcpus(limits: Limits) -> int:
+        return max(1, min(os.cpu_count() or 1, math.ceil(limits.cpus)))
+
+    def _argv(self, art: BootArtifacts, limits: Limits) -> list[str]:
+        return qemu_argv(self.accel, art, memory_mib=limits.memory_mib,
+                         vcpus=self.vcpus(limits), kernel_args=self._kernel_args(limits))
+
+    # ---- snapshots
+
+    async def snapshot(self, limits: Limits) -> Snapshot:
+        """The saved VM for these limits; cold-boots and saves it if it is not cached."""
+        art = await self.artifacts()
+        argv = self._argv(art, limits)
+        ext4 = art.rootfs_ext4.stat()
+        key = hashlib.sha256(json.dumps(
+            [argv, qemu_version(), art.key, ext4.st_size, ext4.st_mtime_ns]).encode()
+        ).hexdigest()[:20]
+        if key in self._snapshots:
+            return self._snapshots[key]
+        snap_dir = microvm_image.microvm_cache(self.settings) / "snapshots" / key
+        snap = _load_snapshot(snap_dir, argv)
+        if snap is None:
+            async with _FileLock(snap_dir.parent / f".{key}.lock"):
+                snap = _load_snapshot(snap_dir, argv)
+                if snap is None:
+                    snap = await self._build_snapshot(snap_dir, key, argv, art)
+        self._snapshots[key] = snap
+        return snap
+
+    async def _build_snapshot(self, snap_dir: Path, key: str, argv: list[str],
+                              art: BootArtifacts) -> Snapshot:
+        if any(c in str(snap_dir) for c in " '\"\\$`;&|<>\n"):
+            raise errors.SandboxError(f"microvm: cache path {snap_dir} is unusable in exec: URIs")
+        partial = snap_dir.with_name(snap_dir.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        failures: list[str] = []
+        for attempt in range(1, BOOT_ATTEMPTS + 1):
+            try:
+                meta = await self._boot_and_save(argv, partial / "state.bin", key, attempt, art)
+                break
+            except errors.SandboxError as exc:
+                failures.append(f"attempt {attempt}: {exc.detail[-600:]}")
+        else:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise errors.SandboxError(
+                f"{self.isolation}: no cold boot reached the agent in {BOOT_ATTEMPTS} tries; "
+                + " | ".join(failures[-2:]))
+        (partial / "argv.json").write_text(json.dumps(argv))
+        (partial / "meta.json").write_text(meta.model_dump_json(indent=1))
+        snap = Snapshot(state=snap_dir / "state.bin", argv=argv, meta=meta)
+        shutil.rmtree(snap_dir, ignore_errors=True)
+        partial.rename(snap_dir)
+        # A snapshot that does not restore must not be published: try it once.
+        probe_sbx = await self._restore(snap, owner="snapshot-check", limits=Limits())
+        try:
+            res = await probe_sbx.exec(["true"], timeout=20)
+            if res.exit_code != 0:
+                raise errors.SandboxError(f"restored snapshot: `true` exited {res.exit_code}")
+        except errors.SandboxError:
+            shutil.rmtree(snap_dir, ignore_errors=True)
+            raise
+        finally:
+            await probe_sbx.destroy()
+        return snap
+
+    async def _boot_and_save(self, argv: list[str], state: Path, key: str, attempt: int,
+                             art: BootArtifacts) -> SnapshotMeta:
+        run_dir = _new_run_dir()
+        qemu = QemuProcess(run_dir)
+        t0 = time.monotonic()
+        deadline = BOOT_DEADLINE[self.accel]
+        try:
+            qemu.listen()
+            await qemu.spawn([*_bind(argv, run_dir),
+                              "-qmp", f"unix:{run_dir}/qmp.sock,server=on,wait=off"])
+            reader, writer = await qemu.accept(10.0)
+            client = GuestClient(reader, writer, label=f"snapshot-{key}")
+            left = deadline - (time.monotonic() - t0)
+            try:
+                hello = await client.handshake(max(1.0, left))
+            except errors.SandboxError as exc:
+                raise errors.SandboxError(f"{exc.detail}; {qemu.diagnostics(600)}") from exc
+            boot_ms = int((time.monotonic() - t0) * 1000)
+            await asyncio.sleep(SETTLE_SECONDS)
+            t1 = time.monotonic()
+            qmp = await QMPClient.connect(run_dir / "qmp.sock")
+            try:
+                await qmp.migrate_to_file(state, timeout=120)
+            finally:
+                await qmp.close()
+            save_ms = int((time.monotonic() - t1) * 1000)
+            writer.close()
+            return SnapshotMeta(
+                key=key, hello=hello, qemu=qemu_version(), kernel=art.kernel.version,
+                boot_attempts=attempt, boot_ms=boot_ms, save_ms=save_ms,
+                size_bytes=os.stat(state).st_size, built_at=time.time(),
+            )
+        finally:
+            await qemu.kill()
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    # ---- the SandboxDriver protocol
+
+    async def probe(self) -> str | None:
+        """None only if a guest really boots under this accelerator and runs ``true``."""
+        if shutil.which(QEMU) is None:
+            return f"{self.isolation}: {QEMU} is not installed"
+        if self.accel == "kvm":
+            why = kvm_unavailable_reason()
+            if why:
+                return f"microvm-kvm: {why}"
+        try:
+            why = await self.boot_probe()
+        except errors.EphemeralError as exc:
+            return f"{self.isolation}: {exc.detail}"
+        if why:
+            return f"{self.isolation}: {why}"
+        from ephemeral.sandbox.probe import start_and_exec_true
+        return await start_and_exec_true(self)
+
+    async def boot_probe(self) -> str | None:
+        """Boot only the kernel and stage0 (no disk, no agent) under this accelerator.
+
+        Cheap and needs no image: on a host whose /dev/kvm cannot run a stock kernel (kvm_pvm),
+        this fails within the deadline instead of after a full image build."""
+        kernel = await asyncio.to_thread(microvm_image.ensure_kernel, self.settings)
+        defn = microvm_image.definition_dir(self.settings, self.settings.image)
+        initrd_bytes = await asyncio.to_thread(microvm_image.build_initramfs, kernel, defn)
+        run_dir = _new_run_dir()
+        qemu = QemuProcess(run_dir)
+        try:
+            initrd = run_dir / "stage0.cpio.gz"
+            initrd.write_bytes(initrd_bytes)
+            art = BootArtifacts(kernel=kernel, initrd=initrd, rootfs_ext4=Path("/dev/null"),
+                                key="probe")
+            argv = qemu_argv(self.accel, art, memory_mib=128, vcpus=1, disk=False,
+                             kernel_args=f"{KERNEL_ARGS} ephemeral.probe=1")
+            qemu.listen()
+            await qemu.spawn(_bind(argv, run_dir))
+            deadline = time.monotonic() + PROBE_DEADLINE[self.accel]
+            assert qemu.proc is not None
+            while time.monotonic() < deadline:
+                if b"EPHEMERAL-PROBE-OK" in qemu.console:
+                    return None
+                if not qemu.alive():
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)
+            if b"EPHEMERAL-PROBE-OK" in qemu.console:
+                return None
+            state = "exited" if not qemu.alive() else \
+                f"did not reach init within {PROBE_DEADLINE[self.accel]:.0f}s"
+            return f"guest kernel {state}; {qemu.diagnostics(400)}"
+        finally:
+            await qemu.kill()
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    async def create(self, *, owner: str, limits: Limits) -> Sandbox:
+        snap = await self.snapshot(limits)
+        return await self._restore(snap, owner=owner, limits=limits)
+
+    async def _restore(self, snap: Snapshot, *, owner: str, limits: Limits) -> MicroVMSandbox:
+        handle = new_handle(self.isolation, owner)
+        run_dir = _new_run_dir()
+        handle.paths = [str(run_dir)]
+        handle_file = handles.write(self.settings.sandboxes_dir, handle)
+        sbx = MicroVMSandbox(
+            sandbox_id=handle.id, isolation=self.isolation, image=self.settings.image,
+            handle=handle, handle_file=handle_file, qemu=QemuProcess(run_dir), limits=limits,
+        )
+        try:
+            await sbx._restore(snap)
+        except BaseException:
+            # Never leak a QEMU (it would keep burning a core): kill it on any failure.
+            await sbx.destroy()
+            raise
+        return sbx
+
+
+def _load_snapshot(snap_dir: Path, argv: list[str]) -> Snapshot | None:
+    try:
+        meta = SnapshotMeta.model_validate_json((snap_dir / "meta.json").read_text())
+        saved_argv = json.loads((snap_dir / "argv.json").read_text())
+    except (OSError, ValueError):
+        return None
+    state = snap_dir / "state.bin"
+    if saved_argv != argv or not state.is_file():
+        return None
+    return Snapshot(state=state, argv=argv, meta=meta)
+
+
+class _FileLock:
+    """An exclusive flock taken in a thread, so other coroutines run while a build waits."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    async def __aenter__(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        await asyncio.to_thread(fcntl.flock, self._fd, fcntl.LOCK_EX)
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
