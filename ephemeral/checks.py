@@ -171,7 +171,10 @@ class ShellCheck(_Check):
 
     def judge(self, run: Run, events: Events) -> tuple[bool, str]:
         pattern = _compile(self.shell.command_matches)
-        shells = [e.get("data") or {} for e in events if e.get("type") == "shell.executed"]
+        shells = [
+            data for e in events
+            if e.get("type") == "shell.executed" and isinstance(data := e.get("data"), Mapping)
+        ]
         if not shells:
             return False, "no shell command was run"
         commands = [d for d in shells if isinstance(d.get("command"), str)]
