@@ -17,6 +17,7 @@ the values of its matrix cell and ``repeat_index`` (0-based).
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import json
 import math
@@ -41,9 +42,9 @@ from pydantic import (
     ValidationError,
 )
 
-from ephemeral.checks import CHECK_KINDS, Check
+from ephemeral.checks import CHECK_KINDS, Check, ShellCondition
 from ephemeral.errors import RecipeError, UnknownModel
-from ephemeral.policy import MAX_PROMPT_CHARS, Policy
+from ephemeral.policy import MAX_PROMPT_CHARS, Connection, FileSpec, Policy
 from ephemeral.settings import Settings
 
 MAX_FILE_BYTES = 1 << 20
@@ -284,20 +285,13 @@ def _read(path: Path, label: str) -> tuple[dict[str, Any], _Source, list[_Proble
 # --------------------------------------------------------------------------- pydantic errors
 
 
-_KNOWN_FIELDS = sorted(
-    {
-        name
-        for model in (Recipe, Suite, Gates, Policy)
-        for name in model.model_fields
-    }
-    | {"budget", "path", "content_base64", "name", "methods", "paths", *CHECK_KINDS,
-       "command_matches", "exit_code", "exit_code_not", "stdout_contains"}
+_SCHEMAS: tuple[type[BaseModel], ...] = (
+    Recipe, Suite, Gates, Policy, FileSpec, Connection, ShellCondition, *CHECK_KINDS.values()
 )
+_KNOWN_FIELDS = sorted({name for model in _SCHEMAS for name in model.model_fields} | {"budget"})
 
 
 def _schema_problems(exc: ValidationError) -> list[_Problem]:
-    import difflib
-
     problems = []
     for err in exc.errors(include_url=False):
         loc: Loc = tuple(p for p in err["loc"] if p != "[key]")
@@ -419,10 +413,6 @@ def _recipe_problems(recipe: Recipe) -> tuple[list[Rendered], list[_Problem]]:
 # --------------------------------------------------------------------------- public API
 
 
-def _label(path: Path) -> str:
-    return str(path)
-
-
 def _build_recipe(data: Any, source: _Source, dups: list[_Problem]) -> Recipe:
     try:
         recipe = Recipe.model_validate(data)
@@ -436,14 +426,14 @@ def _build_recipe(data: Any, source: _Source, dups: list[_Problem]) -> Recipe:
 def load_recipe(path: str | os.PathLike[str], *, label: str | None = None) -> Recipe:
     """Load, validate and test-render a recipe; raise :class:`RecipeError` listing every problem."""
     p = Path(path)
-    data, source, dups = _read(p, label or _label(p))
+    data, source, dups = _read(p, label or str(p))
     return _build_recipe(data, source, dups)
 
 
 def load_suite(path: str | os.PathLike[str], *, label: str | None = None) -> Suite:
     """Load a suite and every recipe it names (paths relative to the suite file)."""
     p = Path(path)
-    data, source, dups = _read(p, label or _label(p))
+    data, source, dups = _read(p, label or str(p))
     return _build_suite(p, data, source, dups)
 
 
@@ -490,7 +480,7 @@ def _build_suite(p: Path, data: Any, source: _Source, dups: list[_Problem]) -> S
 def load_any(path: str | os.PathLike[str]) -> Recipe | Suite:
     """A suite if the file lists ``recipes:`` and has no ``prompt:``, otherwise a recipe."""
     p = Path(path)
-    data, source, dups = _read(p, _label(p))
+    data, source, dups = _read(p, str(p))
     if "recipes" in data and "prompt" not in data:
         return _build_suite(p, data, source, dups)
     return _build_recipe(data, source, dups)
