@@ -1,9 +1,213 @@
-"""CLI group: sandbox."""
+"""CLI group: sandbox (``sandbox exec|shell|reap``, ``isolation``, ``images build|list|rm``)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Annotated, TypeVar
+
 import typer
+
+from ephemeral import errors
+from ephemeral.sandbox import images, reaper, registry
+from ephemeral.sandbox.base import Limits, Sandbox
+from ephemeral.settings import Settings
+
+T = TypeVar("T")
+
+sandbox_app = typer.Typer(no_args_is_help=True, help="Disposable sandboxes, by hand.")
+images_app = typer.Typer(no_args_is_help=True, help="Guest images (built with mmdebstrap, cached).")
+
+IsolationOpt = Annotated[
+    str | None,
+    typer.Option("--isolation", "-i",
+                 help="auto, gvisor, namespaces, microvm, microvm-tcg (default: settings)."),
+]
+
+
+def _run(coro_fn: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return asyncio.run(_as_coro(coro_fn))
+    except errors.EphemeralError as exc:
+        typer.echo(f"error: {exc.detail}", err=True)
+        raise typer.Exit(code=1) from exc
+
+
+async def _as_coro(fn: Callable[[], Awaitable[T]]) -> T:
+    return await fn()
+
+
+async def _open(settings: Settings, isolation: str | None, owner: str) -> Sandbox:
+    await reaper.reap(settings)
+    iso = await registry.resolve_isolation(isolation or settings.isolation, settings)
+    driver = registry.get_driver(iso, settings)
+    return await driver.create(owner=owner, limits=Limits())
+
+
+def _command(words: list[str]) -> str | list[str]:
+    # One word is a shell string (`-- 'ls | wc -l'`); several are an argv, passed verbatim.
+    return words[0] if len(words) == 1 else words
+
+
+@sandbox_app.command("exec")
+def exec_cmd(
+    command: Annotated[list[str], typer.Argument(help="Command: one shell string, or an argv.")],
+    isolation: IsolationOpt = None,
+    timeout: Annotated[float, typer.Option(min=0.1, help="Deadline in seconds.")] = 30.0,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v",
+                                          help="Print isolation and timings.")] = False,
+) -> None:
+    """Run one command in a fresh sandbox, print its output and exit with its code."""
+    settings = Settings.load()
+    stdin = b"" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer.read()
+
+    async def go() -> int:
+        t0 = time.monotonic()
+        sbx = await _open(settings, isolation, "cli")
+        try:
+            res = await sbx.exec(_command(command), stdin=stdin, timeout=timeout)
+        finally:
+            await sbx.destroy()
+        sys.stdout.write(res.stdout)
+        sys.stdout.flush()
+        sys.stderr.write(res.stderr)
+        if res.truncated:
+            sys.stderr.write("[ephemeral: output truncated]\n")
+        if res.timed_out:
+            sys.stderr.write(f"[ephemeral: killed after the {timeout:g}s deadline]\n")
+        if verbose:
+            sys.stderr.write(f"[ephemeral: isolation={sbx.isolation} boot={sbx.boot_ms}ms "
+                             f"exec={res.duration_ms}ms total="
+                             f"{int((time.monotonic() - t0) * 1000)}ms]\n")
+        return res.exit_code
+
+    code = _run(go)
+    raise typer.Exit(code=code if 0 <= code <= 255 else 1)
+
+
+@sandbox_app.command("shell")
+def shell_cmd(isolation: IsolationOpt = None) -> None:
+    """An interactive look inside one sandbox: each line runs with `sh -c`; `exit` ends it."""
+    settings = Settings.load()
+
+    async def go() -> None:
+        sbx = await _open(settings, isolation, "cli")
+        typer.echo(f"# {sbx.isolation} sandbox {sbx.id} (boot {sbx.boot_ms} ms), "
+                   f"workdir {sbx.workdir}; `exit` or Ctrl-D to destroy it", err=True)
+        cwd = sbx.workdir
+        try:
+            while True:
+                try:
+                    line = await asyncio.to_thread(input, "worker$ ")
+                except EOFError:
+                    break
+                if line.strip() in ("exit", "logout"):
+                    break
+                if not line.strip():
+                    continue
+                # Keep `cd` across lines: run the line, then report where the shell ended up.
+                res = await sbx.exec(f"{line}\n__rc=$?; printf '\\0%s' \"$PWD\"; exit $__rc",
+                                     cwd=cwd, timeout=300)
+                out, sep, new_cwd = res.stdout.rpartition("\0")
+                if sep:
+                    cwd = new_cwd or cwd
+                else:
+                    out = res.stdout
+                sys.stdout.write(out)
+                sys.stderr.write(res.stderr)
+                if res.exit_code:
+                    sys.stderr.write(f"[exit {res.exit_code}]\n")
+        finally:
+            await sbx.destroy()
+
+    _run(go)
+
+
+@sandbox_app.command("reap")
+def reap_cmd() -> None:
+    """Destroy sandboxes whose creating process is gone (also run at start-up)."""
+    settings = Settings.load()
+    destroyed = _run(lambda: reaper.reap(settings))
+    for sid in destroyed:
+        typer.echo(f"destroyed {sid}")
+    for path in reaper.unreadable_handles(settings):
+        typer.echo(f"unreadable handle (left alone): {path}", err=True)
+    if not destroyed:
+        typer.echo("nothing to reap")
+
+
+def isolation_cmd(
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable.")] = False,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Ignore the cached probes.")] = False,
+) -> None:
+    """What isolation this host offers (each level probed by starting one) and what auto picks."""
+    settings = Settings.load()
+
+    async def go() -> tuple[dict[str, str | None], str | None, str | None]:
+        offered = await registry.offered(settings, fresh=fresh)
+        try:
+            auto = await registry.resolve_isolation("auto", settings)
+            return offered, auto, None
+        except errors.IsolationUnavailable as exc:
+            return offered, None, exc.detail
+
+    offered, auto, why = _run(go)
+    if as_json:
+        typer.echo(json.dumps({
+            "levels": [{"isolation": k, "available": v is None, "reason": v}
+                       for k, v in offered.items()],
+            "auto": auto, "auto_error": why,
+        }, indent=2))
+        return
+    for iso, reason in offered.items():
+        mark = "yes" if reason is None else "no "
+        note = "" if reason is None else f"  ({reason})"
+        if iso == "microvm-tcg" and reason is None:
+            note = "  (only when asked for: emulation is not a security boundary)"
+        typer.echo(f"{mark} {iso:<12}{note}")
+    typer.echo(f"auto -> {auto}" if auto else f"auto -> nothing: {why}")
+
+
+@images_app.command("build")
+def images_build(name: Annotated[str, typer.Argument()] = "default") -> None:
+    """Build image NAME (cached by the hash of its definition: a second build takes seconds)."""
+    settings = Settings.load()
+    t0 = time.monotonic()
+    rootfs = _run(lambda: images.ensure_image(settings, name))
+    typer.echo(f"{rootfs}  ({time.monotonic() - t0:.1f}s)")
+
+
+@images_app.command("list")
+def images_list() -> None:
+    """Cached images (the current build of each definition is marked *)."""
+    settings = Settings.load()
+    rows = images.list_images(settings)
+    if not rows:
+        typer.echo("no images built (ephemeral images build)")
+    for info in rows:
+        mark = "*" if info.current else " "
+        when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(info.built_at))
+        typer.echo(f"{mark} {info.name:<12} {info.hash[:16]}  {info.size_bytes / 1e6:7.1f} MB  "
+                   f"{when}  {info.path}")
+
+
+@images_app.command("rm")
+def images_rm(
+    name: Annotated[str, typer.Argument()] = "default",
+    stale: Annotated[bool, typer.Option("--stale", help="Only builds of old definitions.")] = False,
+    base: Annotated[bool, typer.Option("--base", help="Also the mmdebstrap base layers.")] = False,
+) -> None:
+    """Delete cached builds of image NAME."""
+    settings = Settings.load()
+    for path in images.remove_images(settings, name, all_versions=not stale, include_base=base):
+        typer.echo(f"removed {path}")
 
 
 def register(app: typer.Typer) -> None:
     """Add this group's commands to the main app."""
+    app.add_typer(sandbox_app, name="sandbox")
+    app.add_typer(images_app, name="images")
+    app.command("isolation")(isolation_cmd)

@@ -79,6 +79,7 @@ class Handle(BaseModel):
     driver: str
     owner: str
     host_pid: int
+    host_start_time: int | None = None
     created_at: float
     pids: list[int] = []
     pgid: int | None = None

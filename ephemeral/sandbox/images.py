@@ -48,6 +48,12 @@ class AgentSpec(BaseModel):
     path: str = Field(pattern=r"^/[A-Za-z0-9._/-]+$")
 
 
+class PreloadSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    source: str
+    path: str = Field(pattern=r"^/[A-Za-z0-9._/-]+\.so$")
+
+
 class ImageDefinition(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,40}$")
@@ -57,6 +63,7 @@ class ImageDefinition(BaseModel):
     exclude_paths: list[str] = []
     user: UserSpec
     agent: AgentSpec
+    preload: list[PreloadSpec] = []
 
 
 class ImageInfo(BaseModel):
@@ -169,6 +176,20 @@ async def _ensure_base(settings: Settings, d: ImageDefinition) -> Path:
     return rootfs
 
 
+async def _compile_preloads(defdir: Path, d: ImageDefinition, rootfs: Path) -> None:
+    if not d.preload:
+        return
+    if shutil.which("gcc") is None:
+        raise errors.SandboxError("image build needs gcc for preload shims (apt-get install gcc)")
+    for item in d.preload:
+        dst = rootfs / item.path.lstrip("/")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        await _run(["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o", str(dst),
+                    str(defdir / item.source)], f"compile {item.source}")
+        dst.chmod(0o755)
+    (rootfs / "etc" / "ld.so.preload").write_text("".join(p.path + "\n" for p in d.preload))
+
+
 def _build_steps(defdir: Path) -> list[Path]:
     return sorted(defdir.glob(f"*/{_BUILD_STEP}"))
 
@@ -183,6 +204,7 @@ async def _assemble(defdir: Path, d: ImageDefinition, base: Path, out: Path) -> 
     agent_dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(defdir / d.agent.source, agent_dst)
     agent_dst.chmod(0o755)
+    await _compile_preloads(defdir, d, tmp / "rootfs")
     for step in _build_steps(defdir):
         if os.access(step, os.X_OK):
             step_out = tmp / step.parent.name

@@ -1,0 +1,140 @@
+"""``gvisor`` isolation: Debian's ``runsc`` (ptrace platform), no network, read-only image root.
+
+The guest's syscalls go to gVisor's user-space kernel (the Sentry), not to the host kernel,
+which is why this is the strongest level on hosts without hardware virtualisation.
+
+Each sandbox gets its own runsc ``--root`` state directory and OCI bundle under
+``<state_dir>/run/<id>/``; ``runsc run`` is started inside the sandbox's host cgroup (joined
+before exec), so the Sentry, the Gofer and every stub process count against its limits.
+Destroy kills the cgroup and deletes the directories; no ``runsc delete`` round trip is needed
+because all state lives in that private root.
+
+Pitfalls (research/isolation.md 9-10): the agent's stdio must be pipes, not files, and the
+runtime may hand the guest a non-blocking stdin, which the agent handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ephemeral import errors
+from ephemeral.sandbox import cgroups, handles, images
+from ephemeral.sandbox.base import Limits, Sandbox
+from ephemeral.sandbox.process import ProcessSandbox, new_handle
+from ephemeral.settings import Settings
+
+# The Sentry, Gofer and ptrace stubs live in the same cgroup as the guest: headroom for them.
+SENTRY_MEMORY_MIB = 160
+SENTRY_PIDS = 192
+SMALL_TMPFS = 16 << 20
+
+
+def _tmpfs(dest: str, size: int) -> dict[str, Any]:
+    return {"destination": dest, "type": "tmpfs", "source": "tmpfs",
+            "options": ["nosuid", "nodev", "mode=1777" if dest == "/tmp" else "mode=755",
+                        f"size={size}"]}
+
+
+def oci_spec(rootfs: str, agent_path: str, limits: Limits) -> dict[str, Any]:
+    home = {"destination": "/home/worker", "type": "tmpfs", "source": "tmpfs",
+            "options": ["nosuid", "nodev", "mode=755", "uid=1000", "gid=1000",
+                        f"size={SMALL_TMPFS}"]}
+    caps: dict[str, list[str]] = {k: [] for k in
+                                  ("bounding", "effective", "inheritable", "permitted", "ambient")}
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 1000, "gid": 1000, "additionalGids": []},
+            "args": ["/usr/bin/python3", "-I", "-S", agent_path, "--channel", "stdio"],
+            "env": ["PATH=/usr/local/bin:/usr/bin:/bin", "HOME=/home/worker", "LANG=C.UTF-8"],
+            "cwd": "/",
+            "capabilities": caps,
+            "noNewPrivileges": True,
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096}],
+        },
+        "root": {"path": rootfs, "readonly": True},
+        "hostname": "sandbox",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            _tmpfs("/tmp", limits.disk_mib << 20),
+            _tmpfs("/run", SMALL_TMPFS),
+            _tmpfs("/var/tmp", SMALL_TMPFS),
+            home,
+        ],
+        "linux": {
+            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+        },
+    }
+
+
+class GVisorDriver:
+    isolation = "gvisor"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._rootfs: str | None = None
+        self._agent_path = "/opt/ephemeral/agent.py"
+
+    async def _image(self) -> str:
+        if self._rootfs is None:
+            root = await images.ensure_image(self.settings, self.settings.image)
+            self._agent_path = images.load_definition(
+                images.definition_dir(self.settings, self.settings.image)).agent.path
+            self._rootfs = str(root)
+        return self._rootfs
+
+    async def probe(self) -> str | None:
+        if shutil.which("runsc") is None:
+            return "runsc not installed (apt-get install runsc)"
+        why = cgroups.available()
+        if why:
+            return why
+        from ephemeral.sandbox.probe import start_and_exec_true
+        return await start_and_exec_true(self)
+
+    @staticmethod
+    def runsc_argv(state_root: Path, bundle: Path, container_id: str) -> list[str]:
+        return ["runsc", f"--root={state_root}", "--network=none", "--platform=ptrace",
+                "--ignore-cgroups", "run", f"--bundle={bundle}", container_id]
+
+    async def create(self, *, owner: str, limits: Limits) -> Sandbox:
+        rootfs = await self._image()
+        handle = new_handle(self.isolation, owner)
+        run_dir = self.settings.state_dir / "run" / handle.id
+        state_root, bundle = run_dir / "state", run_dir / "bundle"
+        cg = cgroups.CgroupSet.for_id(handle.id)
+        handle.cgroups = [str(d) for d in cg.dirs]
+        handle.paths = [str(run_dir)]
+        handle.runsc_root = str(state_root)
+        handle.container_id = handle.id
+        hfile = handles.write(self.settings.sandboxes_dir, handle)
+        sbx: ProcessSandbox | None = None
+        try:
+            state_root.mkdir(parents=True, mode=0o700)
+            bundle.mkdir(mode=0o700)
+            spec = oci_spec(rootfs, self._agent_path, limits)
+            (bundle / "config.json").write_text(json.dumps(spec))
+            cg = cgroups.CgroupSet.create(handle.id, limits, memory_extra_mib=SENTRY_MEMORY_MIB,
+                                          pids_extra=SENTRY_PIDS)
+            sbx = ProcessSandbox(sandbox_id=handle.id, isolation=self.isolation,
+                                 image=self.settings.image, handle=handle, handle_file=hfile,
+                                 cgroups=cg, limits=limits)
+            await sbx._start(self.runsc_argv(state_root, bundle, handle.id))
+            return sbx
+        except BaseException as exc:
+            if sbx is not None:
+                await sbx.destroy()
+            else:
+                handles.teardown(handle, hfile)
+            if isinstance(exc, errors.EphemeralError | asyncio.CancelledError | KeyboardInterrupt):
+                raise
+            raise errors.SandboxError(f"gvisor sandbox failed to start: {exc}") from exc

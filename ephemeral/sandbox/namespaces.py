@@ -1,0 +1,104 @@
+"""``namespaces`` isolation: bubblewrap + cgroups + a seccomp deny-list.
+
+Every namespace is unshared (user, pid, net, ipc, uts, cgroup, mount) and nested user namespaces
+are disabled; the image root is bound read-only; the writable paths are size-capped tmpfs; all
+capabilities are dropped; the guest runs as uid/gid 1000. The host kernel is shared, so this is
+the weakest level: it is only picked when nothing stronger runs, and always labelled.
+
+Known limit: bwrap runs as host root (the image cache lives under a 0700 home), so the sandbox's
+uid 1000 maps to host uid 0 in the user namespace. Without capabilities, with a read-only root,
+private pid/net namespaces and the seccomp filter that grants nothing, but it is not an
+unprivileged host uid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+
+from ephemeral import errors
+from ephemeral.sandbox import cgroups, handles, images, seccomp
+from ephemeral.sandbox.base import Limits, Sandbox
+from ephemeral.sandbox.process import ProcessSandbox, new_handle
+from ephemeral.settings import Settings
+
+AGENT_ARGV = ["/usr/bin/python3", "-I", "-S"]
+SMALL_TMPFS = 16 << 20
+
+
+class NamespacesDriver:
+    isolation = "namespaces"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._rootfs: str | None = None
+        self._agent_path = "/opt/ephemeral/agent.py"
+
+    async def _image(self) -> str:
+        if self._rootfs is None:
+            root = await images.ensure_image(self.settings, self.settings.image)
+            self._agent_path = images.load_definition(
+                images.definition_dir(self.settings, self.settings.image)).agent.path
+            self._rootfs = str(root)
+        return self._rootfs
+
+    async def probe(self) -> str | None:
+        if shutil.which("bwrap") is None:
+            return "bwrap not installed (apt-get install bubblewrap)"
+        why = cgroups.available()
+        if why:
+            return why
+        from ephemeral.sandbox.probe import start_and_exec_true
+        return await start_and_exec_true(self)
+
+    def argv(self, rootfs: str, limits: Limits, seccomp_fd: int) -> list[str]:
+        disk = limits.disk_mib << 20
+        argv = [
+            "bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
+            "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--uid", "1000", "--gid", "1000", "--hostname", "sandbox",
+            "--ro-bind", rootfs, "/", "--proc", "/proc", "--dev", "/dev",
+            "--size", str(disk), "--tmpfs", "/tmp",
+        ]
+        for path in ("/run", "/var/tmp", "/home/worker", "/dev/shm"):
+            argv += ["--size", str(SMALL_TMPFS), "--tmpfs", path]
+        argv += [
+            "--chdir", "/", "--clearenv",
+            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
+            "--setenv", "HOME", "/home/worker", "--setenv", "LANG", "C.UTF-8",
+            "--seccomp", str(seccomp_fd),
+            "--", *AGENT_ARGV, self._agent_path, "--channel", "stdio",
+        ]
+        return argv
+
+    async def create(self, *, owner: str, limits: Limits) -> Sandbox:
+        rootfs = await self._image()
+        handle = new_handle(self.isolation, owner)
+        cg = cgroups.CgroupSet.for_id(handle.id)
+        handle.cgroups = [str(d) for d in cg.dirs]
+        hfile = handles.write(self.settings.sandboxes_dir, handle)
+        sbx: ProcessSandbox | None = None
+        fd = os.memfd_create("ephemeral-seccomp", 0)
+        try:
+            os.write(fd, seccomp.program())
+            os.lseek(fd, 0, os.SEEK_SET)
+            cg = cgroups.CgroupSet.create(handle.id, limits)
+            sbx = ProcessSandbox(sandbox_id=handle.id, isolation=self.isolation,
+                                 image=self.settings.image, handle=handle, handle_file=hfile,
+                                 cgroups=cg, limits=limits)
+            await sbx._start(self.argv(rootfs, limits, fd), pass_fds=[fd])
+            return sbx
+        except BaseException as exc:
+            if sbx is not None:
+                await sbx.destroy()
+            else:
+                handles.teardown(handle, hfile)
+            if isinstance(exc, errors.EphemeralError | asyncio.CancelledError | KeyboardInterrupt):
+                raise
+            raise errors.SandboxError(f"namespaces sandbox failed to start: {exc}") from exc
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+

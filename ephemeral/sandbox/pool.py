@@ -1,0 +1,101 @@
+"""A warm pool of started, never-used sandboxes; each is handed out once.
+
+``acquire`` returns a warm sandbox at once when one is ready (re-owned to the caller and with
+its lifetime restarted), else creates one cold. A background task keeps ``size`` warm ones,
+replaces any that died idle, and backs off when creation fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from ephemeral import errors
+from ephemeral.sandbox.base import Limits, Sandbox, SandboxDriver
+
+log = logging.getLogger(__name__)
+POOL_OWNER = "pool"
+CHECK_SECONDS = 1.0
+MAX_BACKOFF_SECONDS = 30.0
+
+
+class WarmPool:
+    def __init__(self, driver: SandboxDriver, size: int, limits: Limits) -> None:
+        if size < 0:
+            raise errors.InvalidRequest.field("pool_size", "must be >= 0")
+        self.driver = driver
+        self.size = size
+        self.limits = limits
+        self._ready: list[Sandbox] = []
+        self._wake = asyncio.Event()
+        self._full = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.last_error: str | None = None
+
+    @property
+    def ready_count(self) -> int:
+        return len(self._ready)
+
+    async def start(self) -> None:
+        if self._task is None and self.size > 0:
+            self._task = asyncio.create_task(self._fill_loop(), name="warm-pool")
+
+    async def wait_ready(self, timeout: float = 60.0) -> None:
+        """Until the pool is full (for benchmarks and tests)."""
+        async with asyncio.timeout(timeout):
+            await self._full.wait()
+
+    async def acquire(self, owner: str) -> Sandbox:
+        if self._closed:
+            raise errors.SandboxError("warm pool is closed")
+        while self._ready:
+            sbx = self._ready.pop(0)
+            self._full.clear()
+            self._wake.set()
+            if not getattr(sbx, "alive", True):
+                continue
+            claim = getattr(sbx, "claim", None)
+            if claim is not None:
+                await claim(owner)
+            return sbx
+        self._wake.set()
+        return await self.driver.create(owner=owner, limits=self.limits)
+
+    async def _fill_loop(self) -> None:
+        backoff = 0.5
+        while not self._closed:
+            self._ready = [s for s in self._ready if getattr(s, "alive", True)]
+            if len(self._ready) < self.size:
+                self._full.clear()
+            if len(self._ready) < self.size:
+                try:
+                    sbx = await self.driver.create(owner=POOL_OWNER, limits=self.limits)
+                except errors.EphemeralError as exc:
+                    self.last_error = str(exc)
+                    log.warning("warm pool: create failed: %s", exc)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+                    continue
+                backoff = 0.5
+                if self._closed:
+                    await sbx.destroy()
+                    return
+                self._ready.append(sbx)
+                continue
+            self._full.set()
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), CHECK_SECONDS)
+
+    async def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        ready, self._ready = self._ready, []
+        await asyncio.gather(*(s.destroy() for s in ready), return_exceptions=True)

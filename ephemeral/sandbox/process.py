@@ -1,0 +1,174 @@
+"""A sandbox that is one host process tree (bwrap, runsc) with the guest agent on its stdio.
+
+The drivers decide the argv; this module owns the lifecycle every such sandbox shares:
+persist the handle, make the cgroups, spawn the runtime inside them (it joins before exec, so
+nothing escapes), handshake with the agent, enforce the wall-clock lifetime, and destroy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ephemeral import errors, ids
+from ephemeral.sandbox import handles
+from ephemeral.sandbox.base import ExecResult, Handle, Limits
+from ephemeral.sandbox.cgroups import CgroupSet
+from ephemeral.sandbox.guest import GuestClient
+
+STDERR_KEEP = 64 * 1024  # the runtime's own log: kept for diagnostics, never unbounded
+HELLO_TIMEOUT = 20.0
+
+
+class ProcessSandbox:
+    def __init__(self, *, sandbox_id: str, isolation: str, image: str, handle: Handle,
+                 handle_file: Path, cgroups: CgroupSet | None, limits: Limits,
+                 cleanup: Callable[[], None] | None = None) -> None:
+        self.id = sandbox_id
+        self.isolation = isolation
+        self.image = image
+        self.boot_ms = 0
+        self.workdir = ""
+        self.limits = limits
+        self._handle = handle
+        self._handle_file = handle_file
+        self._cgroups = cgroups
+        self._cleanup = cleanup
+        self._proc: asyncio.subprocess.Process | None = None
+        self._client: GuestClient | None = None
+        self._stderr = bytearray()
+        self._stderr_task: asyncio.Task[None] | None = None
+        self._lifetime_task: asyncio.Task[None] | None = None
+        self._destroyed = False
+        self._destroy_lock = asyncio.Lock()
+        self._created = time.monotonic()
+
+    # ---- lifecycle
+
+    async def _start(self, argv: Sequence[str], *, pass_fds: Sequence[int] = ()) -> None:
+        t0 = time.monotonic()
+        join = ""
+        if self._cgroups is not None:
+            join = " && ".join(f"echo $$ > {shlex.quote(f)}" for f in self._cgroups.procs_files)
+            join += " && "
+        script = join + 'exec "$@"'
+        self._proc = await asyncio.create_subprocess_exec(
+            "/bin/sh", "-c", script, "sh", *argv,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, pass_fds=tuple(pass_fds),
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+        )
+        self._handle.pgid = self._proc.pid
+        self._handle.pids = [self._proc.pid]
+        handles.write(self._handle_file.parent, self._handle)
+        assert self._proc.stdout is not None and self._proc.stdin is not None
+        self._stderr_task = asyncio.create_task(self._drain_stderr())
+        self._client = GuestClient(self._proc.stdout, self._proc.stdin, label=self.id)
+        try:
+            hello = await self._client.handshake(HELLO_TIMEOUT)
+        except errors.SandboxError as exc:
+            await asyncio.sleep(0.05)  # let the runtime's last words arrive
+            raise errors.SandboxError(
+                f"{self.isolation} sandbox did not start: {exc.detail}; runtime said: "
+                f"{self.log_tail(2000) or '(nothing)'}"
+            ) from exc
+        self.workdir = hello.workdir
+        self.boot_ms = int((time.monotonic() - t0) * 1000)
+        self._lifetime_task = asyncio.create_task(self._expire(self.limits.lifetime_seconds))
+
+    async def _drain_stderr(self) -> None:
+        assert self._proc is not None and self._proc.stderr is not None
+        while chunk := await self._proc.stderr.read(65536):
+            self._stderr += chunk
+            if len(self._stderr) > STDERR_KEEP:
+                del self._stderr[: len(self._stderr) - STDERR_KEEP]
+
+    async def _expire(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        await self.destroy()
+
+    @property
+    def alive(self) -> bool:
+        return not self._destroyed and self._proc is not None and self._proc.returncode is None
+
+    async def claim(self, owner: str) -> None:
+        """Hand a warm sandbox to ``owner``: re-own its handle and restart its lifetime."""
+        self._handle.owner = owner
+        await asyncio.to_thread(handles.write, self._handle_file.parent, self._handle)
+        if self._lifetime_task is not None:
+            self._lifetime_task.cancel()
+        self._lifetime_task = asyncio.create_task(self._expire(self.limits.lifetime_seconds))
+
+    def log_tail(self, n: int = STDERR_KEEP) -> str:
+        return self._stderr[-n:].decode("utf-8", errors="replace").strip()
+
+    @property
+    def host_pids(self) -> set[int]:
+        """Every host process of this sandbox (from its cgroup), for tests and the benchmark."""
+        found = self._cgroups.pids() if self._cgroups else set()
+        if self._proc is not None and self._proc.returncode is None:
+            found.add(self._proc.pid)
+        return found
+
+    # ---- the Sandbox protocol
+
+    def _guest(self) -> GuestClient:
+        if self._destroyed or self._client is None:
+            raise errors.SandboxError(f"sandbox {self.id} is destroyed")
+        return self._client
+
+    async def exec(self, command: str | list[str], *, stdin: bytes = b"",
+                   env: dict[str, str] | None = None, cwd: str | None = None,
+                   timeout: float = 30.0, max_output: int = 64 * 1024) -> ExecResult:
+        return await self._guest().exec(command, stdin=stdin, env=env, cwd=cwd,
+                                        timeout=timeout, max_output=max_output)
+
+    async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        await self._guest().put_file(path, data, mode)
+
+    async def get_file(self, path: str, max_bytes: int = 1 << 20) -> bytes:
+        return await self._guest().get_file(path, max_bytes)
+
+    async def destroy(self) -> None:
+        async with self._destroy_lock:
+            if self._destroyed:
+                return
+            self._destroyed = True
+            current = asyncio.current_task()
+            if self._lifetime_task is not None and self._lifetime_task is not current:
+                self._lifetime_task.cancel()
+            if self._proc is not None and self._proc.stdin is not None:
+                self._proc.stdin.close()
+            # Everything the handle names, in the order that cannot leave orphans: kill the
+            # process group and the cgroup's members, reap, then remove cgroups and files.
+            await asyncio.to_thread(self._kill)
+            if self._proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    await self._proc.wait()
+            if self._stderr_task is not None:
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                    await asyncio.wait_for(self._stderr_task, 2.0)
+            if self._proc is not None and self._proc.stdout is not None:
+                self._proc.stdout.feed_eof()
+            if self._cleanup is not None:
+                await asyncio.to_thread(self._cleanup)
+            await asyncio.to_thread(handles.teardown, self._handle, self._handle_file)
+
+    def _kill(self) -> None:
+        if self._handle.pgid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._handle.pgid, 9)
+        if self._cgroups is not None:
+            self._cgroups.kill_all()
+
+
+def new_handle(driver: str, owner: str, sandbox_id: str | None = None) -> Handle:
+    return Handle(
+        id=sandbox_id or ids.new_id("sbx"), driver=driver, owner=owner, host_pid=os.getpid(),
+        host_start_time=handles.process_start_time(os.getpid()), created_at=time.time(),
+    )
