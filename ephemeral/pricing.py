@@ -85,13 +85,24 @@ class _BookFile(BaseModel):
     compute: _Compute
 
 
+class _WebPatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    per_request_micros: int | None = Field(default=None, ge=0)
+
+
+class _ComputePatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    per_vcpu_second_micros: int | None = Field(default=None, ge=0)
+    per_gib_second_micros: int | None = Field(default=None, ge=0)
+
+
 class _OverrideFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     version: str | None = Field(default=None, min_length=1, max_length=64)
     models: dict[str, _ModelEntry] = Field(default_factory=dict)
-    web: dict[str, int] = Field(default_factory=dict)
-    compute: dict[str, int] = Field(default_factory=dict)
+    web: _WebPatch = Field(default_factory=_WebPatch)
+    compute: _ComputePatch = Field(default_factory=_ComputePatch)
 
 
 def _read_yaml(path: Path) -> tuple[Any, str]:
@@ -110,7 +121,7 @@ def _read_yaml(path: Path) -> tuple[Any, str]:
 def _invalid(path: Path, exc: ValidationError) -> InvalidRequest:
     errors = [
         {
-            "field": "price_book." + ".".join(str(p) for p in e["loc"]),
+            "field": ".".join(["price_book", *(str(p) for p in e["loc"])]),
             "message": f"{path}: {e['msg']}",
         }
         for e in exc.errors()
@@ -160,11 +171,11 @@ class PriceBook:
             odoc, otext = _read_yaml(override)
             try:
                 over = _OverrideFile.model_validate(odoc or {})
-                models.update(over.models)
-                web = _Web.model_validate(web | over.web).model_dump()
-                compute = _Compute.model_validate(compute | over.compute).model_dump()
             except ValidationError as exc:
                 raise _invalid(override, exc) from None
+            models.update(over.models)
+            web |= over.web.model_dump(exclude_none=True)
+            compute |= over.compute.model_dump(exclude_none=True)
             tag = over.version or "sha256-" + hashlib.sha256(otext.encode()).hexdigest()[:12]
             version = f"{version}+{tag}"
         try:
@@ -176,7 +187,10 @@ class PriceBook:
                 cassettes_dir=cassettes_dir,
             )
         except UnknownModel as exc:
-            raise InvalidRequest.field("price_book.models", exc.detail) from None
+            message = exc.errors[0]["message"] if exc.errors else exc.detail
+            raise InvalidRequest.field(
+                "price_book.models", f"{override or shipped}: {message}"
+            ) from None
 
     # --- lookups --------------------------------------------------------------------------
 

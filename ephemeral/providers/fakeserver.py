@@ -93,7 +93,9 @@ class _FakeModelServer:
         server.daemon_threads = True
         server.block_on_close = False
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, daemon=True)
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
         self._thread.start()
         return self
 

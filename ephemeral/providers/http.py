@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import functools
 import json
 import math
 import re
+import ssl
 import time
 from datetime import UTC, datetime
 from typing import Any, Final
@@ -34,6 +36,13 @@ def redact(text: str, secret: str | None) -> str:
     if secret:
         text = text.replace(secret, "[redacted]")
     return _KEY_SHAPED.sub("[redacted]", text)
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    # Building the CA bundle costs ~0.1 s; a client per call must not pay it every time.
+    # An SSLContext is safe to share between threads and event loops.
+    return httpx.create_ssl_context()
 
 
 class _Borrowed(httpx.AsyncBaseTransport):
@@ -125,6 +134,7 @@ async def post_json(
             asyncio.timeout(timeout),
             httpx.AsyncClient(
                 transport=_Borrowed(transport) if transport is not None else None,
+                verify=_ssl_context(),
                 timeout=httpx.Timeout(timeout),
                 follow_redirects=False,
             ) as client,
