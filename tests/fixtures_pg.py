@@ -14,6 +14,7 @@ without the ``postgres`` user) the tests skip with the reason.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pwd
@@ -132,6 +133,8 @@ def postgres_cluster() -> Iterator[PgCluster]:
     reason = cluster.unavailable()
     if reason:
         pytest.skip(reason)
+    # The finalizer below is the normal path; atexit covers an interrupted session.
+    atexit.register(cluster.stop)
     cluster.start()
     try:
         yield cluster

@@ -28,7 +28,7 @@ def create_engine(url: str) -> AsyncEngine:
     if backend == "sqlite":
         return _sqlite_engine(url)
     if backend == "postgresql":
-        if parsed.get_driver_name() not in ("asyncpg", "psycopg"):
+        if parsed.drivername not in ("postgresql+asyncpg", "postgresql+psycopg"):
             raise errors.InvalidRequest.field(
                 "database_url", "PostgreSQL URLs must use postgresql+asyncpg:// or +psycopg://"
             )

@@ -101,8 +101,17 @@ class Store:
     @classmethod
     async def open(cls, url: str) -> Store:
         engine = create_engine(url)
-        async with engine.begin() as conn:
-            await conn.run_sync(metadata.create_all)
+        try:
+            async with engine.begin() as conn:
+                if conn.dialect.name == "postgresql":
+                    # Several processes may open a fresh database at once; CREATE TABLE races.
+                    await conn.execute(sa.text("SELECT pg_advisory_xact_lock(7263501)"))
+                await conn.run_sync(metadata.create_all)
+        except (OSError, sa.exc.DBAPIError) as exc:
+            await engine.dispose()
+            shown = sa.make_url(url).render_as_string(hide_password=True)
+            raise errors.EphemeralError(f"cannot open the store at {shown}: {exc}",
+                                        cause=exc) from exc
         return cls(engine)
 
     async def close(self) -> None:

@@ -88,3 +88,22 @@ async def test_key_for_unknown_org_and_bad_member(store: Store, org: Org) -> Non
     with pytest.raises(errors.InvalidRequest) as info:
         await store.create_key(org.id, "")
     assert info.value.errors and info.value.errors[0]["field"] == "member"
+
+
+async def test_open_refuses_bad_urls_with_the_field(tmp_path: Path) -> None:
+    for url in ("sqlite+aiosqlite://", "sqlite:///x.db", "mysql+aiomysql://127.0.0.1/db",
+                "postgresql://127.0.0.1/db"):
+        with pytest.raises(errors.InvalidRequest) as info:
+            await Store.open(url)
+        assert info.value.errors and info.value.errors[0]["field"] == "database_url"
+
+
+async def test_open_unreachable_postgres_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(errors.EphemeralError) as info:
+        await Store.open(f"postgresql+asyncpg://u:secret@127.0.0.1:{port}/db")
+    assert "cannot open the store" in info.value.detail and "secret" not in info.value.detail
