@@ -17,6 +17,7 @@ the values of its matrix cell and ``repeat_index`` (0-based).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import itertools
 import json
@@ -49,6 +50,8 @@ from ephemeral.settings import Settings
 
 MAX_FILE_BYTES = 1 << 20
 MAX_PLANNED_RUNS = 1_000
+MAX_NODES = 100_000  # YAML values after alias expansion
+MAX_DEPTH = 64
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 MODEL_PATTERN = r"^[a-z0-9][a-z0-9_.-]*/[A-Za-z0-9_.:/-]+$"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -230,22 +233,40 @@ def _check(source: _Source, problems: list[_Problem]) -> None:
         _fail(source, problems)
 
 
-def _index(node: yaml.Node, path: tuple[str, ...], src: _Source, dups: list[_Problem]) -> None:
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
-            here = (*path, key)
-            line = key_node.start_mark.line + 1
-            if here in src.lines:
-                dups.append(_Problem(here, f"duplicate key (first at line {src.lines[here]})",
-                                     line=line))
-            else:
-                src.lines[here] = line
-            _index(value_node, here, src, dups)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            src.lines[(*path, str(i))] = item.start_mark.line + 1
-            _index(item, (*path, str(i)), src, dups)
+def _index(root: yaml.Node, src: _Source) -> list[_Problem]:
+    """Record the line of every key and item; return duplicate keys.
+
+    Walks aliases too, so it counts what the document expands to: an alias bomb or a
+    self-referencing anchor stops here instead of in the validator or the template.
+    """
+    dups: list[_Problem] = []
+    todo: list[tuple[yaml.Node, tuple[str, ...]]] = [(root, ())]
+    visited = 0
+    while todo:
+        node, path = todo.pop()
+        visited += 1
+        if visited > MAX_NODES or len(path) > MAX_DEPTH:
+            raise _TooLarge
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+                here = (*path, key)
+                line = key_node.start_mark.line + 1
+                if here in src.lines:
+                    first = src.lines[here]
+                    dups.append(_Problem(here, f"duplicate key (first at line {first})", line=line))
+                else:
+                    src.lines[here] = line
+                todo.append((value_node, here))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                src.lines[(*path, str(i))] = item.start_mark.line + 1
+                todo.append((item, (*path, str(i))))
+    return dups
+
+
+class _TooLarge(Exception):
+    pass
 
 
 def _read(path: Path, label: str) -> tuple[dict[str, Any], _Source, list[_Problem]]:
@@ -264,7 +285,12 @@ def _read(path: Path, label: str) -> tuple[dict[str, Any], _Source, list[_Proble
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
+        src = _Source(file=label, lines={(): node.start_mark.line + 1 if node else 1})
+        dups = _index(node, src) if node is not None else []
         data = loader.construct_document(node) if node is not None else None
+    except (_TooLarge, RecursionError):
+        _fail(whole, [_Problem((), f"nests deeper than {MAX_DEPTH} levels or expands to more "
+                                   f"than {MAX_NODES} values (through aliases?)", line=1)])
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else 1
@@ -275,11 +301,8 @@ def _read(path: Path, label: str) -> tuple[dict[str, Any], _Source, list[_Proble
         loader.dispose()
     if node is None or not isinstance(data, dict):
         _fail(whole, [_Problem((), "must be a YAML mapping of fields", line=1)])
-    src = _Source(file=label, lines={(): node.start_mark.line + 1}, prompt_node=next(
-        (v for k, v in node.value if getattr(k, "value", None) == "prompt"), None))
-    dups: list[_Problem] = []
-    _index(node, (), src, dups)
-    return data, src, dups
+    prompt = next((v for k, v in node.value if getattr(k, "value", None) == "prompt"), None)
+    return data, dataclasses.replace(src, prompt_node=prompt), dups
 
 
 # --------------------------------------------------------------------------- pydantic errors

@@ -346,3 +346,34 @@ def test_expand_reports_problems_of_an_in_memory_recipe() -> None:
     [err] = info.value.errors or []
     assert err["file"] == "<recipe mem>"
     assert err["field"] == "prompt"
+
+
+def _bomb(levels: int) -> str:
+    lines = ["name: bomb", f'prompt: "{{{{ l{levels - 1} }}}}"', "vars:",
+             "  l0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for n in range(1, levels):
+        lines.append(f"  l{n}: &a{n} [" + ", ".join([f"*a{n - 1}"] * 10) + "]")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("text", [
+    _bomb(9),  # a billion laughs: 10**9 values from a 1 KiB file
+    "name: rec\nprompt: hi\nvars:\n  r: &r [*r]\n",  # an anchor that contains itself
+    "name: deep\nprompt: hi\nvars:\n  v: " + "[" * 200 + "]" * 200 + "\n",
+], ids=["alias-bomb", "recursive-anchor", "deep-nesting"])
+def test_hostile_yaml_is_refused_quickly(tmp_path: Path, text: str) -> None:
+    [err] = recipe_errors(write(tmp_path, text))
+    assert (err["field"], err["line"]) == ("(root)", 1)
+    assert "expands to more than" in err["message"]
+
+
+def test_aliases_within_limits_still_work(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        name: shared
+        prompt: "{{ a | length }} {{ b | length }}"
+        vars:
+          a: &files [one, two]
+          b: *files
+    """)
+    [run] = expand(load_recipe(path), default_model="x/y")
+    assert run.prompt == "2 2"
