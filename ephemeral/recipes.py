@@ -255,8 +255,8 @@ def _index(root: yaml.Node, src: _Source) -> list[_Problem]:
                 if here in src.lines:
                     first = src.lines[here]
                     dups.append(_Problem(here, f"duplicate key (first at line {first})", line=line))
-                else:
-                    src.lines[here] = line
+                    continue  # its children would only repeat the same complaint
+                src.lines[here] = line
                 todo.append((value_node, here))
         elif isinstance(node, yaml.SequenceNode):
             for i, item in enumerate(node.value):
