@@ -1,0 +1,235 @@
+"""microVM-specific behaviour, exercised under TCG (the only accelerator this host runs).
+
+The conformance suite covers what every driver must do; these tests cover what only the
+microVM path has: start from a saved memory snapshot, a fresh RNG per restore, no NIC device,
+a read-only root disk under a RAM overlay, QEMU never outliving its sandbox, and an honest
+KVM probe. The snapshot is built once (cached by hash under the image cache) per session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ephemeral import errors
+from ephemeral.sandbox import handles
+from ephemeral.sandbox.base import Limits
+from ephemeral.sandbox.microvm import MicroVMDriver, MicroVMSandbox, Snapshot
+from ephemeral.settings import Settings
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+
+LIMITS = Limits()
+
+
+@pytest.fixture(scope="module")
+def tcg(tmp_path_factory: pytest.TempPathFactory) -> tuple[MicroVMDriver, Snapshot]:
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("qemu-system-x86_64 is not installed")
+    settings = Settings.load(state_dir=tmp_path_factory.mktemp("microvm") / "state",
+                             use_prefect=False)
+    driver = MicroVMDriver(settings, "tcg")
+    try:
+        snap = asyncio.run(driver.snapshot(LIMITS))
+    except errors.EphemeralError as exc:
+        pytest.skip(f"microVM artifacts or snapshot could not be built here: {exc.detail}")
+    return driver, snap
+
+
+async def _create(driver: MicroVMDriver, limits: Limits = LIMITS) -> MicroVMSandbox:
+    sbx = await driver.create(owner="test-microvm", limits=limits)
+    assert isinstance(sbx, MicroVMSandbox)
+    return sbx
+
+
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+def _exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+async def _gone(pid: int, within: float = 20.0) -> bool:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within
+    while loop.time() < end:
+        if not _alive(pid):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+def test_vm_definition_has_no_nic_and_a_read_only_root(tcg: tuple[MicroVMDriver, Snapshot]):
+    _, snap = tcg
+    argv = snap.argv
+    assert not {"-netdev", "-nic", "-net"} & set(argv)
+    assert "-nodefaults" in argv  # no default NIC either
+    drives = [argv[i + 1] for i, a in enumerate(argv) if a == "-drive"]
+    assert len(drives) == 1 and "readonly=on" in drives[0]
+    assert snap.meta.hello.workdir.startswith("/tmp/ephemeral-run-")
+
+
+async def test_restore_runs_commands_as_worker(tcg: tuple[MicroVMDriver, Snapshot]):
+    driver, snap = tcg
+    sbx = await _create(driver)
+    try:
+        assert sbx.isolation == "microvm-tcg"
+        assert sbx.workdir == snap.meta.hello.workdir
+        res = await sbx.exec("whoami; pwd")
+        assert res.exit_code == 0, res
+        assert res.stdout.split() == ["worker", sbx.workdir]
+        res = await sbx.exec(["sh", "-c", "echo oops >&2; exit 3"])
+        assert (res.exit_code, res.stderr) == (3, "oops\n")
+    finally:
+        await sbx.destroy()
+
+
+async def test_reseed_makes_restored_vms_differ(tcg: tuple[MicroVMDriver, Snapshot]):
+    driver, _ = tcg
+    a, b = await _create(driver), await _create(driver)
+    try:
+        cmd = ("head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; "
+               "cat /proc/sys/kernel/random/uuid")
+        ra, rb = await a.exec(cmd), await b.exec(cmd)
+        assert ra.exit_code == rb.exit_code == 0
+        assert len(ra.stdout.split()[0]) == 64
+        # both restored the same RAM image, so only the reseed can make these differ
+        assert ra.stdout.split()[0] != rb.stdout.split()[0]
+        assert ra.stdout.split()[1] != rb.stdout.split()[1]
+    finally:
+        await a.destroy()
+        await b.destroy()
+
+
+async def test_no_network_interface_but_lo(tcg: tuple[MicroVMDriver, Snapshot]):
+    driver, _ = tcg
+    sbx = await _create(driver)
+    try:
+        res = await sbx.exec("ls /sys/class/net; curl -sS -m 8 https://example.com")
+        assert res.stdout.split() == ["lo"]
+        assert res.exit_code != 0
+        assert "Could not resolve host" in res.stderr
+    finally:
+        await sbx.destroy()
+
+
+async def test_root_disk_is_read_only_and_writes_stay_in_the_vm(
+        tcg: tuple[MicroVMDriver, Snapshot]):
+    driver, _ = tcg
+    first = await _create(driver)
+    try:
+        res = await first.exec("cat /sys/block/vda/ro; awk '$2==\"/\"{print $3}' /proc/mounts")
+        assert res.stdout.split() == ["1", "overlay"]
+        # root (the agent) may write anywhere: it lands in the tmpfs overlay, not on the disk
+        await first.put_file("/etc/ephemeral-proof", b"x")
+        res = await first.exec("cat /etc/ephemeral-proof; echo hi > /tmp/proof.txt; "
+                               "touch /usr/worker-cannot 2>&1; true")
+        assert res.stdout.startswith("x")
+        assert "Permission denied" in res.stdout
+    finally:
+        await first.destroy()
+    second = await _create(driver)
+    try:
+        res = await second.exec("ls /tmp/proof.txt /etc/ephemeral-proof")
+        assert res.exit_code != 0
+        assert "No such file" in res.stderr
+    finally:
+        await second.destroy()
+
+
+async def test_destroy_kills_qemu_and_leaves_nothing(tcg: tuple[MicroVMDriver, Snapshot]):
+    driver, _ = tcg
+    sbx = await _create(driver)
+    pid = sbx.qemu_pid
+    assert pid is not None and _alive(pid)
+    handle_file = handles.handle_path(driver.settings.sandboxes_dir, sbx.id)
+    handle = handles.read_all(driver.settings.sandboxes_dir)
+    assert [(p, h.pgid if h else None) for p, h in handle] == [(handle_file, pid)]
+    run_dirs = [Path(p) for _, h in handle if h for p in h.paths]
+    assert run_dirs and all(d.is_dir() for d in run_dirs)
+    await sbx.destroy()
+    await sbx.destroy()  # idempotent
+    assert not _alive(pid)
+    assert not handle_file.exists()
+    assert not any(d.exists() for d in run_dirs)
+    with pytest.raises(errors.SandboxError):
+        await sbx.exec("true")
+
+
+async def test_reaper_can_kill_a_vm_from_its_handle(tcg: tuple[MicroVMDriver, Snapshot]):
+    """A crashed host process leaves only the handle file; it names enough to kill QEMU."""
+    driver, _ = tcg
+    sbx = await _create(driver)
+    pid = sbx.qemu_pid
+    assert pid is not None
+    try:
+        [(path, handle)] = handles.read_all(driver.settings.sandboxes_dir)
+        assert handle is not None and handle.driver == "microvm-tcg"
+        await asyncio.to_thread(handles.teardown, handle, path)
+        assert await _gone(pid)
+        assert not path.exists()
+    finally:
+        await sbx.destroy()
+
+
+async def test_lifetime_is_enforced_by_the_host(tcg: tuple[MicroVMDriver, Snapshot]):
+    driver, _ = tcg
+    sbx = await _create(driver, LIMITS.model_copy(update={"lifetime_seconds": 2.0}))
+    pid = sbx.qemu_pid
+    assert pid is not None
+    try:
+        assert await _gone(pid, within=30)
+        with pytest.raises(errors.SandboxError):
+            await sbx.exec("true")
+    finally:
+        await sbx.destroy()
+
+
+async def test_a_failed_restore_leaves_no_qemu(tcg: tuple[MicroVMDriver, Snapshot],
+                                               tmp_path: Path):
+    driver, snap = tcg
+    bad = tmp_path / "state.bin"
+    bad.write_bytes(b"not a migration stream")
+    broken = Snapshot(state=bad, argv=snap.argv, meta=snap.meta)
+    before = _qemu_pids()
+    with pytest.raises(errors.SandboxError):
+        await driver._restore(broken, owner="test-microvm", limits=LIMITS)
+    assert _qemu_pids() <= before
+    assert handles.read_all(driver.settings.sandboxes_dir) == []
+
+
+def _qemu_pids() -> set[int]:
+    """QEMU processes started by this test process (other sessions may run their own)."""
+    out = set()
+    me = os.getpid()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            comm = stat[stat.find("(") + 1 : stat.rfind(")")]
+            ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
+            if comm == "qemu-system-x86" and ppid == me:
+                out.add(int(d.name))
+    return out
+
+
+async def test_kvm_probe_is_honest(tmp_path: Path):
+    """``microvm-kvm`` is offered only if a guest kernel really boots under /dev/kvm."""
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("qemu-system-x86_64 is not installed")
+    if not _exists("/dev/kvm"):
+        pytest.skip("no /dev/kvm on this host")
+    driver = MicroVMDriver(Settings.load(state_dir=tmp_path / "state", use_prefect=False), "kvm")
+    before = _qemu_pids()
+    why = await driver.boot_probe()
+    assert _qemu_pids() <= before  # the probe VM is gone either way (and was reaped)
+    if why is None:
+        return  # hardware KVM: the conformance suite runs microvm-kvm for real
+    assert "did not reach init" in why or "exited" in why
