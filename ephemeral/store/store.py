@@ -247,12 +247,20 @@ class Store:
             raise errors.InvalidRequest.field("policy", "must be an object")
         _json_size("policy", policy, 16 << 20)
         _json_size("labels", labels or {}, 64 << 10)
-        async with self._engine.begin() as conn:
-            replayed = await ledger.admit(
-                conn, org_id=org_id, run_id=run_id, model=model, prompt=prompt, policy=policy,
-                labels=labels or {}, idempotency_key=idempotency_key, body_hash=body_hash,
-            )
-            run = await self._run(conn, replayed or run_id)
+        if not isinstance(model, str) or not 0 < len(model) <= 200:
+            raise errors.InvalidRequest.field("model", "must be 1-200 characters")
+        try:
+            async with self._engine.begin() as conn:
+                replayed = await ledger.admit(
+                    conn, org_id=org_id, run_id=run_id, model=model, prompt=prompt,
+                    policy=policy, labels=labels or {}, idempotency_key=idempotency_key,
+                    body_hash=body_hash,
+                )
+                run = await self._run(conn, replayed or run_id)
+        except sa.exc.IntegrityError as exc:
+            # Only a reused run id gets here: money and keys are checked before inserting.
+            raise errors.Conflict(f"run {run_id} could not be recorded: {exc.orig}",
+                                  cause=exc) from exc
         return run, replayed is not None
 
     async def _run(self, conn: AsyncConnection, run_id: str, org_id: str | None = None) -> RunRow:

@@ -166,3 +166,10 @@ async def test_purge_keeps_keys_for_a_day(store: Store, org: Org) -> None:
     assert await store.purge_idempotency() == 0
     with pytest.raises(errors.InvalidRequest):
         await store.purge_idempotency(older_than=timedelta(hours=1))
+
+
+async def test_reused_run_id_is_a_conflict_and_holds_nothing(store: Store, org: Org) -> None:
+    run, _ = await _admit(store, org)
+    with pytest.raises(errors.Conflict):
+        await _admit(store, org, run_id=run.id)
+    assert (await store.get_org(org.id)).reserved_micros == COST
