@@ -188,8 +188,13 @@ def _wire_messages(messages: list[Message]) -> tuple[str, list[dict[str, Any]]]:
 
 def _blocks(m: Message) -> tuple[str, list[dict[str, Any]]]:
     if m.role == "tool":
+        # An empty text result is refused by the API; say so instead.
         return "user", [
-            {"type": "tool_result", "tool_use_id": m.tool_call_id or "", "content": m.content or ""}
+            {
+                "type": "tool_result",
+                "tool_use_id": m.tool_call_id or "",
+                "content": m.content or "(no output)",
+            }
         ]
     if m.role == "assistant":
         blocks: list[dict[str, Any]] = []

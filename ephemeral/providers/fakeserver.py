@@ -180,6 +180,25 @@ class FakeAnthropicServer(_FakeModelServer):
             "error": {"type": kind.get(status, "api_error"), "message": message},
         }
 
+    @classmethod
+    def from_cassette(cls, path: Path, *, api_key: str | None = None) -> Self:
+        """A server that answers with a cassette's turns in Messages API form."""
+        cassette = load_cassette(path)
+        replies: list[Script] = [
+            FakeReply(
+                body=anthropic_message_response(
+                    text=t.message.content,
+                    tool_uses=[(c.id, c.name, c.arguments) for c in t.message.tool_calls],
+                    input_tokens=t.usage.input_tokens - t.usage.cached_input_tokens,
+                    cache_read_input_tokens=t.usage.cached_input_tokens,
+                    output_tokens=t.usage.output_tokens,
+                    model=cassette.model.partition("/")[2],
+                )
+            )
+            for t in cassette.turns
+        ]
+        return cls(replies, api_key=api_key)
+
 
 def _handler_for(fake: _FakeModelServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):

@@ -142,7 +142,11 @@ async def post_json(
                 "POST",
                 url,
                 content=payload,
-                headers={"content-type": "application/json", "accept": "application/json"}
+                headers={
+                    "content-type": "application/json",
+                    "accept": "application/json",
+                    "user-agent": "ephemeral",
+                }
                 | headers,
             ) as resp,
         ):

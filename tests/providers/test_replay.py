@@ -12,8 +12,9 @@ import pytest
 
 from ephemeral.errors import InvalidRequest, ModelError, UnknownModel
 from ephemeral.pricing import PriceBook
-from ephemeral.providers.base import Message, ModelReply, ToolSpec
-from ephemeral.providers.fakeserver import FakeOpenAIServer
+from ephemeral.providers.anthropic import AnthropicProvider
+from ephemeral.providers.base import Message, ModelReply, Provider, ToolSpec
+from ephemeral.providers.fakeserver import FakeAnthropicServer, FakeOpenAIServer
 from ephemeral.providers.openai import OpenAIProvider
 from ephemeral.providers.replay import (
     ReplayProvider,
@@ -30,9 +31,7 @@ SAMPLE = REPO_ROOT / "recipes" / "cassettes" / "sandbox-proof.json"
 PRIMES = "2 3 5 7 11 13 17 19 23 29 31 37 41 43 47"
 
 
-async def _play(
-    provider: ReplayProvider | OpenAIProvider, tools: list[ToolSpec]
-) -> list[ModelReply]:
+async def _play(provider: Provider, tools: list[ToolSpec]) -> list[ModelReply]:
     """Drive a conversation the way the agent loop does, answering every tool call."""
     messages = [
         Message(role="system", content="You are an agent in a sandbox."),
@@ -160,7 +159,7 @@ async def test_record_then_replay_round_trip(tmp_path: Path) -> None:
     assert "Sun Nov 29" not in json.dumps(doc)  # tool output is not kept; replay reruns tools
     path = save_cassette(tmp_path, "mine", doc)
     assert path == tmp_path / "mine.json"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json"]  # noqa: ASYNC240
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json"]
 
     replies = await _play(ReplayProvider.from_file(path), [SHELL])
     assert [r.message.content for r in replies] == [None, "It is Sunday."]
@@ -221,11 +220,19 @@ def test_missing_or_invalid_cassette_is_an_unknown_model(tmp_path: Path) -> None
         load_cassette(loop)
 
 
-async def test_fake_openai_server_serves_a_cassette_like_replay_does() -> None:
-    """The HTTP path and the replay path give the loop the same replies."""
+@pytest.mark.parametrize("flavour", ["openai", "anthropic"])
+async def test_fake_servers_serve_a_cassette_like_replay_does(flavour: str) -> None:
+    """The HTTP paths and the replay path give the loop the same replies."""
     replayed = await _play(ReplayProvider.from_file(SAMPLE), [SHELL])
-    with FakeOpenAIServer.from_cassette(SAMPLE) as server:
-        served = await _play(OpenAIProvider(base_url=server.base_url, api_key=None), [SHELL])
+    provider: OpenAIProvider | AnthropicProvider
+    if flavour == "openai":
+        with FakeOpenAIServer.from_cassette(SAMPLE) as server:
+            provider = OpenAIProvider(base_url=server.base_url, api_key=None)
+            served = await _play(provider, [SHELL])
+    else:
+        with FakeAnthropicServer.from_cassette(SAMPLE) as server:
+            provider = AnthropicProvider(base_url=server.base_url, api_key=None)
+            served = await _play(provider, [SHELL])
     assert [r.message for r in served] == [r.message for r in replayed]
     assert [r.usage for r in served] == [r.usage for r in replayed]
     assert [r.stop_reason for r in served] == [r.stop_reason for r in replayed]
