@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ephemeral.cli import admin, analysis, recipes, runs, sandbox
+from ephemeral.cli import admin, analysis, recipes, runs, sandbox, serve
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 runs.register(app)
@@ -12,6 +12,7 @@ sandbox.register(app)
 admin.register(app)
 recipes.register(app)
 analysis.register(app)
+serve.register(app)
 
 
 def main() -> None:

@@ -1,0 +1,82 @@
+"""The ASGI app: ``create_app(settings, runtime=None)``.
+
+Without a runtime the app starts its own in the lifespan (warm pool and reaper included, as
+``ephemeral serve`` does); with one (tests, embedding) it uses it and leaves closing it to the
+caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+
+from ephemeral.api import problems
+from ephemeral.api.limits import BodyLimits
+from ephemeral.api.pages import pages
+from ephemeral.api.runs import router, v1
+from ephemeral.api.schemas import Problem, ProblemItem
+from ephemeral.service import Runtime
+from ephemeral.settings import Settings
+
+STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
+API_VERSION = "1.0.0"
+DESCRIPTION = (
+    "Run AI agents on untrusted code in disposable sandboxes under a hard money cap. "
+    "Errors are `application/problem+json`; money is integer micro-dollars."
+)
+
+
+def create_app(
+    settings: Settings, runtime: Runtime | None = None, *, warm_pool: bool = True
+) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if runtime is not None:
+            app.state.runtime = runtime
+            yield
+            return
+        own = await Runtime.start(settings, warm_pool=warm_pool, recover=True)
+        app.state.runtime = own
+        try:
+            yield
+        finally:
+            app.state.runtime = None
+            await own.close()
+
+    app = FastAPI(
+        title="Ephemeral", version=API_VERSION, description=DESCRIPTION, lifespan=lifespan,
+        docs_url="/docs", redoc_url=None,
+    )
+    app.state.settings = settings
+    app.state.runtime = runtime
+    app.state.isolation_cache = {}
+    problems.install(app)
+    app.add_middleware(BodyLimits)
+    app.include_router(router)
+    app.include_router(v1)
+    app.include_router(pages)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description,
+                routes=app.routes,
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components["ProblemItem"] = ProblemItem.model_json_schema()
+            problem = Problem.model_json_schema(ref_template="#/components/schemas/{model}")
+            problem.pop("$defs", None)
+            components["Problem"] = problem
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

@@ -1,0 +1,184 @@
+"""``/v1``: the public API of DESIGN §3. Thin: parse, authorise, call the runtime, render."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ephemeral import errors
+from ephemeral.api import sse
+from ephemeral.api.auth import get_runtime, principal
+from ephemeral.api.schemas import (
+    EventObject,
+    Health,
+    IsolationInfo,
+    RunObject,
+    RunPage,
+    problems,
+)
+from ephemeral.events import Event
+from ephemeral.policy import TERMINAL_STATUSES, RunRequest, RunStatus
+from ephemeral.runview import run_object
+from ephemeral.service import Runtime
+from ephemeral.store import Principal, RunRow
+
+router = APIRouter()
+v1 = APIRouter(prefix="/v1", tags=["runs"])
+
+RUN_ID_PATTERN = r"^run_[0-9a-f]{32}$"
+IDEMPOTENCY_KEY_PATTERN = r"^[\x20-\x7E]{1,255}$"
+
+Auth = Annotated[Principal, Depends(principal)]
+Rt = Annotated[Runtime, Depends(get_runtime)]
+
+
+def body_hash(request: RunRequest) -> str:
+    """sha256 of the canonical JSON of the parsed body: key order and spacing do not matter."""
+    canonical = json.dumps(
+        request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def base_url(request: Request) -> str:
+    return str(request.base_url).rstrip("/")
+
+
+def render_run(request: Request, runtime: Runtime, row: RunRow) -> dict[str, Any]:
+    obj = run_object(row, base_url(request))
+    if obj["output"] is None and row.status in TERMINAL_STATUSES:
+        # A zero-data-retention run's output is held in memory and handed out exactly once.
+        obj["output"] = runtime.take_zdr_output(row.id)
+    return obj
+
+
+@router.get("/healthz", response_model=Health, tags=["meta"])
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@v1.post(
+    "/runs",
+    status_code=201,
+    response_model=RunObject,
+    responses={
+        200: {"description": "Idempotent replay: the run this key created before "
+                             "(header `Idempotent-Replayed: true`)", "model": RunObject},
+        **problems(401, 402, 409, 413, 415, 422),
+    },
+    summary="Start a run",
+)
+async def create_run(
+    body: RunRequest,
+    request: Request,
+    who: Auth,
+    runtime: Rt,
+    idempotency_key: Annotated[
+        str | None,
+        Header(alias="Idempotency-Key", pattern=IDEMPOTENCY_KEY_PATTERN,
+               description="1-255 printable ASCII characters; same key + same body → same run"),
+    ] = None,
+) -> JSONResponse:
+    row, replayed = await runtime.submit(
+        who.org_id, body, idempotency_key=idempotency_key,
+        body_hash=body_hash(body) if idempotency_key is not None else None,
+    )
+    headers = {"Location": f"/v1/runs/{row.id}"}
+    if replayed:
+        headers["Idempotent-Replayed"] = "true"
+    return JSONResponse(
+        render_run(request, runtime, row), status_code=200 if replayed else 201, headers=headers
+    )
+
+
+@v1.get("/runs", response_model=RunPage, responses=problems(401, 422), summary="List runs")
+async def list_runs(
+    request: Request,
+    who: Auth,
+    runtime: Rt,
+    status: RunStatus | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    cursor: Annotated[str | None, Query(max_length=512)] = None,
+) -> dict[str, Any]:
+    rows, next_cursor = await runtime.store.list_runs(
+        who.org_id, status=status, limit=limit, cursor=cursor or None
+    )
+    return {"runs": [run_object(r, base_url(request)) for r in rows], "next_cursor": next_cursor}
+
+
+@v1.get("/runs/{run_id}", response_model=RunObject, responses=problems(401, 404, 422))
+async def get_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> dict[str, Any]:
+    row = await runtime.store.get_run(run_id, who.org_id)
+    return render_run(request, runtime, row)
+
+
+@v1.get(
+    "/runs/{run_id}/events",
+    response_model=list[EventObject],
+    responses={
+        200: {
+            "description": "The events as a JSON list, or with `Accept: text/event-stream` a live "
+                           "SSE stream (`id:` = seq; resumes after `Last-Event-ID`; ends after "
+                           "`run.settled`).",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        },
+        **problems(401, 404, 422),
+    },
+)
+async def get_events(
+    request: Request,
+    who: Auth,
+    runtime: Rt,
+    run_id: str,
+    after: Annotated[int, Query(ge=0, description="Only events with seq > after")] = 0,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+) -> Response:
+    await runtime.store.get_run(run_id, who.org_id)  # 404 for another org's run
+    resume = sse.parse_last_event_id(last_event_id)
+    start = max(after, resume or 0)
+    if "text/event-stream" in request.headers.get("accept", ""):
+        def render(ev: Event) -> str:
+            return sse.frame(ev.model_dump(mode="json"), id=ev.seq, event=ev.type)
+
+        return StreamingResponse(
+            sse.stream(runtime.events(run_id, start, follow=True), render),
+            media_type="text/event-stream", headers=sse.SSE_HEADERS,
+        )
+    events = [ev.model_dump(mode="json") async for ev in runtime.events(run_id, start)]
+    return JSONResponse(events)
+
+
+@v1.post("/runs/{run_id}/cancel", response_model=RunObject, responses=problems(401, 404, 409, 422))
+async def cancel_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> dict[str, Any]:
+    row = await runtime.cancel(run_id, who.org_id)
+    return run_object(row, base_url(request))
+
+
+@v1.delete("/runs/{run_id}", response_model=RunObject, responses=problems(401, 404, 409, 422),
+           summary="Erase a run's content (prompt, commands, outputs); billing stays")
+async def delete_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> dict[str, Any]:
+    row = await runtime.store.get_run(run_id, who.org_id)
+    if row.status not in TERMINAL_STATUSES:
+        await runtime.cancel(run_id, who.org_id)
+        try:
+            await runtime.wait(run_id, timeout=30)
+        except TimeoutError as exc:
+            raise errors.Conflict("the run is still stopping; retry the DELETE") from exc
+    await runtime.store.erase_content(run_id)
+    runtime.take_zdr_output(run_id)
+    return run_object(await runtime.store.get_run(run_id, who.org_id), base_url(request))
+
+
+@v1.get("/isolation", response_model=IsolationInfo, responses=problems(401), tags=["meta"])
+async def isolation(request: Request, who: Auth, runtime: Rt) -> dict[str, Any]:
+    cache = request.app.state.isolation_cache
+    if cache.get("info") is None:
+        cache["info"] = await runtime.isolation_info()
+    info: dict[str, Any] = cache["info"]
+    return info
+
+

@@ -1,0 +1,132 @@
+"""What the pages show of a run, in the product page's words (shared by the run page, the live
+stream and the sample replay so that the three cannot drift)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from markdown_it import MarkdownIt
+from markupsafe import Markup
+
+from ephemeral.events import Event
+from ephemeral.timeline import describe, usd
+
+# The output is written by the model: raw HTML stays text ("html": False) and markdown-it's
+# link validation refuses javascript:/vbscript:/data: links.
+_md = MarkdownIt("commonmark", {"html": False, "linkify": False, "typographer": False})
+MAX_SHOWN_OUTPUT_CHARS = 64_000
+
+STATUS_LABELS = {
+    "queued": "Queued", "provisioning": "Provisioning", "running": "Running",
+    "succeeded": "Succeeded", "failed": "Failed", "timed_out": "Timed out",
+    "cancelled": "Cancelled", "budget_exhausted": "Budget exhausted",
+}
+
+
+def markdown(text: str | None) -> Markup:
+    if not text:
+        return Markup("")
+    if len(text) > MAX_SHOWN_OUTPUT_CHARS:
+        text = text[:MAX_SHOWN_OUTPUT_CHARS] + "\n\n… (cut for display)"
+    return Markup(_md.render(text))
+
+
+def _parse(at: str) -> datetime:
+    return datetime.fromisoformat(at.replace("Z", "+00:00"))
+
+
+def timeline_row(ev: Event, t0: str | None = None) -> dict[str, Any]:
+    """One row of the timeline: stage and text from :func:`describe`, plus the details."""
+    stage, text = describe(ev)
+    d = ev.data
+    row: dict[str, Any] = {
+        "seq": ev.seq, "type": ev.type, "stage": stage, "text": text, "at": ev.at,
+        "offset_ms": max(0, int((_parse(ev.at) - _parse(t0)).total_seconds() * 1000)) if t0 else 0,
+        "kind": ev.type.split(".", 1)[0],
+    }
+    if ev.type == "shell.executed":
+        row["command"] = d.get("command")
+        row["stdout"] = d.get("stdout") or ""
+        row["stderr"] = d.get("stderr") or ""
+        row["exit_code"] = d.get("exit_code")
+        row["duration_ms"] = d.get("duration_ms")
+    elif ev.type == "run.output":
+        row["output_html"] = markdown(d.get("markdown"))
+        row["erased"] = d.get("markdown") is None
+    return row
+
+
+def permission_rows(policy: dict[str, Any], retention_days: int) -> list[tuple[str, str]]:
+    """The product page's "What the agent can and cannot do" table, from the stored policy."""
+    conns = policy.get("connections") or []
+    files = policy.get("files") or []
+    conn_text = "; ".join(
+        f"{c.get('name')}: {', '.join(c.get('methods') or [])} {', '.join(c.get('paths') or [])}"
+        for c in conns
+    ) or "none"
+    file_text = ", ".join(str(f.get("path")) for f in files) or "none"
+    zdr = policy.get("zero_data_retention")
+    return [
+        ("Connections", conn_text),
+        ("Web", "on" if policy.get("web") else "off"),
+        ("Shell", "on, inside a sealed machine" if policy.get("shell") else "off"),
+        ("Files", file_text),
+        ("Zero data retention",
+         "on: no content is kept" if zdr else f"off: records are kept for {retention_days} days"),
+        ("Budget", f"{usd(policy.get('max_cost_micros'))}, hard cap"),
+        ("Time limit", f"{policy.get('timeout_seconds')} seconds"),
+        ("Isolation", str(policy.get("isolation", "auto"))),
+    ]
+
+
+def money_line(run: dict[str, Any]) -> str | None:
+    """``$0.00353 charged, $0.03647 refunded (model … · web … · compute …)`` once settled."""
+    cost = run["cost"]
+    if cost.get("charged_micros") is None or run["status"] not in (
+        "succeeded", "failed", "timed_out", "cancelled", "budget_exhausted"
+    ):
+        return None
+    b = cost["breakdown"]
+    return (
+        f"{usd(cost['charged_micros'])} charged, {usd(cost['refunded_micros'])} refunded"
+        f" (model {usd(b['model_micros'])} · web {usd(b['web_micros'])}"
+        f" · compute {usd(b['compute_micros'])})"
+    )
+
+
+def headline(run: dict[str, Any]) -> str:
+    """``Succeeded · run_… · $0.00353 of $0.04``."""
+    cost = run["cost"]
+    status = STATUS_LABELS.get(run["status"], run["status"])
+    spent = cost.get("charged_micros") if money_line(run) else None
+    money = f"{usd(spent)} of {usd(cost['reserved_micros'])}" if spent is not None else (
+        f"budget {usd(cost['reserved_micros'])}")
+    return f"{status} · {run['id']} · {money}"
+
+
+def request_json(prompt: str, policy: dict[str, Any], model: str | None = None) -> dict[str, Any]:
+    """The body a client sends for this prompt and policy, with only the fields that matter
+    (the product page's request.json shape)."""
+    body: dict[str, Any] = {"prompt": prompt}
+    if model:
+        body["model"] = model
+    body["web"] = bool(policy.get("web"))
+    body["shell"] = bool(policy.get("shell", True))
+    for key in ("files", "connections"):
+        if policy.get(key):
+            body[key] = policy[key]
+    if policy.get("zero_data_retention"):
+        body["zero_data_retention"] = True
+    body["timeout_seconds"] = policy.get("timeout_seconds", 120)
+    body["max_cost_micros"] = policy.get("max_cost_micros", 40_000)
+    if policy.get("isolation", "auto") != "auto":
+        body["isolation"] = policy["isolation"]
+    return body
+
+
+CURL = """curl -X POST $EPHEMERAL_URL/v1/runs \\
+  -H "Authorization: Bearer $EPHEMERAL_API_KEY" \\
+  -H "Content-Type: application/json" \\
+  -H "Idempotency-Key: $(uuidgen)" \\
+  -d @request.json"""

@@ -1,0 +1,43 @@
+"""CLI: ``ephemeral serve``: the API, the pages, the runtime (warm pool, reaper) in one process."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ephemeral.settings import Settings
+
+DEFAULT_POOL = 2
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("serve")
+    def serve(
+        host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+        pool: Annotated[
+            int | None,
+            typer.Option(help="Warm sandboxes kept ready (default: pool_size or 2; 0 = off)."),
+        ] = None,
+    ) -> None:
+        """Serve the HTTP API and the run pages (embedded stores, Prefect, warm pool, reaper)."""
+        import uvicorn
+
+        from ephemeral.api import create_app
+
+        base = Settings.load()
+        size = pool if pool is not None else (base.pool_size or DEFAULT_POOL)
+        if not 0 <= size <= 64:
+            raise typer.BadParameter("must be between 0 and 64", param_hint="--pool")
+        settings = Settings.load(pool_size=size, host=host, port=port)
+        if settings.use_prefect:
+            from ephemeral.prefect_setup import configure
+
+            configure(settings)
+        app = create_app(settings, warm_pool=size > 0)
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="info", proxy_headers=False,
+            timeout_graceful_shutdown=10,
+        )
+        uvicorn.Server(config).run()
