@@ -92,7 +92,7 @@ def _error_text(body: bytes) -> str:
     """The provider's own error message if the body has one, else the start of the body."""
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return body[:MAX_DETAIL_CHARS].decode("utf-8", "replace")
     if isinstance(doc, dict):
         err = doc.get("error", doc)
@@ -106,7 +106,7 @@ def _error_text(body: bytes) -> str:
 def _error_code(body: bytes) -> str | None:
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
         code = doc["error"].get("code") or doc["error"].get("type")
@@ -160,8 +160,12 @@ async def post_json(
             status, resp_headers = resp.status_code, resp.headers
     except (TimeoutError, httpx.TimeoutException):
         raise TransientModelError(f"{provider}: no answer within {timeout:g} s") from None
+    except (httpx.UnsupportedProtocol, httpx.InvalidURL):
+        raise ModelError(f"{provider}: the base URL is not a valid http(s) URL") from None
     except httpx.TransportError as exc:
         raise TransientModelError(f"{provider}: connection failed ({type(exc).__name__})") from None
+    except httpx.HTTPError as exc:  # e.g. a body that fails to decode: retrying will not help
+        raise ModelError(f"{provider}: bad response ({type(exc).__name__})") from None
     latency_ms = int((time.monotonic() - started) * 1000)
     raw = b"".join(chunks)
     if status >= 400:
@@ -170,7 +174,7 @@ async def post_json(
         raise ModelError(f"{provider}: unexpected HTTP {status}")
     try:
         doc = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ModelError(f"{provider}: malformed JSON in the response") from None
     if not isinstance(doc, dict):
         raise ModelError(f"{provider}: the response is not a JSON object")

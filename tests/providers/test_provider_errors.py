@@ -202,3 +202,20 @@ async def test_script_exhausted_is_visible(flavour: Flavour) -> None:
         with pytest.raises(TransientModelError):
             await _call(flavour.provider(server.base_url))
         assert server.unexpected == 1
+
+
+async def test_hostile_bodies_are_model_errors(flavour: Flavour) -> None:
+    deep = b"[" * 200_000 + b"]" * 200_000
+    err = await _fails(flavour, FakeReply(200, deep))
+    assert not isinstance(err, TransientModelError)
+    err = await _fails(flavour, FakeReply(200, b"not gzip", {"content-encoding": "gzip"}))
+    assert not isinstance(err, TransientModelError)
+    err = await _fails(flavour, FakeReply(200, [1, 2, 3]))
+    assert "not a JSON object" in err.detail
+
+
+async def test_unusable_base_url_is_not_retried(flavour: Flavour) -> None:
+    with pytest.raises(ModelError) as info:
+        await _call(flavour.provider("ftp://127.0.0.1:1/v1"))
+    assert not isinstance(info.value, TransientModelError)
+    assert "base URL" in info.value.detail
