@@ -25,7 +25,6 @@ async def _admit(store: Store, org: Org, **kw: object):
     return await store.admit_run(**args)  # type: ignore[arg-type]
 
 
-@pytest.mark.slow
 async def test_200_concurrent_admissions_never_overdraw(store: Store) -> None:
     fits = 37
     org = await store.create_org("race")
