@@ -147,6 +147,7 @@ class PriceBook:
         self._web = web
         self._compute = compute
         self._cassettes_dir = cassettes_dir
+        self._cassette_models: dict[str, tuple[tuple[int, int], str]] = {}
         for name in models:
             self._resolve(name)  # a dangling or cyclic same_as fails at load, not at a run
 
@@ -222,18 +223,32 @@ class PriceBook:
         if price is not None:
             return price
         if model.startswith(REPLAY_PREFIX) and self._cassettes_dir is not None:
-            cassette = load_cassette(
-                cassette_path(self._cassettes_dir, model.removeprefix(REPLAY_PREFIX))
-            )
-            price = self._resolve(cassette.model)
+            recorded = self._recorded_model(model.removeprefix(REPLAY_PREFIX))
+            price = self._resolve(recorded)
             if price is not None:
                 return price
             raise _unknown(
                 model,
-                f"{model!r} replays {cassette.model!r}, which has no price in "
-                f"price book {self.version}",
+                f"{model!r} replays {recorded!r}, which has no price in price book {self.version}",
             )
         raise _unknown(model, f"{model!r} has no price in price book {self.version}")
+
+    def _recorded_model(self, cassette: str) -> str:
+        # The loop prices every turn; re-read a cassette only when its file changed.
+        assert self._cassettes_dir is not None
+        path = cassette_path(self._cassettes_dir, cassette)
+        try:
+            st = path.stat()
+            stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamp = None  # load_cassette below explains what is wrong
+        cached = self._cassette_models.get(cassette)
+        if stamp is not None and cached is not None and cached[0] == stamp:
+            return cached[1]
+        recorded = load_cassette(path).model
+        if stamp is not None:
+            self._cassette_models[cassette] = (stamp, recorded)
+        return recorded
 
     def check_model(self, model: str) -> None:
         """Refuse, at admission, a model nobody could charge for."""

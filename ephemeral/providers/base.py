@@ -95,6 +95,8 @@ class Provider(Protocol):
 
 def decode_arguments(raw: object) -> dict[str, Any]:
     """Tool-call arguments as an object; anything else is kept raw for the loop to refuse."""
+    if raw is None:  # some servers omit the arguments of a tool that takes none
+        return {}
     if isinstance(raw, dict):
         return raw
     if isinstance(raw, str):

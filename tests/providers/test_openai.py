@@ -192,3 +192,14 @@ def test_official_openai_gets_max_completion_tokens() -> None:
     assert "max_tokens" not in official
     assert local["max_tokens"] == 99
     assert "max_completion_tokens" not in local
+
+
+def test_decode_arguments_cases() -> None:
+    from ephemeral.providers.base import decode_arguments
+
+    assert decode_arguments(None) == {}
+    assert decode_arguments("") == {}
+    assert decode_arguments('{"a": 1}') == {"a": 1}
+    assert decode_arguments({"a": 1}) == {"a": 1}
+    assert decode_arguments('"just a string"') == {"_raw": '"just a string"'}
+    assert decode_arguments(42) == {"_raw": "42"}

@@ -201,3 +201,19 @@ def test_estimate_tokens_is_conservative_and_grows() -> None:
     assert estimate_tokens([], []) > 0
     # non-ASCII: UTF-8 bytes, so a CJK character counts as a whole token
     assert estimate_tokens([Message(role="user", content="沙" * 300)], []) >= 300
+
+
+def test_rerecorded_cassette_is_priced_as_its_new_model(tmp_path: Path) -> None:
+    def record(model: str) -> None:
+        (tmp_path / "mine.json").write_text(
+            f'{{"version": 1, "model": "{model}", "recorded_at": "t", "turns": []}}'
+        )
+
+    book = PriceBook.load(Settings.load(cassettes_dir=tmp_path))
+    record("openai/gpt-4o")
+    assert book.model_price("replay/mine") == BOOK.model_price("openai/gpt-4o")
+    record("anthropic/claude-opus-4-1")
+    assert book.model_price("replay/mine") == BOOK.model_price("anthropic/claude-opus-4-1")
+    (tmp_path / "mine.json").unlink()
+    with pytest.raises(UnknownModel, match="no cassette"):
+        book.check_model("replay/mine")
