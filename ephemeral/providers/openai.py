@@ -219,7 +219,8 @@ def _wire_message(m: Message) -> dict[str, Any]:
     if m.role == "tool":
         return {"role": "tool", "tool_call_id": m.tool_call_id or "", "content": m.content or ""}
     out: dict[str, Any] = {"role": m.role, "content": m.content}
-    if m.role != "assistant" and m.content is None:
+    # null content is only valid on an assistant turn that carries tool calls
+    if m.content is None and not (m.role == "assistant" and m.tool_calls):
         out["content"] = ""
     if m.tool_calls:
         out["tool_calls"] = [
