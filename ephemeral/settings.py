@@ -21,6 +21,10 @@ def _default_state_dir() -> Path:
     return Path.home() / ".local" / "state" / "ephemeral"
 
 
+def _default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "ephemeral"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EPHEMERAL_", extra="ignore", frozen=True)
 
@@ -31,6 +35,7 @@ class Settings(BaseSettings):
     # server side
     state_dir: Path = Field(default_factory=_default_state_dir)
     database_url: str | None = None
+    cache_dir: Path = Field(default_factory=_default_cache_dir)  # rebuildable: images, templates
     default_model: str = "replay/sandbox-proof"
     isolation: Isolation = "auto"
     price_book: Path | None = None
@@ -62,7 +67,7 @@ class Settings(BaseSettings):
     openrouter_base_url: str = "https://openrouter.ai/api/v1"
     anthropic_base_url: str = "https://api.anthropic.com"
 
-    @field_validator("state_dir", "images_dir", "recipes_dir", "cassettes_dir")
+    @field_validator("state_dir", "cache_dir", "images_dir", "recipes_dir", "cassettes_dir")
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()
@@ -82,7 +87,8 @@ class Settings(BaseSettings):
 
     @property
     def image_cache_dir(self) -> Path:
-        return self.state_dir / "images"
+        """Built images, keyed by the hash of their definition; shared by every state dir."""
+        return self.cache_dir / "images"
 
     @property
     def sandboxes_dir(self) -> Path:

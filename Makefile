@@ -1,0 +1,64 @@
+# Ephemeral: two commands on a fresh machine, `make demo` and `make test`; both set up what they need.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+EPH := $(VENV)/bin/ephemeral
+APT_PACKAGES := bubblewrap runsc qemu-system-x86 mmdebstrap e2fsprogs busybox-static cpio \
+                chromium postgresql
+PYTEST_ARGS ?=
+
+.PHONY: setup apt venv image prefect-template demo test bench lint fmt serve serve-prefect clean
+
+setup: apt venv image prefect-template
+
+# Debian packages: sandboxes (bubblewrap, gVisor's runsc, QEMU), the image builder, Chromium for
+# the page tests and PostgreSQL for the ledger tests. Installed only when one is missing.
+apt:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q "install ok installed" || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:" $$missing; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+# The sandbox image is cached by the hash of its definition: a second build takes seconds.
+image: venv
+	$(EPH) images build
+
+prefect-template: venv
+	$(PY) -c "from ephemeral.prefect_setup import ensure_template; from ephemeral.settings import Settings; print(ensure_template(Settings.load()))"
+
+# The product page's sample, offline (replayed model turns, real sandbox, real Prefect flow).
+demo: setup
+	$(EPH) run recipes/sandbox-proof.yaml
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) bench/sandbox.py
+	$(PY) bench/run.py
+	$(PY) bench/api.py
+	$(PY) bench/records.py
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+fmt: venv
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+serve: setup
+	$(EPH) serve
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache test-artifacts

@@ -1,0 +1,444 @@
+"""One run's agent loop, without Prefect: provision → (model step, tool steps)* → teardown → settle.
+
+Each step is a coroutine method of :class:`AgentRun`. :func:`drive` sequences them; it is the
+only place that knows the order, and it takes the step callables as a parameter so that the
+Prefect flow (``flows/agent_run.py``) wraps each step in a task while tests and
+``--no-prefect`` call the same methods directly.
+
+Deadlines are ours, not Prefect's: every model call and shell command gets the smaller of its
+own cap, the run's wall-clock deadline and the moment compute would exhaust the budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ephemeral import errors
+from ephemeral.budget import RunBudget
+from ephemeral.events import redact_for_zdr
+from ephemeral.ids import utcnow
+from ephemeral.policy import STATUS_FOR_REASON, Policy
+from ephemeral.providers.base import Message, ModelReply, ToolCall, ToolSpec, Usage
+from ephemeral.retry import call_with_retries
+
+if TYPE_CHECKING:
+    from ephemeral.pricing import PriceBook
+    from ephemeral.providers.base import Provider
+    from ephemeral.sandbox.base import Limits, Sandbox
+    from ephemeral.store import RunRow, Store
+
+log = logging.getLogger("ephemeral.run")
+
+MAX_TOKENS = 2048
+MIN_USEFUL_TOKENS = 64
+MAX_COMMAND_CHARS = 16_384
+STEP_OUTPUT_CAP = 64 * 1024  # bytes of stdout/stderr kept per shell step
+TOOL_RESULT_CHARS = 16_000  # what goes back to the model per tool result
+SHELL_TOOL = ToolSpec(
+    name="shell",
+    description=(
+        "Run a shell command (sh -c) inside the run's sealed sandbox as user `worker`, in the "
+        "scratch directory. Returns exit code, stdout and stderr."
+    ),
+    parameters={
+        "type": "object",
+        "properties": {"command": {"type": "string", "description": "The command to run."}},
+        "required": ["command"],
+        "additionalProperties": False,
+    },
+)
+
+
+class StopRun(Exception):
+    """Ends the loop with a termination reason; raised by steps, caught by :func:`drive`."""
+
+    def __init__(self, reason: str, detail: str | None = None) -> None:
+        super().__init__(detail or reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class AgentRun:
+    """Everything one run needs, built by the runtime from the stored run row."""
+
+    store: Store
+    row: RunRow
+    policy: Policy
+    model: str
+    provider: Provider
+    provider_model: str
+    price_book: PriceBook
+    acquire_sandbox: Callable[[str, Limits], Awaitable[Sandbox]]
+    limits: Limits
+    max_turns: int = 20
+    isolation: str = "auto"
+    image: str = "default"
+    budget: RunBudget = field(init=False)
+    deadline: float = field(init=False)  # monotonic
+    sandbox: Sandbox | None = None
+    messages: list[Message] = field(default_factory=list)
+    turns: list[dict[str, Any]] = field(default_factory=list)  # recorded model turns
+    usage: Usage = field(default_factory=Usage)
+    model_calls: int = 0
+    output: str | None = None
+    reason: str | None = None
+    detail: str | None = None
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        rate = self.price_book.compute_micros(
+            vcpu_seconds=self.limits.cpus, gib_seconds=self.limits.memory_mib / 1024
+        )
+        self.budget = RunBudget(
+            reserved_micros=self.row.reserved_micros, compute_micros_per_second=float(rate)
+        )
+        self.deadline = time.monotonic() + self.policy.timeout_seconds
+
+    @property
+    def run_id(self) -> str:
+        return self.row.id
+
+    @property
+    def zdr(self) -> bool:
+        return self.policy.zero_data_retention
+
+    # events ------------------------------------------------------------------------------
+    async def emit(self, type_: str, data: dict[str, Any]) -> None:
+        await self.store.append_event(
+            self.run_id, type_, redact_for_zdr(data) if self.zdr else data
+        )
+
+    def time_left(self) -> float:
+        limit = self.deadline
+        compute = self.budget.compute_deadline()
+        if compute is not None:
+            limit = min(limit, compute)
+        return limit - time.monotonic()
+
+    def _check_time(self) -> float:
+        if self.cancelled.is_set():
+            raise StopRun("cancelled", "cancelled by request")
+        left = self.time_left()
+        if left <= 0:
+            if (
+                self.budget.compute_deadline() is not None
+                and (self.budget.compute_deadline() or 0) < self.deadline
+            ):
+                raise StopRun("budget_exhausted", "compute used up the remaining budget")
+            raise StopRun("timeout", f"time limit of {self.policy.timeout_seconds} s reached")
+        return left
+
+    # steps -------------------------------------------------------------------------------
+    async def provision(self) -> None:
+        await self.store.update_run(self.run_id, status="provisioning", started_at=utcnow())
+        t0 = time.monotonic()
+        sandbox = await asyncio.wait_for(
+            self.acquire_sandbox(self.run_id, self.limits), timeout=max(1.0, self.time_left())
+        )
+        self.sandbox = sandbox
+        self.budget.sandbox_started = time.monotonic()
+        await self.store.update_run(
+            self.run_id, status="running", isolation=sandbox.isolation, sandbox_id=sandbox.id
+        )
+        boot_ms = sandbox.boot_ms or int((time.monotonic() - t0) * 1000)
+        await self.emit(
+            "sandbox.ready",
+            {"isolation": sandbox.isolation, "image": sandbox.image, "boot_ms": boot_ms},
+        )
+        for f in self.policy.files:
+            await sandbox.put_file(f.path, f.data())
+        await self.emit(
+            "worker.started",
+            {
+                "shell": self.policy.shell,
+                "web": self.policy.web,
+                "connections": [c.name for c in self.policy.connections],
+                "files": [f.path for f in self.policy.files],
+            },
+        )
+        self.messages = [
+            Message(role="system", content=self._system_prompt()),
+            Message(role="user", content=self.row.prompt or ""),
+        ]
+
+    def _system_prompt(self) -> str:
+        tools = (
+            "a `shell` tool that runs commands in a sealed sandbox"
+            if self.policy.shell
+            else ("no tools")
+        )
+        return (
+            "You are an agent working inside a disposable sandbox. You have "
+            f"{tools}. Web access is {'on' if self.policy.web else 'off'}. "
+            f"Your budget is {self.budget.reserved_micros} micro-dollars and your time limit is "
+            f"{self.policy.timeout_seconds} seconds; both are hard caps. "
+            "Answer in Markdown when done."
+        )
+
+    def tools(self) -> list[ToolSpec]:
+        return [SHELL_TOOL] if self.policy.shell else []
+
+    async def model_step(self) -> ModelReply | None:
+        """One model call. Returns the reply, or None when the loop is over (final answer)."""
+        if self.model_calls >= self.max_turns:
+            raise StopRun("model_error", f"no final answer within max_turns ({self.max_turns})")
+        left = self._check_time()
+        from ephemeral.pricing import estimate_tokens
+
+        est_in = estimate_tokens(self.messages, self.tools())
+        price = self.price_book.model_price(self.model)
+        room = self.budget.remaining() - self.price_book.worst_case(self.model, est_in, 0)
+        max_tokens = MAX_TOKENS
+        if price.output_per_mtok > 0:
+            max_tokens = min(MAX_TOKENS, room * 1_000_000 // price.output_per_mtok)
+        if max_tokens < MIN_USEFUL_TOKENS:
+            raise StopRun("budget_exhausted", "the next model call does not fit the budget")
+        worst = self.price_book.worst_case(self.model, est_in, max_tokens)
+        if not self.budget.fits(worst):
+            raise StopRun("budget_exhausted", "the next model call does not fit the budget")
+        # The budget note changes every turn, so the model always sees what is left.
+        note = Message(
+            role="user",
+            content=f"[budget left: {self.budget.remaining()} micro-dollars; "
+            f"time left: {int(left)} s]",
+        )
+        t0 = time.monotonic()
+        try:
+            reply = await call_with_retries(
+                lambda timeout: self.provider.complete(
+                    model=self.provider_model,
+                    messages=[*self.messages, note] if self.model_calls else self.messages,
+                    tools=self.tools(),
+                    max_tokens=int(max_tokens),
+                    timeout=timeout,
+                ),
+                deadline=lambda: self.time_left(),
+                cancelled=self.cancelled,
+            )
+        except errors.ModelError as exc:
+            raise StopRun("model_error", exc.detail) from exc
+        cost = self.price_book.model_cost(self.model, reply.usage)
+        # Never charge past the reservation, even if a provider over-reports usage.
+        cost = min(cost, self.budget.remaining())
+        self.budget.charged["model_micros"] += cost
+        await self.store.charge(
+            self.run_id, "model", cost, key=f"{self.run_id}:model:{self.model_calls}"
+        )
+        self.model_calls += 1
+        self.usage = Usage(
+            input_tokens=self.usage.input_tokens + reply.usage.input_tokens,
+            output_tokens=self.usage.output_tokens + reply.usage.output_tokens,
+            cached_input_tokens=self.usage.cached_input_tokens + reply.usage.cached_input_tokens,
+        )
+        latency = reply.latency_ms or int((time.monotonic() - t0) * 1000)
+        self.turns.append(
+            {
+                "message": reply.message.model_dump(),
+                "usage": reply.usage.model_dump(),
+                "latency_ms": latency,
+            }
+        )
+        await self.emit(
+            "model.called",
+            {
+                "model": self.model,
+                "input_tokens": reply.usage.input_tokens,
+                "output_tokens": reply.usage.output_tokens,
+                "cost_micros": cost,
+                "latency_ms": latency,
+            },
+        )
+        await self._maybe_warn()
+        self.messages.append(reply.message)
+        if not reply.message.tool_calls:
+            self.output = reply.message.content or ""
+            return None
+        return reply
+
+    async def tool_step(self, call: ToolCall) -> None:
+        """Run one tool call the model asked for; anything not granted answers a tool error."""
+        self._check_time()
+        if call.name == "shell" and self.policy.shell:
+            result = await self._shell(call)
+        else:
+            result = f"error: tool `{call.name}` is not available in this run (not granted)"
+        self.messages.append(Message(role="tool", tool_call_id=call.id, content=result))
+
+    async def _shell(self, call: ToolCall) -> str:
+        command = call.arguments.get("command")
+        if not isinstance(command, str) or not command.strip():
+            return "error: the shell tool takes one string argument `command`"
+        if len(command) > MAX_COMMAND_CHARS:
+            return f"error: command longer than {MAX_COMMAND_CHARS} characters"
+        assert self.sandbox is not None
+        timeout = max(0.1, min(float(self.policy.timeout_seconds), self.time_left()))
+        try:
+            res = await self.sandbox.exec(command, timeout=timeout, max_output=STEP_OUTPUT_CAP)
+        except errors.SandboxError as exc:
+            raise StopRun("sandbox_error", exc.detail) from exc
+        await self.emit(
+            "shell.executed",
+            {
+                "command": command,
+                "exit_code": res.exit_code,
+                "stdout": res.stdout,
+                "stderr": res.stderr,
+                "duration_ms": res.duration_ms,
+                "truncated": res.truncated,
+            },
+        )
+        await self._maybe_warn()
+        if res.timed_out:
+            self._check_time()  # the run's own deadline may be what stopped it
+        text = f"exit_code: {res.exit_code}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+        if res.timed_out:
+            text += "\n(the command was killed at its deadline)"
+        if len(text) > TOOL_RESULT_CHARS:
+            text = text[:TOOL_RESULT_CHARS] + "\n…(truncated)"
+        return text
+
+    async def _maybe_warn(self) -> None:
+        if self.budget.should_warn():
+            await self.emit(
+                "budget.warning",
+                {
+                    "spent_micros": self.budget.spent(),
+                    "remaining_micros": self.budget.remaining(),
+                },
+            )
+
+    async def teardown(self) -> None:
+        """Destroy the sandbox (idempotent) and charge its compute, capped at the reservation."""
+        if self.sandbox is None:
+            return
+        sandbox, self.sandbox = self.sandbox, None
+        try:
+            await sandbox.destroy()
+        finally:
+            self.budget.sandbox_stopped = time.monotonic()
+            compute = min(
+                self.budget.compute_accrued(),
+                self.budget.reserved_micros - self.budget.non_compute_spent(),
+            )
+            self.budget.charged["compute_micros"] = compute
+            await self.store.charge(self.run_id, "compute", compute, key=f"{self.run_id}:compute")
+            await self.emit(
+                "sandbox.destroyed",
+                {"lifetime_ms": int(self.budget.sandbox_seconds() * 1000)},
+            )
+
+    async def settle(self) -> RunRow:
+        """Settle the money, then publish the terminal events in the product page's order."""
+        reason = self.reason or "infra_error"
+        status = STATUS_FOR_REASON[reason]
+        settlement = await self.store.settle(self.run_id)
+        tokens = self.usage.input_tokens + self.usage.output_tokens
+        row = await self.store.update_run(
+            self.run_id,
+            status=status,
+            ended_at=utcnow(),
+            termination_reason=reason,
+            termination_detail=self.detail,
+            usage={
+                "model_calls": self.model_calls,
+                "input_tokens": self.usage.input_tokens,
+                "output_tokens": self.usage.output_tokens,
+            },
+            output=None if self.zdr else self.output,
+        )
+        await self.emit(
+            f"run.{status}",
+            {
+                "model_calls": self.model_calls,
+                "tokens": tokens,
+                "reason": reason,
+            },
+        )
+        if self.output is not None:
+            await self.emit("run.output", {"markdown": self.output})
+        await self.emit(
+            "run.settled",
+            {
+                "charged_micros": settlement.charged_micros,
+                "refunded_micros": settlement.refunded_micros,
+                "breakdown": settlement.breakdown,
+            },
+        )
+        if not self.zdr:
+            await self.store.save_transcript(self.run_id, self.turns)
+        return row
+
+
+@dataclass
+class Steps:
+    """The step callables :func:`drive` sequences; Prefect tasks or the plain methods."""
+
+    provision: Callable[[AgentRun], Awaitable[None]]
+    model_step: Callable[[AgentRun], Awaitable[ModelReply | None]]
+    tool_step: Callable[[AgentRun, ToolCall], Awaitable[None]]
+    teardown: Callable[[AgentRun], Awaitable[None]]
+    settle: Callable[[AgentRun], Awaitable[RunRow]]
+
+
+PLAIN_STEPS = Steps(
+    provision=AgentRun.provision,
+    model_step=AgentRun.model_step,
+    tool_step=AgentRun.tool_step,
+    teardown=AgentRun.teardown,
+    settle=AgentRun.settle,
+)
+
+
+def _reason_for(exc: BaseException) -> tuple[str, str]:
+    if isinstance(exc, StopRun):
+        return exc.reason, exc.detail or exc.reason
+    if isinstance(exc, errors.IsolationUnavailable | errors.SandboxError):
+        return "sandbox_error", exc.detail
+    if isinstance(exc, errors.ModelError):
+        return "model_error", exc.detail
+    if isinstance(exc, TimeoutError):
+        return "timeout", "time limit reached"
+    return "infra_error", f"{type(exc).__name__}: internal error"
+
+
+async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
+    """Run the whole loop. The sandbox is destroyed and the money settled whatever happens."""
+    try:
+        async with asyncio.timeout(max(0.0, run.deadline - time.monotonic()) + 5.0):
+            await steps.provision(run)
+            while True:
+                reply = await steps.model_step(run)
+                if reply is None:
+                    break
+                for call in reply.message.tool_calls:
+                    await steps.tool_step(run, call)
+        run.reason, run.detail = "completed", None
+    except asyncio.CancelledError:
+        run.reason, run.detail = "cancelled", "cancelled by request"
+        await _finish(run, steps)
+        raise
+    except Exception as exc:
+        run.reason, run.detail = _reason_for(exc)
+        if run.reason == "infra_error":
+            log.exception("run %s failed", run.run_id)
+        if run.output is None and run.messages and run.messages[-1].role == "assistant":
+            run.output = run.messages[-1].content
+    return await _finish(run, steps)
+
+
+async def _finish(run: AgentRun, steps: Steps) -> RunRow:
+    # Teardown and settlement must finish even if the caller is being cancelled.
+    async def finish() -> RunRow:
+        try:
+            await steps.teardown(run)
+        finally:
+            row = await steps.settle(run)
+        return row
+
+    return await asyncio.shield(finish())

@@ -1,0 +1,3 @@
+from ephemeral.cli import main
+
+main()

@@ -1,0 +1,67 @@
+"""Prefect configured for offline, quiet, fast use; called by every entry point before Prefect
+is imported.
+
+Measured here (docs/design.md §8): an empty Prefect database costs ~16 s of migrations, so a
+pre-migrated template per Prefect version is copied into each new ``PREFECT_HOME``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
+
+from ephemeral.settings import Settings
+
+_DEFAULTS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+    "PREFECT_LOGGING_LEVEL": "WARNING",
+    "PREFECT_LOGGING_TO_API_ENABLED": "false",
+    "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "false",
+}
+
+
+def template_path(settings: Settings) -> Path:
+    return settings.cache_dir / f"prefect-{version('prefect')}.db"
+
+
+def ensure_template(settings: Settings) -> Path:
+    """A migrated, empty Prefect database for this Prefect version (built once, ~16 s)."""
+    target = template_path(settings)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        env = {**os.environ, **_DEFAULTS, "PREFECT_HOME": tmp}
+        env.pop("PREFECT_API_URL", None)
+        env.pop("PREFECT_SERVER_DATABASE_CONNECTION_URL", None)
+        subprocess.run(
+            [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+        os.replace(Path(tmp) / "prefect.db", target)
+    return target
+
+
+def configure(settings: Settings) -> None:
+    """Point Prefect at our state directory with offline defaults; the user's values win."""
+    home = settings.prefect_home
+    home.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PREFECT_HOME", str(home))
+    for key, value in _DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    if os.environ.get("PREFECT_API_URL"):
+        return  # a real Prefect server: its database is its own
+    db = Path(os.environ["PREFECT_HOME"]) / "prefect.db"
+    db.parent.mkdir(parents=True, exist_ok=True)
+    if not db.exists():
+        shutil.copyfile(ensure_template(settings), db)

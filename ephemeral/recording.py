@@ -1,0 +1,144 @@
+"""Turn a settled run (its row and its event log) into the analysis records.
+
+Steps are derived from the events, not kept separately: the event log already holds every
+model call and shell command, so the records cannot disagree with the timeline.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from datetime import datetime
+from typing import Any
+
+from ephemeral.events import Event
+from ephemeral.records import EventRecord, RunRecord, StepRecord, write_run
+from ephemeral.settings import Settings
+
+
+def _dt(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def build_records(
+    row: Any, events: list[Event]
+) -> tuple[RunRecord, list[StepRecord], list[EventRecord]]:
+    policy = row.policy or {}
+    zdr = bool(policy.get("zero_data_retention"))
+    labels = row.labels or {}
+    usage = row.usage or {}
+    breakdown = row.breakdown or {}
+    duration = None
+    if row.started_at and row.ended_at:
+        duration = int((row.ended_at - row.started_at).total_seconds() * 1000)
+    run = RunRecord(
+        run_id=row.id,
+        org_id=row.org_id,
+        created_at=row.created_at,
+        started_at=row.started_at,
+        ended_at=row.ended_at,
+        status=row.status,
+        termination_reason=row.termination_reason,
+        model=row.model,
+        isolation=row.isolation,
+        recipe=labels.get("recipe"),
+        recipe_cell=json.dumps(labels["cell"], sort_keys=True) if "cell" in labels else None,
+        repeat_index=labels.get("repeat_index"),
+        suite_run_id=labels.get("suite_run_id"),
+        zero_data_retention=zdr,
+        prompt=None if zdr else row.prompt,
+        output=None if zdr else row.output,
+        model_calls=int(usage.get("model_calls", 0)),
+        input_tokens=int(usage.get("input_tokens", 0)),
+        output_tokens=int(usage.get("output_tokens", 0)),
+        reserved_micros=row.reserved_micros,
+        charged_micros=row.charged_micros or 0,
+        refunded_micros=row.refunded_micros or 0,
+        model_micros=int(breakdown.get("model_micros", 0)),
+        web_micros=int(breakdown.get("web_micros", 0)),
+        compute_micros=int(breakdown.get("compute_micros", 0)),
+        duration_ms=duration,
+        checks=json.dumps(labels["checks"]) if "checks" in labels else None,
+        host=socket.gethostname(),
+    )
+    steps: list[StepRecord] = []
+    for ev in events:
+        d = ev.data
+        if ev.type == "model.called":
+            steps.append(
+                StepRecord(
+                    run_id=row.id,
+                    seq=ev.seq,
+                    kind="model",
+                    at=_dt(ev.at),
+                    duration_ms=int(d.get("latency_ms", 0)),
+                    command=None,
+                    exit_code=None,
+                    stdout=None,
+                    stderr=None,
+                    truncated=None,
+                    model=d.get("model"),
+                    input_tokens=d.get("input_tokens"),
+                    output_tokens=d.get("output_tokens"),
+                    cost_micros=int(d.get("cost_micros", 0)),
+                )
+            )
+        elif ev.type == "shell.executed":
+            steps.append(
+                StepRecord(
+                    run_id=row.id,
+                    seq=ev.seq,
+                    kind="shell",
+                    at=_dt(ev.at),
+                    duration_ms=int(d.get("duration_ms", 0)),
+                    command=None if zdr else d.get("command"),
+                    exit_code=d.get("exit_code"),
+                    stdout=None if zdr else d.get("stdout"),
+                    stderr=None if zdr else d.get("stderr"),
+                    truncated=d.get("truncated"),
+                    model=None,
+                    input_tokens=None,
+                    output_tokens=None,
+                    cost_micros=0,
+                )
+            )
+        elif ev.type in (
+            "web.requested",
+            "web.denied",
+            "connection.requested",
+            "connection.denied",
+        ):
+            steps.append(
+                StepRecord(
+                    run_id=row.id,
+                    seq=ev.seq,
+                    kind=ev.type.split(".")[0],
+                    at=_dt(ev.at),
+                    duration_ms=0,
+                    command=None,
+                    exit_code=None,
+                    stdout=None,
+                    stderr=None,
+                    truncated=None,
+                    model=None,
+                    input_tokens=None,
+                    output_tokens=None,
+                    cost_micros=int(d.get("cost_micros", 0) or 0),
+                )
+            )
+    event_records = [
+        EventRecord(
+            run_id=row.id,
+            seq=e.seq,
+            type=e.type,
+            at=_dt(e.at),
+            data=json.dumps(e.data, sort_keys=True),
+        )
+        for e in events
+    ]
+    return run, steps, event_records
+
+
+def record_run(settings: Settings, row: Any, events: list[Event]) -> None:
+    run, steps, event_records = build_records(row, events)
+    write_run(settings.records_dir, run, steps, event_records)

@@ -1,0 +1,396 @@
+"""The runtime of one host process: admission, execution, cancellation, live events, recovery.
+
+The CLI, the API server and the Prefect flows all go through one :class:`Runtime`. It owns the
+store, the price book, the sandbox pools and the set of runs executing in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from ephemeral import errors
+from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps, drive
+from ephemeral.events import Event
+from ephemeral.ids import new_run_id, utcnow
+from ephemeral.owner import is_alive, this_process
+from ephemeral.policy import TERMINAL_STATUSES, Policy, RunRequest
+from ephemeral.pricing import PriceBook
+from ephemeral.providers.registry import provider_for
+from ephemeral.recording import record_run
+from ephemeral.sandbox.base import Limits, Sandbox
+from ephemeral.sandbox.registry import get_driver, resolve_isolation
+from ephemeral.settings import Settings
+from ephemeral.store import RunRow, Store
+
+log = logging.getLogger("ephemeral.service")
+
+EVENT_POLL_SECONDS = 0.1
+ISOLATION_LEVELS = ("microvm-kvm", "microvm-tcg", "gvisor", "namespaces")
+LOCAL_ORG = "local"
+LOCAL_ORG_CREDIT_MICROS = 100_000_000  # $100 of play money for the embedded CLI
+
+_current: Runtime | None = None
+
+
+def current() -> Runtime | None:
+    """The runtime started in this process, if any (flows run by a worker start their own)."""
+    return _current
+
+
+class Runtime:
+    def __init__(self, settings: Settings, store: Store, price_book: PriceBook) -> None:
+        self.settings = settings
+        self.store = store
+        self.price_book = price_book
+        self.owner = this_process()
+        self._running: dict[str, asyncio.Task[RunRow]] = {}
+        self._agents: dict[str, AgentRun] = {}
+        self._slots = asyncio.Semaphore(settings.max_concurrent_runs)
+        self._pools: dict[str, Any] = {}
+        self._zdr_outputs: dict[str, str] = {}
+        self._zdr_prompts: dict[str, str] = {}
+
+    # lifecycle -----------------------------------------------------------------------------
+    @classmethod
+    async def start(
+        cls, settings: Settings, *, warm_pool: bool = False, recover: bool = True
+    ) -> Runtime:
+        global _current
+        settings.state_dir.mkdir(parents=True, exist_ok=True)
+        store = await Store.open(settings.db_url)
+        runtime = cls(settings, store, PriceBook.load(settings))
+        if recover:
+            await runtime.recover()
+        if warm_pool and settings.pool_size > 0:
+            await runtime._start_pool()
+        _current = runtime
+        return runtime
+
+    async def close(self) -> None:
+        global _current
+        for task in list(self._running.values()):
+            task.cancel()
+        for task in list(self._running.values()):
+            with contextlib.suppress(BaseException):
+                await task
+        for pool in self._pools.values():
+            await pool.close()
+        await self.store.close()
+        if _current is self:
+            _current = None
+
+    async def _start_pool(self) -> None:
+        from ephemeral.sandbox.pool import WarmPool
+
+        isolation = await resolve_isolation(self.settings.isolation, self.settings)
+        pool = WarmPool(
+            get_driver(isolation, self.settings), self.settings.pool_size, self.default_limits(120)
+        )
+        await pool.start()
+        self._pools[isolation] = pool
+
+    # admission -----------------------------------------------------------------------------
+    async def local_org(self) -> str:
+        org = await self.store.ensure_org(LOCAL_ORG, initial_credit_micros=LOCAL_ORG_CREDIT_MICROS)
+        return org.id
+
+    async def admit(
+        self,
+        org_id: str,
+        request: RunRequest,
+        *,
+        idempotency_key: str | None = None,
+        body_hash: str | None = None,
+        labels: dict[str, Any] | None = None,
+    ) -> tuple[RunRow, bool]:
+        """Validate, reserve the budget and record the run ``queued``; nothing runs yet."""
+        model = request.model or self.settings.default_model
+        try:
+            provider_for(model, self.settings)
+            self.price_book.check_model(model)
+        except errors.UnknownModel as exc:
+            raise errors.UnknownModel(
+                exc.detail, errors=[{"field": "model", "message": exc.detail}]
+            ) from exc
+        policy = request.policy()
+        try:
+            await resolve_isolation(policy.isolation, self.settings)
+        except errors.IsolationUnavailable as exc:
+            raise errors.IsolationUnavailable(
+                exc.detail, errors=[{"field": "isolation", "message": exc.detail}]
+            ) from exc
+        row, replayed = await self.store.admit_run(
+            org_id=org_id,
+            run_id=new_run_id(),
+            model=model,
+            # Under zero data retention the prompt lives only in this process's memory.
+            prompt=None if policy.zero_data_retention else request.prompt,
+            policy=policy.model_dump(mode="json"),
+            labels=labels,
+            idempotency_key=idempotency_key,
+            body_hash=body_hash,
+        )
+        if not replayed:
+            if policy.zero_data_retention:
+                self._zdr_prompts[row.id] = request.prompt
+            row = await self.store.update_run(row.id, owner=self.owner)
+        return row, replayed
+
+    async def submit(self, org_id: str, request: RunRequest, **kw: Any) -> tuple[RunRow, bool]:
+        """Admit and start in the background (the API's path)."""
+        row, replayed = await self.admit(org_id, request, **kw)
+        if not replayed:
+            self.launch(row.id)
+        return row, replayed
+
+    def launch(self, run_id: str) -> asyncio.Task[RunRow]:
+        task = asyncio.get_running_loop().create_task(self.execute(run_id), name=run_id)
+        self._running[run_id] = task
+        task.add_done_callback(lambda _t: self._running.pop(run_id, None))
+        return task
+
+    # execution -----------------------------------------------------------------------------
+    def default_limits(self, timeout_seconds: int) -> Limits:
+        return Limits(lifetime_seconds=float(timeout_seconds) + 10.0)
+
+    async def build(self, run_id: str) -> AgentRun:
+        row = await self.store.get_run(run_id)
+        policy = Policy.model_validate(row.policy)
+        if policy.zero_data_retention:
+            prompt = self._zdr_prompts.pop(run_id, None)
+            if prompt is None:
+                raise errors.InvalidRequest(
+                    "a zero-data-retention run can only execute in the process that admitted it"
+                )
+            row = row.model_copy(update={"prompt": prompt})
+        provider, provider_model = provider_for(row.model, self.settings)
+        return AgentRun(
+            store=self.store,
+            row=row,
+            policy=policy,
+            model=row.model,
+            provider=provider,
+            provider_model=provider_model,
+            price_book=self.price_book,
+            acquire_sandbox=lambda owner, limits: self._acquire(policy, owner, limits),
+            limits=self.default_limits(policy.timeout_seconds),
+            max_turns=self.settings.max_turns,
+            image=self.settings.image,
+        )
+
+    async def _acquire(self, policy: Policy, owner: str, limits: Limits) -> Sandbox:
+        isolation = await resolve_isolation(policy.isolation, self.settings)
+        pool = self._pools.get(isolation)
+        if pool is not None:
+            sandbox: Sandbox = await pool.acquire(owner)
+            return sandbox
+        return await get_driver(isolation, self.settings).create(owner=owner, limits=limits)
+
+    async def execute(self, run_id: str) -> RunRow:
+        """Run to the end in this process and return the settled row."""
+        async with self._slots:
+            if self.settings.use_prefect:
+                from flows.agent_run import agent_run
+
+                await agent_run(run_id)
+                return await self.store.get_run(run_id)
+            agent = await self.build(run_id)
+            return await self.run_agent(agent)
+
+    async def run_agent(
+        self,
+        agent: AgentRun,
+        steps: Steps = PLAIN_STEPS,
+        record: Callable[[str], Awaitable[None]] | None = None,
+    ) -> RunRow:
+        """Drive one built run; the Prefect flow calls this with its task-wrapped steps."""
+        self._agents[agent.run_id] = agent
+        try:
+            row = await drive(agent, steps)
+        finally:
+            self._agents.pop(agent.run_id, None)
+        if agent.zdr and agent.output is not None:
+            self._zdr_outputs[agent.run_id] = agent.output
+        await (record or self.record)(row.id)
+        return row
+
+    async def record(self, run_id: str) -> None:
+        row = await self.store.get_run(run_id)
+        events = await self.store.list_events(run_id)
+        await asyncio.to_thread(record_run, self.settings, row, events)
+
+    def take_zdr_output(self, run_id: str) -> str | None:
+        """A zero-data-retention run's output is delivered once, then forgotten."""
+        return self._zdr_outputs.pop(run_id, None)
+
+    # control -------------------------------------------------------------------------------
+    async def cancel(self, run_id: str, org_id: str | None = None) -> RunRow:
+        row = await self.store.get_run(run_id, org_id)
+        if row.status in TERMINAL_STATUSES:
+            return row
+        agent = self._agents.get(run_id)
+        task = self._running.get(run_id)
+        if agent is not None:
+            agent.cancelled.set()
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        elif task is not None:  # admitted, waiting for a slot
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            await self._abandon(run_id, "cancelled", "cancelled by request")
+        elif is_alive(row.owner) is False or row.owner == self.owner:
+            await self._abandon(run_id, "cancelled", "cancelled by request")
+        else:
+            raise errors.Conflict("the run is executing in another process; cancel it there")
+        return await self.store.get_run(run_id)
+
+    async def wait(self, run_id: str, timeout: float | None = None) -> RunRow:
+        async with asyncio.timeout(timeout):
+            while True:
+                row = await self.store.get_run(run_id)
+                if row.status in TERMINAL_STATUSES and row.charged_micros is not None:
+                    events = await self.store.list_events(run_id)
+                    if events and events[-1].type == "run.settled":
+                        return row
+                await asyncio.sleep(EVENT_POLL_SECONDS)
+
+    async def events(
+        self, run_id: str, after_seq: int = 0, *, follow: bool = False
+    ) -> AsyncIterator[Event]:
+        """The run's events after ``after_seq``; with ``follow``, until ``run.settled``."""
+        seq = after_seq
+        while True:
+            batch = await self.store.list_events(run_id, after_seq=seq)
+            for ev in batch:
+                seq = ev.seq
+                yield ev
+                if ev.type == "run.settled":
+                    return
+            if not follow:
+                return
+            await asyncio.sleep(EVENT_POLL_SECONDS)
+
+    # recovery ------------------------------------------------------------------------------
+    async def recover(self) -> list[str]:
+        """Finish runs whose owning process died: reap their sandboxes, fail, settle, record."""
+        from ephemeral.sandbox.reaper import reap
+
+        orphans: list[RunRow] = []
+        for row in await self.store.open_runs():
+            if is_alive(row.owner) is False and row.owner != self.owner:
+                orphans.append(row)
+        orphan_ids = {r.id for r in orphans}
+
+        async def owner_alive(owner: str) -> bool:
+            if owner in orphan_ids:
+                return False
+            try:
+                row = await self.store.get_run(owner)
+            except errors.NotFound:
+                return False
+            return row.status not in TERMINAL_STATUSES and is_alive(row.owner) is not False
+
+        await reap(self.settings, is_owner_alive=owner_alive)
+        for row in orphans:
+            await self._abandon(row.id, "infra_error", "the process running this run died")
+        return sorted(orphan_ids)
+
+    async def finish_orphan(self, run_id: str, reason: str) -> None:
+        """Close a run whose process is gone (Prefect cancellation/crash hooks call this)."""
+        from ephemeral.sandbox.reaper import reap
+
+        row = await self.store.get_run(run_id)
+        if row.status in TERMINAL_STATUSES:
+            return
+
+        async def alive(owner: str) -> bool:
+            return owner != run_id
+
+        await reap(self.settings, is_owner_alive=alive)
+        detail = "cancelled by request" if reason == "cancelled" else "the run's process died"
+        await self._abandon(run_id, reason, detail)
+
+    async def _abandon(self, run_id: str, reason: str, detail: str) -> None:
+        """Close a run that has no live agent: charge compute it used, settle, record."""
+        from ephemeral.policy import STATUS_FOR_REASON
+
+        row = await self.store.get_run(run_id)
+        events = await self.store.list_events(run_id)
+        types = [e.type for e in events]
+        if "sandbox.ready" in types and "sandbox.destroyed" not in types:
+            ready = next(e for e in events if e.type == "sandbox.ready")
+            lifetime = _ms_between(ready.at, events[-1].at)
+            policy = Policy.model_validate(row.policy)
+            limits = self.default_limits(policy.timeout_seconds)
+            rate = self.price_book.compute_micros(
+                vcpu_seconds=limits.cpus, gib_seconds=limits.memory_mib / 1024
+            )
+            spent = sum((await self.store.charged(run_id)).values())
+            compute = min(rate * lifetime // 1000, row.reserved_micros - spent)
+            await self.store.charge(run_id, "compute", max(0, compute), key=f"{run_id}:compute")
+            await self.store.append_event(run_id, "sandbox.destroyed", {"lifetime_ms": lifetime})
+        settlement = await self.store.settle(run_id)
+        status = STATUS_FOR_REASON[reason]
+        usage = row.usage or {}
+        await self.store.update_run(
+            run_id,
+            status=status,
+            ended_at=utcnow(),
+            termination_reason=reason,
+            termination_detail=detail,
+        )
+        tokens = int(usage.get("input_tokens", 0)) + int(usage.get("output_tokens", 0))
+        await self.store.append_event(
+            run_id,
+            f"run.{status}",
+            {
+                "model_calls": int(usage.get("model_calls", 0)),
+                "tokens": tokens,
+                "reason": reason,
+            },
+        )
+        await self.store.append_event(
+            run_id,
+            "run.settled",
+            {
+                "charged_micros": settlement.charged_micros,
+                "refunded_micros": settlement.refunded_micros,
+                "breakdown": settlement.breakdown,
+            },
+        )
+        await self.record(run_id)
+
+    # introspection -------------------------------------------------------------------------
+    async def isolation_info(self) -> dict[str, Any]:
+        """What this host offers (probed by really starting one) and what ``auto`` picks."""
+        levels: dict[str, dict[str, Any]] = {}
+        for level in ISOLATION_LEVELS:
+            try:
+                reason = await get_driver(level, self.settings).probe()
+            except errors.EphemeralError as exc:
+                reason = exc.detail
+            levels[level] = {"available": reason is None, "reason": reason}
+        try:
+            auto: str | None = await resolve_isolation("auto", self.settings)
+        except errors.IsolationUnavailable:
+            auto = None
+        return {
+            "available": [k for k, v in levels.items() if v["available"]],
+            "auto": auto,
+            "levels": levels,
+        }
+
+
+def _ms_between(a: str, b: str) -> int:
+    from datetime import datetime
+
+    ta = datetime.fromisoformat(a.replace("Z", "+00:00"))
+    tb = datetime.fromisoformat(b.replace("Z", "+00:00"))
+    return max(0, int((tb - ta).total_seconds() * 1000))

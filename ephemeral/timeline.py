@@ -1,0 +1,87 @@
+"""One line per event, in the product page's words; shared by the CLI and the run page."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ephemeral.events import Event
+
+
+def usd(micros: int | None) -> str:
+    """Micro-dollars as dollars: at least two decimals, more when the amount needs them."""
+    if micros is None:
+        return "-"
+    text = f"{micros / 1_000_000:.6f}".rstrip("0")
+    whole, _, frac = text.partition(".")
+    return f"${whole}.{frac.ljust(2, '0')}"
+
+
+def _first_line(text: str | None, limit: int = 160) -> str:
+    if not text:
+        return ""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def describe(event: Event | dict[str, Any]) -> tuple[str, str]:
+    """(stage, text) for one event, e.g. ("Shell", "$ pwd; whoami")."""
+    ev = event if isinstance(event, Event) else Event.model_validate(event)
+    d = ev.data
+    t = ev.type
+    if t == "run.queued":
+        return "Queued", f"budget {usd(d.get('reserved_micros'))} reserved"
+    if t == "sandbox.ready":
+        return "Sandbox", f"{d.get('isolation')} ready · {d.get('boot_ms')} ms"
+    if t == "worker.started":
+        parts = [
+            f"shell {'on' if d.get('shell') else 'off'}",
+            f"web {'on' if d.get('web') else 'off'}",
+        ]
+        if d.get("connections"):
+            parts.append("connections " + ", ".join(d["connections"]))
+        if d.get("files"):
+            parts.append(f"{len(d['files'])} file(s)")
+        return "Sandbox", "worker started · " + " · ".join(parts)
+    if t == "model.called":
+        return "Model", (
+            f"{d.get('model')} · {d.get('input_tokens', 0) + d.get('output_tokens', 0):,} tokens"
+            f" · {usd(d.get('cost_micros'))} · {d.get('latency_ms')} ms"
+        )
+    if t == "shell.executed":
+        cmd = d.get("command")
+        text = (
+            f"$ {_first_line(cmd)}" if cmd is not None else f"$ ({d.get('command_bytes', 0)} bytes)"
+        )
+        return "Shell", f"{text}  → exit {d.get('exit_code')}" + (
+            " (truncated)" if d.get("truncated") else ""
+        )
+    if t in ("web.requested", "web.denied"):
+        verdict = d.get("status") if t == "web.requested" else f"denied: {d.get('reason')}"
+        return "Web", f"{d.get('method')} {d.get('url', '')} → {verdict}"
+    if t in ("connection.requested", "connection.denied"):
+        verdict = d.get("status") if t == "connection.requested" else f"denied: {d.get('reason')}"
+        return "Connection", f"{d.get('name')} {d.get('method')} {d.get('path', '')} → {verdict}"
+    if t == "budget.warning":
+        return (
+            "Budget",
+            f"80 % used · {usd(d.get('spent_micros'))} spent, "
+            f"{usd(d.get('remaining_micros'))} left",
+        )
+    if t == "sandbox.destroyed":
+        return "Sandbox", f"destroyed after {d.get('lifetime_ms', 0) / 1000:.1f} s"
+    if t.startswith("run.") and t not in ("run.output", "run.settled", "run.queued"):
+        status = t.split(".", 1)[1].replace("_", " ").capitalize()
+        return status, (
+            f"{d.get('model_calls')} model calls, {d.get('tokens', 0):,} tokens"
+            + ("" if d.get("reason") in (None, "completed") else f" · {d.get('reason')}")
+        )
+    if t == "run.output":
+        return "Output", _first_line(d.get("markdown"))
+    if t == "run.settled":
+        b = d.get("breakdown") or {}
+        return "Settled", (
+            f"{usd(d.get('charged_micros'))} charged, {usd(d.get('refunded_micros'))} refunded"
+            f" (model {usd(b.get('model_micros', 0))} · web {usd(b.get('web_micros', 0))}"
+            f" · compute {usd(b.get('compute_micros', 0))})"
+        )
+    return t, ""

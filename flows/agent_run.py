@@ -1,0 +1,78 @@
+"""The ``agent-run`` flow: reserve, provision, model and shell steps, teardown, settle, record.
+
+Only the run id is a flow parameter: Prefect's database stores parameters, and prompts and
+outputs must not land there (zero data retention would leak through it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from prefect import flow
+
+from ephemeral.agent import Steps
+from ephemeral.service import Runtime, current
+from ephemeral.settings import Settings
+from tasks.budget import reserve_budget, settle
+from tasks.record import record
+from tasks.sandbox import provision_sandbox, teardown
+from tasks.steps import model_step, shell_step
+
+PREFECT_STEPS = Steps(
+    provision=provision_sandbox,
+    model_step=model_step,
+    tool_step=shell_step,
+    teardown=teardown,
+    settle=settle,
+)
+
+
+async def _runtime() -> tuple[Runtime, bool]:
+    runtime = current()
+    if runtime is not None:
+        return runtime, False
+    # Started by a Prefect worker in a fresh process: build our own runtime.
+    return await Runtime.start(Settings.load(), recover=False), True
+
+
+def _finish_elsewhere(reason: str) -> Any:
+    """A hook for cancellation/crash. It runs in another process after the flow process is
+    gone, so it finds the run (and through it the sandbox) from persisted state only."""
+
+    def hook(flow: Any, flow_run: Any, state: Any) -> None:
+        run_id = (flow_run.parameters or {}).get("run_id")
+        if not run_id:
+            return
+
+        async def finish() -> None:
+            runtime = await Runtime.start(Settings.load(), recover=False)
+            try:
+                await runtime.finish_orphan(run_id, reason)
+            finally:
+                await runtime.close()
+
+        asyncio.run(finish())
+
+    return hook
+
+
+@flow(
+    name="agent-run",
+    flow_run_name="{run_id}",
+    persist_result=False,
+    log_prints=False,
+    on_cancellation=[_finish_elsewhere("cancelled")],
+    on_crashed=[_finish_elsewhere("infra_error")],
+)
+async def agent_run(run_id: str) -> str:
+    runtime, owned = await _runtime()
+    try:
+        agent = await reserve_budget(runtime, run_id)
+        if agent is None:
+            return (await runtime.store.get_run(run_id)).status
+        row = await runtime.run_agent(agent, PREFECT_STEPS, record=lambda rid: record(runtime, rid))
+        return row.status
+    finally:
+        if owned:
+            await runtime.close()

@@ -1,0 +1,129 @@
+"""kill -9 of the process running a run: the next start reaps the sandbox and settles the run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+
+from ephemeral.service import Runtime
+from ephemeral.settings import Settings
+from ephemeral.store import Store
+from tests.run.conftest import turn
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _sandbox_pids(settings: Settings) -> list[int]:
+    """Every pid recorded in persisted sandbox handles (whatever the driver calls them)."""
+    pids: list[int] = []
+
+    def walk(value: object) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(v, int) and "pid" in k:
+                    pids.append(v)
+                else:
+                    walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+
+    for handle in settings.sandboxes_dir.glob("*.json"):
+        walk(json.loads(handle.read_text()))
+    return pids
+
+
+async def test_kill_9_mid_run_is_recovered(
+    run_settings: Settings, make_cassette: Callable[..., str]
+) -> None:
+    model = make_cassette("crashy", [turn("sleep 1000"), turn(final="never")])
+    env = {
+        **os.environ,
+        "EPHEMERAL_STATE_DIR": str(run_settings.state_dir),
+        "EPHEMERAL_CASSETTES_DIR": str(run_settings.cassettes_dir),
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ephemeral.cli",
+            "run",
+            "--prompt",
+            "x",
+            "--model",
+            model,
+            "--timeout",
+            "300",
+            "--no-prefect",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        # Wait until the run is inside its sleep step: the sandbox is up and persisted.
+        deadline = time.monotonic() + 60
+        run_id = None
+        while time.monotonic() < deadline:
+            store = await Store.open(run_settings.db_url)
+            try:
+                rows = await store.open_runs()
+                if rows:
+                    run_id = rows[0].id
+                    if "worker.started" in [e.type for e in await store.list_events(run_id)]:
+                        break
+            finally:
+                await store.close()
+            await asyncio.sleep(0.2)
+        assert run_id, "the run never started"
+        await asyncio.sleep(0.5)
+        sandbox_pids = _sandbox_pids(run_settings)
+        assert sandbox_pids and any(_alive(p) for p in sandbox_pids)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    runtime = await Runtime.start(run_settings)  # recovery runs at start-up
+    try:
+        row = await runtime.store.get_run(run_id)
+        events = await runtime.store.list_events(run_id)
+    finally:
+        await runtime.close()
+    assert row.status == "failed"
+    assert row.termination_reason == "infra_error"
+    assert row.charged_micros + row.refunded_micros == row.reserved_micros
+    assert [e.type for e in events][-3:] == ["sandbox.destroyed", "run.failed", "run.settled"]
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in sandbox_pids) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert not any(_alive(p) for p in sandbox_pids), "sandbox processes survived the reaper"
+    assert not list(run_settings.sandboxes_dir.glob("*.json"))
+    org = await _org_reserved(run_settings)
+    assert org == 0, "the reservation is still held"
+
+
+async def _org_reserved(settings: Settings) -> int:
+    store = await Store.open(settings.db_url)
+    try:
+        return (await store.get_org("local")).reserved_micros
+    finally:
+        await store.close()

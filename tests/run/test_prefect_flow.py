@@ -1,0 +1,73 @@
+"""The run through real Prefect: a flow run per run, a task run per step, no content in Prefect."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ephemeral.policy import RunRequest
+from ephemeral.service import Runtime
+from ephemeral.settings import Settings
+from tests.run.conftest import turn
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.prefect, pytest.mark.slow]
+
+
+@pytest.fixture
+def prefect_settings(run_settings: Settings) -> Settings:
+    return Settings.load(
+        state_dir=run_settings.state_dir,
+        cassettes_dir=run_settings.cassettes_dir,
+        use_prefect=True,
+    )
+
+
+async def test_sample_runs_as_a_prefect_flow(
+    prefect_settings: Settings, make_cassette: Callable[..., str]
+) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    canary = "CANARY-prefect-91b2"
+    model = make_cassette("zdr-prefect", [turn(f"echo {canary}"), turn(final=f"{canary} done")])
+    runtime = await Runtime.start(prefect_settings)
+    try:
+        org = await runtime.local_org()
+        sample, _ = await runtime.admit(
+            org, RunRequest(prompt="sample", model="replay/sandbox-proof")
+        )
+        zdr, _ = await runtime.admit(
+            org, RunRequest(prompt=f"p {canary}", model=model, zero_data_retention=True)
+        )
+        sample = await runtime.execute(sample.id)
+        zdr = await runtime.execute(zdr.id)
+    finally:
+        await runtime.close()
+    assert sample.status == "succeeded", sample.termination_detail
+    assert zdr.status == "succeeded", zdr.termination_detail
+
+    async with get_client() as client:
+        runs = await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[sample.id]))
+        )
+        assert len(runs) == 1
+        assert runs[0].state is not None and runs[0].state.is_completed()
+        assert runs[0].parameters == {"run_id": sample.id}
+        tasks = await client.read_task_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[sample.id]))
+        )
+    names = Counter(t.name.rsplit("-", 1)[0] for t in tasks)
+    assert names["reserve_budget"] == 1
+    assert names["provision_sandbox"] == 1
+    assert names["model_step"] == 3
+    assert names["shell_step"] >= 4
+    assert names["teardown"] == 1 and names["settle"] == 1 and names["record"] == 1
+
+    prefect_home = Path(os.environ["PREFECT_HOME"])
+    for path in prefect_home.rglob("*"):
+        if path.is_file():
+            assert canary.encode() not in path.read_bytes(), path
