@@ -23,8 +23,11 @@ images_app = typer.Typer(no_args_is_help=True, help="Guest images (built with mm
 
 IsolationOpt = Annotated[
     str | None,
-    typer.Option("--isolation", "-i",
-                 help="auto, gvisor, namespaces, microvm, microvm-tcg (default: settings)."),
+    typer.Option(
+        "--isolation",
+        "-i",
+        help="auto, gvisor, namespaces, microvm, microvm-tcg (default: settings).",
+    ),
 ]
 
 
@@ -57,8 +60,9 @@ def exec_cmd(
     command: Annotated[list[str], typer.Argument(help="Command: one shell string, or an argv.")],
     isolation: IsolationOpt = None,
     timeout: Annotated[float, typer.Option(min=0.1, help="Deadline in seconds.")] = 30.0,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v",
-                                          help="Print isolation and timings.")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Print isolation and timings.")
+    ] = False,
 ) -> None:
     """Run one command in a fresh sandbox, print its output and exit with its code."""
     settings = Settings.load()
@@ -79,9 +83,11 @@ def exec_cmd(
         if res.timed_out:
             sys.stderr.write(f"[ephemeral: killed after the {timeout:g}s deadline]\n")
         if verbose:
-            sys.stderr.write(f"[ephemeral: isolation={sbx.isolation} boot={sbx.boot_ms}ms "
-                             f"exec={res.duration_ms}ms total="
-                             f"{int((time.monotonic() - t0) * 1000)}ms]\n")
+            sys.stderr.write(
+                f"[ephemeral: isolation={sbx.isolation} boot={sbx.boot_ms}ms "
+                f"exec={res.duration_ms}ms total="
+                f"{int((time.monotonic() - t0) * 1000)}ms]\n"
+            )
         return res.exit_code
 
     code = _run(go)
@@ -95,8 +101,11 @@ def shell_cmd(isolation: IsolationOpt = None) -> None:
 
     async def go() -> None:
         sbx = await _open(settings, isolation, "cli")
-        typer.echo(f"# {sbx.isolation} sandbox {sbx.id} (boot {sbx.boot_ms} ms), "
-                   f"workdir {sbx.workdir}; `exit` or Ctrl-D to destroy it", err=True)
+        typer.echo(
+            f"# {sbx.isolation} sandbox {sbx.id} (boot {sbx.boot_ms} ms), "
+            f"workdir {sbx.workdir}; `exit` or Ctrl-D to destroy it",
+            err=True,
+        )
         cwd = sbx.workdir
         try:
             while True:
@@ -109,8 +118,9 @@ def shell_cmd(isolation: IsolationOpt = None) -> None:
                 if not line.strip():
                     continue
                 # Keep `cd` across lines: run the line, then report where the shell ended up.
-                res = await sbx.exec(f"{line}\n__rc=$?; printf '\\0%s' \"$PWD\"; exit $__rc",
-                                     cwd=cwd, timeout=300)
+                res = await sbx.exec(
+                    f"{line}\n__rc=$?; printf '\\0%s' \"$PWD\"; exit $__rc", cwd=cwd, timeout=300
+                )
                 out, sep, new_cwd = res.stdout.rpartition("\0")
                 if sep:
                     cwd = new_cwd or cwd
@@ -156,11 +166,19 @@ def isolation_cmd(
 
     offered, auto, why = _run(go)
     if as_json:
-        typer.echo(json.dumps({
-            "levels": [{"isolation": k, "available": v is None, "reason": v}
-                       for k, v in offered.items()],
-            "auto": auto, "auto_error": why,
-        }, indent=2))
+        typer.echo(
+            json.dumps(
+                {
+                    "levels": [
+                        {"isolation": k, "available": v is None, "reason": v}
+                        for k, v in offered.items()
+                    ],
+                    "auto": auto,
+                    "auto_error": why,
+                },
+                indent=2,
+            )
+        )
         return
     for iso, reason in offered.items():
         mark = "yes" if reason is None else "no "
@@ -190,8 +208,10 @@ def images_list() -> None:
     for info in rows:
         mark = "*" if info.current else " "
         when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(info.built_at))
-        typer.echo(f"{mark} {info.name:<12} {info.hash[:16]}  {info.size_bytes / 1e6:7.1f} MB  "
-                   f"{when}  {info.path}")
+        typer.echo(
+            f"{mark} {info.name:<12} {info.hash[:16]}  {info.size_bytes / 1e6:7.1f} MB  "
+            f"{when}  {info.path}"
+        )
 
 
 @images_app.command("rm")

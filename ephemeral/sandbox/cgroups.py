@@ -55,14 +55,30 @@ class CgroupSet:
         self.dirs = dirs
 
     @classmethod
-    def for_id(cls, sandbox_id: str, root: Path = CGROUP_ROOT) -> CgroupSet:
+    def for_id(
+        cls, sandbox_id: str, root: Path = CGROUP_ROOT, *, all_controllers: bool = False
+    ) -> CgroupSet:
         if is_v2(root):
             return cls([root / PARENT / sandbox_id])
-        return cls([root / c / PARENT / sandbox_id for c in V1_CONTROLLERS])
+        ctrls = list(V1_CONTROLLERS)
+        if all_controllers:
+            ctrls += sorted(
+                p.name
+                for p in root.iterdir()
+                if p.name not in ctrls and (p / "cgroup.procs").is_file() and not p.is_symlink()
+            )
+        return cls([root / c / PARENT / sandbox_id for c in ctrls])
 
     @classmethod
-    def create(cls, sandbox_id: str, limits: Limits, *, memory_extra_mib: int = 0,
-               pids_extra: int = 0, root: Path = CGROUP_ROOT) -> CgroupSet:
+    def create(
+        cls,
+        sandbox_id: str,
+        limits: Limits,
+        *,
+        memory_extra_mib: int = 0,
+        pids_extra: int = 0,
+        root: Path = CGROUP_ROOT,
+    ) -> CgroupSet:
         cg = cls.for_id(sandbox_id, root)
         mem = (limits.memory_mib + memory_extra_mib) << 20
         pids = limits.pids + pids_extra

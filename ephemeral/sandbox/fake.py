@@ -47,9 +47,16 @@ class FakeSandbox:
         base = cwd or self.workdir
         return posixpath.normpath(path if path.startswith("/") else posixpath.join(base, path))
 
-    async def exec(self, command: str | list[str], *, stdin: bytes = b"",
-                   env: dict[str, str] | None = None, cwd: str | None = None,
-                   timeout: float = 30.0, max_output: int = 64 * 1024) -> ExecResult:
+    async def exec(
+        self,
+        command: str | list[str],
+        *,
+        stdin: bytes = b"",
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = 30.0,
+        max_output: int = 64 * 1024,
+    ) -> ExecResult:
         self._check()
         self.commands.append(command)
         text = command if isinstance(command, str) else shlex.join(command)
@@ -60,11 +67,13 @@ class FakeSandbox:
             res = _Shell(self, stdin, env or {}, cwd, timeout).run(text)
         out, err = res.stdout.encode(), res.stderr.encode()
         truncated = res.truncated or len(out) > max_output or len(err) > max_output
-        return res.model_copy(update={
-            "stdout": out[:max_output].decode(errors="replace"),
-            "stderr": err[:max_output].decode(errors="replace"),
-            "truncated": truncated,
-        })
+        return res.model_copy(
+            update={
+                "stdout": out[:max_output].decode(errors="replace"),
+                "stderr": err[:max_output].decode(errors="replace"),
+                "truncated": truncated,
+            }
+        )
 
     async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         self._check()
@@ -88,8 +97,9 @@ class FakeSandbox:
 class _Shell:
     """Just enough ``sh`` for scripted tests; anything else is 127, never a host call."""
 
-    def __init__(self, sbx: FakeSandbox, stdin: bytes, env: dict[str, str], cwd: str | None,
-                 timeout: float) -> None:
+    def __init__(
+        self, sbx: FakeSandbox, stdin: bytes, env: dict[str, str], cwd: str | None, timeout: float
+    ) -> None:
         self.sbx, self.stdin, self.env, self.timeout = sbx, stdin, env, timeout
         self.cwd = sbx._abs(cwd) if cwd else sbx.workdir
         self.out: list[str] = []
@@ -114,8 +124,14 @@ class _Shell:
         return self.result(code)
 
     def result(self, code: int, timed_out: bool = False) -> ExecResult:
-        return ExecResult(exit_code=code, stdout="".join(self.out), stderr="".join(self.err),
-                          duration_ms=1, truncated=False, timed_out=timed_out)
+        return ExecResult(
+            exit_code=code,
+            stdout="".join(self.out),
+            stderr="".join(self.err),
+            duration_ms=1,
+            truncated=False,
+            timed_out=timed_out,
+        )
 
     def simple(self, part: str) -> int:
         try:
@@ -127,7 +143,7 @@ class _Shell:
         for i, w in enumerate(words):
             if w in (">", ">>") and i + 1 < len(words):
                 redirect = (w, words[i + 1])
-                words = words[:i] + words[i + 2:]
+                words = words[:i] + words[i + 2 :]
                 break
         out_before = len(self.out)
         code = self.command(words)
@@ -183,8 +199,13 @@ class _Shell:
                 if p in files:
                     self.out.append(a + "\n")
                     continue
-                kids = sorted({f[len(p) + 1:].split("/")[0] for f in files
-                               if f.startswith(p.rstrip("/") + "/")})
+                kids = sorted(
+                    {
+                        f[len(p) + 1 :].split("/")[0]
+                        for f in files
+                        if f.startswith(p.rstrip("/") + "/")
+                    }
+                )
                 if kids or p in (self.cwd, "/tmp"):
                     self.out.append("".join(k + "\n" for k in kids))
                 else:

@@ -32,13 +32,23 @@ class FrameWriter(Protocol):
 
 
 class GuestClient:
-    def __init__(self, reader: p.FrameReader, writer: FrameWriter, *, label: str = "guest"):
+    def __init__(
+        self,
+        reader: p.FrameReader,
+        writer: FrameWriter,
+        *,
+        label: str = "guest",
+        exec_grace: float = EXEC_GRACE_SECONDS,
+        op_timeout: float = OP_TIMEOUT_SECONDS,
+    ):
         self._reader = reader
         self._writer = writer
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
         self._broken: errors.SandboxError | None = None
         self.label = label
+        self.exec_grace = exec_grace
+        self.op_timeout = op_timeout
         self.hello: p.Hello | None = None
 
     @property
@@ -105,18 +115,30 @@ class GuestClient:
         max_output: int = 64 * 1024,
     ) -> ExecResult:
         if isinstance(command, str):
-            req = p.ExecRequest(id=next(self._ids), shell=command, timeout=timeout,
-                                max_output=max_output, stdin=p.b64encode(stdin),
-                                env=env or {}, cwd=cwd)
+            req = p.ExecRequest(
+                id=next(self._ids),
+                shell=command,
+                timeout=timeout,
+                max_output=max_output,
+                stdin=p.b64encode(stdin),
+                env=env or {},
+                cwd=cwd,
+            )
         else:
             if not command or not all(isinstance(a, str) for a in command):
                 raise errors.InvalidRequest.field("command", "argv must be non-empty strings")
-            req = p.ExecRequest(id=next(self._ids), argv=list(command), timeout=timeout,
-                                max_output=max_output, stdin=p.b64encode(stdin),
-                                env=env or {}, cwd=cwd)
+            req = p.ExecRequest(
+                id=next(self._ids),
+                argv=list(command),
+                timeout=timeout,
+                max_output=max_output,
+                stdin=p.b64encode(stdin),
+                env=env or {},
+                cwd=cwd,
+            )
         frame_cap = min(p.MAX_FRAME, 2 * (4 * max_output // 3 + 4) + _ENVELOPE)
         try:
-            obj = await self._call(req, timeout + EXEC_GRACE_SECONDS, frame_cap)
+            obj = await self._call(req, timeout + self.exec_grace, frame_cap)
         except _GuestRefused as exc:
             raise errors.SandboxError(f"guest refused exec: {exc.kind}: {exc.message}") from None
         reply = self._checked(p.ExecReply, obj, "exec reply")
@@ -134,7 +156,7 @@ class GuestClient:
     async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         req = p.PutRequest(id=next(self._ids), path=path, data=p.b64encode(data), mode=mode)
         try:
-            obj = await self._call(req, OP_TIMEOUT_SECONDS, 64 * 1024)
+            obj = await self._call(req, self.op_timeout, 64 * 1024)
         except _GuestRefused as exc:
             raise errors.SandboxError(f"put {path}: {exc.kind}: {exc.message}") from None
         reply = self._checked(p.PutReply, obj, "put reply")
@@ -145,7 +167,7 @@ class GuestClient:
         req = p.GetRequest(id=next(self._ids), path=path, max_bytes=max_bytes)
         cap = min(p.MAX_FRAME, 4 * max_bytes // 3 + _ENVELOPE)
         try:
-            obj = await self._call(req, OP_TIMEOUT_SECONDS, cap)
+            obj = await self._call(req, self.op_timeout, cap)
         except _GuestRefused as exc:
             if exc.kind == "too_large":
                 raise errors.PayloadTooLarge(f"{path}: {exc.message}") from None
@@ -158,14 +180,14 @@ class GuestClient:
     async def reseed(self, entropy: bytes) -> bool:
         req = p.ReseedRequest(id=next(self._ids), entropy=p.b64encode(entropy))
         try:
-            obj = await self._call(req, OP_TIMEOUT_SECONDS, 4096)
+            obj = await self._call(req, self.op_timeout, 4096)
         except _GuestRefused as exc:
             raise errors.SandboxError(f"reseed: {exc.kind}: {exc.message}") from None
         return self._checked(p.ReseedReply, obj, "reseed reply").credited
 
-    async def ping(self, timeout: float = OP_TIMEOUT_SECONDS) -> None:
+    async def ping(self) -> None:
         try:
-            obj = await self._call(p.PingRequest(id=next(self._ids)), timeout, 4096)
+            obj = await self._call(p.PingRequest(id=next(self._ids)), self.op_timeout, 4096)
         except _GuestRefused as exc:
             raise errors.SandboxError(f"ping: {exc.kind}: {exc.message}") from None
         self._checked(p.EmptyReply, obj, "ping reply")

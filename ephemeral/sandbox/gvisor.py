@@ -28,29 +28,54 @@ from ephemeral.sandbox.process import ProcessSandbox, new_handle
 from ephemeral.settings import Settings
 
 # The Sentry, Gofer and ptrace stubs live in the same cgroup as the guest: headroom for them.
+# Under the ptrace platform every guest process costs ~12 host threads (measured: 100 guest
+# sleeps = 1,248 host pids), and this runsc enforces no guest-side process limit, so a guest
+# fork bomb ends when the host pids limit stops the Sentry: the sandbox dies, the host does not.
 SENTRY_MEMORY_MIB = 160
-SENTRY_PIDS = 192
+SENTRY_PIDS = 256
+HOST_PIDS_PER_GUEST_PROCESS = 12
 SMALL_TMPFS = 16 << 20
 
 
 def _tmpfs(dest: str, size: int) -> dict[str, Any]:
-    return {"destination": dest, "type": "tmpfs", "source": "tmpfs",
-            "options": ["nosuid", "nodev", "mode=1777" if dest == "/tmp" else "mode=755",
-                        f"size={size}"]}
+    return {
+        "destination": dest,
+        "type": "tmpfs",
+        "source": "tmpfs",
+        "options": [
+            "nosuid",
+            "nodev",
+            "mode=1777" if dest == "/tmp" else "mode=755",
+            f"size={size}",
+        ],
+    }
 
 
-def oci_spec(rootfs: str, agent_path: str, limits: Limits) -> dict[str, Any]:
-    home = {"destination": "/home/worker", "type": "tmpfs", "source": "tmpfs",
-            "options": ["nosuid", "nodev", "mode=755", "uid=1000", "gid=1000",
-                        f"size={SMALL_TMPFS}"]}
-    caps: dict[str, list[str]] = {k: [] for k in
-                                  ("bounding", "effective", "inheritable", "permitted", "ambient")}
+def oci_spec(rootfs: str, agent_path: str, limits: Limits, cgroups_path: str) -> dict[str, Any]:
+    home = {
+        "destination": "/home/worker",
+        "type": "tmpfs",
+        "source": "tmpfs",
+        "options": ["nosuid", "nodev", "mode=755", "uid=1000", "gid=1000", f"size={SMALL_TMPFS}"],
+    }
+    caps: dict[str, list[str]] = {
+        k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")
+    }
     return {
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False,
             "user": {"uid": 1000, "gid": 1000, "additionalGids": []},
-            "args": ["/usr/bin/python3", "-I", "-S", agent_path, "--channel", "stdio"],
+            "args": [
+                "/usr/bin/python3",
+                "-I",
+                "-S",
+                agent_path,
+                "--channel",
+                "stdio",
+                "--max-memory-mib",
+                str(limits.memory_mib),
+            ],
             "env": ["PATH=/usr/local/bin:/usr/bin:/bin", "HOME=/home/worker", "LANG=C.UTF-8"],
             "cwd": "/",
             "capabilities": caps,
@@ -61,10 +86,18 @@ def oci_spec(rootfs: str, agent_path: str, limits: Limits) -> dict[str, Any]:
         "hostname": "sandbox",
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},
-            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
-            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
-             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {
+                "destination": "/dev",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+            },
+            {
+                "destination": "/sys",
+                "type": "sysfs",
+                "source": "sysfs",
+                "options": ["nosuid", "noexec", "nodev", "ro"],
+            },
             _tmpfs("/tmp", limits.disk_mib << 20),
             _tmpfs("/run", SMALL_TMPFS),
             _tmpfs("/var/tmp", SMALL_TMPFS),
@@ -72,6 +105,10 @@ def oci_spec(rootfs: str, agent_path: str, limits: Limits) -> dict[str, Any]:
         ],
         "linux": {
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+            # Our pre-made cgroup: runsc joins it without changing its limits, and sizes the
+            # Sentry's memory from it, so a guest memory bomb fails inside the guest instead of
+            # the host OOM killer taking the whole Sentry.
+            "cgroupsPath": cgroups_path,
         },
     }
 
@@ -88,7 +125,8 @@ class GVisorDriver:
         if self._rootfs is None:
             root = await images.ensure_image(self.settings, self.settings.image)
             self._agent_path = images.load_definition(
-                images.definition_dir(self.settings, self.settings.image)).agent.path
+                images.definition_dir(self.settings, self.settings.image)
+            ).agent.path
             self._rootfs = str(root)
         return self._rootfs
 
@@ -99,19 +137,28 @@ class GVisorDriver:
         if why:
             return why
         from ephemeral.sandbox.probe import start_and_exec_true
+
         return await start_and_exec_true(self)
 
     @staticmethod
     def runsc_argv(state_root: Path, bundle: Path, container_id: str) -> list[str]:
-        return ["runsc", f"--root={state_root}", "--network=none", "--platform=ptrace",
-                "--ignore-cgroups", "run", f"--bundle={bundle}", container_id]
+        return [
+            "runsc",
+            f"--root={state_root}",
+            "--network=none",
+            "--platform=ptrace",
+            "run",
+            f"--bundle={bundle}",
+            container_id,
+        ]
 
     async def create(self, *, owner: str, limits: Limits) -> Sandbox:
         rootfs = await self._image()
         handle = new_handle(self.isolation, owner)
         run_dir = self.settings.state_dir / "run" / handle.id
         state_root, bundle = run_dir / "state", run_dir / "bundle"
-        cg = cgroups.CgroupSet.for_id(handle.id)
+        # runsc adds its own per-controller cgroups at the same path: the handle names them all
+        cg = cgroups.CgroupSet.for_id(handle.id, all_controllers=True)
         handle.cgroups = [str(d) for d in cg.dirs]
         handle.paths = [str(run_dir)]
         handle.runsc_root = str(state_root)
@@ -121,13 +168,23 @@ class GVisorDriver:
         try:
             state_root.mkdir(parents=True, mode=0o700)
             bundle.mkdir(mode=0o700)
-            spec = oci_spec(rootfs, self._agent_path, limits)
+            spec = oci_spec(rootfs, self._agent_path, limits, f"/{cgroups.PARENT}/{handle.id}")
             (bundle / "config.json").write_text(json.dumps(spec))
-            cg = cgroups.CgroupSet.create(handle.id, limits, memory_extra_mib=SENTRY_MEMORY_MIB,
-                                          pids_extra=SENTRY_PIDS)
-            sbx = ProcessSandbox(sandbox_id=handle.id, isolation=self.isolation,
-                                 image=self.settings.image, handle=handle, handle_file=hfile,
-                                 cgroups=cg, limits=limits)
+            cg = cgroups.CgroupSet.create(
+                handle.id,
+                limits,
+                memory_extra_mib=SENTRY_MEMORY_MIB,
+                pids_extra=SENTRY_PIDS + limits.pids * (HOST_PIDS_PER_GUEST_PROCESS - 1),
+            )
+            sbx = ProcessSandbox(
+                sandbox_id=handle.id,
+                isolation=self.isolation,
+                image=self.settings.image,
+                handle=handle,
+                handle_file=hfile,
+                cgroups=cg,
+                limits=limits,
+            )
             await sbx._start(self.runsc_argv(state_root, bundle, handle.id))
             return sbx
         except BaseException as exc:

@@ -25,7 +25,7 @@ def process_start_time(pid: int) -> int | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(raw[raw.rfind(")") + 2:].split()[19])
+    return int(raw[raw.rfind(")") + 2 :].split()[19])
 
 
 def pid_alive(pid: int, start_time: int | None) -> bool:

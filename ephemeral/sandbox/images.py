@@ -129,12 +129,12 @@ def built_rootfs(settings: Settings, name: str = "default") -> Path | None:
     return d / "rootfs" if (d / _MARKER).is_file() else None
 
 
-
-
 async def _run(argv: list[str], what: str) -> None:
     proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
     out, _ = await proc.communicate()
     if proc.returncode != 0:
@@ -145,18 +145,21 @@ async def _run(argv: list[str], what: str) -> None:
 def _mmdebstrap_argv(d: ImageDefinition, target: Path) -> list[str]:
     u = d.user
     argv = [
-        "mmdebstrap", "--mode=root", f"--variant={d.variant}",
-        "--aptopt=APT::Install-Recommends \"false\"",
+        "mmdebstrap",
+        "--mode=root",
+        f"--variant={d.variant}",
+        '--aptopt=APT::Install-Recommends "false"',
         "--include=" + ",".join(d.packages),
     ]
     argv += [f"--dpkgopt=path-exclude={p}" for p in d.exclude_paths]
     argv += [
-        f"--customize-hook=chroot \"$1\" groupadd -g {u.gid} {u.name}",
-        f"--customize-hook=chroot \"$1\" useradd -m -u {u.uid} -g {u.gid} -s /bin/sh {u.name}",
+        f'--customize-hook=chroot "$1" groupadd -g {u.gid} {u.name}',
+        f'--customize-hook=chroot "$1" useradd -m -u {u.uid} -g {u.gid} -s /bin/sh {u.name}',
         # apt lists and caches are dead weight in a sandbox that never installs anything
-        "--customize-hook=rm -rf \"$1\"/var/lib/apt/lists/* \"$1\"/var/cache/apt/*",
+        '--customize-hook=rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*',
         # no mirror argument: mmdebstrap uses the host's default Debian mirror
-        d.suite, str(target),
+        d.suite,
+        str(target),
     ]
     return argv
 
@@ -184,8 +187,20 @@ async def _compile_preloads(defdir: Path, d: ImageDefinition, rootfs: Path) -> N
     for item in d.preload:
         dst = rootfs / item.path.lstrip("/")
         dst.parent.mkdir(parents=True, exist_ok=True)
-        await _run(["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o", str(dst),
-                    str(defdir / item.source)], f"compile {item.source}")
+        await _run(
+            [
+                "gcc",
+                "-shared",
+                "-fPIC",
+                "-O2",
+                "-Wall",
+                "-Werror",
+                "-o",
+                str(dst),
+                str(defdir / item.source),
+            ],
+            f"compile {item.source}",
+        )
         dst.chmod(0o755)
     (rootfs / "etc" / "ld.so.preload").write_text("".join(p.path + "\n" for p in d.preload))
 
@@ -229,8 +244,13 @@ async def ensure_image(settings: Settings, name: str = "default") -> Path:
             return out / "rootfs"
         base = await _ensure_base(settings, d)
         await _assemble(defdir, d, base, out)
-        meta = {"name": name, "hash": digest, "built_at": time.time(),
-                "agent_path": d.agent.path, "user": d.user.model_dump()}
+        meta = {
+            "name": name,
+            "hash": digest,
+            "built_at": time.time(),
+            "agent_path": d.agent.path,
+            "user": d.user.model_dump(),
+        }
         (out / _MARKER).write_text(json.dumps(meta, indent=1))
     return out / "rootfs"
 
@@ -277,16 +297,23 @@ def list_images(settings: Settings) -> list[ImageInfo]:
             current = image_dir(settings, name) == marker.parent
         except errors.InvalidRequest:
             current = False
-        out.append(ImageInfo(
-            name=name, hash=str(meta.get("hash", "")), path=marker.parent,
-            rootfs=marker.parent / "rootfs", built_at=float(meta.get("built_at", 0)),
-            size_bytes=_du(marker.parent), current=current,
-        ))
+        out.append(
+            ImageInfo(
+                name=name,
+                hash=str(meta.get("hash", "")),
+                path=marker.parent,
+                rootfs=marker.parent / "rootfs",
+                built_at=float(meta.get("built_at", 0)),
+                size_bytes=_du(marker.parent),
+                current=current,
+            )
+        )
     return out
 
 
-def remove_images(settings: Settings, name: str, *, all_versions: bool = True,
-                  include_base: bool = False) -> list[Path]:
+def remove_images(
+    settings: Settings, name: str, *, all_versions: bool = True, include_base: bool = False
+) -> list[Path]:
     """Delete cached builds of ``name`` (every version, or only stale ones); returns what went."""
     removed: list[Path] = []
     for info in list_images(settings):

@@ -40,7 +40,8 @@ class NamespacesDriver:
         if self._rootfs is None:
             root = await images.ensure_image(self.settings, self.settings.image)
             self._agent_path = images.load_definition(
-                images.definition_dir(self.settings, self.settings.image)).agent.path
+                images.definition_dir(self.settings, self.settings.image)
+            ).agent.path
             self._rootfs = str(root)
         return self._rootfs
 
@@ -51,25 +52,61 @@ class NamespacesDriver:
         if why:
             return why
         from ephemeral.sandbox.probe import start_and_exec_true
+
         return await start_and_exec_true(self)
 
     def argv(self, rootfs: str, limits: Limits, seccomp_fd: int) -> list[str]:
         disk = limits.disk_mib << 20
         argv = [
-            "bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
-            "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--uid", "1000", "--gid", "1000", "--hostname", "sandbox",
-            "--ro-bind", rootfs, "/", "--proc", "/proc", "--dev", "/dev",
-            "--size", str(disk), "--tmpfs", "/tmp",
+            "bwrap",
+            "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",
+            "--die-with-parent",
+            "--new-session",
+            "--as-pid-1",
+            "--cap-drop",
+            "ALL",
+            "--uid",
+            "1000",
+            "--gid",
+            "1000",
+            "--hostname",
+            "sandbox",
+            "--ro-bind",
+            rootfs,
+            "/",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--size",
+            str(disk),
+            "--tmpfs",
+            "/tmp",
         ]
         for path in ("/run", "/var/tmp", "/home/worker", "/dev/shm"):
             argv += ["--size", str(SMALL_TMPFS), "--tmpfs", path]
         argv += [
-            "--chdir", "/", "--clearenv",
-            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
-            "--setenv", "HOME", "/home/worker", "--setenv", "LANG", "C.UTF-8",
-            "--seccomp", str(seccomp_fd),
-            "--", *AGENT_ARGV, self._agent_path, "--channel", "stdio",
+            "--chdir",
+            "/",
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            "/usr/local/bin:/usr/bin:/bin",
+            "--setenv",
+            "HOME",
+            "/home/worker",
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
+            "--seccomp",
+            str(seccomp_fd),
+            "--",
+            *AGENT_ARGV,
+            self._agent_path,
+            "--channel",
+            "stdio",
         ]
         return argv
 
@@ -85,9 +122,15 @@ class NamespacesDriver:
             os.write(fd, seccomp.program())
             os.lseek(fd, 0, os.SEEK_SET)
             cg = cgroups.CgroupSet.create(handle.id, limits)
-            sbx = ProcessSandbox(sandbox_id=handle.id, isolation=self.isolation,
-                                 image=self.settings.image, handle=handle, handle_file=hfile,
-                                 cgroups=cg, limits=limits)
+            sbx = ProcessSandbox(
+                sandbox_id=handle.id,
+                isolation=self.isolation,
+                image=self.settings.image,
+                handle=handle,
+                handle_file=hfile,
+                cgroups=cg,
+                limits=limits,
+            )
             await sbx._start(self.argv(rootfs, limits, fd), pass_fds=[fd])
             return sbx
         except BaseException as exc:
@@ -101,4 +144,3 @@ class NamespacesDriver:
         finally:
             with contextlib.suppress(OSError):
                 os.close(fd)
-

@@ -56,8 +56,9 @@ def runtime_version(isolation: str) -> str:
         return "unknown"
 
 
-async def cached_probe(driver: SandboxDriver, settings: Settings, *, fresh: bool = False) -> (
-        str | None):
+async def cached_probe(
+    driver: SandboxDriver, settings: Settings, *, fresh: bool = False
+) -> str | None:
     from ephemeral.sandbox import images
 
     version = await asyncio.to_thread(runtime_version, driver.isolation)
@@ -75,8 +76,12 @@ async def cached_probe(driver: SandboxDriver, settings: Settings, *, fresh: bool
     except (OSError, ValueError):
         cache = {}
     entry = cache.get(driver.isolation)
-    if (not fresh and isinstance(entry, dict) and entry.get("key") == key[1]
-            and time.time() - float(str(entry.get("at", 0))) < CACHE_TTL_SECONDS):
+    if (
+        not fresh
+        and isinstance(entry, dict)
+        and entry.get("key") == key[1]
+        and time.time() - float(str(entry.get("at", 0))) < CACHE_TTL_SECONDS
+    ):
         reason = entry.get("reason")
         _memo[key] = reason if isinstance(reason, str) else None
         return _memo[key]

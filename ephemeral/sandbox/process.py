@@ -26,9 +26,18 @@ HELLO_TIMEOUT = 20.0
 
 
 class ProcessSandbox:
-    def __init__(self, *, sandbox_id: str, isolation: str, image: str, handle: Handle,
-                 handle_file: Path, cgroups: CgroupSet | None, limits: Limits,
-                 cleanup: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        sandbox_id: str,
+        isolation: str,
+        image: str,
+        handle: Handle,
+        handle_file: Path,
+        cgroups: CgroupSet | None,
+        limits: Limits,
+        cleanup: Callable[[], None] | None = None,
+    ) -> None:
         self.id = sandbox_id
         self.isolation = isolation
         self.image = image
@@ -58,9 +67,16 @@ class ProcessSandbox:
             join += " && "
         script = join + 'exec "$@"'
         self._proc = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", script, "sh", *argv,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True, pass_fds=tuple(pass_fds),
+            "/bin/sh",
+            "-c",
+            script,
+            "sh",
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            pass_fds=tuple(pass_fds),
             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
         )
         self._handle.pgid = self._proc.pid
@@ -122,11 +138,19 @@ class ProcessSandbox:
             raise errors.SandboxError(f"sandbox {self.id} is destroyed")
         return self._client
 
-    async def exec(self, command: str | list[str], *, stdin: bytes = b"",
-                   env: dict[str, str] | None = None, cwd: str | None = None,
-                   timeout: float = 30.0, max_output: int = 64 * 1024) -> ExecResult:
-        return await self._guest().exec(command, stdin=stdin, env=env, cwd=cwd,
-                                        timeout=timeout, max_output=max_output)
+    async def exec(
+        self,
+        command: str | list[str],
+        *,
+        stdin: bytes = b"",
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = 30.0,
+        max_output: int = 64 * 1024,
+    ) -> ExecResult:
+        return await self._guest().exec(
+            command, stdin=stdin, env=env, cwd=cwd, timeout=timeout, max_output=max_output
+        )
 
     async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         await self._guest().put_file(path, data, mode)
@@ -169,6 +193,10 @@ class ProcessSandbox:
 
 def new_handle(driver: str, owner: str, sandbox_id: str | None = None) -> Handle:
     return Handle(
-        id=sandbox_id or ids.new_id("sbx"), driver=driver, owner=owner, host_pid=os.getpid(),
-        host_start_time=handles.process_start_time(os.getpid()), created_at=time.time(),
+        id=sandbox_id or ids.new_id("sbx"),
+        driver=driver,
+        owner=owner,
+        host_pid=os.getpid(),
+        host_start_time=handles.process_start_time(os.getpid()),
+        created_at=time.time(),
     )

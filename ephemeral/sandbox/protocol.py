@@ -178,8 +178,7 @@ async def read_frame(
         raise errors.SandboxError(f"guest agent silent for {timeout:.1f}s") from None
     except asyncio.IncompleteReadError as exc:
         raise errors.SandboxError(
-            "guest agent closed the channel"
-            + (" mid-frame" if exc.partial else "")
+            "guest agent closed the channel" + (" mid-frame" if exc.partial else "")
         ) from None
     except (ConnectionError, OSError) as exc:
         raise errors.SandboxError(f"guest channel failed: {exc}") from exc

@@ -26,27 +26,32 @@ def get_driver(isolation: str, settings: Settings) -> SandboxDriver:
     name = ALIASES.get(isolation, isolation)
     if name == "namespaces":
         from ephemeral.sandbox.namespaces import NamespacesDriver
+
         return NamespacesDriver(settings)
     if name == "gvisor":
         from ephemeral.sandbox.gvisor import GVisorDriver
+
         return GVisorDriver(settings)
     if name in ("microvm-kvm", "microvm-tcg"):
         if not microvm_available():
             raise errors.IsolationUnavailable(f"{name}: the microVM driver is not installed")
         from ephemeral.sandbox.microvm import MicroVMDriver
+
         return MicroVMDriver(settings, accel="kvm" if name == "microvm-kvm" else "tcg")
     if name == FAKE:
         from ephemeral.sandbox.fake import FakeDriver
+
         return FakeDriver()
     raise errors.InvalidRequest.field(
-        "isolation", f"unknown isolation {isolation!r}; one of auto, microvm, "
-        + ", ".join(ALL_ISOLATIONS)
+        "isolation",
+        f"unknown isolation {isolation!r}; one of auto, microvm, " + ", ".join(ALL_ISOLATIONS),
     )
 
 
 async def probe_level(isolation: str, settings: Settings, *, fresh: bool = False) -> str | None:
     """None if ``isolation`` runs here, else why not (cached)."""
     from ephemeral.sandbox.probe import cached_probe
+
     try:
         driver = get_driver(isolation, settings)
     except errors.IsolationUnavailable as exc:

@@ -219,19 +219,26 @@ def reap_zombies(exclude=()):
                 pass
 
 
-def kill_group(sid):
-    """Kill the command's process group and every orphan of it that re-parented to us."""
-    for _ in range(3):
+def kill_group(sid, preexisting):
+    """Kill the command's process group and everything it left behind: as a subreaper we
+    inherit its orphans (even ones that called setsid), and any child of ours that did not
+    exist before the command started is one of them."""
+    deadline = time.monotonic() + 2.0
+    while True:
         try:
             os.killpg(sid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        for pid, st in children_of_me():
-            if pid != sid and (st[1] == sid or st[2] == sid) and st[3] != "Z":
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        targets = [pid for pid, st in children_of_me()
+                   if st[3] != "Z" and (st[1] == sid or st[2] == sid or pid not in preexisting)]
+        for pid in targets:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        reap_zombies(exclude=(sid,))
+        if not targets or time.monotonic() > deadline:
+            return
         time.sleep(0.005)
 
 
@@ -401,6 +408,18 @@ class Agent:
                 pass
 
 
+RLIMIT_AS_BYTES = None  # set by --max-memory-mib
+
+
+def _prepare_child():
+    # Runs in the child between fork and exec: per-command address-space cap (gVisor's Sentry
+    # would otherwise grow until the host OOM killer takes the whole sandbox), then drop root.
+    if RLIMIT_AS_BYTES:
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (RLIMIT_AS_BYTES, RLIMIT_AS_BYTES))
+    _demote()
+
+
 def _demote():
     if is_root():
         os.setgroups([])
@@ -411,11 +430,12 @@ def _demote():
 def run_command(argv, stdin, env, cwd, timeout, cap):
     started = time.monotonic()
     deadline = started + timeout
+    preexisting = {pid for pid, _st in children_of_me()}
     try:
         proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=env, cwd=cwd, start_new_session=True, close_fds=True,
-            preexec_fn=_demote if is_root() else None,
+            preexec_fn=_prepare_child if (is_root() or RLIMIT_AS_BYTES) else None,
         )
     except FileNotFoundError:
         return _result(127, b"", ("%s: command not found\n" % argv[0]).encode(), False, False,
@@ -470,14 +490,14 @@ def run_command(argv, stdin, env, cwd, timeout, cap):
             if len(chunk) > room:
                 truncated = True
     if timed_out:
-        kill_group(proc.pid)
+        kill_group(proc.pid, preexisting)
     else:
         # The pipes closed; the command may still be running (it closed its fds): wait for it.
         try:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
-            kill_group(proc.pid)
+            kill_group(proc.pid, preexisting)
     if timed_out:
         proc.wait()
     for f in (proc.stdin, proc.stdout, proc.stderr):
@@ -513,6 +533,7 @@ def make_workdir():
 
 
 def parse_args(argv):
+    global RLIMIT_AS_BYTES
     channel = "stdio"
     i = 0
     while i < len(argv):
@@ -523,8 +544,12 @@ def parse_args(argv):
         elif a.startswith("--channel="):
             channel = a.split("=", 1)[1]
             i += 1
+        elif a == "--max-memory-mib" and i + 1 < len(argv) and argv[i + 1].isdigit():
+            RLIMIT_AS_BYTES = int(argv[i + 1]) << 20
+            i += 2
         else:
-            raise SystemExit("usage: agent.py [--channel stdio|virtio:<port-name>]")
+            raise SystemExit("usage: agent.py [--channel stdio|virtio:<port-name>] "
+                             "[--max-memory-mib N]")
     return channel
 
 
