@@ -90,7 +90,9 @@ async def test_wrong_content_type_is_415(http: httpx.AsyncClient, member: Member
     assert_problem(r, 415, ["Content-Type"])
 
 
-async def test_oversized_body_is_413_before_parsing(http: httpx.AsyncClient, member: Member) -> None:
+async def test_oversized_body_is_413_before_parsing(
+    http: httpx.AsyncClient, member: Member
+) -> None:
     blob = base64.b64encode(b"\0" * (MAX_API_BODY_BYTES * 3 // 4 + 1024)).decode()
     body = {**SAMPLE_BODY, "files": [{"path": "big.bin", "content_base64": blob}]}
     r = await http.post("/v1/runs", json=body, headers=member.headers)

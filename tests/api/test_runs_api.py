@@ -82,7 +82,8 @@ async def test_sse_stream_follows_live_and_resumes_from_last_event_id(
     r2 = await http.get(f"/v1/runs/{run['id']}/events",
                         headers={**headers, "Last-Event-ID": str(resume_at)})
     resumed = parse_sse(r2.text)
-    assert [f[2]["seq"] for f in resumed] == [f[2]["seq"] for f in frames if f[2]["seq"] > resume_at]
+    expected = [f[2]["seq"] for f in frames if f[2]["seq"] > resume_at]
+    assert [f[2]["seq"] for f in resumed] == expected
 
     bad = await http.get(f"/v1/runs/{run['id']}/events",
                          headers={**headers, "Last-Event-ID": "seven"})
