@@ -504,12 +504,13 @@ class MicroVMDriver:
             why = kvm_unavailable_reason()
             if why:
                 return f"microvm-kvm: {why}"
-        try:
-            why = await self.boot_probe()
-        except errors.EphemeralError as exc:
-            return f"{self.isolation}: {exc.detail}"
-        if why:
-            return f"{self.isolation}: {why}"
+            # Fail in seconds, without building an image, where /dev/kvm cannot run the kernel.
+            try:
+                why = await self.boot_probe()
+            except errors.EphemeralError as exc:
+                return f"{self.isolation}: {exc.detail}"
+            if why:
+                return f"{self.isolation}: {why}"
         from ephemeral.sandbox.probe import start_and_exec_true
         return await start_and_exec_true(self)
 

@@ -13,6 +13,7 @@ which needs a running VM.
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import hashlib
 import io
@@ -122,9 +123,14 @@ def ensure_kernel(settings: Settings) -> Kernel:
         shutil.move(unpacked / "lib" / "modules", staged / "lib" / "modules")
         (staged / "version").write_text(version + "\n")
         (staged / "done").write_text(package + "\n")
-        if target.exists():
+        if target.exists() and not (target / "done").exists():
             shutil.rmtree(target)
-        staged.rename(target)
+        try:
+            staged.rename(target)
+        except OSError:
+            if not (target / "done").exists():
+                raise
+            # another process finished the same fetch first
     return _kernel_in(target)
 
 
@@ -273,8 +279,17 @@ def ensure_boot_artifacts(
     defn = definition_dir(settings, image)
     if not (defn / "stage0-init.sh").is_file():
         raise SandboxError(f"microvm: {defn}/stage0-init.sh is missing")
-    kernel = ensure_kernel(settings)
     cache = microvm_cache(settings)
+    cache.mkdir(parents=True, exist_ok=True)
+    # Several processes (test sessions, the API server) may build the same artifacts at once.
+    with (cache / ".build.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _ensure_locked(settings, image, rootfs, image_hash, defn, cache)
+
+
+def _ensure_locked(settings: Settings, image: str, rootfs: Path, image_hash: str, defn: Path,
+                   cache: Path) -> BootArtifacts:
+    kernel = ensure_kernel(settings)
 
     initrd_bytes = build_initramfs(kernel, defn)
     initrd_key = _digest(initrd_bytes)
@@ -289,5 +304,28 @@ def ensure_boot_artifacts(
     if not ext4.exists():
         ext4.parent.mkdir(parents=True, exist_ok=True)
         build_ext4(rootfs, ext4)
+        prune_stale(settings, image, keep=ext4)
     key = _digest(image, image_hash, kernel.version, initrd_key)
     return BootArtifacts(kernel=kernel, initrd=initrd, rootfs_ext4=ext4, key=key)
+
+
+def prune_stale(settings: Settings, image: str, *, keep: Path) -> list[Path]:
+    """Drop older ext4 builds of ``image`` and the snapshots made from them (~300 MB each).
+
+    A running VM keeps its open files, so this is safe while old sandboxes still run."""
+    cache = microvm_cache(settings)
+    removed: list[Path] = []
+    stale = [p for p in (cache / "rootfs").glob(f"{image}-*.ext4") if p != keep]
+    for p in stale:
+        p.unlink(missing_ok=True)
+        removed.append(p)
+    names = {str(p) for p in stale}
+    for argv_file in (cache / "snapshots").glob("*/argv.json"):
+        try:
+            text = argv_file.read_text()
+        except OSError:
+            continue
+        if any(n in text for n in names):
+            shutil.rmtree(argv_file.parent, ignore_errors=True)
+            removed.append(argv_file.parent)
+    return removed
