@@ -17,6 +17,7 @@ import fcntl
 import gzip
 import hashlib
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -299,6 +300,7 @@ def _ensure_locked(settings: Settings, image: str, rootfs: Path, image_hash: str
         tmp = initrd.with_name(initrd.name + ".tmp")
         tmp.write_bytes(initrd_bytes)
         tmp.rename(initrd)
+        prune_stale(settings, image, keep=initrd)
 
     ext4 = cache / "rootfs" / f"{image}-{image_hash}.ext4"
     if not ext4.exists():
@@ -310,22 +312,30 @@ def _ensure_locked(settings: Settings, image: str, rootfs: Path, image_hash: str
 
 
 def prune_stale(settings: Settings, image: str, *, keep: Path) -> list[Path]:
-    """Drop older ext4 builds of ``image`` and the snapshots made from them (~300 MB each).
+    """Drop older ext4 builds of ``image``, older initramfs files and every snapshot made from a
+    file that is gone (~100-300 MB each).
 
     A running VM keeps its open files, so this is safe while old sandboxes still run."""
     cache = microvm_cache(settings)
     removed: list[Path] = []
     stale = [p for p in (cache / "rootfs").glob(f"{image}-*.ext4") if p != keep]
+    if keep.name.startswith("stage0-"):
+        stale = [p for p in (cache / "initrd").glob("stage0-*.cpio.gz") if p != keep]
     for p in stale:
         p.unlink(missing_ok=True)
         removed.append(p)
-    names = {str(p) for p in stale}
     for argv_file in (cache / "snapshots").glob("*/argv.json"):
         try:
-            text = argv_file.read_text()
-        except OSError:
+            argv = json.loads(argv_file.read_text())
+        except (OSError, ValueError):
             continue
-        if any(n in text for n in names):
-            shutil.rmtree(argv_file.parent, ignore_errors=True)
-            removed.append(argv_file.parent)
+        for value in argv:
+            for part in str(value).replace(",", "=").split("="):
+                if part.startswith(str(cache)) and not Path(part).exists():
+                    shutil.rmtree(argv_file.parent, ignore_errors=True)
+                    removed.append(argv_file.parent)
+                    break
+            else:
+                continue
+            break
     return removed
