@@ -253,8 +253,8 @@ def _sample_run(sample: samples.Sample) -> dict[str, Any]:
 # -- playground -----------------------------------------------------------------------------------
 
 def _playground_defaults(request: Request, sample_name: str | None) -> dict[str, Any]:
-    values: dict[str, Any] = {"prompt": "", "web": False, "shell": True, "timeout": "120",
-                              "budget": "0.04"}
+    values: dict[str, Any] = {"prompt": "", "model": "", "web": False, "shell": True,
+                              "timeout": "120", "budget": "0.04"}
     if sample_name:
         try:
             sample = samples.load_sample(get_runtime(request).settings, sample_name)
@@ -292,7 +292,8 @@ def _request_from_form(form: dict[str, str]) -> RunRequest:
         raise errors.InvalidRequest.field("timeout", "must be a whole number of seconds")
     try:
         return RunRequest(
-            prompt=form.get("prompt", ""), web=form.get("web") == "on",
+            prompt=form.get("prompt", ""), model=form.get("model", "").strip() or None,
+            web=form.get("web") == "on",
             shell=form.get("shell") == "on", timeout_seconds=int(timeout),
             max_cost_micros=_budget_micros(form.get("budget", "")),
         )
@@ -313,7 +314,8 @@ async def playground_submit(request: Request) -> Response:
                       detail="cross-site form submission refused")
     runtime = get_runtime(request)
     form = await _form(request)
-    values = {"prompt": form.get("prompt", ""), "web": form.get("web") == "on",
+    values = {"prompt": form.get("prompt", ""), "model": form.get("model", ""),
+              "web": form.get("web") == "on",
               "shell": form.get("shell") == "on", "timeout": form.get("timeout", ""),
               "budget": form.get("budget", "")}
     token = form.get("token") or secrets.token_hex(16)

@@ -47,6 +47,11 @@ def api_settings(tmp_path: Path, cassettes: Path) -> Settings:
         turn("echo hello; whoami"),
         turn(final="## Done\n\nRan `whoami`. <script>alert(1)</script>"),
     ])
+    write_cassette(cassettes, "api-live", [
+        turn("echo starting"),
+        turn("sleep 2; echo still here"),
+        turn(final="**Finished** after a short wait."),
+    ])
     write_cassette(cassettes, "api-slow", [
         turn("sleep 30"),
         turn(final="slept"),

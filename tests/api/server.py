@@ -34,7 +34,12 @@ class LiveServer:
             finally:
                 await store.close()
 
-        return asyncio.run(make())
+        # In a thread of its own: the caller may be inside a running loop (Playwright's sync API).
+        result: list[str] = []
+        worker = threading.Thread(target=lambda: result.append(asyncio.run(make())))
+        worker.start()
+        worker.join(60)
+        return result[0]
 
 
 @contextlib.contextmanager
