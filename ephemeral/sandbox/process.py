@@ -171,14 +171,14 @@ class ProcessSandbox:
             # Everything the handle names, in the order that cannot leave orphans: kill the
             # process group and the cgroup's members, reap, then remove cgroups and files.
             await asyncio.to_thread(self._kill)
-            if self._proc is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    await self._proc.wait()
             if self._stderr_task is not None:
+                # the runtime's last words, for diagnostics; never wait long for them
                 with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                    await asyncio.wait_for(self._stderr_task, 2.0)
-            if self._proc is not None and self._proc.stdout is not None:
-                self._proc.stdout.feed_eof()
+                    await asyncio.wait_for(self._stderr_task, 0.5)
+            if self._proc is not None:
+                close_pipes(self._proc)
+                with contextlib.suppress(ProcessLookupError, TimeoutError):
+                    await asyncio.wait_for(self._proc.wait(), 10.0)
             if self._cleanup is not None:
                 await asyncio.to_thread(self._cleanup)
             await asyncio.to_thread(handles.teardown, self._handle, self._handle_file)
@@ -189,6 +189,18 @@ class ProcessSandbox:
                 os.killpg(self._handle.pgid, 9)
         if self._cgroups is not None:
             self._cgroups.kill_all()
+
+
+def close_pipes(proc: asyncio.subprocess.Process) -> None:
+    """Close our ends of the child's pipes. A guest that flooded stdout leaves the reader paused
+    with the pipe full; until it is closed, ``wait()`` never completes."""
+    transport = getattr(proc, "_transport", None)
+    if transport is None:
+        return
+    for fd in (0, 1, 2):
+        pipe = transport.get_pipe_transport(fd)
+        if pipe is not None:
+            pipe.close()
 
 
 def new_handle(driver: str, owner: str, sandbox_id: str | None = None) -> Handle:

@@ -1,0 +1,106 @@
+"""A lying, broken or silent guest agent, for the host side's hostility tests.
+
+Usage: python hostile_agent.py MODE. Speaks the real framing on stdin/stdout, then misbehaves.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+import time
+
+HELLO = {
+    "type": "hello",
+    "protocol": 1,
+    "workdir": "/tmp/ephemeral-run-abc123/scratch",
+    "pid": 7,
+    "uid": 1000,
+}
+
+
+def send(obj: object) -> None:
+    body = json.dumps(obj).encode()
+    sys.stdout.buffer.write(len(body).to_bytes(4, "big") + body)
+    sys.stdout.buffer.flush()
+
+
+def raw(data: bytes) -> None:
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+
+
+def recv() -> dict:
+    header = sys.stdin.buffer.read(4)
+    if len(header) < 4:
+        sys.exit(0)
+    return json.loads(sys.stdin.buffer.read(int.from_bytes(header, "big")))
+
+
+def ok_exec(rid: int, **over: object) -> dict:
+    reply = {
+        "id": rid,
+        "ok": True,
+        "exit_code": 0,
+        "stdout": "",
+        "stderr": "",
+        "truncated": False,
+        "timed_out": False,
+        "duration_ms": 1,
+    }
+    reply.update(over)
+    return reply
+
+
+def main(mode: str) -> None:
+    if mode == "silent":
+        time.sleep(3600)
+    if mode == "huge_frame":
+        raw((0x7FFFFFFF).to_bytes(4, "big") + b"{")
+        time.sleep(3600)
+    if mode == "garbage":
+        raw((5).to_bytes(4, "big") + b"\xff\xfe{]x")
+        time.sleep(3600)
+    if mode == "not_object":
+        send([1, 2, 3])
+        time.sleep(3600)
+    if mode == "bad_hello":
+        send({**HELLO, "workdir": "/etc"})
+        time.sleep(3600)
+    if mode == "old_protocol":
+        send({**HELLO, "protocol": 99})
+        time.sleep(3600)
+    if mode == "dies_mid_frame":
+        raw((100).to_bytes(4, "big") + b'{"type": "he')
+        sys.exit(0)
+    send(HELLO)
+    if mode == "good":
+        while True:
+            req = recv()
+            if req["op"] == "exec":
+                send(ok_exec(req["id"], stdout=base64.b64encode(b"hi\n").decode()))
+            else:
+                send({"id": req["id"], "ok": True})
+    req = recv()
+    rid = req["id"]
+    if mode == "mute_after_hello":
+        time.sleep(3600)
+    elif mode == "wrong_id":
+        send(ok_exec(rid + 1))
+    elif mode == "oversize_stdout":
+        send(ok_exec(rid, stdout=base64.b64encode(b"a" * 1500).decode()))
+    elif mode == "bad_base64":
+        send(ok_exec(rid, stdout="!!!not base64!!!"))
+    elif mode == "extra_field":
+        send(ok_exec(rid, evil="x"))
+    elif mode == "string_exit_code":
+        send(ok_exec(rid, exit_code="0"))
+    elif mode == "flood_frame":
+        send(ok_exec(rid, stderr="A" * 200_000))
+    elif mode == "dies_after_request":
+        sys.exit(1)
+    time.sleep(3600)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
