@@ -94,9 +94,11 @@ def qemu_version() -> str:
     if _qemu_version is None:
         path = shutil.which(QEMU)
         if path is None:
-            raise errors.IsolationUnavailable(f"{QEMU} is not installed (apt-get install "
-                                              "qemu-system-x86)")
+            raise errors.IsolationUnavailable(
+                f"{QEMU} is not installed (apt-get install qemu-system-x86)"
+            )
         import subprocess
+
         out = subprocess.run([path, "--version"], capture_output=True, timeout=10, check=False)
         lines = out.stdout.decode(errors="replace").strip().splitlines()
         _qemu_version = lines[0][:200] if lines else "unknown"
@@ -134,34 +136,65 @@ def kvm_unavailable_reason() -> str | None:
 # ---------------------------------------------------------------------------- argv
 
 
-def qemu_argv(accel: Accel, art: BootArtifacts, *, memory_mib: int, vcpus: int,
-              kernel_args: str, disk: bool = True) -> list[str]:
+def qemu_argv(
+    accel: Accel,
+    art: BootArtifacts,
+    *,
+    memory_mib: int,
+    vcpus: int,
+    kernel_args: str,
+    disk: bool = True,
+) -> list[str]:
     """The VM definition; RUN_PLACEHOLDER stands for the per-VM socket directory."""
     if accel == "kvm":
-        machine = ["-M", "microvm,x-option-roms=off,pit=off,pic=off,rtc=off,isa-serial=on",
-                   "-enable-kvm", "-cpu", "host,-arch-capabilities"]
+        machine = [
+            "-M",
+            "microvm,x-option-roms=off,pit=off,pic=off,rtc=off,isa-serial=on",
+            "-enable-kvm",
+            "-cpu",
+            "host,-arch-capabilities",
+        ]
     else:
         # TCG needs the PIT: without kvm-clock there is no other clocksource.
-        machine = ["-M", "microvm,x-option-roms=off,isa-serial=on", "-accel", "tcg",
-                   "-cpu", "max"]
+        machine = ["-M", "microvm,x-option-roms=off,isa-serial=on", "-accel", "tcg", "-cpu", "max"]
         kernel_args += f" tsc_early_khz={host_tsc_khz()}"
     argv = [
-        QEMU, *machine, "-m", str(memory_mib), "-smp", str(vcpus),
-        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-        "-kernel", str(art.kernel.vmlinuz), "-initrd", str(art.initrd),
-        "-chardev", "stdio,id=con,signal=off", "-serial", "chardev:con",
+        QEMU,
+        *machine,
+        "-m",
+        str(memory_mib),
+        "-smp",
+        str(vcpus),
+        "-nodefaults",
+        "-no-user-config",
+        "-display",
+        "none",
+        "-no-reboot",
+        "-kernel",
+        str(art.kernel.vmlinuz),
+        "-initrd",
+        str(art.initrd),
+        "-chardev",
+        "stdio,id=con,signal=off",
+        "-serial",
+        "chardev:con",
     ]
     if disk:
         argv += [
-            "-drive", f"id=root,file={art.rootfs_ext4},format=raw,if=none,readonly=on,"
-                      "cache=unsafe",
-            "-device", "virtio-blk-device,drive=root",
+            "-drive",
+            f"id=root,file={art.rootfs_ext4},format=raw,if=none,readonly=on,cache=unsafe",
+            "-device",
+            "virtio-blk-device,drive=root",
         ]
     argv += [
-        "-device", "virtio-serial-device,max_ports=2",
-        "-chardev", f"socket,id=agent,path={RUN_PLACEHOLDER}/agent.sock",
-        "-device", "virtserialport,chardev=agent,name=sbx,nr=1",
-        "-append", kernel_args,
+        "-device",
+        "virtio-serial-device,max_ports=2",
+        "-chardev",
+        f"socket,id=agent,path={RUN_PLACEHOLDER}/agent.sock",
+        "-device",
+        "virtserialport,chardev=agent,name=sbx,nr=1",
+        "-append",
+        kernel_args,
     ]
     return argv
 
@@ -194,8 +227,12 @@ class QemuProcess:
 
     async def spawn(self, argv: list[str], on_pid: Callable[[int], None] | None = None) -> None:
         self.proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True, cwd=str(self.run_dir),
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            cwd=str(self.run_dir),
             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
         )
         if on_pid is not None:
@@ -213,8 +250,9 @@ class QemuProcess:
         accept = asyncio.ensure_future(loop.sock_accept(self._listener))
         died = asyncio.ensure_future(self.proc.wait())
         try:
-            done, _ = await asyncio.wait({accept, died}, timeout=timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {accept, died}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             for t in (accept, died):
                 if not t.done():
@@ -268,8 +306,17 @@ def _new_run_dir() -> Path:
 
 
 class MicroVMSandbox:
-    def __init__(self, *, sandbox_id: str, isolation: str, image: str, handle: Handle,
-                 handle_file: Path, qemu: QemuProcess, limits: Limits) -> None:
+    def __init__(
+        self,
+        *,
+        sandbox_id: str,
+        isolation: str,
+        image: str,
+        handle: Handle,
+        handle_file: Path,
+        qemu: QemuProcess,
+        limits: Limits,
+    ) -> None:
         self.id = sandbox_id
         self.isolation = isolation
         self.image = image
@@ -307,7 +354,8 @@ class MicroVMSandbox:
             handles.write(self._handle_file.parent, self._handle)
 
         await self._qemu.spawn(
-            [*_bind(snap.argv, run_dir), "-incoming", f"exec:cat {snap.state}"], persist)
+            [*_bind(snap.argv, run_dir), "-incoming", f"exec:cat {snap.state}"], persist
+        )
         reader, writer = await self._qemu.accept(RESTORE_DEADLINE)
         self._writer = writer
         client = GuestClient(reader, writer, label=self.id)
@@ -318,7 +366,8 @@ class MicroVMSandbox:
             await asyncio.wait_for(client.reseed(os.urandom(RESEED_BYTES)), RESTORE_DEADLINE)
         except (errors.SandboxError, TimeoutError) as exc:
             raise errors.SandboxError(
-                f"restored microVM did not answer: {exc}; {self._qemu.diagnostics()}") from exc
+                f"restored microVM did not answer: {exc}; {self._qemu.diagnostics()}"
+            ) from exc
         self._client = client
         self.workdir = snap.meta.hello.workdir
         self.boot_ms = int((time.monotonic() - t0) * 1000)
@@ -333,11 +382,19 @@ class MicroVMSandbox:
             raise errors.SandboxError(f"sandbox {self.id} is destroyed")
         return self._client
 
-    async def exec(self, command: str | list[str], *, stdin: bytes = b"",
-                   env: dict[str, str] | None = None, cwd: str | None = None,
-                   timeout: float = 30.0, max_output: int = 64 * 1024) -> ExecResult:
-        return await self._guest().exec(command, stdin=stdin, env=env, cwd=cwd,
-                                        timeout=timeout, max_output=max_output)
+    async def exec(
+        self,
+        command: str | list[str],
+        *,
+        stdin: bytes = b"",
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = 30.0,
+        max_output: int = 64 * 1024,
+    ) -> ExecResult:
+        return await self._guest().exec(
+            command, stdin=stdin, env=env, cwd=cwd, timeout=timeout, max_output=max_output
+        )
 
     async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         await self._guest().put_file(path, data, mode)
@@ -350,8 +407,10 @@ class MicroVMSandbox:
             if self._destroyed:
                 return
             self._destroyed = True
-            if self._lifetime_task is not None and self._lifetime_task is not \
-                    asyncio.current_task():
+            if (
+                self._lifetime_task is not None
+                and self._lifetime_task is not asyncio.current_task()
+            ):
                 self._lifetime_task.cancel()
             if self._writer is not None:
                 self._writer.close()
@@ -384,20 +443,28 @@ class MicroVMDriver:
             self._agent_path = defn.agent.path
             image_hash = images.image_dir(self.settings, name).name.rsplit("-", 1)[-1]
             self._artifacts = await asyncio.to_thread(
-                microvm_image.ensure_boot_artifacts, self.settings, name, rootfs, image_hash)
+                microvm_image.ensure_boot_artifacts, self.settings, name, rootfs, image_hash
+            )
         return self._artifacts
 
     def _kernel_args(self, limits: Limits) -> str:
-        return (f"{KERNEL_ARGS} ephemeral.agent={self._agent_path} "
-                f"ephemeral.overlay={limits.disk_mib}m ephemeral.pids={limits.pids}")
+        return (
+            f"{KERNEL_ARGS} ephemeral.agent={self._agent_path} "
+            f"ephemeral.overlay={limits.disk_mib}m ephemeral.pids={limits.pids}"
+        )
 
     @staticmethod
     def vcpus(limits: Limits) -> int:
         return max(1, min(os.cpu_count() or 1, math.ceil(limits.cpus)))
 
     def _argv(self, art: BootArtifacts, limits: Limits) -> list[str]:
-        return qemu_argv(self.accel, art, memory_mib=limits.memory_mib,
-                         vcpus=self.vcpus(limits), kernel_args=self._kernel_args(limits))
+        return qemu_argv(
+            self.accel,
+            art,
+            memory_mib=limits.memory_mib,
+            vcpus=self.vcpus(limits),
+            kernel_args=self._kernel_args(limits),
+        )
 
     # ---- snapshots
 
@@ -406,8 +473,8 @@ class MicroVMDriver:
         art = await self.artifacts()
         argv = self._argv(art, limits)
         ext4 = art.rootfs_ext4.stat()
-        key = hashlib.sha256(json.dumps(
-            [argv, qemu_version(), art.key, ext4.st_size, ext4.st_mtime_ns]).encode()
+        key = hashlib.sha256(
+            json.dumps([argv, qemu_version(), art.key, ext4.st_size, ext4.st_mtime_ns]).encode()
         ).hexdigest()[:20]
         if key in self._snapshots:
             return self._snapshots[key]
@@ -421,8 +488,9 @@ class MicroVMDriver:
         self._snapshots[key] = snap
         return snap
 
-    async def _build_snapshot(self, snap_dir: Path, key: str, argv: list[str],
-                              art: BootArtifacts) -> Snapshot:
+    async def _build_snapshot(
+        self, snap_dir: Path, key: str, argv: list[str], art: BootArtifacts
+    ) -> Snapshot:
         if any(c in str(snap_dir) for c in " '\"\\$`;&|<>\n"):
             raise errors.SandboxError(f"microvm: cache path {snap_dir} is unusable in exec: URIs")
         partial = snap_dir.with_name(snap_dir.name + ".partial")
@@ -439,7 +507,8 @@ class MicroVMDriver:
             shutil.rmtree(partial, ignore_errors=True)
             raise errors.SandboxError(
                 f"{self.isolation}: no cold boot reached the agent in {BOOT_ATTEMPTS} tries; "
-                + " | ".join(failures[-2:]))
+                + " | ".join(failures[-2:])
+            )
         (partial / "argv.json").write_text(json.dumps(argv))
         (partial / "meta.json").write_text(meta.model_dump_json(indent=1))
         snap = Snapshot(state=snap_dir / "state.bin", argv=argv, meta=meta)
@@ -458,16 +527,18 @@ class MicroVMDriver:
             await probe_sbx.destroy()
         return snap
 
-    async def _boot_and_save(self, argv: list[str], state: Path, key: str, attempt: int,
-                             art: BootArtifacts) -> SnapshotMeta:
+    async def _boot_and_save(
+        self, argv: list[str], state: Path, key: str, attempt: int, art: BootArtifacts
+    ) -> SnapshotMeta:
         run_dir = _new_run_dir()
         qemu = QemuProcess(run_dir)
         t0 = time.monotonic()
         deadline = BOOT_DEADLINE[self.accel]
         try:
             qemu.listen()
-            await qemu.spawn([*_bind(argv, run_dir),
-                              "-qmp", f"unix:{run_dir}/qmp.sock,server=on,wait=off"])
+            await qemu.spawn(
+                [*_bind(argv, run_dir), "-qmp", f"unix:{run_dir}/qmp.sock,server=on,wait=off"]
+            )
             reader, writer = await qemu.accept(10.0)
             client = GuestClient(reader, writer, label=f"snapshot-{key}")
             left = deadline - (time.monotonic() - t0)
@@ -486,9 +557,15 @@ class MicroVMDriver:
             save_ms = int((time.monotonic() - t1) * 1000)
             writer.close()
             return SnapshotMeta(
-                key=key, hello=hello, qemu=qemu_version(), kernel=art.kernel.version,
-                boot_attempts=attempt, boot_ms=boot_ms, save_ms=save_ms,
-                size_bytes=os.stat(state).st_size, built_at=time.time(),
+                key=key,
+                hello=hello,
+                qemu=qemu_version(),
+                kernel=art.kernel.version,
+                boot_attempts=attempt,
+                boot_ms=boot_ms,
+                save_ms=save_ms,
+                size_bytes=os.stat(state).st_size,
+                built_at=time.time(),
             )
         finally:
             await qemu.kill()
@@ -512,6 +589,7 @@ class MicroVMDriver:
             if why:
                 return f"{self.isolation}: {why}"
         from ephemeral.sandbox.probe import start_and_exec_true
+
         return await start_and_exec_true(self)
 
     async def boot_probe(self) -> str | None:
@@ -527,10 +605,17 @@ class MicroVMDriver:
         try:
             initrd = run_dir / "stage0.cpio.gz"
             initrd.write_bytes(initrd_bytes)
-            art = BootArtifacts(kernel=kernel, initrd=initrd, rootfs_ext4=Path("/dev/null"),
-                                key="probe")
-            argv = qemu_argv(self.accel, art, memory_mib=128, vcpus=1, disk=False,
-                             kernel_args=f"{KERNEL_ARGS} ephemeral.probe=1")
+            art = BootArtifacts(
+                kernel=kernel, initrd=initrd, rootfs_ext4=Path("/dev/null"), key="probe"
+            )
+            argv = qemu_argv(
+                self.accel,
+                art,
+                memory_mib=128,
+                vcpus=1,
+                disk=False,
+                kernel_args=f"{KERNEL_ARGS} ephemeral.probe=1",
+            )
             qemu.listen()
             await qemu.spawn(_bind(argv, run_dir))
             deadline = time.monotonic() + PROBE_DEADLINE[self.accel]
@@ -544,8 +629,11 @@ class MicroVMDriver:
             await asyncio.sleep(0.05)
             if b"EPHEMERAL-PROBE-OK" in qemu.console:
                 return None
-            state = "exited" if not qemu.alive() else \
-                f"did not reach init within {PROBE_DEADLINE[self.accel]:.0f}s"
+            state = (
+                "exited"
+                if not qemu.alive()
+                else f"did not reach init within {PROBE_DEADLINE[self.accel]:.0f}s"
+            )
             hint = _kvm_pvm_hint() if self.accel == "kvm" else ""
             return f"guest kernel {state}{hint}; {qemu.diagnostics(400)}"
         finally:
@@ -562,8 +650,13 @@ class MicroVMDriver:
         handle.paths = [str(run_dir)]
         handle_file = handles.write(self.settings.sandboxes_dir, handle)
         sbx = MicroVMSandbox(
-            sandbox_id=handle.id, isolation=self.isolation, image=self.settings.image,
-            handle=handle, handle_file=handle_file, qemu=QemuProcess(run_dir), limits=limits,
+            sandbox_id=handle.id,
+            isolation=self.isolation,
+            image=self.settings.image,
+            handle=handle,
+            handle_file=handle_file,
+            qemu=QemuProcess(run_dir),
+            limits=limits,
         )
         try:
             await sbx._restore(snap)

@@ -164,8 +164,9 @@ class _Cpio:
         self.buf = io.BytesIO()
         self.ino = 1
 
-    def _entry(self, name: str, mode: int, data: bytes = b"",
-               rdev: tuple[int, int] = (0, 0)) -> None:
+    def _entry(
+        self, name: str, mode: int, data: bytes = b"", rdev: tuple[int, int] = (0, 0)
+    ) -> None:
         encoded = name.encode() + b"\0"
         fields = [self.ino, mode, 0, 0, 1, 0, len(data), 0, 0, rdev[0], rdev[1], len(encoded), 0]
         self.ino += 1
@@ -255,8 +256,21 @@ def build_ext4(rootfs: Path, out: Path) -> None:
     tmp.unlink(missing_ok=True)
     _run(
         [
-            "mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-L", "ephemeral-root",
-            "-N", str(inodes), "-E", "root_owner=0:0", "-d", str(rootfs), str(tmp), f"{mib}M",
+            "mkfs.ext4",
+            "-q",
+            "-F",
+            "-O",
+            "^has_journal",
+            "-L",
+            "ephemeral-root",
+            "-N",
+            str(inodes),
+            "-E",
+            "root_owner=0:0",
+            "-d",
+            str(rootfs),
+            str(tmp),
+            f"{mib}M",
         ],
         timeout=MKFS_TIMEOUT_S,
     )
@@ -288,8 +302,9 @@ def ensure_boot_artifacts(
         return _ensure_locked(settings, image, rootfs, image_hash, defn, cache)
 
 
-def _ensure_locked(settings: Settings, image: str, rootfs: Path, image_hash: str, defn: Path,
-                   cache: Path) -> BootArtifacts:
+def _ensure_locked(
+    settings: Settings, image: str, rootfs: Path, image_hash: str, defn: Path, cache: Path
+) -> BootArtifacts:
     kernel = ensure_kernel(settings)
 
     initrd_bytes = build_initramfs(kernel, defn)

@@ -30,8 +30,9 @@ LIMITS = Limits()
 def tcg(tmp_path_factory: pytest.TempPathFactory) -> tuple[MicroVMDriver, Snapshot]:
     if shutil.which("qemu-system-x86_64") is None:
         pytest.skip("qemu-system-x86_64 is not installed")
-    settings = Settings.load(state_dir=tmp_path_factory.mktemp("microvm") / "state",
-                             use_prefect=False)
+    settings = Settings.load(
+        state_dir=tmp_path_factory.mktemp("microvm") / "state", use_prefect=False
+    )
     driver = MicroVMDriver(settings, "tcg")
     try:
         snap = asyncio.run(driver.snapshot(LIMITS))
@@ -93,8 +94,10 @@ async def test_reseed_makes_restored_vms_differ(tcg: tuple[MicroVMDriver, Snapsh
     driver, _ = tcg
     a, b = await _create(driver), await _create(driver)
     try:
-        cmd = ("head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; "
-               "cat /proc/sys/kernel/random/uuid")
+        cmd = (
+            "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; "
+            "cat /proc/sys/kernel/random/uuid"
+        )
         ra, rb = await a.exec(cmd), await b.exec(cmd)
         assert ra.exit_code == rb.exit_code == 0
         assert len(ra.stdout.split()[0]) == 64
@@ -119,7 +122,8 @@ async def test_no_network_interface_but_lo(tcg: tuple[MicroVMDriver, Snapshot]):
 
 
 async def test_root_disk_is_read_only_and_writes_stay_in_the_vm(
-        tcg: tuple[MicroVMDriver, Snapshot]):
+    tcg: tuple[MicroVMDriver, Snapshot],
+):
     driver, _ = tcg
     first = await _create(driver)
     try:
@@ -127,8 +131,10 @@ async def test_root_disk_is_read_only_and_writes_stay_in_the_vm(
         assert res.stdout.split() == ["1", "overlay"]
         # root (the agent) may write anywhere: it lands in the tmpfs overlay, not on the disk
         await first.put_file("/etc/ephemeral-proof", b"x")
-        res = await first.exec("cat /etc/ephemeral-proof; echo hi > /tmp/proof.txt; "
-                               "touch /usr/worker-cannot 2>&1; true")
+        res = await first.exec(
+            "cat /etc/ephemeral-proof; echo hi > /tmp/proof.txt; "
+            "touch /usr/worker-cannot 2>&1; true"
+        )
         assert res.stdout.startswith("x")
         assert "Permission denied" in res.stdout
     finally:
@@ -190,8 +196,7 @@ async def test_lifetime_is_enforced_by_the_host(tcg: tuple[MicroVMDriver, Snapsh
         await sbx.destroy()
 
 
-async def test_a_failed_restore_leaves_no_qemu(tcg: tuple[MicroVMDriver, Snapshot],
-                                               tmp_path: Path):
+async def test_a_failed_restore_leaves_no_qemu(tcg: tuple[MicroVMDriver, Snapshot], tmp_path: Path):
     driver, snap = tcg
     bad = tmp_path / "state.bin"
     bad.write_bytes(b"not a migration stream")
