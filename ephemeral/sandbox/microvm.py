@@ -343,6 +343,18 @@ class MicroVMSandbox:
     def log_tail(self, n: int = CONSOLE_KEEP) -> str:
         return self._qemu.diagnostics(n)
 
+    @property
+    def alive(self) -> bool:
+        return not self._destroyed and self._client is not None and self._qemu.alive()
+
+    async def claim(self, owner: str) -> None:
+        """Hand a warm sandbox to ``owner``: re-own its handle and restart its lifetime."""
+        self._handle.owner = owner
+        await asyncio.to_thread(handles.write, self._handle_file.parent, self._handle)
+        if self._lifetime_task is not None:
+            self._lifetime_task.cancel()
+        self._lifetime_task = asyncio.create_task(self._expire(self.limits.lifetime_seconds))
+
     async def _restore(self, snap: Snapshot) -> None:
         t0 = time.monotonic()
         run_dir = self._qemu.run_dir

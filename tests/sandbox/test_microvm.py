@@ -238,3 +238,28 @@ async def test_kvm_probe_is_honest(tmp_path: Path):
     if why is None:
         return  # hardware KVM: the conformance suite runs microvm-kvm for real
     assert "did not reach init" in why or "exited" in why
+
+
+async def test_warm_pool_hands_out_a_restored_vm_once(tcg: tuple[MicroVMDriver, Snapshot]):
+    from ephemeral.sandbox.pool import WarmPool
+
+    driver, _ = tcg
+    pool = WarmPool(driver, 1, LIMITS)
+    await pool.start()
+    try:
+        await pool.wait_ready(timeout=120)
+        sbx = await pool.acquire("run_pooltest")
+        assert isinstance(sbx, MicroVMSandbox) and sbx.alive
+        try:
+            [handle] = [
+                h
+                for _, h in handles.read_all(driver.settings.sandboxes_dir)
+                if h is not None and h.id == sbx.id
+            ]
+            assert handle.owner == "run_pooltest"
+            assert (await sbx.exec("whoami")).stdout == "worker\n"
+        finally:
+            await sbx.destroy()
+        assert not sbx.alive
+    finally:
+        await pool.close()
