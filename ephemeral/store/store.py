@@ -35,10 +35,18 @@ from ephemeral.store.schema import (
 )
 
 RUN_STATUSES = frozenset({"queued", "provisioning", "running"}) | TERMINAL_STATUSES
-TERMINATION_REASONS = frozenset({
-    "completed", "timeout", "budget_exhausted", "cancelled", "policy_violation",
-    "model_error", "sandbox_error", "infra_error",
-})
+TERMINATION_REASONS = frozenset(
+    {
+        "completed",
+        "timeout",
+        "budget_exhausted",
+        "cancelled",
+        "policy_violation",
+        "model_error",
+        "sandbox_error",
+        "infra_error",
+    }
+)
 ORG_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 EVENT_TYPE_RE = re.compile(r"^[a-z][a-z_]*(\.[a-z][a-z_]*)+$")
 MAX_EVENT_BYTES = 1 << 20
@@ -110,8 +118,9 @@ class Store:
         except (OSError, sa.exc.DBAPIError) as exc:
             await engine.dispose()
             shown = sa.make_url(url).render_as_string(hide_password=True)
-            raise errors.EphemeralError(f"cannot open the store at {shown}: {exc}",
-                                        cause=exc) from exc
+            raise errors.EphemeralError(
+                f"cannot open the store at {shown}: {exc}", cause=exc
+            ) from exc
         return cls(engine)
 
     async def close(self) -> None:
@@ -133,8 +142,13 @@ class Store:
             )
         made = await conn.execute(
             ledger.insert(conn, orgs)
-            .values(id=new_id("org"), name=name, balance_micros=0, reserved_micros=0,
-                    created_at=utcnow())
+            .values(
+                id=new_id("org"),
+                name=name,
+                balance_micros=0,
+                reserved_micros=0,
+                created_at=utcnow(),
+            )
             .on_conflict_do_nothing()
             .returning(*orgs.c)
         )
@@ -163,8 +177,9 @@ class Store:
             if made is None:
                 return await self._org(conn, name)
             if initial_credit_micros:
-                await ledger.credit(conn, org_id=made.id, micros=initial_credit_micros,
-                                    note="initial credit")
+                await ledger.credit(
+                    conn, org_id=made.id, micros=initial_credit_micros, note="initial credit"
+                )
             return await self._org(conn, made.id)
 
     async def credit(self, org_id: str, micros: int, note: str = "") -> Org:
@@ -184,9 +199,14 @@ class Store:
             row = (
                 await conn.execute(
                     sa.insert(api_keys)
-                    .values(id=new_id("key"), org_id=org.id, member=member,
-                            prefix=keys.prefix(plaintext), hash=keys.digest(plaintext),
-                            created_at=utcnow())
+                    .values(
+                        id=new_id("key"),
+                        org_id=org.id,
+                        member=member,
+                        prefix=keys.prefix(plaintext),
+                        hash=keys.digest(plaintext),
+                        created_at=utcnow(),
+                    )
                     .returning(*api_keys.c)
                 )
             ).one()
@@ -232,9 +252,16 @@ class Store:
     # -- runs ---------------------------------------------------------------------------------
 
     async def admit_run(
-        self, *, org_id: str, run_id: str, model: str, prompt: str | None,
-        policy: dict[str, Any], labels: dict[str, Any] | None = None,
-        idempotency_key: str | None = None, body_hash: str | None = None,
+        self,
+        *,
+        org_id: str,
+        run_id: str,
+        model: str,
+        prompt: str | None,
+        policy: dict[str, Any],
+        labels: dict[str, Any] | None = None,
+        idempotency_key: str | None = None,
+        body_hash: str | None = None,
     ) -> tuple[RunRow, bool]:
         """Claim the idempotency key, reserve the budget, record the run and ``run.queued``.
 
@@ -252,15 +279,22 @@ class Store:
         try:
             async with self._engine.begin() as conn:
                 replayed = await ledger.admit(
-                    conn, org_id=org_id, run_id=run_id, model=model, prompt=prompt,
-                    policy=policy, labels=labels or {}, idempotency_key=idempotency_key,
+                    conn,
+                    org_id=org_id,
+                    run_id=run_id,
+                    model=model,
+                    prompt=prompt,
+                    policy=policy,
+                    labels=labels or {},
+                    idempotency_key=idempotency_key,
                     body_hash=body_hash,
                 )
                 run = await self._run(conn, replayed or run_id)
         except sa.exc.IntegrityError as exc:
             # Only a reused run id gets here: money and keys are checked before inserting.
-            raise errors.Conflict(f"run {run_id} could not be recorded: {exc.orig}",
-                                  cause=exc) from exc
+            raise errors.Conflict(
+                f"run {run_id} could not be recorded: {exc.orig}", cause=exc
+            ) from exc
         return run, replayed is not None
 
     async def _run(self, conn: AsyncConnection, run_id: str, org_id: str | None = None) -> RunRow:
@@ -278,7 +312,11 @@ class Store:
             return await self._run(conn, run_id, org_id)
 
     async def list_runs(
-        self, org_id: str, *, status: str | None = None, limit: int = 20,
+        self,
+        org_id: str,
+        *,
+        status: str | None = None,
+        limit: int = 20,
         cursor: str | None = None,
     ) -> tuple[list[RunRow], str | None]:
         """Newest first; the second value is the cursor of the next page, or None at the end."""
@@ -294,8 +332,10 @@ class Store:
         if cursor:
             created_at, last_id = _decode_cursor(cursor)
             query = query.where(
-                sa.or_(runs.c.created_at < created_at,
-                       sa.and_(runs.c.created_at == created_at, runs.c.id < last_id))
+                sa.or_(
+                    runs.c.created_at < created_at,
+                    sa.and_(runs.c.created_at == created_at, runs.c.id < last_id),
+                )
             )
         query = query.order_by(runs.c.created_at.desc(), runs.c.id.desc()).limit(limit + 1)
         async with self._reader.connect() as conn:
@@ -399,8 +439,9 @@ class Store:
                 data = redact_for_zdr(data)
             at = rfc3339(utcnow())
             await conn.execute(
-                sa.insert(run_events).values(run_id=run_id, seq=bumped.last_seq, type=type, at=at,
-                                             data=data)
+                sa.insert(run_events).values(
+                    run_id=run_id, seq=bumped.last_seq, type=type, at=at, data=data
+                )
             )
         return Event(seq=bumped.last_seq, run_id=run_id, type=type, at=at, data=data)
 
@@ -419,8 +460,7 @@ class Store:
             if not rows:
                 await self._run(conn, run_id)  # NotFound for a run that does not exist
         return [
-            Event(seq=r.seq, run_id=r.run_id, type=r.type, at=r.at, data=dict(r.data))
-            for r in rows
+            Event(seq=r.seq, run_id=r.run_id, type=r.type, at=r.at, data=dict(r.data)) for r in rows
         ]
 
     # -- money --------------------------------------------------------------------------------
@@ -460,8 +500,10 @@ class Store:
             await conn.execute(
                 stmt.on_conflict_do_update(
                     index_elements=[run_transcripts.c.run_id],
-                    set_={"messages": stmt.excluded.messages,
-                          "updated_at": stmt.excluded.updated_at},
+                    set_={
+                        "messages": stmt.excluded.messages,
+                        "updated_at": stmt.excluded.updated_at,
+                    },
                 )
             )
 
@@ -477,12 +519,11 @@ class Store:
         async with self._engine.begin() as conn:
             await self._run(conn, run_id)
             await conn.execute(
-                sa.update(runs).where(runs.c.id == run_id)
+                sa.update(runs)
+                .where(runs.c.id == run_id)
                 .values(prompt=None, output=None, erased_at=utcnow())
             )
-            await conn.execute(
-                sa.delete(run_transcripts).where(run_transcripts.c.run_id == run_id)
-            )
+            await conn.execute(sa.delete(run_transcripts).where(run_transcripts.c.run_id == run_id))
             rows = await conn.execute(
                 sa.select(run_events.c.seq, run_events.c.data).where(run_events.c.run_id == run_id)
             )
@@ -501,6 +542,19 @@ class Store:
                 raw = await conn.get_raw_connection()
                 driver: Any = raw.driver_connection
                 await driver.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    async def expired_runs(self, older_than: timedelta) -> list[str]:
+        """Finished runs past retention whose content has not been erased yet."""
+        cutoff = utcnow() - older_than
+        async with self._engine.connect() as conn:
+            rows = await conn.execute(
+                sa.select(runs.c.id).where(
+                    runs.c.status.in_(sorted(TERMINAL_STATUSES)),
+                    runs.c.ended_at < cutoff,
+                    runs.c.erased_at.is_(None),
+                )
+            )
+            return [r[0] for r in rows.all()]
 
     async def purge_idempotency(self, older_than: timedelta = IDEMPOTENCY_RETENTION) -> int:
         """Forget idempotency keys older than ``older_than`` (never less than 24 h)."""

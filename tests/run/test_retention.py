@@ -1,0 +1,54 @@
+"""Retention: content past its time is purged from the store and the records; billing stays."""
+
+from __future__ import annotations
+
+import asyncio
+
+from typer.testing import CliRunner
+
+from ephemeral.cli import app
+from ephemeral.policy import RunRequest
+from ephemeral.records import Records
+from ephemeral.service import Runtime
+from ephemeral.settings import Settings
+
+
+async def test_purge_erases_content_and_keeps_billing(run_settings: Settings) -> None:
+    runtime = await Runtime.start(run_settings)
+    try:
+        org = await runtime.local_org()
+        row, _ = await runtime.admit(
+            org, RunRequest(prompt="keep me", model="replay/sandbox-proof")
+        )
+        row = await runtime.execute(row.id)
+    finally:
+        await runtime.close()
+    assert row.prompt == "keep me" and row.output
+
+    # The CLI runs its own event loop: invoke it from a thread, as a separate command would.
+    result = await asyncio.to_thread(
+        CliRunner().invoke,
+        app,
+        ["records", "purge", "--retention-days", "0"],
+        env={"EPHEMERAL_STATE_DIR": str(run_settings.state_dir)},
+    )
+    assert result.exit_code == 0, result.output
+    assert "1 stored runs" in result.output
+
+    runtime = await Runtime.start(run_settings)
+    try:
+        after = await runtime.store.get_run(row.id)
+        events = await runtime.store.list_events(row.id)
+    finally:
+        await runtime.close()
+    assert after.prompt is None and after.output is None
+    assert (after.charged_micros, after.refunded_micros) == (
+        row.charged_micros,
+        row.refunded_micros,
+    )
+    shell = [e.data for e in events if e.type == "shell.executed"]
+    assert shell and all("command" not in d and "stdout" not in d for d in shell)
+    _, rows = Records(run_settings.records_dir).query(
+        f"select prompt, output, charged_micros from runs where run_id = '{row.id}'"
+    )
+    assert rows == [(None, None, row.charged_micros)]
