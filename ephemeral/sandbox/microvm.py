@@ -12,6 +12,10 @@ agent socket, and reseeds the guest RNG first thing, because every restore start
 same RNG state. Memory, vCPUs, the overlay size and the process limit are part of the guest at
 snapshot time, so they are part of the snapshot key; the wall-clock lifetime is the host's.
 
+QEMU never outlives its sandbox: destroy and every failed start kill its process group, the
+handle file lets the reaper do the same after a crash, and if the host process dies the agent
+socket closes, the agent reads EOF and exits, and the guest's reboot ends QEMU (``-no-reboot``).
+
 Under TCG (no hardware virtualisation) this is emulation, not a security boundary, so
 ``microvm-tcg`` exists for exercising this code path and is never picked by ``auto``. Cold TCG
 boots used to hang in TSC calibration against the PIT; ``tsc_early_khz`` skips that.

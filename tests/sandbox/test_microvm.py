@@ -263,3 +263,48 @@ async def test_warm_pool_hands_out_a_restored_vm_once(tcg: tuple[MicroVMDriver, 
         assert not sbx.alive
     finally:
         await pool.close()
+
+
+_ORPHAN_SCRIPT = """
+import asyncio, sys
+from ephemeral.settings import Settings
+from ephemeral.sandbox.base import Limits
+from ephemeral.sandbox.microvm import MicroVMDriver
+
+async def main():
+    settings = Settings.load(state_dir=sys.argv[1], use_prefect=False)
+    sbx = await MicroVMDriver(settings, "tcg").create(owner="orphan", limits=Limits())
+    print(sbx.qemu_pid, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+async def test_vm_ends_itself_when_its_host_process_dies(
+    tcg: tuple[MicroVMDriver, Snapshot], tmp_path: Path
+):
+    """SIGKILL of the host process closes the agent socket; the agent sees EOF and the guest
+    reboots, which -no-reboot turns into QEMU exiting. No reaper needed for that case."""
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _ORPHAN_SCRIPT,
+        str(tmp_path / "state"),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), 120)
+        qemu_pid = int(line)
+        assert _alive(qemu_pid)
+    finally:
+        proc.kill()
+        await proc.wait()
+    assert await _gone(qemu_pid, within=30)
+    # the handle stays behind for the reaper, which now finds nothing alive to kill
+    [(path, handle)] = handles.read_all(tmp_path / "state" / "sandboxes")
+    assert handle is not None and handle.pgid == qemu_pid
+    await asyncio.to_thread(handles.teardown, handle, path)
