@@ -5,18 +5,24 @@ are disabled; the image root is bound read-only; the writable paths are size-cap
 capabilities are dropped; the guest runs as uid/gid 1000. The host kernel is shared, so this is
 the weakest level: it is only picked when nothing stronger runs, and always labelled.
 
-Known limit: bwrap runs as host root (the image cache lives under a 0700 home), so the sandbox's
-uid 1000 maps to host uid 0 in the user namespace. Without capabilities, with a read-only root,
-private pid/net namespaces and the seccomp filter that grants nothing, but it is not an
-unprivileged host uid.
+The guest's uid 1000 is an unprivileged host uid (a random one in 200000-259999 per sandbox),
+not host root: the launcher (root) joins the cgroups, enters a private mount namespace, binds
+the image at a world-traversable mount point there (the cache lives under a 0700 home), drops to
+that uid with ``setpriv`` and execs bwrap, which builds its own user namespace. The bind exists
+only in that private namespace and vanishes with it. Where the kernel refuses unprivileged user
+namespaces, bwrap runs as root instead (uid 1000 inside then maps to host root: weaker, and
+``privileged_fallback`` says so).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import secrets
 import shutil
+from pathlib import Path
 
 from ephemeral import errors
 from ephemeral.sandbox import cgroups, handles, images, seccomp
@@ -26,6 +32,11 @@ from ephemeral.settings import Settings
 
 AGENT_ARGV = ["/usr/bin/python3", "-I", "-S"]
 SMALL_TMPFS = 16 << 20
+# Mount point for the image inside each sandbox's private mount namespace (empty on the host).
+MOUNT_POINT = Path("/run/ephemeral/rootfs")
+HOST_UID_BASE = 200_000
+HOST_UID_SPAN = 60_000
+log = logging.getLogger(__name__)
 
 
 class NamespacesDriver:
@@ -35,6 +46,7 @@ class NamespacesDriver:
         self.settings = settings
         self._rootfs: str | None = None
         self._agent_path = "/opt/ephemeral/agent.py"
+        self.privileged_fallback = False
 
     async def _image(self) -> str:
         if self._rootfs is None:
@@ -110,7 +122,31 @@ class NamespacesDriver:
         ]
         return argv
 
+    @staticmethod
+    def unprivileged_launcher(rootfs: str, host_uid: int) -> list[str]:
+        for d in (MOUNT_POINT.parent, MOUNT_POINT):
+            d.mkdir(mode=0o755, exist_ok=True)
+        return [
+            "unshare", "--mount", "--propagation", "private",
+            "/bin/sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh",
+            rootfs, str(MOUNT_POINT),
+            "setpriv", f"--reuid={host_uid}", f"--regid={host_uid}", "--clear-groups",
+            "--inh-caps=-all", "--bounding-set=-all",
+        ]  # fmt: skip
+
     async def create(self, *, owner: str, limits: Limits) -> Sandbox:
+        if not self.privileged_fallback:
+            try:
+                return await self._create(owner, limits, unprivileged=True)
+            except errors.SandboxError as exc:
+                text = str(exc)
+                if "namespace" not in text and "uid map" not in text:
+                    raise
+                log.warning("unprivileged bwrap refused (%s); running bwrap as root", text)
+                self.privileged_fallback = True
+        return await self._create(owner, limits, unprivileged=False)
+
+    async def _create(self, owner: str, limits: Limits, *, unprivileged: bool) -> Sandbox:
         rootfs = await self._image()
         handle = new_handle(self.isolation, owner)
         cg = cgroups.CgroupSet.for_id(handle.id)
@@ -131,7 +167,15 @@ class NamespacesDriver:
                 cgroups=cg,
                 limits=limits,
             )
-            await sbx._start(self.argv(rootfs, limits, fd), pass_fds=[fd])
+            if unprivileged:
+                host_uid = HOST_UID_BASE + secrets.randbelow(HOST_UID_SPAN)
+                argv = [
+                    *self.unprivileged_launcher(rootfs, host_uid),
+                    *self.argv(str(MOUNT_POINT), limits, fd),
+                ]
+            else:
+                argv = self.argv(rootfs, limits, fd)
+            await sbx._start(argv, pass_fds=[fd])
             return sbx
         except BaseException as exc:
             if sbx is not None:
