@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ephemeral.cli import admin, analysis, recipes, runs, sandbox, serve
+from ephemeral.cli import admin, analysis, evals, recipes, runs, sandbox, serve
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 runs.register(app)
@@ -13,6 +13,7 @@ admin.register(app)
 recipes.register(app)
 analysis.register(app)
 serve.register(app)
+evals.register(app)
 
 
 def main() -> None:

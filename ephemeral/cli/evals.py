@@ -1,0 +1,154 @@
+"""CLI group: ``eval`` — run an eval suite (or a recipe) here, live, and gate on its pass rate.
+
+Exit status: 0 every gate passed, 1 a gate failed (e.g. ``min_pass_rate``), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ephemeral import errors, evals
+from ephemeral.cli.runs import fail
+from ephemeral.settings import Settings
+
+GATE_FAILED = 1
+
+
+async def _run(
+    settings: Settings, evaluation: evals.Evaluation, source: Path, console: Console
+) -> evals.Report:
+    from ephemeral.service import Runtime
+
+    total = len(evals.plan(evaluation, settings))  # a bad recipe fails here, before any run
+    columns = (
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
+        task = bar.add_task(evaluation.name, total=total, status="starting")
+
+        def observe(p: evals.Progress) -> None:
+            status = f"passing {p.passing} · spent {evals.usd(p.spent_micros)}"
+            bar.update(task, completed=p.done, status=status)
+            if p.last is not None:
+                bar.console.print(_line(p, p.last), markup=False, highlight=False)
+
+        runtime = await Runtime.start(settings)
+        try:
+            with evals.watch(evaluation.suite_run_id, observe):
+                if settings.use_prefect:
+                    from flows.eval_suite import eval_suite
+
+                    await eval_suite(
+                        suite=str(evals.resolve_path(str(source), settings).resolve()),
+                        compare=evaluation.compare_with,
+                        suite_run_id=evaluation.suite_run_id,
+                    )
+                    saved = settings.state_dir / "evals" / f"{evaluation.suite_run_id}.json"
+                    return evals.Report.model_validate_json(saved.read_text())
+                report = await evals.run_evaluation(runtime, evaluation)
+                evals.write_report(report, settings)
+                return report
+        finally:
+            await runtime.close()
+
+
+def _line(p: evals.Progress, r: evals.RunResult) -> str:
+    where = f"[{p.done}/{p.total}] {r.pair_key}"
+    if r.run_id is None:
+        return f"{where}  {r.status}: {r.detail}"
+    ok = sum(1 for c in r.checks if c.passed)
+    verdict = "PASS" if r.passed else "FAIL"
+    took = f"{(r.duration_ms or 0) / 1000:.1f} s"
+    return (f"{where}  {verdict}  {r.run_id} {r.status} · checks {ok}/{len(r.checks)} · "
+            f"{evals.usd(r.charged_micros)} · {took}")
+
+
+def _print_report(report: evals.Report, console: Console) -> None:
+    table = Table(title=f"{report.suite} · suite run {report.suite_run_id}")
+    for header, justify in (("recipe", "left"), ("check", "left"), ("passed", "right"),
+                            ("rate", "right"), ("charged", "right"), ("run time", "right")):
+        table.add_column(header, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for row in evals.table_rows(report):
+        whole = row["check"] == "(all checks)"
+        style = "bold" if whole else None
+        rate = row["pass_rate"]
+        colour = "green" if rate >= 1 else "red" if rate < report.min_pass_rate else "yellow"
+        table.add_row(
+            row["recipe"] if whole else "", row["check"], f"{row['passed']}/{row['runs']}",
+            f"[{colour}]{rate:.0%}[/{colour}]",
+            evals.usd(row["charged_micros"]) if row["charged_micros"] is not None else "",
+            f"{row['duration_ms'] / 1000:.1f} s" if row["duration_ms"] is not None else "",
+            style=style,
+        )
+    console.print(table)
+    for r in report.results:
+        for c in r.checks:
+            if not c.passed:
+                console.print(f"[red]FAIL[/red] {r.run_id} {r.pair_key} · {c.check}: {c.reason}",
+                              highlight=False)
+    console.print(
+        f"{len(report.results)} runs · {sum(1 for r in report.results if r.passed)} passing · "
+        f"charged {evals.usd(report.charged_micros)} · {report.wall_ms / 1000:.1f} s",
+        highlight=False,
+    )
+    for line in evals.render_comparison(report.comparison):
+        if line and not line.startswith("#"):
+            console.print(line, markup=False, highlight=False)
+        elif line:
+            console.print(f"[bold]{line.lstrip('# ')}[/bold]", highlight=False)
+    for failure in report.gate_failures:
+        console.print(f"[red]gate failed:[/red] {failure}", highlight=False)
+    verdict = "[green]PASSED[/green]" if report.passed else "[red]FAILED[/red]"
+    console.print(f"{verdict} · compare a later run with: ephemeral eval SUITE "
+                  f"--compare {report.suite_run_id}", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("eval")
+    def eval_(
+        suite: Annotated[Path, typer.Argument(help="A suite (or recipe) YAML file.")],
+        compare: Annotated[
+            str | None,
+            typer.Option("--compare", help="A previous suite run id to compare with."),
+        ] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+        no_prefect: Annotated[
+            bool, typer.Option("--no-prefect", help="Run without Prefect.")
+        ] = False,
+    ) -> None:
+        """Run an eval suite locally with live progress; print the pass table.
+
+        Exit status: 0 every gate passed, 1 a gate failed, 2 bad input.
+        """
+        settings = Settings.load(**({"use_prefect": False} if no_prefect else {}))
+        console = Console(stderr=as_json, highlight=False, soft_wrap=True)
+        if not console.is_terminal:
+            console = Console(stderr=as_json, highlight=False, soft_wrap=True, width=160)
+        try:
+            if settings.url:
+                raise errors.InvalidRequest.field(
+                    "EPHEMERAL_URL", "eval runs suites on this host; unset it to run one here"
+                )
+            evaluation = evals.evaluation_for(str(suite), settings, compare_with=compare)
+            if settings.use_prefect:
+                from ephemeral.prefect_setup import configure
+
+                configure(settings)
+            report = asyncio.run(_run(settings, evaluation, suite, console))
+        except errors.EphemeralError as exc:
+            raise fail(exc) from exc
+        if as_json:
+            sys.stdout.write(json.dumps(evals.report_json(report), indent=2) + "\n")
+        else:
+            _print_report(report, console)
+        raise typer.Exit(0 if report.passed else GATE_FAILED)

@@ -1,0 +1,32 @@
+"""The ``eval-suite`` flow: several recipes, pass rates, cost, duration, gate and comparison.
+
+One scheduler runs every recipe's runs, so the suite's ``concurrency`` and ``budget_micros``
+hold across recipes while each recipe's own budget still applies (``ephemeral.evals``).
+``compare`` names a previous suite run, read back from the records by its id.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from ephemeral import evals
+from ephemeral.service import current
+from ephemeral.settings import Settings
+from flows.recipe_run import run_and_publish
+
+
+@flow(name="eval-suite", persist_result=False, log_prints=False)
+async def eval_suite(
+    suite: str = "smoke",
+    compare: str | None = None,
+    suite_run_id: str | None = None,
+) -> dict[str, Any]:
+    """Run a suite (a path or a shipped suite's name); returns a content-free summary."""
+    runtime = current()
+    settings = runtime.settings if runtime is not None else Settings.load()
+    evaluation = evals.evaluation_for(
+        suite, settings, compare_with=compare, suite_run_id=suite_run_id
+    )
+    return evals.summary(await run_and_publish(evaluation))
