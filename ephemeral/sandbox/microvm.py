@@ -88,6 +88,15 @@ class Snapshot:
     meta: SnapshotMeta
 
 
+# Per process: drivers are cheap objects made per request; what they find on disk is not.
+_ARTIFACTS: dict[tuple[str, str, str], BootArtifacts] = {}
+_SNAPSHOTS: dict[str, Snapshot] = {}
+
+
+def _exist(*paths: Path) -> bool:
+    return all(p.exists() for p in paths)
+
+
 # ---------------------------------------------------------------------------- host facts
 
 _qemu_version: str | None = None
@@ -446,7 +455,6 @@ class MicroVMDriver:
         self.isolation = f"microvm-{accel}"
         self._artifacts: BootArtifacts | None = None
         self._agent_path = "/opt/ephemeral/agent.py"
-        self._snapshots: dict[str, Snapshot] = {}
 
     # ---- artifacts
 
@@ -458,9 +466,14 @@ class MicroVMDriver:
             defn = images.load_definition(images.definition_dir(self.settings, name))
             self._agent_path = defn.agent.path
             image_hash = images.image_dir(self.settings, name).name.rsplit("-", 1)[-1]
-            self._artifacts = await asyncio.to_thread(
-                microvm_image.ensure_boot_artifacts, self.settings, name, rootfs, image_hash
-            )
+            memo_key = (str(self.settings.image_cache_dir), name, image_hash)
+            art = _ARTIFACTS.get(memo_key)
+            if art is None or not _exist(art.rootfs_ext4, art.initrd, art.kernel.vmlinuz):
+                art = await asyncio.to_thread(
+                    microvm_image.ensure_boot_artifacts, self.settings, name, rootfs, image_hash
+                )
+                _ARTIFACTS[memo_key] = art
+            self._artifacts = art
         return self._artifacts
 
     def _kernel_args(self, limits: Limits) -> str:
@@ -492,8 +505,9 @@ class MicroVMDriver:
         key = hashlib.sha256(
             json.dumps([argv, qemu_version(), art.key, ext4.st_size, ext4.st_mtime_ns]).encode()
         ).hexdigest()[:20]
-        if key in self._snapshots:
-            return self._snapshots[key]
+        memo = _SNAPSHOTS.get(key)
+        if memo is not None and _exist(memo.state):
+            return memo
         snap_dir = microvm_image.microvm_cache(self.settings) / "snapshots" / key
         snap = _load_snapshot(snap_dir, argv)
         if snap is None:
@@ -501,7 +515,7 @@ class MicroVMDriver:
                 snap = _load_snapshot(snap_dir, argv)
                 if snap is None:
                     snap = await self._build_snapshot(snap_dir, key, argv, art)
-        self._snapshots[key] = snap
+        _SNAPSHOTS[key] = snap
         return snap
 
     async def _build_snapshot(

@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ KERNEL_META_PACKAGE = "linux-image-cloud-amd64"
 BUSYBOX = Path("/usr/bin/busybox")
 APT_TIMEOUT_S = 300.0
 MKFS_TIMEOUT_S = 300.0
+RESOLVE_TTL_S = 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -87,10 +89,28 @@ def _resolve_kernel_package() -> str | None:
     return None
 
 
+def _kernel_package(root: Path) -> str | None:
+    """``_resolve_kernel_package`` costs seconds (apt-cache): remember its answer for a day."""
+    memo = root / "resolved.json"
+    try:
+        saved = json.loads(memo.read_text())
+        if time.time() - float(saved["at"]) < RESOLVE_TTL_S and (root / saved["package"]).is_dir():
+            return str(saved["package"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    package = _resolve_kernel_package()
+    if package is not None:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"package": package, "at": time.time()}))
+        tmp.replace(memo)
+    return package
+
+
 def ensure_kernel(settings: Settings) -> Kernel:
     """Fetch and unpack Debian's cloud kernel once; reuse the newest cached one when offline."""
     root = microvm_cache(settings) / "kernels"
-    package = _resolve_kernel_package()
+    package = _kernel_package(root)
     if package is None:
         cached = sorted(p for p in root.glob("linux-image-*") if (p / "done").exists())
         if not cached:
@@ -307,13 +327,19 @@ def _ensure_locked(
 ) -> BootArtifacts:
     kernel = ensure_kernel(settings)
 
-    initrd_bytes = build_initramfs(kernel, defn)
-    initrd_key = _digest(initrd_bytes)
+    # Keyed by its inputs, so a cache hit costs no archive build.
+    bb = BUSYBOX.stat()
+    initrd_key = _digest(
+        kernel.version,
+        (defn / "stage0-init.sh").read_bytes(),
+        (defn / "modules.txt").read_bytes(),
+        f"{bb.st_size}:{bb.st_mtime_ns}",
+    )
     initrd = cache / "initrd" / f"stage0-{initrd_key}.cpio.gz"
     if not initrd.exists():
         initrd.parent.mkdir(parents=True, exist_ok=True)
         tmp = initrd.with_name(initrd.name + ".tmp")
-        tmp.write_bytes(initrd_bytes)
+        tmp.write_bytes(build_initramfs(kernel, defn))
         tmp.rename(initrd)
         prune_stale(settings, image, keep=initrd)
 
