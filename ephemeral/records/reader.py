@@ -14,9 +14,18 @@ from ephemeral.records import compaction, retention
 from ephemeral.records.schema import KINDS
 from ephemeral.records.views import schema_root, view_sql
 
-# A query can race a compaction that removes a file DuckDB listed a moment before; the next
-# attempt lists again and finds the run in the compacted file instead.
-_ATTEMPTS = 3
+# A query can race a compaction or a rewrite: a file DuckDB listed a moment before is gone, or
+# was replaced between two reads of it (DuckDB then fails on the footer). Those are errors, not
+# wrong answers; the next attempt lists and opens the files again.
+_ATTEMPTS = 5
+_TRANSIENT = (
+    "No such file or directory", "TProtocolException", "No magic bytes",
+    "Could not read enough bytes",
+)
+
+
+def _transient(err: duckdb.Error) -> bool:
+    return isinstance(err, duckdb.IOException) or any(t in str(err) for t in _TRANSIENT)
 
 COST_DIMENSIONS: dict[str, str] = {
     "model": "model",
@@ -57,16 +66,30 @@ class Records:
         try:
             con.execute("SET TimeZone = 'UTC'")
             for kind in KINDS:
-                con.execute(view_sql(self.records_dir, kind))
+                self._create_view(con, kind)
             if restricted:
                 allowed = [f"{self.records_dir.resolve()}/", f"{schema_root()}/"]
                 con.execute("SET allowed_directories = $1", [allowed])
                 con.execute("SET enable_external_access = false")
                 con.execute("SET lock_configuration = true")
+        except duckdb.Error as err:
+            con.close()
+            raise EphemeralError(f"cannot open the records: {_first_line(err)}", cause=err) from err
         except BaseException:
             con.close()
             raise
         return con
+
+    def _create_view(self, con: duckdb.DuckDBPyConnection, kind: str) -> None:
+        # Creating a view binds it, which lists and opens the files; a compaction retiring one
+        # of them at that moment is retried with a fresh listing.
+        for attempt in range(_ATTEMPTS):
+            try:
+                con.execute(view_sql(self.records_dir, kind))
+                return
+            except duckdb.Error as err:
+                if attempt + 1 == _ATTEMPTS or not _transient(err):
+                    raise
 
     def _run(
         self, sql: str, params: list[Any] | None = None, *, restricted: bool
@@ -78,15 +101,13 @@ class Records:
                 if cur.description is None:
                     return [], []
                 return [d[0] for d in cur.description], cur.fetchall()
-            except duckdb.IOException as err:
-                if attempt + 1 == _ATTEMPTS:
-                    raise InvalidRequest.field("sql", _first_line(err)) from err
             except duckdb.PermissionException as err:
                 raise InvalidRequest.field(
                     "sql", f"only the records can be read here ({_first_line(err)})"
                 ) from err
             except duckdb.Error as err:
-                raise InvalidRequest.field("sql", _first_line(err)) from err
+                if attempt + 1 == _ATTEMPTS or not _transient(err):
+                    raise InvalidRequest.field("sql", _first_line(err)) from err
             finally:
                 con.close()
         raise EphemeralError("unreachable: query attempts exhausted")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import secrets
 import threading
 from collections.abc import Sequence
@@ -31,6 +32,8 @@ from ephemeral.records.schema import (
 
 # Sandbox output is capped by the guest protocol; this is the records' own backstop.
 MAX_STEP_TEXT_CHARS = 1 << 20
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 _db: duckdb.DuckDBPyConnection | None = None
 _db_pid = 0
@@ -68,7 +71,7 @@ def _clean(value: Any) -> Any:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            return value.encode("utf-8", "replace").decode("utf-8")
+            return _SURROGATE.sub("\ufffd", value)
     return value
 
 
