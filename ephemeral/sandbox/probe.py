@@ -13,6 +13,7 @@ import json
 import shutil
 import subprocess
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ephemeral import errors
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 PROBE_LIMITS = Limits(cpus=1.0, memory_mib=256, pids=64, disk_mib=16, lifetime_seconds=60)
 CACHE_TTL_SECONDS = 24 * 3600
 _memo: dict[tuple[str, str], str | None] = {}
+_version_memo: dict[tuple[str, int, int], str] = {}
 
 
 async def start_and_exec_true(driver: SandboxDriver) -> str | None:
@@ -49,11 +51,22 @@ def runtime_version(isolation: str) -> str:
     path = shutil.which(binary)
     if path is None:
         return "missing"
+    # Memoised by the binary's identity: `--version` costs 40-60 ms and admission calls this
+    # twice per run (the API's hot path); an upgraded binary has a new mtime and is re-read.
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return "unknown"
+    memo_key = (path, st.st_mtime_ns, st.st_size)
+    if memo_key in _version_memo:
+        return _version_memo[memo_key]
     try:
         out = subprocess.run([path, "--version"], capture_output=True, timeout=10, check=False)
-        return out.stdout.decode(errors="replace").strip().splitlines()[0][:200]
+        version = out.stdout.decode(errors="replace").strip().splitlines()[0][:200]
     except (OSError, subprocess.TimeoutExpired, IndexError):
         return "unknown"
+    _version_memo[memo_key] = version
+    return version
 
 
 async def cached_probe(
