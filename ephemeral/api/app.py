@@ -7,6 +7,7 @@ caller.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -31,6 +32,23 @@ DESCRIPTION = (
 )
 
 
+def start_prefect_server() -> None:
+    """Start Prefect's local server now, off the event loop.
+
+    Otherwise the first flow run starts it from inside the loop (Prefect's ``get_client`` does a
+    blocking ``SubprocessASGIServer().start()``), freezing every request for 7-30 s. Callers
+    configure Prefect first (:func:`ephemeral.prefect_setup.configure`). With ``PREFECT_API_URL``
+    set there is nothing to start.
+    """
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    SubprocessASGIServer().start()
+
+
 def create_app(
     settings: Settings, runtime: Runtime | None = None, *, warm_pool: bool = True
 ) -> FastAPI:
@@ -40,6 +58,8 @@ def create_app(
             app.state.runtime = runtime
             yield
             return
+        if settings.use_prefect:
+            await asyncio.to_thread(start_prefect_server)
         own = await Runtime.start(settings, warm_pool=warm_pool, recover=True)
         app.state.runtime = own
         try:
