@@ -286,7 +286,8 @@ class QemuProcess:
     def diagnostics(self, n: int = 1500) -> str:
         err = self.stderr[-n:].decode(errors="replace").strip()
         con = self.console[-n:].decode(errors="replace").strip()
-        return f"stderr: {err or '(empty)'}; console: {con or '(empty)'}"
+        parts = [f"QEMU said: {err}" if err else "", f"console: {con}" if con else ""]
+        return "; ".join(p for p in parts if p) or "no QEMU or console output"
 
     async def kill(self) -> None:
         """SIGKILL the whole group and reap; idempotent, never raises."""
