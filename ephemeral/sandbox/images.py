@@ -29,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ephemeral import errors
+from ephemeral.sandbox.microvm_image import build_with_image
 from ephemeral.settings import Settings
 
 _BUILD_STEP = "build-step"
@@ -252,6 +253,8 @@ async def ensure_image(settings: Settings, name: str = "default") -> Path:
             "user": d.user.model_dump(),
         }
         (out / _MARKER).write_text(json.dumps(meta, indent=1))
+        # microVM hook (owned by microvm_image.py): kernel, initramfs and ext4 of this rootfs
+        await asyncio.to_thread(build_with_image, settings, name, out / "rootfs", digest[:16])
     return out / "rootfs"
 
 

@@ -18,6 +18,7 @@ import gzip
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -28,6 +29,8 @@ from pathlib import Path
 
 from ephemeral.errors import SandboxError
 from ephemeral.settings import Settings
+
+log = logging.getLogger(__name__)
 
 KERNEL_META_PACKAGE = "linux-image-cloud-amd64"
 BUSYBOX = Path("/usr/bin/busybox")
@@ -350,6 +353,20 @@ def _ensure_locked(
         prune_stale(settings, image, keep=ext4)
     key = _digest(image, image_hash, kernel.version, initrd_key)
     return BootArtifacts(kernel=kernel, initrd=initrd, rootfs_ext4=ext4, key=key)
+
+
+def build_with_image(settings: Settings, image: str, rootfs: Path, image_hash: str) -> None:
+    """Hook run by ``images.ensure_image`` right after it builds an image: make the microVM's
+    kernel, initramfs and ext4 with it (the memory snapshot waits for the first microVM).
+
+    Best effort: a host that cannot fetch the kernel still gets its image for the other
+    drivers; the microVM driver tries again when used and fails with the reason then."""
+    if not definition_dir(settings, image).is_dir():
+        return
+    try:
+        ensure_boot_artifacts(settings, image, rootfs, image_hash)
+    except (SandboxError, OSError) as exc:
+        log.warning("microVM artifacts for image %s not built: %s", image, exc)
 
 
 def prune_stale(settings: Settings, image: str, *, keep: Path) -> list[Path]:
