@@ -33,6 +33,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -110,8 +111,6 @@ def qemu_version() -> str:
             raise errors.IsolationUnavailable(
                 f"{QEMU} is not installed (apt-get install qemu-system-x86)"
             )
-        import subprocess
-
         out = subprocess.run([path, "--version"], capture_output=True, timeout=10, check=False)
         lines = out.stdout.decode(errors="replace").strip().splitlines()
         _qemu_version = lines[0][:200] if lines else "unknown"
@@ -389,11 +388,16 @@ class MicroVMSandbox:
         client.hello = snap.meta.hello
         # Every restore shares the saved RNG state: fresh host entropy before anything else.
         try:
-            await asyncio.wait_for(client.reseed(os.urandom(RESEED_BYTES)), RESTORE_DEADLINE)
+            credited = await asyncio.wait_for(
+                client.reseed(os.urandom(RESEED_BYTES)), RESTORE_DEADLINE
+            )
         except (errors.SandboxError, TimeoutError) as exc:
             raise errors.SandboxError(
                 f"restored microVM did not answer: {exc}; {self._qemu.diagnostics()}"
             ) from exc
+        if not credited:
+            # Without a forced reseed this VM would share its random numbers with every other.
+            raise errors.SandboxError("restored microVM could not reseed its RNG")
         self._client = client
         self.workdir = snap.meta.hello.workdir
         self.boot_ms = int((time.monotonic() - t0) * 1000)
