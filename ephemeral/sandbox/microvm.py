@@ -60,6 +60,7 @@ BOOT_ATTEMPTS = 6
 BOOT_DEADLINE = {"kvm": 20.0, "tcg": 40.0}
 PROBE_DEADLINE = {"kvm": 10.0, "tcg": 30.0}  # KVM reaches init in well under 1 s
 RESTORE_DEADLINE = 30.0
+PROBE_CREATE_S = 300.0  # may include the one cold boot + snapshot of a fresh image
 SETTLE_SECONDS = 0.5  # let the guest go idle after hello, so the saved state is quiescent
 RESEED_BYTES = 64
 RUN_PLACEHOLDER = "@RUN@"
@@ -623,9 +624,23 @@ class MicroVMDriver:
                 return f"{self.isolation}: {exc.detail}"
             if why:
                 return f"{self.isolation}: {why}"
-        from ephemeral.sandbox.probe import start_and_exec_true
-
-        return await start_and_exec_true(self)
+        # A real sandbox, with the default limits: their snapshot is the one every caller
+        # needs first anyway, so a cold probe pays for no extra cold boot.
+        try:
+            sbx = await asyncio.wait_for(
+                self.create(owner="probe", limits=Limits(lifetime_seconds=120)), PROBE_CREATE_S
+            )
+        except (errors.EphemeralError, TimeoutError, OSError) as exc:
+            return f"{self.isolation}: could not start a sandbox: {exc}"
+        try:
+            res = await sbx.exec(["true"], timeout=20)
+            if res.exit_code != 0:
+                return f"{self.isolation}: `true` exited {res.exit_code} in the sandbox"
+            return None
+        except errors.EphemeralError as exc:
+            return f"{self.isolation}: exec failed: {exc}"
+        finally:
+            await sbx.destroy()
 
     async def boot_probe(self) -> str | None:
         """Boot only the kernel and stage0 (no disk, no agent) under this accelerator.
