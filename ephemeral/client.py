@@ -28,7 +28,7 @@ import httpx
 
 from ephemeral import errors
 from ephemeral.events import Event
-from ephemeral.policy import TERMINAL_STATUSES, RunRequest
+from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
 
 RETRY_STATUSES = frozenset({409, 429, 502, 503})
@@ -256,14 +256,13 @@ class Runs:
         return result
 
     def wait(self, run_id: str, timeout: float | None = None) -> dict[str, Any]:
-        """Block until the run has settled; returns the final run object."""
+        """Block until the run has settled; returns the final run object (for a
+        zero-data-retention run, the only read that carries its output)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            run = self.get(run_id)
-            if run["status"] in TERMINAL_STATUSES:
-                events = self.events(run_id)
-                if any(e.type == "run.settled" for e in events):
-                    return run
+            events = self.events(run_id)
+            if any(e.type == "run.settled" for e in events):
+                return self.get(run_id)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"run {run_id} did not settle within {timeout} s")
             time.sleep(0.2)

@@ -50,8 +50,9 @@ def base_url(request: Request) -> str:
 
 def render_run(request: Request, runtime: Runtime, row: RunRow) -> dict[str, Any]:
     obj = run_object(row, base_url(request))
-    if obj["output"] is None and row.status in TERMINAL_STATUSES:
-        # A zero-data-retention run's output is held in memory and handed out exactly once.
+    if obj["output"] is None and row.status in TERMINAL_STATUSES and row.settled:
+        # A zero-data-retention run's output is held in memory and handed out exactly once
+        # (to the first read of the settled run: `runs.wait` returns that read).
         obj["output"] = runtime.take_zdr_output(row.id)
     return obj
 

@@ -14,6 +14,21 @@ from tests.browser.conftest import shot
 
 pytestmark = [pytest.mark.browser, pytest.mark.sandbox]
 
+# The product page's request.json, byte for byte in meaning.
+PRODUCT_REQUEST = {
+    "prompt": "This is a sandbox test. Do these steps with the shell and report the real output, "
+    "never what you expect. 1) Write a small script that prints the first 15 prime numbers, run "
+    "it and show the output. 2) Run `whoami` and `pwd`. 3) Try to reach the internet with "
+    "`curl -sS -m 8 https://example.com` (and, if curl is missing, python3 with urllib) and "
+    "report the exact error. 4) Write a file named /tmp/proof.txt and list it. Reply in Markdown, "
+    "at most 120 words: one line per step with the result, then one sentence saying whether the "
+    "network call succeeded.",
+    "web": False,
+    "shell": True,
+    "timeout_seconds": 120,
+    "max_cost_micros": 40000,
+}
+
 
 def test_playground_starts_a_run_and_the_page_follows_it_to_settled(
     tab: Any, server: LiveServer
@@ -76,16 +91,7 @@ def test_product_page_curl_run_shows_its_full_timeline(
     settings = api_settings.model_copy(update={"default_model": "replay/sandbox-proof"})
     with live_server(settings) as srv:
         key = srv.member("acme")
-        body = json.dumps({
-            "prompt": "This is a sandbox test. Do these steps with the shell and report the "
-            "real output, never what you expect. 1) Write a small script that prints the first "
-            "15 prime numbers, run it and show the output. 2) Run `whoami` and `pwd`. 3) Try to "
-            "reach the internet with `curl -sS -m 8 https://example.com` (and, if curl is "
-            "missing, python3 with urllib) and report the exact error. 4) Write a file named "
-            "/tmp/proof.txt and list it. Reply in Markdown, at most 120 words: one line per step "
-            "with the result, then one sentence saying whether the network call succeeded.",
-            "web": False, "shell": True, "timeout_seconds": 120, "max_cost_micros": 40000,
-        })
+        body = json.dumps(PRODUCT_REQUEST)
         r = httpx.post(f"{srv.url}/v1/runs", content=body, headers={
             "Authorization": f"Bearer {key}", "Content-Type": "application/json",
             "Idempotency-Key": "3f1c2b8e-uuidgen"})
