@@ -27,6 +27,7 @@ from ephemeral.providers.base import Message, ModelReply, ToolCall, ToolSpec, Us
 from ephemeral.retry import call_with_retries
 
 if TYPE_CHECKING:
+    from ephemeral.broker import Broker
     from ephemeral.pricing import PriceBook
     from ephemeral.providers.base import Provider
     from ephemeral.sandbox.base import Limits, Sandbox
@@ -90,6 +91,7 @@ class AgentRun:
     reason: str | None = None
     detail: str | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    broker: Broker | None = None  # serves web_fetch / connection_call (ephemeral.broker)
 
     def __post_init__(self) -> None:
         rate = self.price_book.compute_micros(
@@ -182,7 +184,8 @@ class AgentRun:
         )
 
     def tools(self) -> list[ToolSpec]:
-        return [SHELL_TOOL] if self.policy.shell else []
+        specs = [SHELL_TOOL] if self.policy.shell else []
+        return specs + (self.broker.tools(self.policy) if self.broker else [])
 
     async def model_step(self) -> ModelReply | None:
         """One model call. Returns the reply, or None when the loop is over (final answer)."""
@@ -266,6 +269,9 @@ class AgentRun:
         self._check_time()
         if call.name == "shell" and self.policy.shell:
             result = await self._shell(call)
+        elif self.broker is not None and self.broker.handles(call.name):
+            result = await self.broker.handle(call, run=self)
+            await self._maybe_warn()
         else:
             result = f"error: tool `{call.name}` is not available in this run (not granted)"
         self.messages.append(Message(role="tool", tool_call_id=call.id, content=result))

@@ -14,6 +14,7 @@ from typing import Any
 
 from ephemeral import errors
 from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps, drive
+from ephemeral.broker import Broker
 from ephemeral.events import Event
 from ephemeral.ids import new_run_id, utcnow
 from ephemeral.owner import is_alive, this_process
@@ -117,6 +118,13 @@ class Runtime:
                 exc.detail, errors=[{"field": "model", "message": exc.detail}]
             ) from exc
         policy = request.policy()
+        missing = await self.store.missing_connections(org_id, [c.name for c in policy.connections])
+        if missing:
+            i = [c.name for c in policy.connections].index(missing[0])
+            raise errors.InvalidRequest.field(
+                f"connections[{i}].name",
+                f"this org has no connection named {missing[0]!r} (ephemeral connections add)",
+            )
         try:
             await resolve_isolation(policy.isolation, self.settings)
         except errors.IsolationUnavailable as exc:
@@ -180,6 +188,7 @@ class Runtime:
             limits=self.default_limits(policy.timeout_seconds),
             max_turns=self.settings.max_turns,
             image=self.settings.image,
+            broker=Broker(self.settings),
         )
 
     async def _acquire(self, policy: Policy, owner: str, limits: Limits) -> Sandbox:

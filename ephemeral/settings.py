@@ -50,6 +50,11 @@ class Settings(BaseSettings):
     use_prefect: bool = True
     host: str = "127.0.0.1"
     port: int = 8000
+    broker_allow_private_hosts: bool = Field(
+        default=False,
+        description="Let `web_fetch` and connections reach loopback and private addresses "
+        "(link-local/metadata stays refused). For tests and internal APIs; unsafe in production.",
+    )
 
     # providers: keys never leave the host process
     openai_api_key: SecretStr | None = Field(

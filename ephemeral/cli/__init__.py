@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import typer
 
-from ephemeral.cli import admin, analysis, evals, recipes, runs, sandbox, serve
+from ephemeral.cli import admin, analysis, connections, evals, recipes, runs, sandbox, serve
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 runs.register(app)
 sandbox.register(app)
 admin.register(app)
+connections.register(app)
 recipes.register(app)
 analysis.register(app)
 serve.register(app)

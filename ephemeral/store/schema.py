@@ -161,3 +161,16 @@ run_transcripts = sa.Table(
     sa.Column("messages", JSONType, nullable=False),
     sa.Column("updated_at", UTCDateTime, nullable=False),
 )
+
+# Broker connections (one per org and name). ``sealed_headers`` is a Fernet token made by
+# ``ephemeral.broker.secrets``; the store never holds a credential in plaintext.
+connections = sa.Table(
+    "connections",
+    metadata,
+    sa.Column("org_id", sa.String(40), sa.ForeignKey("orgs.id"), primary_key=True),
+    sa.Column("name", sa.String(63), primary_key=True),
+    sa.Column("base_url", sa.String(2048), nullable=False),
+    sa.Column("header_names", JSONType, nullable=False),
+    sa.Column("sealed_headers", sa.Text, nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+)

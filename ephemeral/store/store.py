@@ -21,7 +21,9 @@ from ephemeral import errors
 from ephemeral.events import Event, redact_for_zdr
 from ephemeral.ids import RUN_ID_RE, new_id, rfc3339, utcnow
 from ephemeral.policy import TERMINAL_STATUSES
+from ephemeral.store import connections as conns
 from ephemeral.store import keys, ledger
+from ephemeral.store.connections import StoredConnection
 from ephemeral.store.engine import create_engine, reader
 from ephemeral.store.models import ApiKey, Org, Principal, RunRow, Settlement
 from ephemeral.store.schema import (
@@ -248,6 +250,49 @@ class Store:
                     raise errors.Unauthorized("this API key has been revoked")
                 return Principal(org_id=row.org_id, member=row.member, key_id=row.id)
         raise errors.Unauthorized("unknown API key")
+
+    # -- connections (sealed by the broker; see ephemeral.store.connections) ------------------
+
+    async def add_connection(
+        self,
+        org_id: str,
+        name: str,
+        *,
+        base_url: str,
+        header_names: list[str],
+        sealed_headers: str,
+        replace: bool = False,
+    ) -> StoredConnection:
+        async with self._engine.begin() as conn:
+            org = await self._org(conn, org_id)
+            return await conns.add(
+                conn,
+                org_id=org.id,
+                name=name,
+                base_url=base_url,
+                header_names=header_names,
+                sealed_headers=sealed_headers,
+                replace=replace,
+            )
+
+    async def get_connection(self, org_id: str, name: str) -> StoredConnection:
+        async with self._reader.connect() as conn:
+            return await conns.get(conn, org_id, name)
+
+    async def list_connections(self, org_id: str) -> list[StoredConnection]:
+        async with self._reader.connect() as conn:
+            org = await self._org(conn, org_id)
+            return await conns.list_for(conn, org.id)
+
+    async def remove_connection(self, org_id: str, name: str) -> None:
+        async with self._engine.begin() as conn:
+            org = await self._org(conn, org_id)
+            await conns.remove(conn, org.id, name)
+
+    async def missing_connections(self, org_id: str, names: list[str]) -> list[str]:
+        """The names (in order) the org has no connection for."""
+        async with self._reader.connect() as conn:
+            return await conns.missing(conn, org_id, names)
 
     # -- runs ---------------------------------------------------------------------------------
 

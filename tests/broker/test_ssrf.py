@@ -1,0 +1,117 @@
+"""The SSRF guard: URL shapes and address classes, checked without sending anything."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import httpx
+import pytest
+
+from ephemeral.broker.ssrf import Refused, address_refusal, parse_url, public_url, resolve
+
+REFUSED_ALWAYS = [
+    "0.0.0.0",
+    "0.1.2.3",
+    "169.254.169.254",  # cloud metadata
+    "169.254.0.1",
+    "fe80::1",
+    "224.0.0.1",
+    "ff02::1",
+    "240.0.0.1",
+    "255.255.255.255",
+    "::",
+    "::ffff:169.254.169.254",
+]
+REFUSED_UNLESS_ALLOWED = [
+    "127.0.0.1",
+    "127.8.9.10",
+    "::1",
+    "10.0.0.1",
+    "172.16.5.4",
+    "192.168.1.1",
+    "100.64.0.1",
+    "fc00::1",
+    "::ffff:127.0.0.1",
+    "::ffff:10.1.2.3",
+    "2002:7f00:1::",  # 6to4 wrapping 127.0.0.1
+]
+PUBLIC = ["93.184.216.34", "1.1.1.1", "2606:4700::1111"]
+
+
+@pytest.mark.parametrize("ip", REFUSED_ALWAYS)
+def test_never_allowed_addresses(ip: str) -> None:
+    addr = ipaddress.ip_address(ip)
+    assert address_refusal(addr, allow_private=False) is not None
+    assert address_refusal(addr, allow_private=True) is not None
+
+
+@pytest.mark.parametrize("ip", REFUSED_UNLESS_ALLOWED)
+def test_loopback_and_private_need_the_setting(ip: str) -> None:
+    addr = ipaddress.ip_address(ip)
+    assert address_refusal(addr, allow_private=False) is not None
+    assert address_refusal(addr, allow_private=True) is None
+
+
+@pytest.mark.parametrize("ip", PUBLIC)
+def test_public_addresses_pass(ip: str) -> None:
+    assert address_refusal(ipaddress.ip_address(ip), allow_private=False) is None
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("file:///etc/passwd", "scheme"),
+        ("ftp://example.com/x", "scheme"),
+        ("gopher://127.0.0.1:70/", "scheme"),
+        ("javascript:alert(1)", "scheme"),
+        ("http://user:pw@example.com/", "credentials"),
+        ("http://token@example.com/", "credentials"),
+        ("http:///nohost", "host"),
+        ("http://exa mple.com/", "whitespace"),
+        ("http://example.com/\r\nX: y", "control"),
+        ("", "non-empty"),
+        ("http://example.com/" + "a" * 5000, "longer"),
+    ],
+)
+def test_bad_urls_are_refused(url: str, why: str) -> None:
+    with pytest.raises(Refused) as info:
+        parse_url(url)
+    assert why in info.value.reason
+
+
+def test_non_string_url() -> None:
+    with pytest.raises(Refused):
+        parse_url(["http://example.com"])
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1/",
+        "http://localhost:8080/",
+        "http://2130706433/",  # 127.0.0.1 as one decimal number
+        "http://0x7f.1/",
+        "http://[::1]/",
+        "http://[::ffff:127.0.0.1]/",
+        "http://169.254.169.254/latest/meta-data/",
+        "http://10.0.0.1/",
+    ],
+)
+async def test_resolution_refuses_local_targets(url: str) -> None:
+    with pytest.raises(Refused) as info:
+        await resolve(parse_url(url), allow_private=False)
+    assert "resolves to" in info.value.reason
+
+
+async def test_resolution_keeps_the_checked_address() -> None:
+    target = await resolve(parse_url("http://localhost:9/x?y=1"), allow_private=True)
+    assert target.address.is_loopback
+    assert target.dial_url.host == str(target.address)
+    assert target.url.host == "localhost"  # the Host header and TLS name stay the name
+
+
+def test_public_url_strips_query_fragment_and_userinfo() -> None:
+    shown = public_url("https://user:pw@example.com:8443/a/b?token=SECRET#frag")
+    assert shown == "https://example.com:8443/a/b"
+    assert public_url(httpx.URL("http://h/p?q=1")) == "http://h/p"
+    assert public_url("http://[::1/") == "(invalid url)"

@@ -1,0 +1,202 @@
+"""``web_fetch`` through a real runtime's run against a real HTTP server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import pytest
+
+from ephemeral.agent import StopRun
+from ephemeral.broker.outbound import BODY_CAP
+from ephemeral.service import Runtime
+from ephemeral.settings import Settings
+from tests.broker.conftest import Upstream, build_run, call, events_of
+
+PRICE = 1000  # the shipped price book's micros per web request
+
+
+async def test_fetch_returns_text_charges_and_strips_the_query(
+    runtime: Runtime, upstream: Upstream
+) -> None:
+    agent = await build_run(runtime, web=True)
+    assert [t.name for t in agent.tools()] == ["web_fetch"]
+    out = await call(agent, "web_fetch", url=f"{upstream.base}/text?token=QUERYSECRET&x=1")
+    assert out.startswith("status: 200\n")
+    assert "hello from upstream" in out
+    assert "truncated: false" in out
+    assert upstream.seen[0].path == "/text?token=QUERYSECRET&x=1"  # the request had its query
+    assert upstream.seen[0].headers["Host"] == f"127.0.0.1:{upstream.port}"
+    [ev] = await events_of(agent, "web.requested")
+    assert ev.data == {
+        "method": "GET",
+        "url": f"{upstream.base}/text",
+        "status": 200,
+        "cost_micros": PRICE,
+    }
+    all_events = await agent.store.list_events(agent.run_id)
+    assert "QUERYSECRET" not in str([e.data for e in all_events])
+    assert (await agent.store.charged(agent.run_id))["web_micros"] == PRICE
+    assert agent.budget.charged["web_micros"] == PRICE
+
+
+async def test_head_has_no_body(runtime: Runtime, upstream: Upstream) -> None:
+    agent = await build_run(runtime, web=True)
+    out = await call(agent, "web_fetch", url=f"{upstream.base}/text", method="HEAD")
+    assert "status: 200" in out and "hello" not in out
+    assert upstream.seen[0].method == "HEAD"
+
+
+async def test_body_is_capped_and_flagged(runtime: Runtime, upstream: Upstream) -> None:
+    from ephemeral.broker import outbound
+    from ephemeral.broker.ssrf import parse_url, resolve
+
+    target = await resolve(parse_url(f"{upstream.base}/big"), allow_private=True)
+    response = await outbound.send(target, "GET", timeout=10)
+    assert len(response.body) == BODY_CAP < 300 * 1024
+    assert response.truncated
+    agent = await build_run(runtime, web=True)
+    out = await call(agent, "web_fetch", url=f"{upstream.base}/big")
+    assert "truncated: true" in out
+    assert len(out) < 17_000  # what the model reads is capped too
+
+
+async def test_binary_bodies_are_described_not_shown(runtime: Runtime, upstream: Upstream) -> None:
+    agent = await build_run(runtime, web=True)
+    out = await call(agent, "web_fetch", url=f"{upstream.base}/binary")
+    assert "256 bytes of application/octet-stream; not shown" in out
+
+
+async def test_redirects_are_followed_and_each_hop_charged(
+    runtime: Runtime, upstream: Upstream
+) -> None:
+    agent = await build_run(runtime, web=True)
+    out = await call(agent, "web_fetch", url=f"{upstream.base}/chain/3")
+    assert "end of chain" in out
+    hops = await events_of(agent, "web.requested")
+    assert [e.data["url"] for e in hops] == [f"{upstream.base}/chain/{n}" for n in (3, 2, 1, 0)]
+    assert [e.data["status"] for e in hops] == [302, 302, 302, 200]
+    assert (await agent.store.charged(agent.run_id))["web_micros"] == 4 * PRICE
+
+
+async def test_more_than_five_redirects_are_refused(runtime: Runtime, upstream: Upstream) -> None:
+    agent = await build_run(runtime, web=True)
+    out = await call(agent, "web_fetch", url=f"{upstream.base}/chain/9")
+    assert out.startswith("error:") and "more than 5 redirects" in out
+    assert len(upstream.seen) == 6  # the first request and five redirects, no more
+    [denied] = await events_of(agent, "web.denied")
+    assert denied.data["url"] == f"{upstream.base}/chain/3"
+    assert denied.data["cost_micros"] == 0
+
+
+@pytest.mark.parametrize(
+    ("to", "why"),
+    [
+        ("http://169.254.169.254/latest/meta-data/", "link-local"),
+        ("http://[fe80::1]/", "link-local"),
+        ("http://0.0.0.0:1/", "unspecified"),
+        ("file:///etc/passwd", "scheme"),
+        ("http://u:p@127.0.0.1/", "credentials"),
+    ],
+)
+async def test_redirects_get_the_same_checks(
+    runtime: Runtime, upstream: Upstream, to: str, why: str
+) -> None:
+    agent = await build_run(runtime, web=True)
+    out = await call(agent, "web_fetch", url=f"{upstream.base}/redirect?to={to}")
+    assert out.startswith("error:") and why in out
+    assert len(upstream.seen) == 1
+    [denied] = await events_of(agent, "web.denied")
+    assert "redirect refused" in denied.data["reason"]
+    assert "p@" not in denied.data["url"]
+    assert (await agent.store.charged(agent.run_id))["web_micros"] == PRICE  # the first hop only
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        ({"url": "file:///etc/passwd"}, "scheme"),
+        ({"url": "http://user:SECRETPW@127.0.0.1/"}, "credentials"),
+        ({"url": "http://169.254.169.254/"}, "link-local"),
+        ({"url": "http://127.0.0.1/", "method": "POST"}, "GET or HEAD"),
+        ({"url": "http://127.0.0.1/", "headers": {"X": "y"}}, "unknown argument"),
+        ({"url": 42}, "non-empty string"),
+    ],
+)
+async def test_refused_requests_cost_nothing(
+    runtime: Runtime, upstream: Upstream, args: dict, why: str
+) -> None:
+    agent = await build_run(runtime, web=True)
+    out = await call(agent, "web_fetch", **args)
+    assert out.startswith("error:") and why in out
+    [denied] = await events_of(agent, "web.denied")
+    assert denied.data["cost_micros"] == 0
+    assert "SECRETPW" not in str(denied.data)
+    assert (await agent.store.charged(agent.run_id))["web_micros"] == 0
+    assert upstream.seen == []
+
+
+async def test_default_settings_refuse_loopback(
+    broker_settings: Settings, upstream: Upstream
+) -> None:
+    strict = broker_settings.model_copy(update={"broker_allow_private_hosts": False})
+    runtime = await Runtime.start(strict)
+    try:
+        agent = await build_run(runtime, web=True)
+        for url in (
+            f"{upstream.base}/text",
+            f"http://localhost:{upstream.port}/text",
+            f"http://2130706433:{upstream.port}/text",
+            f"http://[::ffff:127.0.0.1]:{upstream.port}/text",
+        ):
+            out = await call(agent, "web_fetch", url=url)
+            assert out.startswith("error:") and "loopback" in out, out
+        assert upstream.seen == []  # nothing reached the server
+        assert len(await events_of(agent, "web.denied")) == 4
+    finally:
+        await runtime.close()
+
+
+async def test_web_off_means_no_tool_and_a_tool_error(runtime: Runtime, upstream: Upstream) -> None:
+    agent = await build_run(runtime, web=False, shell=True)
+    assert [t.name for t in agent.tools()] == ["shell"]
+    out = await call(agent, "web_fetch", url=f"{upstream.base}/text")
+    assert out.startswith("error:") and "web is off" in out
+    [denied] = await events_of(agent, "web.denied")
+    assert denied.data["reason"] == "web access is off in this run's policy"
+    assert upstream.seen == []
+
+
+async def test_a_request_that_does_not_fit_stops_the_run(
+    runtime: Runtime, upstream: Upstream
+) -> None:
+    agent = await build_run(runtime, web=True, max_cost_micros=2 * PRICE + 500)
+    for _ in range(2):
+        assert "status: 200" in await call(agent, "web_fetch", url=f"{upstream.base}/text")
+    with pytest.raises(StopRun) as info:
+        await call(agent, "web_fetch", url=f"{upstream.base}/text")
+    assert info.value.reason == "budget_exhausted"
+    assert len(upstream.seen) == 2  # the third request was never sent
+    assert (await agent.store.charged(agent.run_id))["web_micros"] == 2 * PRICE
+
+
+async def test_a_redirect_that_does_not_fit_stops_before_the_hop(
+    runtime: Runtime, upstream: Upstream
+) -> None:
+    agent = await build_run(runtime, web=True, max_cost_micros=PRICE + 10)
+    with pytest.raises(StopRun):
+        await call(agent, "web_fetch", url=f"{upstream.base}/chain/1")
+    assert len(upstream.seen) == 1
+
+
+async def test_an_unreachable_host_is_charged_and_reported(runtime: Runtime) -> None:
+    agent = await build_run(runtime, web=True)
+    out = await call(agent, "web_fetch", url="http://127.0.0.1:9/")  # discard port: refused
+    assert out.startswith("error: the web request failed")
+    [ev] = await events_of(agent, "web.requested")
+    assert ev.data["status"] is None and ev.data["cost_micros"] == PRICE
+
+
+async def test_zero_data_retention_keeps_no_url(runtime: Runtime, upstream: Upstream) -> None:
+    agent = await build_run(runtime, web=True, zero_data_retention=True)
+    await call(agent, "web_fetch", url=f"{upstream.base}/text")
+    [ev] = await events_of(agent, "web.requested")
+    assert "url" not in ev.data and ev.data["url_bytes"] > 0
+    assert ev.data["cost_micros"] == PRICE
