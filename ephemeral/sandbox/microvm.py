@@ -517,7 +517,8 @@ class MicroVMDriver:
         snap_dir = microvm_image.microvm_cache(self.settings) / "snapshots" / key
         snap = _load_snapshot(snap_dir, argv)
         if snap is None:
-            async with _FileLock(snap_dir.parent / f".{key}.lock"):
+            # One cold boot at a time across processes: they would only compete for the cores.
+            async with _FileLock(snap_dir.parent / ".build.lock"):
                 snap = _load_snapshot(snap_dir, argv)
                 if snap is None:
                     snap = await self._build_snapshot(snap_dir, key, argv, art)
