@@ -60,5 +60,24 @@ fmt: venv
 serve: setup
 	$(EPH) serve
 
+# Served mode on one host (docs/deploy.md): a Prefect server, the process pool, the deployments
+# of prefect.yaml and one worker. Ctrl-C stops the worker and then the server.
+PREFECT_PORT ?= 4200
+serve-prefect: setup
+	@set -eu; \
+	state=$${EPHEMERAL_STATE_DIR:-$$HOME/.local/state/ephemeral}; \
+	export PREFECT_HOME="$$state/prefect-server" PREFECT_API_URL="http://127.0.0.1:$(PREFECT_PORT)/api"; \
+	export EPHEMERAL_PROJECT_DIR="$(CURDIR)" PREFECT_WORKER_QUERY_SECONDS=1 \
+	       PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1; \
+	mkdir -p "$$PREFECT_HOME"; \
+	[ -e "$$PREFECT_HOME/prefect.db" ] || cp "$$($(PY) -c 'from ephemeral.prefect_setup import ensure_template; from ephemeral.settings import Settings; print(ensure_template(Settings.load()))')" "$$PREFECT_HOME/prefect.db"; \
+	$(VENV)/bin/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT) & server=$$!; \
+	trap 'kill $$worker $$server 2>/dev/null; wait' EXIT INT TERM; worker=; \
+	until $(PY) -c "import httpx,sys; sys.exit(httpx.get('$$PREFECT_API_URL/health').status_code != 200)" 2>/dev/null; do sleep 1; done; \
+	$(VENV)/bin/prefect work-pool create ephemeral-local --type process --overwrite; \
+	$(VENV)/bin/prefect --no-prompt deploy --all; \
+	$(VENV)/bin/prefect worker start --pool ephemeral-local --type process & worker=$$!; \
+	wait $$worker
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache test-artifacts
