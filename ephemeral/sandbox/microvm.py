@@ -60,6 +60,7 @@ BOOT_ATTEMPTS = 6
 BOOT_DEADLINE = {"kvm": 20.0, "tcg": 40.0}
 PROBE_DEADLINE = {"kvm": 10.0, "tcg": 30.0}  # KVM reaches init in well under 1 s
 RESTORE_DEADLINE = 30.0
+PROBE_TTL_S = 24 * 3600.0
 PROBE_CREATE_S = 300.0  # may include the one cold boot + snapshot of a fresh image
 SETTLE_SECONDS = 0.5  # let the guest go idle after hello, so the saved state is quiescent
 RESEED_BYTES = 64
@@ -643,13 +644,35 @@ class MicroVMDriver:
         finally:
             await sbx.destroy()
 
-    async def boot_probe(self) -> str | None:
+    async def boot_probe(self, *, fresh: bool = False) -> str | None:
         """Boot only the kernel and stage0 (no disk, no agent) under this accelerator.
 
         Cheap and needs no image: on a host whose /dev/kvm cannot run a stock kernel (kvm_pvm),
-        this fails within the deadline instead of after a full image build."""
+        this fails within the deadline instead of after a full image build. The verdict is
+        kept for a day in the shared cache, keyed by QEMU, guest kernel, stage0 and host kernel,
+        because a failing probe burns a core for the whole deadline."""
         kernel = await asyncio.to_thread(microvm_image.ensure_kernel, self.settings)
         defn = microvm_image.definition_dir(self.settings, self.settings.image)
+        key = "|".join(
+            [
+                qemu_version(),
+                kernel.version,
+                os.uname().release,
+                hashlib.sha256(
+                    (defn / "stage0-init.sh").read_bytes() + (defn / "modules.txt").read_bytes()
+                ).hexdigest()[:16],
+            ]
+        )
+        memo = microvm_image.microvm_cache(self.settings) / f"boot-probe-{self.accel}.json"
+        if not fresh:
+            cached = _read_verdict(memo, key)
+            if cached is not None:
+                return cached[0]
+        reason = await self._boot_once(kernel, defn)
+        _write_verdict(memo, key, reason)
+        return reason
+
+    async def _boot_once(self, kernel: microvm_image.Kernel, defn: Path) -> str | None:
         initrd_bytes = await asyncio.to_thread(microvm_image.build_initramfs, kernel, defn)
         run_dir = _new_run_dir()
         qemu = QemuProcess(run_dir)
@@ -716,6 +739,28 @@ class MicroVMDriver:
             await sbx.destroy()
             raise
         return sbx
+
+
+def _read_verdict(path: Path, key: str) -> tuple[str | None] | None:
+    """(reason,) from a fresh-enough probe verdict for ``key``, else None."""
+    try:
+        saved = json.loads(path.read_text())
+        if saved["key"] == key and time.time() - float(saved["at"]) < PROBE_TTL_S:
+            reason = saved["reason"]
+            return (reason if isinstance(reason, str) else None,)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _write_verdict(path: Path, key: str, reason: str | None) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "reason": reason, "at": time.time()}))
+        tmp.replace(path)
+    except OSError:
+        return  # a read-only cache only costs a re-probe next time
 
 
 def _load_snapshot(snap_dir: Path, argv: list[str]) -> Snapshot | None:
