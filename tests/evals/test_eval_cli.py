@@ -101,3 +101,17 @@ def test_a_bad_recipe_starts_nothing(tmp_path: Path, state_dir: Path) -> None:
     assert res.returncode == 2
     assert "model" in res.stderr
     assert not list(state_dir.rglob("*.parquet"))
+
+
+@pytest.mark.prefect
+def test_smoke_suite_through_embedded_prefect(state_dir: Path) -> None:
+    """The default path: each run an agent-run subflow of eval-suite, Prefect in the state dir."""
+    res = cli(state_dir, "eval", SMOKE)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "3 runs · 3 passing" in res.stdout
+    suite_run_id = res.stdout.rsplit("--compare ", 1)[1].split()[0]
+    report = json.loads((state_dir / "evals" / f"{suite_run_id}.json").read_text())
+    assert [r["status"] for r in report["results"]] == ["succeeded"] * 3
+    assert (state_dir / "prefect" / "prefect.db").is_file()  # embedded Prefect, in the state dir
+    costs = cli(state_dir, "costs", "--by", "recipe", "--format", "json")
+    assert {row["key"] for row in json.loads(costs.stdout)} == set(RECIPES)
