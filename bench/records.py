@@ -1,14 +1,14 @@
 """Benchmark the recorded-runs store at 1,000,000 runs. Prints numbers; asserts nothing.
 
-    .venv/bin/python bench/records.py [--runs 1000000] [--days 60] [--hosts 4] [--fresh 3000]
+    .venv/bin/python bench/records.py [--runs 1000000] [--days 60] [--hosts 4] [--fresh 1000]
 
 1. Generates N synthetic runs (and their steps) in the real layout the way compaction leaves
    them: one zstd ``compacted.parquet`` per (kind, date, host). Writing a million tiny files
    would only measure the file system.
-2. Writes ``--fresh`` runs through the real ``write_run`` (per-run files), most of them into
-   old partitions and some into today's, then times the aggregate before compaction.
-3. Runs ``Records.compact`` and times "cost by model and recipe for the last 30 days" (p50 over
-   ``--repeat`` runs, each on a new connection, as the CLI does) and a point lookup by run_id.
+2. Writes ``--fresh`` runs (3 files each) through the real ``write_run``, two thirds into last
+   week's partitions and the rest into today's, and times the aggregate before compaction.
+3. Compacts old partitions, then today's too, and times "cost by model and recipe for the last
+   30 days" (p50 over ``--repeat`` runs through ``Records.query``) and point lookups by run_id.
 4. Baseline in the same process: the same aggregate over an in-memory DuckDB table.
 
 Everything lives in a temp directory that is deleted at the end (unless ``--keep``).
@@ -17,6 +17,7 @@ Everything lives in a temp directory that is deleted at the end (unless ``--keep
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -127,7 +128,7 @@ def generate(root: Path, runs: int, days: int, hosts: int, steps_per_run: int, t
             con.execute(
                 f"COPY (SELECT {sql} FROM {source} ORDER BY {order}) TO "
                 f"'{target / 'compacted.parquet'}' (FORMAT parquet, COMPRESSION zstd)",
-                params,
+                params if kind == "runs" else params[:2],
             )
         offset += count
     con.close()
@@ -195,7 +196,7 @@ def main() -> None:
     ap.add_argument("--days", type=int, default=60)
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--steps-per-run", type=int, default=3)
-    ap.add_argument("--fresh", type=int, default=3000)
+    ap.add_argument("--fresh", type=int, default=1000)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--dir", type=Path, default=None)
     ap.add_argument("--keep", action="store_true")
@@ -205,6 +206,8 @@ def main() -> None:
     now = datetime.now(UTC)
     cutoff = now - timedelta(days=30)
     agg = AGG.format(table="{table}", cutoff_date=cutoff.date(), cutoff=cutoff.isoformat())
+    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
+          f"on {os.cpu_count()} CPUs")
     print(f"records bench: {args.runs:,} runs, {args.days} days x {args.hosts} hosts, "
           f"{args.steps_per_run} steps/run, {args.fresh:,} fresh runs; dir {root}")
     try:
@@ -234,7 +237,14 @@ def main() -> None:
 
         t0 = time.perf_counter()
         merged = records.compact(older_than_days=1)
-        print(f"compact                          {time.perf_counter() - t0:7.1f} s   "
+        print(f"compact --older-than-days 1      {time.perf_counter() - t0:7.1f} s   "
+              f"{merged} files merged, {tree_size(root)[0]} files left (today's stay fresh)")
+        p50, worst, rows = timed(aggregate, max(3, args.repeat // 2))
+        report("aggregate, today's runs fresh", p50, worst)
+
+        t0 = time.perf_counter()
+        merged = records.compact(older_than_days=0)
+        print(f"compact --older-than-days 0      {time.perf_counter() - t0:7.1f} s   "
               f"{merged} files merged, {tree_size(root)[0]} files left")
 
         p50, worst, rows = timed(aggregate, args.repeat)
@@ -280,6 +290,7 @@ def main() -> None:
         )
         print(f"baseline point lookup            {bl50 * 1000:7.0f} ms p50")
         con.close()
+        print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     finally:
         if args.keep:
             print(f"kept {root}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,10 @@ _TRANSIENT = (
     "No such file or directory", "TProtocolException", "No magic bytes",
     "Could not read enough bytes",
 )
+
+
+_SCHEMA_MISMATCH = "schema mismatch in glob"
+_READ_ONLY = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)
 
 
 def _transient(err: duckdb.Error) -> bool:
@@ -54,6 +60,15 @@ class Records:
 
     def __init__(self, records_dir: Path) -> None:
         self.records_dir = Path(records_dir)
+        # Switched on, for this object's lifetime, the first time files of an older schema
+        # (lacking a column) are met; compaction rewrites them and makes it unnecessary again.
+        self._union_by_name = False
+        # query/costs/totals share one restricted in-memory database (a new one costs 50-120 ms
+        # on a busy 2-core box); each call gets its own cursor. User SQL is limited to one
+        # read-only statement, so no call can change what the next one sees.
+        self._db: duckdb.DuckDBPyConnection | None = None
+        self._db_key: tuple[int, bool, Path] | None = None
+        self._db_lock = threading.Lock()
 
     def connect(self, *, restricted: bool = False) -> duckdb.DuckDBPyConnection:
         """A new in-memory DuckDB connection with the views ``runs``, ``steps``, ``events``.
@@ -65,8 +80,7 @@ class Records:
         con = duckdb.connect(":memory:")
         try:
             con.execute("SET TimeZone = 'UTC'")
-            for kind in KINDS:
-                self._create_view(con, kind)
+            self._create_views(con)
             if restricted:
                 allowed = [f"{self.records_dir.resolve()}/", f"{schema_root()}/"]
                 con.execute("SET allowed_directories = $1", [allowed])
@@ -80,43 +94,80 @@ class Records:
             raise
         return con
 
-    def _create_view(self, con: duckdb.DuckDBPyConnection, kind: str) -> None:
-        # Creating a view binds it, which lists and opens the files; a compaction retiring one
-        # of them at that moment is retried with a fresh listing.
-        for attempt in range(_ATTEMPTS):
-            try:
-                con.execute(view_sql(self.records_dir, kind))
-                return
-            except duckdb.Error as err:
-                if attempt + 1 == _ATTEMPTS or not _transient(err):
-                    raise
+    def close(self) -> None:
+        with self._db_lock:
+            if self._db is not None:
+                self._db.close()
+            self._db, self._db_key = None, None
+
+    def _create_views(self, con: duckdb.DuckDBPyConnection) -> None:
+        # Creating a view binds it, which lists the files; a compaction retiring one of them at
+        # that moment is retried with a fresh listing.
+        for kind in KINDS:
+            for attempt in range(_ATTEMPTS):
+                try:
+                    con.execute(
+                        view_sql(self.records_dir, kind, union_by_name=self._union_by_name)
+                    )
+                    break
+                except duckdb.Error as err:
+                    if attempt + 1 == _ATTEMPTS or not _transient(err):
+                        raise
+
+    def _cursor(self) -> duckdb.DuckDBPyConnection:
+        key = (os.getpid(), self._union_by_name, schema_root())
+        with self._db_lock:
+            if self._db is None or self._db_key != key:
+                if self._db is not None:
+                    self._db.close()
+                self._db = self.connect(restricted=True)
+                self._db_key = key
+            return self._db.cursor()
 
     def _run(
-        self, sql: str, params: list[Any] | None = None, *, restricted: bool
+        self, sql: str | duckdb.Statement, params: list[Any] | None = None
     ) -> tuple[list[str], list[tuple[Any, ...]]]:
         for attempt in range(_ATTEMPTS):
-            con = self.connect(restricted=restricted)
+            cur = self._cursor()
             try:
-                cur = con.execute(sql, params or [])
-                if cur.description is None:
+                result = cur.execute(sql, params or [])
+                if result.description is None:
                     return [], []
-                return [d[0] for d in cur.description], cur.fetchall()
+                return [d[0] for d in result.description], result.fetchall()
             except duckdb.PermissionException as err:
                 raise InvalidRequest.field(
                     "sql", f"only the records can be read here ({_first_line(err)})"
                 ) from err
             except duckdb.Error as err:
+                if _SCHEMA_MISMATCH in str(err) and not self._union_by_name:
+                    self._union_by_name = True
+                    continue
                 if attempt + 1 == _ATTEMPTS or not _transient(err):
                     raise InvalidRequest.field("sql", _first_line(err)) from err
             finally:
-                con.close()
+                cur.close()
         raise EphemeralError("unreachable: query attempts exhausted")
 
     def query(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
-        """Run SQL over the views; returns (column names, rows). Bad SQL -> InvalidRequest(sql)."""
+        """Run one read-only statement over the views; returns (column names, rows).
+
+        SELECT (also WITH, FROM, VALUES, DESCRIBE, SHOW, SUMMARIZE) and EXPLAIN are allowed;
+        anything else, bad SQL, or reading outside the records is an InvalidRequest on ``sql``.
+        """
         if not sql or not sql.strip():
             raise InvalidRequest.field("sql", "is empty")
-        return self._run(sql, restricted=True)
+        try:
+            statements = duckdb.extract_statements(sql)
+        except duckdb.Error as err:
+            raise InvalidRequest.field("sql", _first_line(err)) from err
+        if len(statements) != 1:
+            raise InvalidRequest.field("sql", f"expected one statement, got {len(statements)}")
+        kind = statements[0].type
+        if kind not in _READ_ONLY:
+            raise InvalidRequest.field(
+                "sql", f"only read-only statements (SELECT, EXPLAIN) are allowed, not {kind.name}"
+            )
+        return self._run(statements[0])
 
     def costs(
         self, by: str, since: timedelta | None, *, now: datetime | None = None
@@ -138,7 +189,7 @@ class Records:
             "sum(output_tokens)::BIGINT AS output_tokens "
             f"FROM runs {where} GROUP BY 1 ORDER BY {order}"
         )
-        return self._run(sql, params, restricted=False)
+        return self._run(sql, params)
 
     def totals(self, since: timedelta | None, *, now: datetime | None = None) -> dict[str, int]:
         where, params = self._since(since, now)
@@ -146,7 +197,7 @@ class Records:
             f"coalesce(sum({c}), 0)::BIGINT AS {c}" for c in TOTAL_COLUMNS if c != "runs"
         )
         _, rows = self._run(
-            f"SELECT count(*) AS runs, {sums} FROM runs {where}", params, restricted=False
+            f"SELECT count(*) AS runs, {sums} FROM runs {where}", params
         )
         return dict(zip(TOTAL_COLUMNS, rows[0], strict=True))
 

@@ -92,21 +92,31 @@ def typed_select(kind: str, *, logical: bool) -> str:
     return ", ".join(parts)
 
 
-def _read(records_dir: Path, kind: str, pattern: str) -> str:
+def _read(records_dir: Path, kind: str, pattern: str, union_by_name: bool) -> str:
     glob = kind_dir(records_dir, kind) / "*" / "*" / pattern
     schema = schema_files()[kind]
     return (
         f"read_parquet([{sql_str(schema)}, {sql_str(glob)}], hive_partitioning=true, "
-        f"union_by_name=true, allow_empty=true, hive_types={_HIVE_TYPES})"
+        f"union_by_name={str(union_by_name).lower()}, allow_empty=true, "
+        f"hive_types={_HIVE_TYPES})"
     )
 
 
-def view_sql(records_dir: Path, kind: str) -> str:
+def view_sql(records_dir: Path, kind: str, *, union_by_name: bool = False) -> str:
+    """The view of one kind.
+
+    Every file this version writes has exactly the schema file's columns, so DuckDB can take
+    the schema from the schema file and open the data files only when it reads them (files are
+    matched by column name). ``union_by_name`` opens every file at bind time to merge schemas:
+    3-5x slower, needed only for files from before a column was added (see docs/records.md).
+    """
     cols = typed_select(kind, logical=True)
+    fresh = _read(records_dir, kind, FRESH_GLOB, union_by_name)
+    compacted = _read(records_dir, kind, COMPACTED_NAME, union_by_name)
     return (
         f"CREATE OR REPLACE VIEW {kind} AS "
-        f"WITH fresh AS MATERIALIZED (SELECT {cols} FROM {_read(records_dir, kind, FRESH_GLOB)}) "
+        f"WITH fresh AS MATERIALIZED (SELECT {cols} FROM {fresh}) "
         f"SELECT * FROM fresh UNION ALL "
-        f"SELECT c.* FROM (SELECT {cols} FROM {_read(records_dir, kind, COMPACTED_NAME)}) AS c "
+        f"SELECT c.* FROM (SELECT {cols} FROM {compacted}) AS c "
         f"ANTI JOIN fresh AS f ON c.run_id = f.run_id"
     )

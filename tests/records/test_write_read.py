@@ -177,6 +177,14 @@ def test_query_errors_name_the_sql(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest):
         records.query(f"COPY (SELECT 1) TO '{outside}'")
     assert not outside.exists()
+    # the views are shared between calls, so nothing may change them
+    for sql in ("DROP VIEW runs", "CREATE TABLE t AS SELECT 1", "SET threads = 1",
+                "SELECT 1; DROP VIEW runs", "ATTACH ':memory:' AS x"):
+        with pytest.raises(InvalidRequest) as err:
+            records.query(sql)
+        assert err.value.errors and err.value.errors[0]["field"] == "sql"
+    assert records.query("SELECT count(*) FROM runs")[1] == [(0,)]
+    assert records.query("DESCRIBE steps")[1][2][:2] == ("kind", "VARCHAR")
 
 
 def test_runs_of_other_days_land_in_their_partition(tmp_path: Path) -> None:
@@ -187,3 +195,26 @@ def test_runs_of_other_days_land_in_their_partition(tmp_path: Path) -> None:
         ((NOW - timedelta(days=40)).date(), 1), ((NOW - timedelta(days=1)).date(), 2),
         (NOW.date(), 1),
     ]
+
+
+def test_files_from_before_a_column_existed_still_read(tmp_path: Path) -> None:
+    import duckdb
+
+    run, steps, events = make_run(days_ago=3)
+    write_run(tmp_path, run, steps, events)
+    path = tmp_path / f"v1/kind=runs/date={run.created_at.date()}/host=h1/{run.run_id}.parquet"
+    # rewrite the file the way an older writer would have: without the `checks` column
+    con = duckdb.connect()
+    con.execute(f"COPY (SELECT * EXCLUDE (checks) FROM '{path}') TO '{path}.old' (FORMAT parquet)")
+    con.close()
+    Path(f"{path}.old").replace(path)
+    write_run(tmp_path, *make_run(days_ago=3))  # and a current file beside it
+
+    records = Records(tmp_path)
+    _, rows = records.query("SELECT run_id, checks IS NULL FROM runs ORDER BY 2 DESC")
+    assert rows[0] == (run.run_id, True) and len(rows) == 2
+    assert records._union_by_name is True  # the slower schema-merging read was needed
+    records.compact(older_than_days=0, now=NOW)  # rewrites everything in the current schema
+    fresh = Records(tmp_path)
+    assert fresh.query("SELECT count(*) FROM runs")[1] == [(2,)]
+    assert fresh._union_by_name is False
