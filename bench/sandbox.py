@@ -88,6 +88,11 @@ async def raw_floor(rootfs: Path, n: int) -> dict[str, list[float]]:
         out = {
             "host fork+exec true": [await timed_proc(["/bin/true"]) for _ in range(n * 5)],
             "bare bwrap true": [await timed_proc(bwrap) for _ in range(n)],
+            # the same plus the interpreter the agent needs: the floor of any python agent
+            "bare bwrap python3": [
+                await timed_proc([*bwrap[:-1], "/usr/bin/python3", "-I", "-S", "-c", "pass"])
+                for _ in range(n)
+            ],
             "bare runsc do true": [await timed_proc(runsc) for _ in range(max(5, n // 2))],
         }
     return out
@@ -96,7 +101,14 @@ async def raw_floor(rootfs: Path, n: int) -> dict[str, list[float]]:
 async def bench_driver(iso: str, settings: Settings, n: int) -> dict[str, list[float]]:
     driver = registry.get_driver(iso, settings)
     limits = Limits()
-    res: dict[str, list[float]] = {"cold": [], "exec": [], "destroy": [], "pss": [], "warm": []}
+    res: dict[str, list[float]] = {
+        "cold": [],
+        "exec": [],
+        "destroy": [],
+        "pss": [],
+        "warm": [],
+        "acquire": [],
+    }
     res["first"] = []  # create -> first exec reply (microVM: snapshot restore -> first answer)
     await (await driver.create(owner="bench", limits=limits)).destroy()  # page cache warm
     for _ in range(n):
@@ -125,6 +137,7 @@ async def bench_driver(iso: str, settings: Settings, n: int) -> dict[str, list[f
             await pool.wait_ready(timeout=120)
             t0 = time.perf_counter()
             got: Sandbox = await pool.acquire("bench")
+            res["acquire"].append((time.perf_counter() - t0) * 1000)
             r = await got.exec(["true"])  # time to ready = acquire + first answer
             res["warm"].append((time.perf_counter() - t0) * 1000)
             assert r.exit_code == 0
@@ -162,6 +175,7 @@ async def main() -> None:
             print(f"\n{iso}")
             print(f"  cold start (to hello)  {fmt(r['cold'], 50, 95)}")
             print(f"  cold + first exec      {fmt(r['first'], 50, 95)}")
+            print(f"  warm acquire           {fmt(r['acquire'], 50, 99)}")
             print(f"  warm acquire + exec    {fmt(r['warm'], 50, 99)}")
             print(f"  exec `true` round trip {fmt(r['exec'], 50, 95)}")
             print(f"  destroy                {fmt(r['destroy'], 50, 95)}")
