@@ -140,6 +140,8 @@ class GuestClient:
         try:
             obj = await self._call(req, timeout + self.exec_grace, frame_cap)
         except _GuestRefused as exc:
+            if exc.kind == "bad_cwd":
+                raise errors.InvalidRequest.field("cwd", exc.message) from None
             raise errors.SandboxError(f"guest refused exec: {exc.kind}: {exc.message}") from None
         reply = self._checked(p.ExecReply, obj, "exec reply")
         out = self._b64(reply.stdout, "stdout", max_output)

@@ -65,6 +65,14 @@ async def test_exit_codes_and_stderr(make_sandbox: Factory) -> None:
     notfound = await sbx.exec("no-such-command")
     assert notfound.exit_code == 127 and "not found" in notfound.stderr
     assert not res.timed_out and not res.truncated
+    await sbx.put_file("not-executable", b"echo hi\n", mode=0o644)
+    assert (await sbx.exec(["./not-executable"])).exit_code == 126
+    with pytest.raises(errors.InvalidRequest, match="cwd"):
+        await sbx.exec("true", cwd="/nonexistent")
+    # a command that exits without reading its stdin must not take the agent down
+    early = await sbx.exec(["true"], stdin=b"x" * 1_000_000)
+    assert early.exit_code == 0
+    assert (await sbx.exec("echo alive")).stdout == "alive\n"
 
 
 async def test_stdin_env_and_cwd(make_sandbox: Factory) -> None:
