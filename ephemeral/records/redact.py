@@ -40,8 +40,12 @@ def event_data_has_content(data: str | None) -> bool:
     return data is not None and redact_event_data(data) != data
 
 
+REMOVED_REASON = "(removed)"
+
+
 def redact_checks(checks: str | None) -> str | None:
-    """Check verdicts keep their label and pass/fail; the reason (which quotes output) goes."""
+    """Check verdicts keep their label and pass/fail; the reason (which quotes output) becomes
+    ``(removed)``, so the verdicts still load as ``CheckResult`` (eval comparisons read them)."""
     if checks is None:
         return None
     try:
@@ -51,10 +55,14 @@ def redact_checks(checks: str | None) -> str | None:
     if not isinstance(parsed, list):
         return None
     kept = [
-        {k: v for k, v in item.items() if k != "reason"} if isinstance(item, dict) else item
+        {**item, "reason": REMOVED_REASON} if isinstance(item, dict) and "reason" in item
+        else item
         for item in parsed
     ]
     return json.dumps(kept, sort_keys=True)
 
 
-__all__ = ["CONTENT_KEYS", "event_data_has_content", "redact_checks", "redact_event_data"]
+__all__ = [
+    "CONTENT_KEYS", "REMOVED_REASON", "event_data_has_content", "redact_checks",
+    "redact_event_data",
+]

@@ -26,7 +26,7 @@ from ephemeral.records.compaction import (
     read_files,
     rewrite_compacted,
 )
-from ephemeral.records.redact import redact_checks, redact_event_data
+from ephemeral.records.redact import REMOVED_REASON, redact_checks, redact_event_data
 from ephemeral.records.schema import COMPACTED_NAME, CONTENT_COLUMNS, columns
 from ephemeral.records.writer import _cursor
 
@@ -34,7 +34,8 @@ _TIME_COLUMN = {"runs": "created_at", "steps": "\"at\"", "events": "\"at\""}
 _KEY = {"runs": ("run_id",), "steps": ("run_id", "seq"), "events": ("run_id", "seq")}
 # A cheap SQL filter for rows that may still hold content; Python decides for each candidate.
 _CANDIDATE = {
-    "runs": "prompt IS NOT NULL OR output IS NOT NULL OR checks LIKE '%\"reason\"%'",
+    "runs": "prompt IS NOT NULL OR output IS NOT NULL OR "
+    f"replace(checks, '\"reason\": \"{REMOVED_REASON}\"', '') LIKE '%\"reason\"%'",
     "steps": "command IS NOT NULL OR stdout IS NOT NULL OR stderr IS NOT NULL",
     "events": " OR ".join(f"data LIKE '%\"{key}\"%'" for key in sorted(CONTENT_KEYS)),
 }

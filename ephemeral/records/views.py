@@ -18,6 +18,7 @@ been compacted away, and over files written by an older schema that lack a newer
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import tempfile
 import threading
@@ -46,7 +47,7 @@ def schema_files() -> dict[str, Path]:
         paths = {k: _schema_path(root, k) for k in KINDS} if root else {}
         if root is None or not all(p.exists() for p in paths.values()):
             root = Path(tempfile.mkdtemp(prefix="ephemeral-records-schema-"))
-            atexit.register(shutil.rmtree, root, True)
+            atexit.register(_remove_if_owner, root, os.getpid())
             paths = {k: _schema_path(root, k) for k in KINDS}
             cur = _cursor()
             try:
@@ -60,6 +61,12 @@ def schema_files() -> dict[str, Path]:
                 cur.close()
             _schema_root = root
         return paths
+
+
+def _remove_if_owner(root: Path, pid: int) -> None:
+    # A forked child inherits atexit handlers; only the creating process may remove the files.
+    if os.getpid() == pid:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def schema_root() -> Path:

@@ -10,6 +10,8 @@ from ephemeral.ids import new_run_id
 from ephemeral.records import EventRecord, RunRecord, StepRecord
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+# make_run's check verdicts once content is gone: the reason quoted the output
+REMOVED_CHECKS = json.dumps([{"check": "output_contains", "passed": True, "reason": "(removed)"}])
 
 
 def make_run(

@@ -10,7 +10,7 @@ import pytest
 
 from ephemeral.errors import InvalidRequest
 from ephemeral.records import Records, write_run
-from tests.records.helpers import NOW, make_run
+from tests.records.helpers import NOW, REMOVED_CHECKS, make_run
 
 BILLING = (
     "SELECT run_id, status, model, reserved_micros, charged_micros, refunded_micros, "
@@ -41,7 +41,7 @@ def test_purge_removes_old_content_and_keeps_billing(tmp_path: Path) -> None:
     _, rows = records.query(
         "SELECT prompt, output, checks FROM runs WHERE created_at < TIMESTAMPTZ '2026-10-30'"
     )
-    assert rows == [(None, None, json.dumps([{"check": "output_contains", "passed": True}]))] * 3
+    assert rows == [(None, None, REMOVED_CHECKS)] * 3
     _, rows = records.query(
         "SELECT count(*) FROM steps WHERE command IS NOT NULL OR stdout IS NOT NULL "
         "OR stderr IS NOT NULL"
