@@ -175,6 +175,10 @@ class AgentRun:
             if self.policy.shell
             else ("no tools")
         )
+        hosted = [f"`{t.name}`" for t in self.tools() if t is not SHELL_TOOL]
+        if hosted:  # the broker's tools run on the host: the sandbox itself has no network
+            shell = f"{tools} and " if self.policy.shell else ""
+            tools = f"{shell}{', '.join(hosted)} (run by the host; the sandbox has no network)"
         return (
             "You are an agent working inside a disposable sandbox. You have "
             f"{tools}. Web access is {'on' if self.policy.web else 'off'}. "

@@ -177,3 +177,28 @@ def test_join_never_leaves_the_base() -> None:
 def test_state_grep_helper_finds_what_is_there(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"xx" + CANARY.encode())
     assert state_bytes_contain(tmp_path, CANARY.encode()) == [tmp_path / "f"]
+
+
+async def test_the_api_answers_422_naming_the_connection(runtime: Runtime, github: str) -> None:
+    import httpx
+
+    from ephemeral.api import create_app
+
+    org = await runtime.store.create_org("acme")
+    await runtime.store.credit(org.id, 1_000_000)
+    _, key = await runtime.store.create_key(org.id, "me@acme.test")
+    app = create_app(runtime.settings, runtime)
+    body = {
+        "prompt": "x",
+        "model": "replay/sandbox-proof",
+        "connections": [{"name": "github", "methods": ["GET"], "paths": ["/repos/*"]}],
+    }
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://testserver"
+    ) as http:
+        # "github" belongs to the local org, not to acme.
+        r = await http.post("/v1/runs", json=body, headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 422, r.text
+    assert r.headers["content-type"].startswith("application/problem+json")
+    assert r.json()["errors"][0]["field"] == "connections[0].name"
+    assert (await runtime.store.get_org(org.id)).reserved_micros == 0  # nothing was held

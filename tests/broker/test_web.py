@@ -200,3 +200,11 @@ async def test_zero_data_retention_keeps_no_url(runtime: Runtime, upstream: Upst
     [ev] = await events_of(agent, "web.requested")
     assert "url" not in ev.data and ev.data["url_bytes"] > 0
     assert ev.data["cost_micros"] == PRICE
+
+
+async def test_the_system_prompt_names_the_hosted_tools(runtime: Runtime) -> None:
+    agent = await build_run(runtime, web=True, shell=True)
+    prompt = agent._system_prompt()
+    assert "`shell` tool" in prompt and "`web_fetch` (run by the host" in prompt
+    plain = await build_run(runtime, web=False, shell=True)
+    assert "web_fetch" not in plain._system_prompt()
