@@ -104,7 +104,9 @@ def check_path(path: object, allowed: Connection) -> str:
         raise Denied("path must start with a single '/' and be relative to the base URL")
     only_path = path.split("?", 1)[0]
     decoded = unquote(only_path)
-    if "\\" in decoded or any(seg in (".", "..") for seg in decoded.split("/")):
+    # "..;x" is ".." to servers that strip path parameters (Tomcat, Spring).
+    segments = [seg.split(";", 1)[0] for seg in decoded.split("/")]
+    if "\\" in decoded or any(seg in (".", "..") for seg in segments):
         raise Denied("path must not contain '.' or '..' segments")
     if not any(fnmatch.fnmatchcase(only_path, glob) for glob in allowed.paths):
         raise Denied(f"path {only_path!r} matches none of {', '.join(allowed.paths)}")

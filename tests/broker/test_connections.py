@@ -82,6 +82,8 @@ async def test_post_sends_the_body_as_json(
         ({"name": "github", "method": "GET", "path": "/repos/../admin"}, "'..'"),
         ({"name": "github", "method": "GET", "path": "/repos/%2e%2e/admin"}, "'..'"),
         ({"name": "github", "method": "GET", "path": "/repos/a/%2E%2E%2F..%2Fadmin"}, "'..'"),
+        ({"name": "github", "method": "GET", "path": "/repos/..;/admin"}, "'..'"),
+        ({"name": "github", "method": "GET", "path": "/repos/x/.%3Bjsessionid/y"}, "'..'"),
         ({"name": "github", "method": "GET", "path": "//evil.example/repos/x"}, "single '/'"),
         ({"name": "github", "method": "GET", "path": "repos/x"}, "single '/'"),
         ({"name": "github", "method": "GET", "path": "/repos/x\\..\\y"}, "single '/'"),
