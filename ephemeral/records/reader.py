@@ -24,14 +24,9 @@ _TRANSIENT = (
     "No such file or directory", "TProtocolException", "No magic bytes",
     "Could not read enough bytes",
 )
-
-
+# Files from before a column was added; the views then merge schemas by name (slower).
 _SCHEMA_MISMATCH = "schema mismatch in glob"
 _READ_ONLY = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)
-
-
-def _transient(err: duckdb.Error) -> bool:
-    return isinstance(err, duckdb.IOException) or any(t in str(err) for t in _TRANSIENT)
 
 COST_DIMENSIONS: dict[str, str] = {
     "model": "model",
@@ -48,6 +43,10 @@ TOTAL_COLUMNS = [
     "runs", "model_calls", "input_tokens", "output_tokens", "reserved_micros", "charged_micros",
     "refunded_micros", "model_micros", "web_micros", "compute_micros",
 ]
+
+
+def _transient(err: duckdb.Error) -> bool:
+    return isinstance(err, duckdb.IOException) or any(t in str(err) for t in _TRANSIENT)
 
 
 def _first_line(err: BaseException) -> str:
