@@ -70,7 +70,8 @@ def create_app(
 
     app = FastAPI(
         title="Ephemeral", version=API_VERSION, description=DESCRIPTION, lifespan=lifespan,
-        docs_url="/docs", redoc_url=None,
+        # Swagger UI would load its script from a CDN: none is reachable offline/air-gapped.
+        docs_url=None, redoc_url=None,
     )
     app.state.settings = settings
     app.state.runtime = runtime

@@ -169,3 +169,18 @@ async def test_playground_starts_a_run_once_per_form(
     row = await runtime.wait(rid, 60)
     assert row.status == "succeeded" and row.policy["timeout_seconds"] == 60
     assert row.org_id == member.org_id
+
+
+@pytest.mark.sandbox
+async def test_index_lists_the_members_runs_and_logout_forgets_the_key(
+    http: httpx.AsyncClient, member: Member
+) -> None:
+    anon = await http.get("/")
+    assert anon.status_code == 200 and "Recent runs" not in anon.text
+    r = await http.post("/v1/runs", json=SAMPLE_BODY, headers=member.headers)
+    rid = r.json()["id"]
+    page = await signed_in(http, member).get("/")
+    assert "Recent runs" in page.text and f'href="/runs/{rid}"' in page.text
+    out = await http.post("/logout")
+    assert out.status_code == 303 and PAGE_COOKIE in out.headers["set-cookie"]
+    assert 'Max-Age=0' in out.headers["set-cookie"] or "expires" in out.headers["set-cookie"]
