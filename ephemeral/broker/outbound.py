@@ -9,7 +9,9 @@ name, so certificates are still verified against it.
 from __future__ import annotations
 
 import functools
+import logging
 import ssl
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import httpx
@@ -48,6 +50,21 @@ class Response:
             return self.body.decode("utf-8", errors="replace")
 
 
+_SENDING: ContextVar[bool] = ContextVar("broker_sending", default=False)
+
+
+class _HideBrokerRequests(logging.Filter):
+    """httpx logs every request URL at INFO, and a broker URL may carry a query-string secret."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _SENDING.get()
+
+
+# httpcore's DEBUG traces show response headers, which an API may use to echo a credential.
+for _name in ("httpx", "httpcore.connection", "httpcore.http11", "httpcore.http2"):
+    logging.getLogger(_name).addFilter(_HideBrokerRequests())
+
+
 @functools.cache
 def _tls() -> ssl.SSLContext:
     # Loading the CA bundle takes ~0.1 s; one verifying context serves every request.
@@ -73,6 +90,22 @@ async def send(
     }
     sent.update(headers or {})
     extensions = {"sni_hostname": url.host} if url.scheme == "https" else {}
+    token = _SENDING.set(True)
+    try:
+        return await _send(target, method, sent, content, extensions, timeout, cap)
+    finally:
+        _SENDING.reset(token)
+
+
+async def _send(
+    target: Target,
+    method: str,
+    sent: dict[str, str],
+    content: bytes | None,
+    extensions: dict[str, str],
+    timeout: float,
+    cap: int,
+) -> Response:
     async with httpx.AsyncClient(
         trust_env=False,
         follow_redirects=False,
