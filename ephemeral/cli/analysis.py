@@ -122,7 +122,9 @@ def _cost_table(by: str, columns: list[str], rows: list[tuple[Any, ...]]) -> Non
             str(values["input_tokens"]),
             str(values["output_tokens"]),
         )
-    if rows:
+    if not rows:
+        table.caption = "no recorded runs in this window"
+    else:
         t = dict(zip(columns[1:], totals, strict=True))
         table.add_section()
         table.add_row(
@@ -142,7 +144,7 @@ def query(
     sql: str = typer.Argument(..., help="SQL over the views runs, steps and events."),
     fmt: Format = typer.Option(Format.table, "--format", help="table, csv or json."),
 ) -> None:
-    """Run SQL (DuckDB) over the recorded runs."""
+    """Run one read-only SQL statement (DuckDB) over the views runs, steps and events."""
     try:
         columns, rows = _records().query(sql)
     except EphemeralError as err:
