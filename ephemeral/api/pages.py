@@ -9,6 +9,7 @@ scripts never see the key, and ``/v1`` ignores the cookie (Bearer only).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 from decimal import Decimal, InvalidOperation
@@ -179,7 +180,11 @@ async def run_live(request: Request, run_id: str, after: int = 0, t0: str = "") 
     start = max(after, sse.parse_last_event_id(request.headers.get("last-event-id")) or 0)
     macros = _macros()
     base = base_url(request)
-    first = t0 or None
+    first: str | None = None  # the run's first event time, for the rows' "+1.2 s" offsets
+    if t0:
+        with contextlib.suppress(ValueError):
+            view.parse_at(t0)
+            first = t0
 
     async def rows() -> Any:
         async for ev in runtime.events(run_id, start, follow=True):

@@ -32,7 +32,7 @@ def markdown(text: str | None) -> Markup:
     return Markup(_md.render(text))
 
 
-def _parse(at: str) -> datetime:
+def parse_at(at: str) -> datetime:
     return datetime.fromisoformat(at.replace("Z", "+00:00"))
 
 
@@ -40,9 +40,10 @@ def timeline_row(ev: Event, t0: str | None = None) -> dict[str, Any]:
     """One row of the timeline: stage and text from :func:`describe`, plus the details."""
     stage, text = describe(ev)
     d = ev.data
+    offset = (parse_at(ev.at) - parse_at(t0)).total_seconds() if t0 else 0.0
     row: dict[str, Any] = {
         "seq": ev.seq, "type": ev.type, "stage": stage, "text": text, "at": ev.at,
-        "offset_ms": max(0, int((_parse(ev.at) - _parse(t0)).total_seconds() * 1000)) if t0 else 0,
+        "offset_ms": max(0, int(offset * 1000)),
         "kind": ev.type.split(".", 1)[0],
     }
     if ev.type == "shell.executed":

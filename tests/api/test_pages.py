@@ -184,3 +184,14 @@ async def test_index_lists_the_members_runs_and_logout_forgets_the_key(
     out = await http.post("/logout")
     assert out.status_code == 303 and PAGE_COOKIE in out.headers["set-cookie"]
     assert 'Max-Age=0' in out.headers["set-cookie"] or "expires" in out.headers["set-cookie"]
+
+
+@pytest.mark.sandbox
+async def test_live_stream_ignores_a_bad_t0_and_needs_sign_in(
+    http: httpx.AsyncClient, member: Member
+) -> None:
+    rid = (await http.post("/v1/runs", json=SAMPLE_BODY, headers=member.headers)).json()["id"]
+    anon = await http.get(f"/runs/{rid}/live")
+    assert anon.status_code == 401
+    r = await signed_in(http, member).get(f"/runs/{rid}/live", params={"t0": "yesterday"})
+    assert r.status_code == 200 and "run.settled" in r.text
