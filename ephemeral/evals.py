@@ -335,7 +335,7 @@ def recipe_stats(recipes: Sequence[Recipe], results: Sequence[RunResult]) -> lis
     for recipe in recipes:
         mine = [r for r in results if r.recipe == recipe.name]
         ran = [r for r in mine if r.run_id is not None]
-        labels = [c.evaluate({}, []).check for c in recipe.checks]
+        labels = [c.label() for c in recipe.checks]
         checks = [
             CheckStat(check=label, total=len(mine),
                       passed=sum(1 for r in ran for v in r.checks if v.check == label and v.passed))
