@@ -5,12 +5,13 @@ root attached ``readonly=on`` (every guest write lands in a tmpfs overlay in gue
 (no ``-netdev``/``-nic`` at all), and the guest agent on a virtio-serial port named ``sbx`` that
 QEMU connects to a unix socket the host listens on.
 
-Cold boots are paid once per (image, kernel, QEMU, limits): boot, wait for the agent's hello,
-save the whole VM with QMP ``migrate`` to a file, check the file by restoring it once. Every
-``create()`` then starts QEMU with the same argv plus ``-incoming "exec:cat <file>"`` and a fresh
-agent socket, and reseeds the guest RNG first thing, because every restore starts from the
-same RNG state. Memory, vCPUs, the overlay size and the process limit are part of the guest at
-snapshot time, so they are part of the snapshot key; the wall-clock lifetime is the host's.
+Cold boots are paid once per (image, kernel, QEMU, memory, vCPUs): boot, wait for the agent's
+hello, save the whole VM with QMP ``migrate`` to a file, check the file by restoring it once.
+Every ``create()`` then starts QEMU with the same argv plus ``-incoming "exec:cat <file>"`` and
+fresh sockets, reseeds the guest RNG first thing (every restore starts from the same RNG
+state), and meanwhile sends the sandbox's overlay size and process limit to stage 2 (the
+guest's PID 1, saved waiting on a second port, ``ctl``). Memory and vCPUs cannot change after
+boot, so they are part of the snapshot key; the wall-clock lifetime is the host's.
 
 QEMU never outlives its sandbox: destroy and every failed start kill its process group, the
 handle file lets the reaper do the same after a crash, and if the host process dies the agent
@@ -39,7 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -54,6 +55,8 @@ from ephemeral.sandbox.qmp import QMPClient
 from ephemeral.settings import Settings
 
 Accel = Literal["kvm", "tcg"]
+Channel = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+CHANNELS = ("agent", "ctl")  # virtio-serial ports "sbx" (the agent) and "ctl" (stage 2)
 QEMU = "qemu-system-x86_64"
 CONSOLE_KEEP = 64 * 1024
 BOOT_ATTEMPTS = 6
@@ -65,6 +68,7 @@ PROBE_CREATE_S = 300.0  # may include the one cold boot + snapshot of a fresh im
 SETTLE_SECONDS = 0.5  # let the guest go idle after hello, so the saved state is quiescent
 RESEED_BYTES = 64
 RUN_PLACEHOLDER = "@RUN@"
+BOOT_LIMITS = Limits()  # the disk and pids a VM boots with; a restore may change them
 
 KERNEL_ARGS = (
     "console=ttyS0 quiet panic=-1 reboot=t no_timer_check tsc=reliable random.trust_cpu=on "
@@ -202,11 +206,15 @@ def qemu_argv(
         ]
     argv += [
         "-device",
-        "virtio-serial-device,max_ports=2",
+        "virtio-serial-device,max_ports=3",
         "-chardev",
         f"socket,id=agent,path={RUN_PLACEHOLDER}/agent.sock",
         "-device",
         "virtserialport,chardev=agent,name=sbx,nr=1",
+        "-chardev",
+        f"socket,id=ctl,path={RUN_PLACEHOLDER}/ctl.sock",
+        "-device",
+        "virtserialport,chardev=ctl,name=ctl,nr=2",
         "-append",
         kernel_args,
     ]
@@ -229,15 +237,16 @@ class QemuProcess:
         self.console = bytearray()
         self.stderr = bytearray()
         self._drains: list[asyncio.Task[None]] = []
-        self._listener: socket.socket | None = None
+        self._listeners: dict[str, socket.socket] = {}
 
-    def listen(self) -> None:
-        """The host side of the agent channel exists before QEMU, which connects as a client."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(str(self.run_dir / "agent.sock"))
-        sock.listen(1)
-        sock.setblocking(False)
-        self._listener = sock
+    def listen(self, *names: str) -> None:
+        """The host ends of the channels exist before QEMU, which connects to them as a client."""
+        for name in names:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(str(self.run_dir / f"{name}.sock"))
+            sock.listen(1)
+            sock.setblocking(False)
+            self._listeners[name] = sock
 
     async def spawn(self, argv: list[str], on_pid: Callable[[int], None] | None = None) -> None:
         self.proc = await asyncio.create_subprocess_exec(
@@ -257,29 +266,34 @@ class QemuProcess:
             asyncio.create_task(_drain(self.proc.stderr, self.stderr)),
         ]
 
-    async def accept(self, timeout: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """QEMU's connection to the agent socket, or SandboxError if QEMU dies or stalls."""
-        assert self.proc is not None and self._listener is not None
+    async def accept(self, timeout: float) -> dict[str, Channel]:
+        """QEMU's connection to every listening channel, or SandboxError if QEMU dies or stalls."""
+        assert self.proc is not None
         loop = asyncio.get_running_loop()
-        accept = asyncio.ensure_future(loop.sock_accept(self._listener))
+        names = list(self._listeners)
+        accepts = asyncio.ensure_future(
+            asyncio.gather(*(loop.sock_accept(self._listeners[n]) for n in names))
+        )
         died = asyncio.ensure_future(self.proc.wait())
+        waiting: set[asyncio.Future[Any]] = {accepts, died}
         try:
             done, _ = await asyncio.wait(
-                {accept, died}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
         finally:
-            for t in (accept, died):
+            for t in (accepts, died):
                 if not t.done():
                     t.cancel()
-        if accept in done:
-            conn, _ = accept.result()
-            self._listener.close()
-            self._listener = None
-            return await asyncio.open_unix_connection(sock=conn)
+        if accepts in done:
+            channels: dict[str, Channel] = {}
+            for name, (conn, _) in zip(names, accepts.result(), strict=True):
+                self._listeners.pop(name).close()
+                channels[name] = await asyncio.open_unix_connection(sock=conn)
+            return channels
         await asyncio.sleep(0.05)
         if died in done:
             raise errors.SandboxError(f"QEMU exited ({self.proc.returncode}): {self.diagnostics()}")
-        raise errors.SandboxError(f"QEMU did not connect the agent channel in {timeout:.0f}s")
+        raise errors.SandboxError(f"QEMU did not connect its channels in {timeout:.0f}s")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
@@ -292,9 +306,9 @@ class QemuProcess:
 
     async def kill(self) -> None:
         """SIGKILL the whole group and reap; idempotent, never raises."""
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        for sock in self._listeners.values():
+            sock.close()
+        self._listeners.clear()
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -373,7 +387,7 @@ class MicroVMSandbox:
     async def _restore(self, snap: Snapshot) -> None:
         t0 = time.monotonic()
         run_dir = self._qemu.run_dir
-        self._qemu.listen()
+        self._qemu.listen(*CHANNELS)
 
         def persist(pid: int) -> None:
             self._handle.pgid = pid
@@ -383,15 +397,21 @@ class MicroVMSandbox:
         await self._qemu.spawn(
             [*_bind(snap.argv, run_dir), "-incoming", f"exec:cat {snap.state}"], persist
         )
-        reader, writer = await self._qemu.accept(RESTORE_DEADLINE)
+        channels = await self._qemu.accept(RESTORE_DEADLINE)
+        reader, writer = channels["agent"]
         self._writer = writer
         client = GuestClient(reader, writer, label=self.id)
         # The hello was said before the snapshot; every restore resumes right after it.
         client.hello = snap.meta.hello
-        # Every restore shares the saved RNG state: fresh host entropy before anything else.
+        # Every restore shares the saved RNG state: fresh host entropy before anything else;
+        # meanwhile stage 2 applies this sandbox's own limits to the saved VM.
         try:
-            credited = await asyncio.wait_for(
-                client.reseed(os.urandom(RESEED_BYTES)), RESTORE_DEADLINE
+            credited, _ = await asyncio.wait_for(
+                asyncio.gather(
+                    client.reseed(os.urandom(RESEED_BYTES)),
+                    _configure(channels["ctl"], self.limits),
+                ),
+                RESTORE_DEADLINE,
             )
         except (errors.SandboxError, TimeoutError) as exc:
             raise errors.SandboxError(
@@ -484,9 +504,11 @@ class MicroVMDriver:
         return self._artifacts
 
     def _kernel_args(self, limits: Limits) -> str:
+        # Only the defaults for disk and pids: stage 2 applies each sandbox's own after every
+        # restore (_configure), so they are not part of the snapshot key.
         return (
             f"{KERNEL_ARGS} ephemeral.agent={self._agent_path} "
-            f"ephemeral.overlay={limits.disk_mib}m ephemeral.pids={limits.pids}"
+            f"ephemeral.overlay={BOOT_LIMITS.disk_mib}m ephemeral.pids={BOOT_LIMITS.pids}"
         )
 
     @staticmethod
@@ -573,11 +595,13 @@ class MicroVMDriver:
         t0 = time.monotonic()
         deadline = BOOT_DEADLINE[self.accel]
         try:
-            qemu.listen()
+            qemu.listen(*CHANNELS)
             await qemu.spawn(
                 [*_bind(argv, run_dir), "-qmp", f"unix:{run_dir}/qmp.sock,server=on,wait=off"]
             )
-            reader, writer = await qemu.accept(10.0)
+            # ctl stays connected and silent: stage 2 is saved waiting on it
+            channels = await qemu.accept(10.0)
+            reader, writer = channels["agent"]
             client = GuestClient(reader, writer, label=f"snapshot-{key}")
             left = deadline - (time.monotonic() - t0)
             try:
@@ -593,7 +617,8 @@ class MicroVMDriver:
             finally:
                 await qmp.close()
             save_ms = int((time.monotonic() - t1) * 1000)
-            writer.close()
+            for _, w in channels.values():
+                w.close()
             return SnapshotMeta(
                 key=key,
                 hello=hello,
@@ -690,7 +715,7 @@ class MicroVMDriver:
                 disk=False,
                 kernel_args=f"{KERNEL_ARGS} ephemeral.probe=1",
             )
-            qemu.listen()
+            qemu.listen(*CHANNELS)
             await qemu.spawn(_bind(argv, run_dir))
             deadline = time.monotonic() + PROBE_DEADLINE[self.accel]
             assert qemu.proc is not None
@@ -739,6 +764,26 @@ class MicroVMDriver:
             await sbx.destroy()
             raise
         return sbx
+
+
+async def _configure(ctl: Channel, limits: Limits) -> None:
+    """Send this sandbox's overlay size and process limit to stage 2; wait for its "ok"."""
+    reader, writer = ctl
+    size = "-" if limits.disk_mib == BOOT_LIMITS.disk_mib else f"{limits.disk_mib}m"
+    nproc = "-" if limits.pids == BOOT_LIMITS.pids else str(limits.pids)
+    writer.write(f"{size} {nproc}\n".encode())
+    await writer.drain()
+    try:
+        line = await reader.readline()
+    except (ValueError, asyncio.LimitOverrunError) as exc:
+        raise errors.SandboxError("microVM stage 2 sent an oversized reply") from exc
+    except OSError as exc:
+        raise errors.SandboxError(f"microVM control channel failed: {exc}") from exc
+    if line != b"ok\n":
+        raise errors.SandboxError(
+            f"microVM stage 2 did not apply the limits: {line[:200].decode(errors='replace')!r}"
+        )
+    writer.close()
 
 
 def _read_verdict(path: Path, key: str) -> tuple[str | None] | None:

@@ -4,7 +4,8 @@ The kernel comes from Debian's own package (``apt-get download`` of the package 
 ``linux-image-cloud-amd64`` depends on), so no URL lives in the tree. Debian builds every virtio
 driver as a module, hence the small stage0 initramfs (static busybox, the modules listed in
 ``sandbox_images/<name>/microvm/modules.txt`` and ``stage0-init.sh``) that loads them, mounts the
-read-only root disk under a tmpfs overlay and hands over to the root's ``/bin/sh``.
+read-only root disk under a tmpfs overlay and hands over to ``stage2-init.sh`` run by the root's
+``/bin/sh``, which starts the agent and applies each restored sandbox's limits.
 
 Everything is cached under ``settings.image_cache_dir / "microvm"`` by content hash, so a second
 build only costs the hashing. The memory snapshot is made by :mod:`ephemeral.sandbox.microvm`,
@@ -252,6 +253,7 @@ def build_initramfs(kernel: Kernel, defn: Path) -> bytes:
     cpio.chardev("dev/console", 5, 1)
     cpio.file("bin/busybox", BUSYBOX.read_bytes(), 0o755)
     cpio.file("init", (defn / "stage0-init.sh").read_bytes(), 0o755)
+    cpio.file("stage2-init.sh", (defn / "stage2-init.sh").read_bytes(), 0o755)
     cpio.file("lib/modules/order", ("\n".join(names) + "\n").encode())
     for name, data in modules:
         cpio.file(f"lib/modules/{name}.ko", data)
@@ -315,8 +317,9 @@ def ensure_boot_artifacts(
     if not rootfs.is_dir():
         raise SandboxError(f"microvm: rootfs {rootfs} does not exist")
     defn = definition_dir(settings, image)
-    if not (defn / "stage0-init.sh").is_file():
-        raise SandboxError(f"microvm: {defn}/stage0-init.sh is missing")
+    for needed in ("stage0-init.sh", "stage2-init.sh", "modules.txt"):
+        if not (defn / needed).is_file():
+            raise SandboxError(f"microvm: {defn}/{needed} is missing")
     cache = microvm_cache(settings)
     cache.mkdir(parents=True, exist_ok=True)
     # Several processes (test sessions, the API server) may build the same artifacts at once.
@@ -335,6 +338,7 @@ def _ensure_locked(
     initrd_key = _digest(
         kernel.version,
         (defn / "stage0-init.sh").read_bytes(),
+        (defn / "stage2-init.sh").read_bytes(),
         (defn / "modules.txt").read_bytes(),
         f"{bb.st_size}:{bb.st_mtime_ns}",
     )

@@ -322,3 +322,19 @@ def test_image_build_hook_never_fails_the_image(tmp_path: Path, caplog: pytest.L
         microvm_image.build_with_image(settings, "default", tmp_path / "no-rootfs", "0" * 16)
     assert "microVM artifacts for image default not built" in caplog.text
     assert not (settings.image_cache_dir / "microvm" / "rootfs").exists()
+
+
+async def test_disk_and_pids_limits_apply_to_the_same_snapshot(tcg: tuple[MicroVMDriver, Snapshot]):
+    """Only memory and vCPUs are baked into a snapshot; stage 2 applies the rest per restore."""
+    driver, snap = tcg
+    small = LIMITS.model_copy(update={"disk_mib": 32, "pids": 64})
+    assert (await driver.snapshot(small)).state == snap.state  # no extra cold boot
+    sbx = await _create(driver, small)
+    try:
+        res = await sbx.exec("awk '/Max processes/{print $3}' /proc/self/limits; df -m / | tail -1")
+        assert res.exit_code == 0, res
+        words = res.stdout.split()
+        assert words[0] == "64"
+        assert words[1:3] == ["overlay", "32"]
+    finally:
+        await sbx.destroy()

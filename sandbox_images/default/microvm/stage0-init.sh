@@ -63,14 +63,20 @@ mount -t tmpfs -o size=16m,mode=0755 run /newroot/run
 chmod 1777 /newroot/tmp
 echo sandbox >/proc/sys/kernel/hostname
 ip link set lo up
-
-# RLIMIT_NPROC is per uid and root is exempt: it binds the worker's commands, not the agent.
-[ -n "$pids" ] && ulimit -u "$pids"
 # Kernel chatter from the guest must not flood the host's console pipe.
 echo 1 >/proc/sys/kernel/printk
 
+# The overlay's upper tmpfs stays reachable (root only) so stage 2 can resize it after a
+# snapshot restore; stage 2 itself runs from there, the root image is not ours to change.
+mkdir -p /newroot/run/ephemeral/upper
+chmod 0700 /newroot/run/ephemeral
+mount --move /upper /newroot/run/ephemeral/upper || fail "move upper"
+cp /stage2-init.sh /newroot/run/ephemeral/stage2-init.sh
+
+# The default limits, so a restore that asks for them changes nothing (exec is slow under TCG).
+# RLIMIT_NPROC is per uid and root is exempt: it binds the worker's commands, not the agent.
+[ -n "$pids" ] && ulimit -u "$pids"
+
 [ -f "/newroot$agent" ] || fail "agent $agent missing in the root image"
-# The root's dash stays PID 1: it reaps orphans while it waits, and when the agent exits the
-# VM reboots, which -no-reboot turns into QEMU exiting.
-exec switch_root /newroot /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 \
-    /bin/sh -c "/usr/bin/python3 -I -S $agent --channel virtio:sbx; echo b >/proc/sysrq-trigger"
+exec switch_root /newroot /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin \
+    LANG=C.UTF-8 /bin/sh /run/ephemeral/stage2-init.sh "$agent"
