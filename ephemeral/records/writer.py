@@ -9,6 +9,7 @@ is invisible to them and removed by the next compaction.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import re
@@ -47,7 +48,18 @@ def _cursor() -> duckdb.DuckDBPyConnection:
         if _db is None or _db_pid != os.getpid():  # never reuse a database across fork
             _db = duckdb.connect(":memory:")
             _db_pid = os.getpid()
+            atexit.register(_close_db)
         return _db.cursor()
+
+
+def _close_db() -> None:
+    # Closed before interpreter teardown: left to finalisation, DuckDB's bindings report
+    # "leaked" objects on stderr when other threads (Prefect's) are still alive.
+    global _db
+    with _db_lock:
+        if _db is not None and _db_pid == os.getpid():
+            _db.close()
+        _db = None
 
 
 def sql_str(value: str | Path) -> str:
