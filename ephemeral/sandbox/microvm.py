@@ -123,15 +123,30 @@ def qemu_version() -> str:
     return _qemu_version
 
 
-def host_tsc_khz() -> int:
-    """The host's TSC rate, which TCG's guest TSC follows; calibration against the PIT hangs."""
+def host_tsc_khz(cache: Path) -> int:
+    """The host's TSC rate, which TCG's guest TSC follows (calibrating against the PIT hangs).
+
+    Read once and kept: it is part of the argv and so of the snapshot key, and ``cpu MHz``
+    drifts on hosts with frequency scaling."""
+    memo = cache / "host-tsc-khz"
+    try:
+        return int(memo.read_text())
+    except (OSError, ValueError):
+        pass
+    khz = 2_000_000
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("cpu MHz"):
-                return round(float(line.split(":", 1)[1]) * 1000)
+                khz = round(float(line.split(":", 1)[1])) * 1000
+                break
     except (OSError, ValueError):
         pass
-    return 2_000_000
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        memo.write_text(str(khz))
+    except OSError:
+        pass  # a read-only cache: the value is still right for this process
+    return khz
 
 
 def _kvm_pvm_hint() -> str:
@@ -162,6 +177,7 @@ def qemu_argv(
     vcpus: int,
     kernel_args: str,
     disk: bool = True,
+    tsc_khz: int | None = None,
 ) -> list[str]:
     """The VM definition; RUN_PLACEHOLDER stands for the per-VM socket directory."""
     if accel == "kvm":
@@ -175,7 +191,7 @@ def qemu_argv(
     else:
         # TCG needs the PIT: without kvm-clock there is no other clocksource.
         machine = ["-M", "microvm,x-option-roms=off,isa-serial=on", "-accel", "tcg", "-cpu", "max"]
-        kernel_args += f" tsc_early_khz={host_tsc_khz()}"
+        kernel_args += f" tsc_early_khz={tsc_khz or 2_000_000}"
     argv = [
         QEMU,
         *machine,
@@ -522,6 +538,7 @@ class MicroVMDriver:
             memory_mib=limits.memory_mib,
             vcpus=self.vcpus(limits),
             kernel_args=self._kernel_args(limits),
+            tsc_khz=host_tsc_khz(microvm_image.microvm_cache(self.settings)),
         )
 
     # ---- snapshots
@@ -714,6 +731,7 @@ class MicroVMDriver:
                 vcpus=1,
                 disk=False,
                 kernel_args=f"{KERNEL_ARGS} ephemeral.probe=1",
+                tsc_khz=host_tsc_khz(microvm_image.microvm_cache(self.settings)),
             )
             qemu.listen(*CHANNELS)
             await qemu.spawn(_bind(argv, run_dir))
