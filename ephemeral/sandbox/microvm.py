@@ -25,22 +25,15 @@ boots used to hang in TSC calibration against the PIT; ``tsc_early_khz`` skips t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import hashlib
 import json
 import math
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -51,14 +44,24 @@ from ephemeral.sandbox.base import ExecResult, Handle, Limits, Sandbox
 from ephemeral.sandbox.guest import GuestClient
 from ephemeral.sandbox.microvm_image import BootArtifacts
 from ephemeral.sandbox.process import new_handle
+from ephemeral.sandbox.qemu import (
+    CHANNELS,
+    CONSOLE_KEEP,
+    QEMU,
+    Accel,
+    Channel,
+    QemuProcess,
+    bind_run_dir,
+    host_tsc_khz,
+    kvm_pvm_hint,
+    kvm_unavailable_reason,
+    new_run_dir,
+    qemu_argv,
+    qemu_version,
+)
 from ephemeral.sandbox.qmp import QMPClient
 from ephemeral.settings import Settings
 
-Accel = Literal["kvm", "tcg"]
-Channel = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-CHANNELS = ("agent", "ctl")  # virtio-serial ports "sbx" (the agent) and "ctl" (stage 2)
-QEMU = "qemu-system-x86_64"
-CONSOLE_KEEP = 64 * 1024
 BOOT_ATTEMPTS = 6
 BOOT_DEADLINE = {"kvm": 20.0, "tcg": 40.0}
 PROBE_DEADLINE = {"kvm": 10.0, "tcg": 30.0}  # KVM reaches init in well under 1 s
@@ -67,7 +70,6 @@ PROBE_TTL_S = 24 * 3600.0
 PROBE_CREATE_S = 300.0  # may include the one cold boot + snapshot of a fresh image
 SETTLE_SECONDS = 0.5  # let the guest go idle after hello, so the saved state is quiescent
 RESEED_BYTES = 64
-RUN_PLACEHOLDER = "@RUN@"
 BOOT_LIMITS = Limits()  # the disk and pids a VM boots with; a restore may change them
 
 KERNEL_ARGS = (
@@ -102,249 +104,6 @@ _SNAPSHOTS: dict[str, Snapshot] = {}
 
 def _exist(*paths: Path) -> bool:
     return all(p.exists() for p in paths)
-
-
-# ---------------------------------------------------------------------------- host facts
-
-_qemu_version: str | None = None
-
-
-def qemu_version() -> str:
-    global _qemu_version
-    if _qemu_version is None:
-        path = shutil.which(QEMU)
-        if path is None:
-            raise errors.IsolationUnavailable(
-                f"{QEMU} is not installed (apt-get install qemu-system-x86)"
-            )
-        out = subprocess.run([path, "--version"], capture_output=True, timeout=10, check=False)
-        lines = out.stdout.decode(errors="replace").strip().splitlines()
-        _qemu_version = lines[0][:200] if lines else "unknown"
-    return _qemu_version
-
-
-def host_tsc_khz(cache: Path) -> int:
-    """The host's TSC rate, which TCG's guest TSC follows (calibrating against the PIT hangs).
-
-    Read once and kept: it is part of the argv and so of the snapshot key, and ``cpu MHz``
-    drifts on hosts with frequency scaling."""
-    memo = cache / "host-tsc-khz"
-    try:
-        return int(memo.read_text())
-    except (OSError, ValueError):
-        pass
-    khz = 2_000_000
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("cpu MHz"):
-                khz = round(float(line.split(":", 1)[1])) * 1000
-                break
-    except (OSError, ValueError):
-        pass
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        memo.write_text(str(khz))
-    except OSError:
-        pass  # a read-only cache: the value is still right for this process
-    return khz
-
-
-def _kvm_pvm_hint() -> str:
-    if Path("/sys/module/kvm_pvm").exists():
-        return " (/dev/kvm is kvm_pvm: stock guest kernels crash or crawl under it)"
-    return ""
-
-
-def kvm_unavailable_reason() -> str | None:
-    if not os.path.exists("/dev/kvm"):
-        return "no /dev/kvm"
-    try:
-        fd = os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC)
-    except OSError as exc:
-        return f"/dev/kvm cannot be opened: {exc.strerror}"
-    os.close(fd)
-    return None
-
-
-# ---------------------------------------------------------------------------- argv
-
-
-def qemu_argv(
-    accel: Accel,
-    art: BootArtifacts,
-    *,
-    memory_mib: int,
-    vcpus: int,
-    kernel_args: str,
-    disk: bool = True,
-    tsc_khz: int | None = None,
-) -> list[str]:
-    """The VM definition; RUN_PLACEHOLDER stands for the per-VM socket directory."""
-    if accel == "kvm":
-        machine = [
-            "-M",
-            "microvm,x-option-roms=off,pit=off,pic=off,rtc=off,isa-serial=on",
-            "-enable-kvm",
-            "-cpu",
-            "host,-arch-capabilities",
-        ]
-    else:
-        # TCG needs the PIT: without kvm-clock there is no other clocksource.
-        machine = ["-M", "microvm,x-option-roms=off,isa-serial=on", "-accel", "tcg", "-cpu", "max"]
-        kernel_args += f" tsc_early_khz={tsc_khz or 2_000_000}"
-    argv = [
-        QEMU,
-        *machine,
-        "-m",
-        str(memory_mib),
-        "-smp",
-        str(vcpus),
-        "-nodefaults",
-        "-no-user-config",
-        "-display",
-        "none",
-        "-no-reboot",
-        "-kernel",
-        str(art.kernel.vmlinuz),
-        "-initrd",
-        str(art.initrd),
-        "-chardev",
-        "stdio,id=con,signal=off",
-        "-serial",
-        "chardev:con",
-    ]
-    if disk:
-        argv += [
-            "-drive",
-            f"id=root,file={art.rootfs_ext4},format=raw,if=none,readonly=on,cache=unsafe",
-            "-device",
-            "virtio-blk-device,drive=root",
-        ]
-    argv += [
-        "-device",
-        "virtio-serial-device,max_ports=3",
-        "-chardev",
-        f"socket,id=agent,path={RUN_PLACEHOLDER}/agent.sock",
-        "-device",
-        "virtserialport,chardev=agent,name=sbx,nr=1",
-        "-chardev",
-        f"socket,id=ctl,path={RUN_PLACEHOLDER}/ctl.sock",
-        "-device",
-        "virtserialport,chardev=ctl,name=ctl,nr=2",
-        "-append",
-        kernel_args,
-    ]
-    return argv
-
-
-def _bind(argv: list[str], run_dir: Path) -> list[str]:
-    return [a.replace(RUN_PLACEHOLDER, str(run_dir)) for a in argv]
-
-
-# ---------------------------------------------------------------------------- one QEMU process
-
-
-class QemuProcess:
-    """A QEMU child in its own process group, its console drained into a bounded buffer."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.proc: asyncio.subprocess.Process | None = None
-        self.console = bytearray()
-        self.stderr = bytearray()
-        self._drains: list[asyncio.Task[None]] = []
-        self._listeners: dict[str, socket.socket] = {}
-
-    def listen(self, *names: str) -> None:
-        """The host ends of the channels exist before QEMU, which connects to them as a client."""
-        for name in names:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.bind(str(self.run_dir / f"{name}.sock"))
-            sock.listen(1)
-            sock.setblocking(False)
-            self._listeners[name] = sock
-
-    async def spawn(self, argv: list[str], on_pid: Callable[[int], None] | None = None) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-            cwd=str(self.run_dir),
-            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
-        )
-        if on_pid is not None:
-            on_pid(self.proc.pid)
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        self._drains = [
-            asyncio.create_task(_drain(self.proc.stdout, self.console)),
-            asyncio.create_task(_drain(self.proc.stderr, self.stderr)),
-        ]
-
-    async def accept(self, timeout: float) -> dict[str, Channel]:
-        """QEMU's connection to every listening channel, or SandboxError if QEMU dies or stalls."""
-        assert self.proc is not None
-        loop = asyncio.get_running_loop()
-        names = list(self._listeners)
-        accepts = asyncio.ensure_future(
-            asyncio.gather(*(loop.sock_accept(self._listeners[n]) for n in names))
-        )
-        died = asyncio.ensure_future(self.proc.wait())
-        waiting: set[asyncio.Future[Any]] = {accepts, died}
-        try:
-            done, _ = await asyncio.wait(
-                waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            for t in (accepts, died):
-                if not t.done():
-                    t.cancel()
-        if accepts in done:
-            channels: dict[str, Channel] = {}
-            for name, (conn, _) in zip(names, accepts.result(), strict=True):
-                self._listeners.pop(name).close()
-                channels[name] = await asyncio.open_unix_connection(sock=conn)
-            return channels
-        await asyncio.sleep(0.05)
-        if died in done:
-            raise errors.SandboxError(f"QEMU exited ({self.proc.returncode}): {self.diagnostics()}")
-        raise errors.SandboxError(f"QEMU did not connect its channels in {timeout:.0f}s")
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
-
-    def diagnostics(self, n: int = 1500) -> str:
-        err = self.stderr[-n:].decode(errors="replace").strip()
-        con = self.console[-n:].decode(errors="replace").strip()
-        parts = [f"QEMU said: {err}" if err else "", f"console: {con}" if con else ""]
-        return "; ".join(p for p in parts if p) or "no QEMU or console output"
-
-    async def kill(self) -> None:
-        """SIGKILL the whole group and reap; idempotent, never raises."""
-        for sock in self._listeners.values():
-            sock.close()
-        self._listeners.clear()
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                await self.proc.wait()
-        for t in self._drains:
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                await asyncio.wait_for(t, 2.0)
-
-
-async def _drain(stream: asyncio.StreamReader, buf: bytearray) -> None:
-    while chunk := await stream.read(65536):
-        buf += chunk
-        if len(buf) > CONSOLE_KEEP:
-            del buf[: len(buf) - CONSOLE_KEEP]
-
-
-def _new_run_dir() -> Path:
-    # Short and private: unix socket paths are capped at 108 bytes.
-    return Path(tempfile.mkdtemp(prefix="ephemeral-vm-"))
 
 
 # ---------------------------------------------------------------------------- the sandbox
@@ -411,7 +170,7 @@ class MicroVMSandbox:
             handles.write(self._handle_file.parent, self._handle)
 
         await self._qemu.spawn(
-            [*_bind(snap.argv, run_dir), "-incoming", f"exec:cat {snap.state}"], persist
+            [*bind_run_dir(snap.argv, run_dir), "-incoming", f"exec:cat {snap.state}"], persist
         )
         channels = await self._qemu.accept(RESTORE_DEADLINE)
         reader, writer = channels["agent"]
@@ -607,14 +366,18 @@ class MicroVMDriver:
     async def _boot_and_save(
         self, argv: list[str], state: Path, key: str, attempt: int, art: BootArtifacts
     ) -> SnapshotMeta:
-        run_dir = _new_run_dir()
+        run_dir = new_run_dir()
         qemu = QemuProcess(run_dir)
         t0 = time.monotonic()
         deadline = BOOT_DEADLINE[self.accel]
         try:
             qemu.listen(*CHANNELS)
             await qemu.spawn(
-                [*_bind(argv, run_dir), "-qmp", f"unix:{run_dir}/qmp.sock,server=on,wait=off"]
+                [
+                    *bind_run_dir(argv, run_dir),
+                    "-qmp",
+                    f"unix:{run_dir}/qmp.sock,server=on,wait=off",
+                ]
             )
             # ctl stays connected and silent: stage 2 is saved waiting on it
             channels = await qemu.accept(10.0)
@@ -716,7 +479,7 @@ class MicroVMDriver:
 
     async def _boot_once(self, kernel: microvm_image.Kernel, defn: Path) -> str | None:
         initrd_bytes = await asyncio.to_thread(microvm_image.build_initramfs, kernel, defn)
-        run_dir = _new_run_dir()
+        run_dir = new_run_dir()
         qemu = QemuProcess(run_dir)
         try:
             initrd = run_dir / "stage0.cpio.gz"
@@ -734,7 +497,7 @@ class MicroVMDriver:
                 tsc_khz=host_tsc_khz(microvm_image.microvm_cache(self.settings)),
             )
             qemu.listen(*CHANNELS)
-            await qemu.spawn(_bind(argv, run_dir))
+            await qemu.spawn(bind_run_dir(argv, run_dir))
             deadline = time.monotonic() + PROBE_DEADLINE[self.accel]
             assert qemu.proc is not None
             while time.monotonic() < deadline:
@@ -751,7 +514,7 @@ class MicroVMDriver:
                 if not qemu.alive()
                 else f"did not reach init within {PROBE_DEADLINE[self.accel]:.0f}s"
             )
-            hint = _kvm_pvm_hint() if self.accel == "kvm" else ""
+            hint = kvm_pvm_hint() if self.accel == "kvm" else ""
             return f"guest kernel {state}{hint}; {qemu.diagnostics(400)}"
         finally:
             await qemu.kill()
@@ -763,7 +526,7 @@ class MicroVMDriver:
 
     async def _restore(self, snap: Snapshot, *, owner: str, limits: Limits) -> MicroVMSandbox:
         handle = new_handle(self.isolation, owner)
-        run_dir = _new_run_dir()
+        run_dir = new_run_dir()
         handle.paths = [str(run_dir)]
         handle_file = handles.write(self.settings.sandboxes_dir, handle)
         sbx = MicroVMSandbox(
