@@ -92,6 +92,7 @@ class AgentRun:
     detail: str | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     broker: Broker | None = None  # serves web_fetch / connection_call (ephemeral.broker)
+    handoff: tuple[Sandbox, float] | None = None  # a sandbox already announced, its start time
 
     def __post_init__(self) -> None:
         rate = self.price_book.compute_micros(
@@ -138,20 +139,28 @@ class AgentRun:
 
     # steps -------------------------------------------------------------------------------
     async def provision(self) -> None:
-        await self.store.update_run(self.run_id, status="provisioning", started_at=utcnow())
-        t0 = time.monotonic()
-        sandbox = await asyncio.wait_for(
-            self.acquire_sandbox(self.run_id, self.limits), timeout=max(1.0, self.time_left())
-        )
-        self.sandbox = sandbox
-        self.budget.sandbox_started = time.monotonic()
+        if self.handoff is not None:
+            # The runtime already took a warm sandbox and announced it (see Runtime.execute).
+            sandbox, self.budget.sandbox_started = self.handoff
+            self.handoff = None
+            self.sandbox = sandbox
+        else:
+            await self.store.update_run(self.run_id, status="provisioning", started_at=utcnow())
+            t0 = time.monotonic()
+            sandbox = await asyncio.wait_for(
+                self.acquire_sandbox(self.run_id, self.limits),
+                timeout=max(1.0, self.time_left()),
+            )
+            self.sandbox = sandbox
+            self.budget.sandbox_started = time.monotonic()
+            # What this run waited for, not the sandbox's original boot (a pooled one is instant).
+            boot_ms = int((self.budget.sandbox_started - t0) * 1000)
+            await self.emit(
+                "sandbox.ready",
+                {"isolation": sandbox.isolation, "image": sandbox.image, "boot_ms": boot_ms},
+            )
         await self.store.update_run(
             self.run_id, status="running", isolation=sandbox.isolation, sandbox_id=sandbox.id
-        )
-        boot_ms = sandbox.boot_ms or int((time.monotonic() - t0) * 1000)
-        await self.emit(
-            "sandbox.ready",
-            {"isolation": sandbox.isolation, "image": sandbox.image, "boot_ms": boot_ms},
         )
         for f in self.policy.files:
             await sandbox.put_file(f.path, f.data())

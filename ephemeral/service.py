@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from ephemeral import errors
 from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps, drive
@@ -28,18 +30,50 @@ from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
 
 log = logging.getLogger("ephemeral.service")
+T = TypeVar("T")
 
 EVENT_POLL_SECONDS = 0.1
 ISOLATION_LEVELS = ("microvm-kvm", "microvm-tcg", "gvisor", "namespaces")
 LOCAL_ORG = "local"
 LOCAL_ORG_CREDIT_MICROS = 100_000_000  # $100 of play money for the embedded CLI
 
-_current: Runtime | None = None
+_by_loop: dict[asyncio.AbstractEventLoop, Runtime] = {}
 
 
 def current() -> Runtime | None:
-    """The runtime started in this process, if any (flows run by a worker start their own)."""
-    return _current
+    """The runtime serving this event loop, if any (flows run by a worker start their own)."""
+    try:
+        return _by_loop.get(asyncio.get_running_loop())
+    except RuntimeError:
+        return None
+
+
+class FlowLoop:
+    """An event loop in its own thread, where Prefect flows run.
+
+    Prefect's flow engine does blocking work on the loop that awaits it (creating an SSL
+    context per client, reading result storage: 0.4-1.1 s per step measured under load), so a
+    server must not run flows on the loop that answers HTTP. The inner runtime living here has
+    its own store engine and warm pool: asyncio resources belong to the loop that made them.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name="ephemeral-flows", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 class Runtime:
@@ -54,35 +88,55 @@ class Runtime:
         self._pools: dict[str, Any] = {}
         self._zdr_outputs: dict[str, str] = {}
         self._zdr_prompts: dict[str, str] = {}
+        self._handoffs: dict[str, tuple[Sandbox, float]] = {}
+        self._flow_loop: FlowLoop | None = None
+        self._inner: Runtime | None = None
 
     # lifecycle -----------------------------------------------------------------------------
     @classmethod
     async def start(
-        cls, settings: Settings, *, warm_pool: bool = False, recover: bool = True
+        cls,
+        settings: Settings,
+        *,
+        warm_pool: bool = False,
+        recover: bool = True,
+        separate_flow_loop: bool = False,
     ) -> Runtime:
-        global _current
+        """Open the store, finish runs orphaned by a crash, start the warm pool.
+
+        ``separate_flow_loop`` (servers, with Prefect on) executes runs on a :class:`FlowLoop`
+        so this loop stays free for admission and streaming.
+        """
         settings.state_dir.mkdir(parents=True, exist_ok=True)
         store = await Store.open(settings.db_url)
         runtime = cls(settings, store, PriceBook.load(settings))
+        _by_loop[asyncio.get_running_loop()] = runtime
         if recover:
             await runtime.recover()
-        if warm_pool and settings.pool_size > 0:
+        if separate_flow_loop and settings.use_prefect:
+            runtime._flow_loop = FlowLoop()
+            runtime._inner = await runtime._flow_loop.call(
+                cls.start(settings, warm_pool=warm_pool, recover=False)
+            )
+        elif warm_pool and settings.pool_size > 0:
             await runtime._start_pool()
-        _current = runtime
         return runtime
 
     async def close(self) -> None:
-        global _current
         for task in list(self._running.values()):
             task.cancel()
         for task in list(self._running.values()):
             with contextlib.suppress(BaseException):
                 await task
+        if self._inner is not None and self._flow_loop is not None:
+            await self._flow_loop.call(self._inner.close())
+            self._flow_loop.stop()
         for pool in self._pools.values():
             await pool.close()
         await self.store.close()
-        if _current is self:
-            _current = None
+        for loop, runtime in list(_by_loop.items()):
+            if runtime is self:
+                del _by_loop[loop]
 
     async def _start_pool(self) -> None:
         from ephemeral.sandbox.pool import WarmPool
@@ -144,7 +198,7 @@ class Runtime:
         )
         if not replayed:
             if policy.zero_data_retention:
-                self._zdr_prompts[row.id] = request.prompt
+                (self._inner or self)._zdr_prompts[row.id] = request.prompt
             row = await self.store.update_run(row.id, owner=self.owner)
         return row, replayed
 
@@ -186,6 +240,7 @@ class Runtime:
             price_book=self.price_book,
             acquire_sandbox=lambda owner, limits: self._acquire(policy, owner, limits),
             limits=self.default_limits(policy.timeout_seconds),
+            handoff=self._handoffs.pop(run_id, None),
             max_turns=self.settings.max_turns,
             image=self.settings.image,
             broker=Broker(self.settings),
@@ -201,14 +256,61 @@ class Runtime:
 
     async def execute(self, run_id: str) -> RunRow:
         """Run to the end in this process and return the settled row."""
-        async with self._slots:
-            if self.settings.use_prefect:
-                from flows.agent_run import agent_run
+        if self._inner is not None and self._flow_loop is not None:
+            await self._flow_loop.call(self._inner.execute(run_id))
+            return await self.store.get_run(run_id)
+        task = asyncio.current_task()
+        if task is not None:
+            self._running.setdefault(run_id, task)  # so cancel() can reach it
+        try:
+            async with self._slots:
+                await self._hand_over(run_id)
+                if self.settings.use_prefect:
+                    from flows.agent_run import agent_run
 
-                await agent_run(run_id)
-                return await self.store.get_run(run_id)
-            agent = await self.build(run_id)
-            return await self.run_agent(agent)
+                    await agent_run(run_id)
+                    return await self.store.get_run(run_id)
+                agent = await self.build(run_id)
+                return await self.run_agent(agent)
+        finally:
+            if task is not None and self._running.get(run_id) is task:
+                del self._running[run_id]
+            unused = self._handoffs.pop(run_id, None)
+            if unused is not None:  # the flow ended before attaching it
+                await unused[0].destroy()
+
+    def has_handoff(self, run_id: str) -> bool:
+        return run_id in self._handoffs
+
+    async def _hand_over(self, run_id: str) -> None:
+        """Take a warm sandbox and announce it before the flow starts.
+
+        Creating a Prefect flow run costs hundreds of milliseconds; with a warm pool the
+        sandbox is ready long before that, and the run's first event should say so.
+        """
+        if not self._pools:
+            return
+        row = await self.store.get_run(run_id)
+        if row.status != "queued":
+            return
+        policy = Policy.model_validate(row.policy)
+        pool = self._pools.get(await resolve_isolation(policy.isolation, self.settings))
+        if pool is None:
+            return
+        t0 = time.monotonic()
+        sandbox: Sandbox = await pool.acquire(run_id)
+        ready = time.monotonic()
+        self._handoffs[run_id] = (sandbox, ready)
+        await self.store.update_run(run_id, status="provisioning", started_at=utcnow())
+        await self.store.append_event(
+            run_id,
+            "sandbox.ready",
+            {
+                "isolation": sandbox.isolation,
+                "image": sandbox.image,
+                "boot_ms": int((ready - t0) * 1000),
+            },
+        )
 
     async def run_agent(
         self,
@@ -234,13 +336,23 @@ class Runtime:
 
     def take_zdr_output(self, run_id: str) -> str | None:
         """A zero-data-retention run's output is delivered once, then forgotten."""
-        return self._zdr_outputs.pop(run_id, None)
+        output = self._zdr_outputs.pop(run_id, None)
+        if output is None and self._inner is not None:
+            output = self._inner.take_zdr_output(run_id)
+        return output
 
     # control -------------------------------------------------------------------------------
     async def cancel(self, run_id: str, org_id: str | None = None) -> RunRow:
         row = await self.store.get_run(run_id, org_id)
         if row.status in TERMINAL_STATUSES:
             return row
+        if self._inner is not None and self._flow_loop is not None:
+            await self._flow_loop.call(self._inner.cancel(run_id, org_id))
+            outer = self._running.get(run_id)
+            if outer is not None:
+                with contextlib.suppress(BaseException):
+                    await outer
+            return await self.store.get_run(run_id)
         agent = self._agents.get(run_id)
         task = self._running.get(run_id)
         if agent is not None:

@@ -60,7 +60,9 @@ def create_app(
             return
         if settings.use_prefect:
             await asyncio.to_thread(start_prefect_server)
-        own = await Runtime.start(settings, warm_pool=warm_pool, recover=True)
+        own = await Runtime.start(
+            settings, warm_pool=warm_pool, recover=True, separate_flow_loop=True
+        )
         app.state.runtime = own
         try:
             yield
