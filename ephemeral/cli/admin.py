@@ -6,42 +6,24 @@ that owns the store, not through the HTTP API.
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Awaitable, Callable
 from decimal import Decimal, InvalidOperation
-from typing import TypeVar
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from ephemeral import errors
+from ephemeral.cli._store import with_store as _with_store
 from ephemeral.ids import rfc3339
-from ephemeral.settings import Settings
-from ephemeral.store import Org, Store
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from ephemeral.store import Org, Store
+
 
 orgs_app = typer.Typer(no_args_is_help=True, help="Organisations and their balance.")
 keys_app = typer.Typer(no_args_is_help=True, help="Member API keys (shown once, stored hashed).")
-
-
-def _with_store(fn: Callable[[Store], Awaitable[T]]) -> T:
-    settings = Settings.load()
-
-    async def go() -> T:
-        store = await Store.open(settings.db_url)
-        try:
-            return await fn(store)
-        finally:
-            await store.close()
-
-    try:
-        return asyncio.run(go())
-    except errors.EphemeralError as exc:
-        typer.echo(f"error: {exc.detail}", err=True)
-        raise typer.Exit(code=1) from exc
 
 
 def _usd(micros: int) -> str:
@@ -140,8 +122,13 @@ def keys_list(org: str = typer.Option(..., "--org", help="Org name or id.")) -> 
     async def go(store: Store) -> list[tuple[str, str, str, str, str]]:
         found = await store.get_org(org)
         return [
-            (k.id, k.prefix + "…", k.member, rfc3339(k.created_at),
-             rfc3339(k.revoked_at) if k.revoked_at else "")
+            (
+                k.id,
+                k.prefix + "…",
+                k.member,
+                rfc3339(k.created_at),
+                rfc3339(k.revoked_at) if k.revoked_at else "",
+            )
             for k in await store.list_keys(found.id)
         ]
 

@@ -7,23 +7,23 @@ so they run on the host that owns the store and its broker key file.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from ephemeral import errors
-from ephemeral.broker.connections import check_base_url, parse_header
-from ephemeral.broker.secrets import Sealer
+from ephemeral.cli._store import with_store
 from ephemeral.ids import rfc3339
 from ephemeral.settings import Settings
-from ephemeral.store import Store
-from ephemeral.store.connections import StoredConnection, check_name
+
+if TYPE_CHECKING:
+    from ephemeral.store import Store
+    from ephemeral.store.connections import StoredConnection
 
 T = TypeVar("T")
 LOCAL_ORG = "local"  # the org the embedded `ephemeral run` uses (ephemeral.service.LOCAL_ORG)
@@ -33,18 +33,7 @@ ORG_OPTION = typer.Option(LOCAL_ORG, "--org", help="Org name or id.")
 
 
 def _with_store(settings: Settings, fn: Callable[[Store], Awaitable[T]]) -> T:
-    async def go() -> T:
-        store = await Store.open(settings.db_url)
-        try:
-            return await fn(store)
-        finally:
-            await store.close()
-
-    try:
-        return asyncio.run(go())
-    except errors.EphemeralError as exc:
-        typer.echo(f"error: {exc.detail}", err=True)
-        raise typer.Exit(code=1) from exc
+    return with_store(fn, settings)
 
 
 async def _org_id(store: Store, org: str) -> str:
@@ -58,6 +47,8 @@ async def _org_id(store: Store, org: str) -> str:
 
 def _env_header(spec: str) -> tuple[str, str]:
     """``NAME=VAR`` (header NAME, value from $VAR) or ``VAR`` ($VAR holds 'Name: value')."""
+    from ephemeral.broker.connections import parse_header
+
     name, sep, var = spec.partition("=")
     var = var if sep else name
     # A secret read from the environment at add time, so it never sits in shell history.
@@ -83,6 +74,10 @@ def add(
     replace: bool = typer.Option(False, "--replace", help="Overwrite an existing connection."),
 ) -> None:
     """Add a connection. Its headers are sealed in the store and never shown again."""
+    from ephemeral.broker.connections import check_base_url, parse_header
+    from ephemeral.broker.secrets import Sealer
+    from ephemeral.store.connections import check_name
+
     settings = Settings.load()
     try:
         check_name(name)

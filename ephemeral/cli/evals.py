@@ -9,16 +9,19 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ephemeral import errors, evals
+from ephemeral import errors
 from ephemeral.cli.runs import fail
 from ephemeral.settings import Settings
+
+if TYPE_CHECKING:
+    from ephemeral import evals
 
 GATE_FAILED = 1
 
@@ -26,12 +29,16 @@ GATE_FAILED = 1
 async def _run(
     settings: Settings, evaluation: evals.Evaluation, source: Path, console: Console
 ) -> evals.Report:
+    from ephemeral import evals
     from ephemeral.service import Runtime
 
     total = len(evals.plan(evaluation, settings))  # a bad recipe fails here, before any run
     columns = (
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
         task = bar.add_task(evaluation.name, total=total, status="starting")
@@ -63,20 +70,32 @@ async def _run(
 
 
 def _line(p: evals.Progress, r: evals.RunResult) -> str:
+    from ephemeral import evals
+
     where = f"[{p.done}/{p.total}] {r.pair_key}"
     if r.run_id is None:
         return f"{where}  {r.status}: {r.detail}"
     ok = sum(1 for c in r.checks if c.passed)
     verdict = "PASS" if r.passed else "FAIL"
     took = f"{(r.duration_ms or 0) / 1000:.1f} s"
-    return (f"{where}  {verdict}  {r.run_id} {r.status} · checks {ok}/{len(r.checks)} · "
-            f"{evals.usd(r.charged_micros)} · {took}")
+    return (
+        f"{where}  {verdict}  {r.run_id} {r.status} · checks {ok}/{len(r.checks)} · "
+        f"{evals.usd(r.charged_micros)} · {took}"
+    )
 
 
 def _print_report(report: evals.Report, console: Console) -> None:
+    from ephemeral import evals
+
     table = Table(title=f"{report.suite} · suite run {report.suite_run_id}")
-    for header, justify in (("recipe", "left"), ("check", "left"), ("passed", "right"),
-                            ("rate", "right"), ("charged", "right"), ("run time", "right")):
+    for header, justify in (
+        ("recipe", "left"),
+        ("check", "left"),
+        ("passed", "right"),
+        ("rate", "right"),
+        ("charged", "right"),
+        ("run time", "right"),
+    ):
         table.add_column(header, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for row in evals.table_rows(report):
         whole = row["check"] == "(all checks)"
@@ -84,7 +103,9 @@ def _print_report(report: evals.Report, console: Console) -> None:
         rate = row["pass_rate"]
         colour = "green" if rate >= 1 else "red" if rate < report.min_pass_rate else "yellow"
         table.add_row(
-            row["recipe"] if whole else "", row["check"], f"{row['passed']}/{row['runs']}",
+            row["recipe"] if whole else "",
+            row["check"],
+            f"{row['passed']}/{row['runs']}",
             f"[{colour}]{rate:.0%}[/{colour}]",
             evals.usd(row["charged_micros"]) if row["charged_micros"] is not None else "",
             f"{row['duration_ms'] / 1000:.1f} s" if row["duration_ms"] is not None else "",
@@ -94,8 +115,10 @@ def _print_report(report: evals.Report, console: Console) -> None:
     for r in report.results:
         for c in r.checks:
             if not c.passed:
-                console.print(f"[red]FAIL[/red] {r.run_id} {r.pair_key} · {c.check}: {c.reason}",
-                              highlight=False)
+                console.print(
+                    f"[red]FAIL[/red] {r.run_id} {r.pair_key} · {c.check}: {c.reason}",
+                    highlight=False,
+                )
     console.print(
         f"{len(report.results)} runs · {sum(1 for r in report.results if r.passed)} passing · "
         f"charged {evals.usd(report.charged_micros)} · {report.wall_ms / 1000:.1f} s",
@@ -109,8 +132,11 @@ def _print_report(report: evals.Report, console: Console) -> None:
     for failure in report.gate_failures:
         console.print(f"[red]gate failed:[/red] {failure}", highlight=False)
     verdict = "[green]PASSED[/green]" if report.passed else "[red]FAILED[/red]"
-    console.print(f"{verdict} · compare a later run with: ephemeral eval SUITE "
-                  f"--compare {report.suite_run_id}", highlight=False)
+    console.print(
+        f"{verdict} · compare a later run with: ephemeral eval SUITE "
+        f"--compare {report.suite_run_id}",
+        highlight=False,
+    )
 
 
 def register(app: typer.Typer) -> None:
@@ -130,6 +156,8 @@ def register(app: typer.Typer) -> None:
 
         Exit status: 0 every gate passed, 1 a gate failed, 2 bad input.
         """
+        from ephemeral import evals
+
         settings = Settings.load(**({"use_prefect": False} if no_prefect else {}))
         console = Console(stderr=as_json, highlight=False, soft_wrap=True)
         if not console.is_terminal:
