@@ -106,8 +106,11 @@ def register(app: typer.Typer) -> None:
                 typer.echo(f"{path}: error: {exc.detail}", err=True)
                 failed = True
                 continue
-            kind = f"suite of {len(item.loaded_recipes)} recipes" if isinstance(item, Suite) \
+            kind = (
+                f"suite of {len(item.loaded_recipes)} recipes"
+                if isinstance(item, Suite)
                 else "recipe"
+            )
             typer.echo(f"{path}: ok ({kind})")
         raise typer.Exit(1 if failed else 0)
 
@@ -120,8 +123,9 @@ def register(app: typer.Typer) -> None:
         settings = Settings.load()
         try:
             item = _load(file, settings)
-            plans = [(r, expand(r, default_model=settings.default_model))
-                     for r in iter_recipes(item)]
+            plans = [
+                (r, expand(r, default_model=settings.default_model)) for r in iter_recipes(item)
+            ]
         except RecipeError as exc:
             _print_errors(exc)
             raise typer.Exit(1) from None

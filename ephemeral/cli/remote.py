@@ -42,8 +42,9 @@ def run_remote(
                     sys.stdout.write(json.dumps(run, indent=2) + "\n")
                 elif run.get("output"):
                     out.rule("output")
-                    out.print(Markdown(run["output"]) if out.is_terminal else run["output"],
-                              markup=False)
+                    out.print(
+                        Markdown(run["output"]) if out.is_terminal else run["output"], markup=False
+                    )
                     out.rule()
                 worst = max(worst, EXIT_CODES.get(run["status"], 1))
     except errors.EphemeralError as exc:

@@ -37,7 +37,11 @@ def register(app: typer.Typer) -> None:
             configure(settings)
         app = create_app(settings, warm_pool=size > 0)
         config = uvicorn.Config(
-            app, host=host, port=port, log_level="info", proxy_headers=False,
+            app,
+            host=host,
+            port=port,
+            log_level="info",
+            proxy_headers=False,
             timeout_graceful_shutdown=10,
         )
         uvicorn.Server(config).run()
