@@ -84,7 +84,7 @@ async def resolve_isolation(requested: str, settings: Settings) -> str:
         why = await probe_level(iso, settings)
         if why is None:
             return iso
-        reasons.append(f"{iso}: {why}")
+        reasons.append(why if why.startswith(f"{iso}:") else f"{iso}: {why}")
     raise errors.IsolationUnavailable(
         f"isolation {requested!r} cannot run on this host: " + "; ".join(reasons)
     )
