@@ -9,11 +9,15 @@ terminal or unknown. Pool and probe sandboxes belong to their host process only.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
+from ephemeral import errors
 from ephemeral.ids import RUN_ID_RE
 from ephemeral.sandbox import handles
 from ephemeral.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 async def reap(
@@ -27,7 +31,12 @@ async def reap(
         if not dead and is_owner_alive is not None and RUN_ID_RE.match(handle.owner):
             dead = not await is_owner_alive(handle.owner)
         if dead:
-            await asyncio.to_thread(handles.teardown, handle, path)
+            try:
+                await asyncio.to_thread(handles.teardown, handle, path)
+            except errors.SandboxError as exc:
+                # one stuck sandbox must not keep the others alive; the next reap retries it
+                log.warning("reaper: %s: %s", handle.id, exc)
+                continue
             destroyed.append(handle.id)
     return destroyed
 
