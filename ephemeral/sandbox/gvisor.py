@@ -124,9 +124,12 @@ class GVisorDriver:
     async def _image(self) -> str:
         if self._rootfs is None:
             root = await images.ensure_image(self.settings, self.settings.image)
-            self._agent_path = images.load_definition(
-                images.definition_dir(self.settings, self.settings.image)
-            ).agent.path
+            self._agent_path = images.agent_exec_path(
+                root,
+                images.load_definition(
+                    images.definition_dir(self.settings, self.settings.image)
+                ).agent.path,
+            )
             self._rootfs = str(root)
         return self._rootfs
 

@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -32,6 +33,7 @@ from ephemeral import errors
 from ephemeral.sandbox.microvm_image import build_with_image
 from ephemeral.settings import Settings
 
+log = logging.getLogger(__name__)
 _BUILD_STEP = "build-step"
 _MARKER = "image.json"
 
@@ -103,8 +105,12 @@ def _definition_files(defdir: Path) -> Iterator[Path]:
             yield p
 
 
+# Bumped when the builder's output changes for the same definition (it is part of the hash).
+BUILDER_VERSION = 2
+
+
 def definition_hash(defdir: Path) -> str:
-    h = hashlib.sha256()
+    h = hashlib.sha256(f"builder-{BUILDER_VERSION}\n".encode())
     for p in _definition_files(defdir):
         rel = p.relative_to(defdir).as_posix().encode()
         h.update(len(rel).to_bytes(4, "big") + rel)
@@ -206,6 +212,28 @@ async def _compile_preloads(defdir: Path, d: ImageDefinition, rootfs: Path) -> N
     (rootfs / "etc" / "ld.so.preload").write_text("".join(p.path + "\n" for p in d.preload))
 
 
+async def _precompile_agent(rootfs: Path, agent_path: str) -> None:
+    """Compile the agent with the image's own python: a script run as __main__ is otherwise
+    recompiled at every start (~10 ms of a ~50 ms cold start). Best effort: the .py still runs."""
+    code = (
+        "import py_compile; py_compile.compile("
+        f"{agent_path!r}, cfile={agent_path + 'c'!r}, doraise=True, "
+        "invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)"
+    )
+    try:
+        await _run(
+            ["chroot", str(rootfs), "/usr/bin/python3", "-I", "-S", "-c", code], "precompile agent"
+        )
+    except errors.SandboxError as exc:
+        log.warning("%s", exc.detail)
+
+
+def agent_exec_path(rootfs: Path | str, agent_path: str) -> str:
+    """The path to run inside the guest: the precompiled agent when the image has one."""
+    compiled = agent_path + "c"
+    return compiled if (Path(rootfs) / compiled.lstrip("/")).is_file() else agent_path
+
+
 def _build_steps(defdir: Path) -> list[Path]:
     return sorted(defdir.glob(f"*/{_BUILD_STEP}"))
 
@@ -220,6 +248,7 @@ async def _assemble(defdir: Path, d: ImageDefinition, base: Path, out: Path) -> 
     agent_dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(defdir / d.agent.source, agent_dst)
     agent_dst.chmod(0o755)
+    await _precompile_agent(tmp / "rootfs", d.agent.path)
     await _compile_preloads(defdir, d, tmp / "rootfs")
     for step in _build_steps(defdir):
         if os.access(step, os.X_OK):
