@@ -38,7 +38,10 @@ from ephemeral.store import Store
 BODY = {
     "prompt": "This is a sandbox test. Do these steps with the shell and report the real output, "
     "never what you expect.",
-    "web": False, "shell": True, "timeout_seconds": 120, "max_cost_micros": 40000,
+    "web": False,
+    "shell": True,
+    "timeout_seconds": 120,
+    "max_cost_micros": 40000,
 }
 
 
@@ -48,9 +51,11 @@ def pct(values: list[float], p: float) -> float:
 
 
 def line(name: str, values: list[float]) -> str:
-    return (f"{name:<7} n={len(values):<3} p50={pct(values, 50):7.1f} ms  "
-            f"p90={pct(values, 90):7.1f} ms  p99={pct(values, 99):7.1f} ms  "
-            f"max={max(values):7.1f} ms")
+    return (
+        f"{name:<7} n={len(values):<3} p50={pct(values, 50):7.1f} ms  "
+        f"p90={pct(values, 90):7.1f} ms  p99={pct(values, 99):7.1f} ms  "
+        f"max={max(values):7.1f} ms"
+    )
 
 
 def at_seconds(at: str) -> float:
@@ -69,8 +74,12 @@ async def make_key(settings: Settings) -> str:
 
 async def bench(args: argparse.Namespace) -> None:
     state = Path(tempfile.mkdtemp(prefix="ephemeral-bench-api-"))
-    settings = Settings.load(state_dir=state, pool_size=args.pool, use_prefect=not args.no_prefect,
-                             default_model="replay/sandbox-proof")
+    settings = Settings.load(
+        state_dir=state,
+        pool_size=args.pool,
+        use_prefect=not args.no_prefect,
+        default_model="replay/sandbox-proof",
+    )
     if settings.use_prefect:
         prefect_setup.configure(settings)
     app = create_app(settings, warm_pool=args.pool > 0)
@@ -90,20 +99,25 @@ async def bench(args: argparse.Namespace) -> None:
     ready: list[float] = []
     settle: list[float] = []
     boot: list[float] = []
-    async with httpx.AsyncClient(base_url=url, timeout=120,
-                                 headers={"Authorization": f"Bearer {key}"}) as client:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=120, headers={"Authorization": f"Bearer {key}"}
+    ) as client:
         for i in range(args.runs + 1):  # run 0 warms up Prefect's server and caches
             await pool_ready()
             await asyncio.sleep(0.2)
             t0 = time.time()
-            r = await client.post("/v1/runs", content=json.dumps(BODY), headers={
-                "Content-Type": "application/json", "Idempotency-Key": f"bench-{i}"})
+            r = await client.post(
+                "/v1/runs",
+                content=json.dumps(BODY),
+                headers={"Content-Type": "application/json", "Idempotency-Key": f"bench-{i}"},
+            )
             t_accept = time.time()
             r.raise_for_status()
             run_id = r.json()["id"]
             ready_at = None
-            async with client.stream("GET", f"/v1/runs/{run_id}/events",
-                                     headers={"Accept": "text/event-stream"}) as s:
+            async with client.stream(
+                "GET", f"/v1/runs/{run_id}/events", headers={"Accept": "text/event-stream"}
+            ) as s:
                 async for text in s.aiter_lines():
                     if not text.startswith("data: "):
                         continue

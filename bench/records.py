@@ -33,8 +33,13 @@ from ephemeral.ids import new_run_id
 from ephemeral.records import EventRecord, Records, RunRecord, StepRecord, write_run
 from ephemeral.records.schema import columns, partition_dir
 
-MODELS = ["openai/gpt-6-luna", "openai/gpt-6-mini", "anthropic/claude-sonnet-5",
-          "openrouter/llama-4-70b", "replay/sandbox-proof"]
+MODELS = [
+    "openai/gpt-6-luna",
+    "openai/gpt-6-mini",
+    "anthropic/claude-sonnet-5",
+    "openrouter/llama-4-70b",
+    "replay/sandbox-proof",
+]
 
 # SQL for each stored column of a generated run; ``g`` is the global run number, ``i`` the
 # number within the partition, ``$1`` the partition's day start, ``$2`` its run count.
@@ -44,9 +49,9 @@ RUN_EXPR = {
     "created_at": "$1::TIMESTAMPTZ + to_microseconds((i * (86400000000 // $2))::BIGINT)",
     "started_at": "$1::TIMESTAMPTZ + to_microseconds((i * (86400000000 // $2))::BIGINT + 900000)",
     "ended_at": "$1::TIMESTAMPTZ + to_microseconds((i * (86400000000 // $2))::BIGINT + 900000 "
-                "+ 1000 * (2000 + g % 60000))",
+    "+ 1000 * (2000 + g % 60000))",
     "status": "CASE g % 20 WHEN 0 THEN 'failed' WHEN 1 THEN 'timed_out' "
-              "WHEN 2 THEN 'budget_exhausted' ELSE 'succeeded' END",
+    "WHEN 2 THEN 'budget_exhausted' ELSE 'succeeded' END",
     "termination_reason": "CASE g % 20 WHEN 0 THEN 'infra_error' ELSE NULL END",
     "model": f"({MODELS!r})[1 + g % {len(MODELS)}]",
     "isolation": "'gvisor'",
@@ -57,7 +62,7 @@ RUN_EXPR = {
     "zero_data_retention": "g % 10 = 0",
     "prompt": "CASE WHEN g % 10 = 0 THEN NULL ELSE 'List the primes below ' || (g % 1000) END",
     "output": "CASE WHEN g % 10 = 0 THEN NULL "
-              "ELSE 'The primes below ' || (g % 1000) || ' are …' END",
+    "ELSE 'The primes below ' || (g % 1000) || ' are …' END",
     "model_calls": "1 + g % 7",
     "input_tokens": "800 + (g * 7919) % 6000",
     "output_tokens": "100 + (g * 104729) % 900",
@@ -66,10 +71,10 @@ RUN_EXPR = {
     "web_micros": "CASE WHEN g % 5 = 0 THEN 30 ELSE 0 END",
     "compute_micros": "(2000 + g % 60000) // 40",
     "charged_micros": "((800 + (g * 7919) % 6000) * 2 + (100 + (g * 104729) % 900) * 8) // 10 "
-                      "+ CASE WHEN g % 5 = 0 THEN 30 ELSE 0 END + (2000 + g % 60000) // 40",
+    "+ CASE WHEN g % 5 = 0 THEN 30 ELSE 0 END + (2000 + g % 60000) // 40",
     "refunded_micros": "40000 - (((800 + (g * 7919) % 6000) * 2 "
-                       "+ (100 + (g * 104729) % 900) * 8) // 10 "
-                       "+ CASE WHEN g % 5 = 0 THEN 30 ELSE 0 END + (2000 + g % 60000) // 40)",
+    "+ (100 + (g * 104729) % 900) * 8) // 10 "
+    "+ CASE WHEN g % 5 = 0 THEN 30 ELSE 0 END + (2000 + g % 60000) // 40)",
     "duration_ms": "2000 + g % 60000",
     "checks": "NULL",
     "host": "$3",
@@ -80,7 +85,7 @@ STEP_EXPR = {
     "seq": "2 + s * 2",
     "step_kind": "CASE WHEN s % 2 = 0 THEN 'model' ELSE 'shell' END",
     "at": "$1::TIMESTAMPTZ "
-          "+ to_microseconds((i * (86400000000 // $2))::BIGINT + 1000000 * (s + 1))",
+    "+ to_microseconds((i * (86400000000 // $2))::BIGINT + 1000000 * (s + 1))",
     "duration_ms": "40 + (g + s) % 900",
     "command": "CASE WHEN s % 2 = 1 AND g % 10 <> 0 THEN 'python3 primes.py ' || (g % 1000) END",
     "exit_code": "CASE WHEN s % 2 = 1 THEN (g % 9 = 0)::INTEGER END",
@@ -96,9 +101,7 @@ STEP_EXPR = {
 
 
 def _select(kind: str, exprs: dict[str, str]) -> str:
-    return ", ".join(
-        f'CAST({exprs[phys]} AS {typ}) AS "{phys}"' for _, phys, typ in columns(kind)
-    )
+    return ", ".join(f'CAST({exprs[phys]} AS {typ}) AS "{phys}"' for _, phys, typ in columns(kind))
 
 
 def generate(root: Path, runs: int, days: int, hosts: int, steps_per_run: int, today: date) -> None:
@@ -116,12 +119,14 @@ def generate(root: Path, runs: int, days: int, hosts: int, steps_per_run: int, t
         start = datetime(day.year, day.month, day.day, tzinfo=UTC)
         params = [start, count, host]
         for kind, sql, source, order in (
-            ("runs", run_sql,
-             f"(SELECT i, {offset} + i AS g FROM range({count}) r(i))", "run_id"),
-            ("steps", step_sql,
-             f"(SELECT j // {steps_per_run} AS i, j % {steps_per_run} AS s, "
-             f"{offset} + j // {steps_per_run} AS g FROM range({count * steps_per_run}) r(j))",
-             "run_id, seq"),
+            ("runs", run_sql, f"(SELECT i, {offset} + i AS g FROM range({count}) r(i))", "run_id"),
+            (
+                "steps",
+                step_sql,
+                f"(SELECT j // {steps_per_run} AS i, j % {steps_per_run} AS s, "
+                f"{offset} + j // {steps_per_run} AS g FROM range({count * steps_per_run}) r(j))",
+                "run_id, seq",
+            ),
         ):
             target = partition_dir(root, kind, day, host)
             target.mkdir(parents=True, exist_ok=True)
@@ -139,24 +144,58 @@ def fresh_run(
 ) -> tuple[RunRecord, list[StepRecord], list[EventRecord]]:
     run_id = new_run_id()
     run = RunRecord(
-        run_id=run_id, org_id="org_1", created_at=created, started_at=created,
-        ended_at=created + timedelta(seconds=8), status="succeeded", termination_reason=None,
-        model=MODELS[hash(run_id) % len(MODELS)], isolation="gvisor", recipe="recipe-1",
-        zero_data_retention=False, prompt="List the primes below 20", output="2 3 5 7 11 13 17 19",
-        model_calls=2, input_tokens=1500, output_tokens=200, reserved_micros=40000,
-        charged_micros=3530, refunded_micros=36470, model_micros=3000, web_micros=30,
-        compute_micros=500, duration_ms=8000, host=host,
+        run_id=run_id,
+        org_id="org_1",
+        created_at=created,
+        started_at=created,
+        ended_at=created + timedelta(seconds=8),
+        status="succeeded",
+        termination_reason=None,
+        model=MODELS[hash(run_id) % len(MODELS)],
+        isolation="gvisor",
+        recipe="recipe-1",
+        zero_data_retention=False,
+        prompt="List the primes below 20",
+        output="2 3 5 7 11 13 17 19",
+        model_calls=2,
+        input_tokens=1500,
+        output_tokens=200,
+        reserved_micros=40000,
+        charged_micros=3530,
+        refunded_micros=36470,
+        model_micros=3000,
+        web_micros=30,
+        compute_micros=500,
+        duration_ms=8000,
+        host=host,
     )
     steps = [
-        StepRecord(run_id=run_id, seq=2 + 2 * s, kind="model" if s % 2 == 0 else "shell",
-                   at=created + timedelta(seconds=s), duration_ms=50, command="python3 p.py",
-                   exit_code=0, stdout="2 3 5 7", stderr="", truncated=False, model=None,
-                   input_tokens=None, output_tokens=None, cost_micros=100)
+        StepRecord(
+            run_id=run_id,
+            seq=2 + 2 * s,
+            kind="model" if s % 2 == 0 else "shell",
+            at=created + timedelta(seconds=s),
+            duration_ms=50,
+            command="python3 p.py",
+            exit_code=0,
+            stdout="2 3 5 7",
+            stderr="",
+            truncated=False,
+            model=None,
+            input_tokens=None,
+            output_tokens=None,
+            cost_micros=100,
+        )
         for s in range(3)
     ]
     events = [
-        EventRecord(run_id=run_id, seq=k, type="shell.executed",
-                    at=created + timedelta(seconds=k), data='{"command": "python3 p.py"}')
+        EventRecord(
+            run_id=run_id,
+            seq=k,
+            type="shell.executed",
+            at=created + timedelta(seconds=k),
+            data='{"command": "python3 p.py"}',
+        )
         for k in range(1, 9)
     ]
     return run, steps, events
@@ -206,16 +245,22 @@ def main() -> None:
     now = datetime.now(UTC)
     cutoff = now - timedelta(days=30)
     agg = AGG.format(table="{table}", cutoff_date=cutoff.date(), cutoff=cutoff.isoformat())
-    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
-          f"on {os.cpu_count()} CPUs")
-    print(f"records bench: {args.runs:,} runs, {args.days} days x {args.hosts} hosts, "
-          f"{args.steps_per_run} steps/run, {args.fresh:,} fresh runs; dir {root}")
+    print(
+        f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
+        f"on {os.cpu_count()} CPUs"
+    )
+    print(
+        f"records bench: {args.runs:,} runs, {args.days} days x {args.hosts} hosts, "
+        f"{args.steps_per_run} steps/run, {args.fresh:,} fresh runs; dir {root}"
+    )
     try:
         t0 = time.perf_counter()
         generate(root, args.runs, args.days, args.hosts, args.steps_per_run, now.date())
         files, size = tree_size(root)
-        print(f"generate (compacted layout)      {time.perf_counter() - t0:7.1f} s   "
-              f"{files} files, {size / 1e6:.0f} MB")
+        print(
+            f"generate (compacted layout)      {time.perf_counter() - t0:7.1f} s   "
+            f"{files} files, {size / 1e6:.0f} MB"
+        )
 
         t0 = time.perf_counter()
         for k in range(args.fresh):
@@ -224,8 +269,10 @@ def main() -> None:
             created = now - timedelta(days=days_back, seconds=k)
             write_run(root, *fresh_run(created, f"host{k % args.hosts}"))
         elapsed = time.perf_counter() - t0
-        print(f"write_run x {args.fresh:<6}               {elapsed:7.1f} s   "
-              f"{1000 * elapsed / max(args.fresh, 1):.1f} ms/run (3 files)")
+        print(
+            f"write_run x {args.fresh:<6}               {elapsed:7.1f} s   "
+            f"{1000 * elapsed / max(args.fresh, 1):.1f} ms/run (3 files)"
+        )
 
         records = Records(root)
 
@@ -237,24 +284,32 @@ def main() -> None:
 
         t0 = time.perf_counter()
         merged = records.compact(older_than_days=1)
-        print(f"compact --older-than-days 1      {time.perf_counter() - t0:7.1f} s   "
-              f"{merged} files merged, {tree_size(root)[0]} files left (today's stay fresh)")
+        print(
+            f"compact --older-than-days 1      {time.perf_counter() - t0:7.1f} s   "
+            f"{merged} files merged, {tree_size(root)[0]} files left (today's stay fresh)"
+        )
         p50, worst, rows = timed(aggregate, max(3, args.repeat // 2))
         report("aggregate, today's runs fresh", p50, worst)
 
         t0 = time.perf_counter()
         merged = records.compact(older_than_days=0)
-        print(f"compact --older-than-days 0      {time.perf_counter() - t0:7.1f} s   "
-              f"{merged} files merged, {tree_size(root)[0]} files left")
+        print(
+            f"compact --older-than-days 0      {time.perf_counter() - t0:7.1f} s   "
+            f"{merged} files merged, {tree_size(root)[0]} files left"
+        )
 
         p50, worst, rows = timed(aggregate, args.repeat)
         runs_30d = sum(r[2] for r in rows)
-        report("cost by model+recipe, 30 days", p50, worst,
-               f"{len(rows)} groups, {runs_30d:,} runs   [target <= 1000 ms]")
+        report(
+            "cost by model+recipe, 30 days",
+            p50,
+            worst,
+            f"{len(rows)} groups, {runs_30d:,} runs   [target <= 1000 ms]",
+        )
         cp50, cworst, _ = timed(lambda: records.costs("model", timedelta(days=30)), args.repeat)
         report("Records.costs('model', 30d)", cp50, cworst)
 
-        _, ids = records.query("SELECT run_id FROM runs WHERE \"date\" = current_date - 12 LIMIT 1")
+        _, ids = records.query('SELECT run_id FROM runs WHERE "date" = current_date - 12 LIMIT 1')
         run_id = ids[0][0]
         lp50, lworst, hit = timed(
             lambda: records.query(f"SELECT * FROM runs WHERE run_id = '{run_id}'")[1],

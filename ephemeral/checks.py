@@ -172,7 +172,8 @@ class ShellCheck(_Check):
     def judge(self, run: Run, events: Events) -> tuple[bool, str]:
         pattern = _compile(self.shell.command_matches)
         shells = [
-            data for e in events
+            data
+            for e in events
             if e.get("type") == "shell.executed" and isinstance(data := e.get("data"), Mapping)
         ]
         if not shells:

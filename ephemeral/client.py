@@ -40,6 +40,7 @@ STREAM_TIMEOUT = httpx.Timeout(30.0, read=None)  # a quiet shell step may last m
 
 # -- wire helpers shared by the sync and async clients ---------------------------------------------
 
+
 def raise_for_problem(response: httpx.Response) -> None:
     if response.status_code < 400:
         return
@@ -125,15 +126,22 @@ def _settings(
 
 # -- sync ----------------------------------------------------------------------------------------
 
+
 class Client:
     def __init__(
-        self, settings: Settings | None = None, *, base_url: str | None = None,
-        api_key: str | None = None, transport: httpx.BaseTransport | None = None,
+        self,
+        settings: Settings | None = None,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        transport: httpx.BaseTransport | None = None,
         timeout: httpx.Timeout = DEFAULT_TIMEOUT,
     ) -> None:
         url, key = _settings(settings, base_url, api_key)
         self.http = httpx.Client(
-            base_url=url, transport=transport, timeout=timeout,
+            base_url=url,
+            transport=transport,
+            timeout=timeout,
             headers={"Authorization": f"Bearer {key}", "User-Agent": "ephemeral-client/1"},
         )
         self.runs = Runs(self)
@@ -162,8 +170,12 @@ class Runs:
         self._c = client
 
     def create(
-        self, prompt: str | None = None, *, request: RunRequest | None = None,
-        idempotency_key: str | None = None, **fields: Any,
+        self,
+        prompt: str | None = None,
+        *,
+        request: RunRequest | None = None,
+        idempotency_key: str | None = None,
+        **fields: Any,
     ) -> dict[str, Any]:
         body = _body(prompt, request, fields)
         headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
@@ -222,7 +234,9 @@ class Runs:
             parser = SSEParser()
             try:
                 with self._c.http.stream(
-                    "GET", f"/v1/runs/{run_id}/events", timeout=STREAM_TIMEOUT,
+                    "GET",
+                    f"/v1/runs/{run_id}/events",
+                    timeout=STREAM_TIMEOUT,
                     headers={"Accept": "text/event-stream", "Last-Event-ID": str(last)},
                 ) as response:
                     if response.status_code >= 400:
@@ -270,15 +284,22 @@ class Runs:
 
 # -- async ---------------------------------------------------------------------------------------
 
+
 class AsyncClient:
     def __init__(
-        self, settings: Settings | None = None, *, base_url: str | None = None,
-        api_key: str | None = None, transport: httpx.AsyncBaseTransport | None = None,
+        self,
+        settings: Settings | None = None,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
         timeout: httpx.Timeout = DEFAULT_TIMEOUT,
     ) -> None:
         url, key = _settings(settings, base_url, api_key)
         self.http = httpx.AsyncClient(
-            base_url=url, transport=transport, timeout=timeout,
+            base_url=url,
+            transport=transport,
+            timeout=timeout,
             headers={"Authorization": f"Bearer {key}", "User-Agent": "ephemeral-client/1"},
         )
         self.runs = AsyncRuns(self)
@@ -307,8 +328,12 @@ class AsyncRuns:
         self._c = client
 
     async def create(
-        self, prompt: str | None = None, *, request: RunRequest | None = None,
-        idempotency_key: str | None = None, **fields: Any,
+        self,
+        prompt: str | None = None,
+        *,
+        request: RunRequest | None = None,
+        idempotency_key: str | None = None,
+        **fields: Any,
     ) -> dict[str, Any]:
         body = _body(prompt, request, fields)
         headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
@@ -355,7 +380,9 @@ class AsyncRuns:
             parser = SSEParser()
             try:
                 async with self._c.http.stream(
-                    "GET", f"/v1/runs/{run_id}/events", timeout=STREAM_TIMEOUT,
+                    "GET",
+                    f"/v1/runs/{run_id}/events",
+                    timeout=STREAM_TIMEOUT,
                     headers={"Accept": "text/event-stream", "Last-Event-ID": str(last)},
                 ) as response:
                     if response.status_code >= 400:

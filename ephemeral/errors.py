@@ -147,9 +147,21 @@ class BudgetExhausted(EphemeralError):
 
 
 ALL_ERRORS: tuple[type[EphemeralError], ...] = (
-    EphemeralError, InvalidRequest, RecipeError, Unauthorized, NotFound, Conflict,
-    PaymentRequired, PayloadTooLarge, UnsupportedMediaType, IsolationUnavailable,
-    UnknownModel, SandboxError, ModelError, TransientModelError, BudgetExhausted,
+    EphemeralError,
+    InvalidRequest,
+    RecipeError,
+    Unauthorized,
+    NotFound,
+    Conflict,
+    PaymentRequired,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+    IsolationUnavailable,
+    UnknownModel,
+    SandboxError,
+    ModelError,
+    TransientModelError,
+    BudgetExhausted,
 )
 
 

@@ -100,8 +100,12 @@ class RunResult(BaseModel):
 
 def unrun(planned: PlannedRun, status: str, detail: str) -> RunResult:
     return RunResult(
-        pair_key=planned.pair_key(), recipe=planned.recipe, cell=planned.cell,
-        repeat_index=planned.repeat_index, status=status, detail=detail,
+        pair_key=planned.pair_key(),
+        recipe=planned.recipe,
+        cell=planned.cell,
+        repeat_index=planned.repeat_index,
+        status=status,
+        detail=detail,
     )
 
 
@@ -184,9 +188,11 @@ async def run_planned(
                 await changed.wait()
             if not fits:
                 tight = next(c for c in caps if not c.fits(amount))
-                result = unrun(p, "skipped", (
-                    f"budget: {tight.name} has {tight.left} micros left, the run needs {amount}"
-                ))
+                result = unrun(
+                    p,
+                    "skipped",
+                    (f"budget: {tight.name} has {tight.left} micros left, the run needs {amount}"),
+                )
                 results[i] = result
                 if on_result is not None:
                     on_result(result)
@@ -223,11 +229,12 @@ async def execute_planned(
 
     base = unrun(planned, "refused", "")
     labels = {
-        "recipe": planned.recipe, "cell": planned.cell, "repeat_index": planned.repeat_index,
+        "recipe": planned.recipe,
+        "cell": planned.cell,
+        "repeat_index": planned.repeat_index,
         "suite_run_id": suite_run_id,
     }
-    request = RunRequest(prompt=planned.prompt, model=planned.model,
-                         **planned.policy.model_dump())
+    request = RunRequest(prompt=planned.prompt, model=planned.model, **planned.policy.model_dump())
     try:
         row, _ = await runtime.admit(org_id, request, labels=labels)
     except errors.EphemeralError as exc:
@@ -249,12 +256,17 @@ async def execute_planned(
     if row.started_at and row.ended_at:
         duration = int((row.ended_at - row.started_at).total_seconds() * 1000)
     settled = row.settled_at is not None
-    return base.model_copy(update={
-        "run_id": row.id, "status": row.status, "detail": row.termination_detail,
-        "reserved_micros": row.reserved_micros,
-        "charged_micros": row.charged_micros if settled else row.reserved_micros,
-        "duration_ms": duration, "checks": verdicts,
-    })
+    return base.model_copy(
+        update={
+            "run_id": row.id,
+            "status": row.status,
+            "detail": row.termination_detail,
+            "reserved_micros": row.reserved_micros,
+            "charged_micros": row.charged_micros if settled else row.reserved_micros,
+            "duration_ms": duration,
+            "checks": verdicts,
+        }
+    )
 
 
 # --------------------------------------------------------------------------- report
@@ -337,17 +349,25 @@ def recipe_stats(recipes: Sequence[Recipe], results: Sequence[RunResult]) -> lis
         ran = [r for r in mine if r.run_id is not None]
         labels = [c.label() for c in recipe.checks]
         checks = [
-            CheckStat(check=label, total=len(mine),
-                      passed=sum(1 for r in ran for v in r.checks if v.check == label and v.passed))
+            CheckStat(
+                check=label,
+                total=len(mine),
+                passed=sum(1 for r in ran for v in r.checks if v.check == label and v.passed),
+            )
             for label in labels
         ]
-        stats.append(RecipeStat(
-            recipe=recipe.name, planned=len(mine), ran=len(ran),
-            passed=sum(1 for r in mine if r.passed),
-            skipped=sum(1 for r in mine if r.status == "skipped"),
-            charged_micros=sum(r.charged_micros for r in mine),
-            duration_ms=sum(r.duration_ms or 0 for r in ran), checks=checks,
-        ))
+        stats.append(
+            RecipeStat(
+                recipe=recipe.name,
+                planned=len(mine),
+                ran=len(ran),
+                passed=sum(1 for r in mine if r.passed),
+                skipped=sum(1 for r in mine if r.status == "skipped"),
+                charged_micros=sum(r.charged_micros for r in mine),
+                duration_ms=sum(r.duration_ms or 0 for r in ran),
+                checks=checks,
+            )
+        )
     return stats
 
 
@@ -380,13 +400,16 @@ def compare(
         old_checks = {c.check: c.passed for c in old.checks}
         for c in run.checks:
             if c.check in old_checks and old_checks[c.check] != c.passed:
-                flips.append(Flip(pair_key=key, check=c.check, was=old_checks[c.check],
-                                  now=c.passed))
+                flips.append(
+                    Flip(pair_key=key, check=c.check, was=old_checks[c.check], now=c.passed)
+                )
     return Comparison(
-        previous_suite_run_id=previous_id, paired=paired,
+        previous_suite_run_id=previous_id,
+        paired=paired,
         new=sum(1 for k in now if k not in before),
         missing=sum(1 for k in before if k not in now),
-        flips=flips, cost_delta_micros=delta,
+        flips=flips,
+        cost_delta_micros=delta,
         previous_charged_micros=sum(r.charged_micros for r in previous),
     )
 
@@ -413,12 +436,20 @@ def load_previous(records: Records, suite_run_id: str) -> list[RunResult]:
     out = []
     for run_id, recipe, cell_text, rep, status, reserved, charged, duration, checks in rows:
         cell = json.loads(cell_text) if cell_text else {}
-        out.append(RunResult(
-            pair_key=pair_key(recipe or "", cell, rep or 0), recipe=recipe or "", cell=cell,
-            repeat_index=rep or 0, run_id=run_id, status=status, reserved_micros=reserved,
-            charged_micros=charged, duration_ms=duration,
-            checks=[CheckResult.model_validate(c) for c in json.loads(checks or "[]")],
-        ))
+        out.append(
+            RunResult(
+                pair_key=pair_key(recipe or "", cell, rep or 0),
+                recipe=recipe or "",
+                cell=cell,
+                repeat_index=rep or 0,
+                run_id=run_id,
+                status=status,
+                reserved_micros=reserved,
+                charged_micros=charged,
+                duration_ms=duration,
+                checks=[CheckResult.model_validate(c) for c in json.loads(checks or "[]")],
+            )
+        )
     return out
 
 
@@ -457,8 +488,9 @@ async def run_evaluation(runtime: Runtime, evaluation: Evaluation) -> Report:
     planned = plan(evaluation, runtime.settings)
     recipe_of = {r.name: r for r in evaluation.recipes}
     suite_cap = Cap(f"suite {evaluation.name}", evaluation.budget_micros)
-    caps = {r.name: [suite_cap, Cap(f"recipe {r.name}", r.budget_micros)]
-            for r in evaluation.recipes}
+    caps = {
+        r.name: [suite_cap, Cap(f"recipe {r.name}", r.budget_micros)] for r in evaluation.recipes
+    }
     progress = Progress(total=len(planned))
 
     def on_result(result: RunResult) -> None:
@@ -475,18 +507,24 @@ async def run_evaluation(runtime: Runtime, evaluation: Evaluation) -> Report:
     results = await run_planned(
         [p for p, _ in planned],
         lambda p: caps[p.recipe],
-        lambda p: execute_planned(runtime, org_id, p, recipe_of[p.recipe],
-                                  evaluation.suite_run_id),
+        lambda p: execute_planned(runtime, org_id, p, recipe_of[p.recipe], evaluation.suite_run_id),
         concurrency=evaluation.concurrency,
         on_result=on_result,
     )
     stats = recipe_stats(evaluation.recipes, results)
     return Report(
-        suite=evaluation.name, suite_run_id=evaluation.suite_run_id,
-        min_pass_rate=evaluation.min_pass_rate, budget_micros=evaluation.budget_micros,
-        wall_ms=int((time.monotonic() - t0) * 1000), results=results, recipes=stats,
-        comparison=(compare(results, previous, evaluation.compare_with or "")
-                    if previous is not None else None),
+        suite=evaluation.name,
+        suite_run_id=evaluation.suite_run_id,
+        min_pass_rate=evaluation.min_pass_rate,
+        budget_micros=evaluation.budget_micros,
+        wall_ms=int((time.monotonic() - t0) * 1000),
+        results=results,
+        recipes=stats,
+        comparison=(
+            compare(results, previous, evaluation.compare_with or "")
+            if previous is not None
+            else None
+        ),
         gate_failures=gate_failures(stats, evaluation.min_pass_rate),
     )
 
@@ -498,8 +536,11 @@ def evaluation_for(path: str, settings: Settings, **kw: Any) -> Evaluation:
     item = load_any(resolve_path(path, settings))
     if isinstance(item, Suite):
         base: dict[str, Any] = {
-            "name": item.name, "recipes": item.loaded_recipes, "budget_micros": item.budget_micros,
-            "concurrency": item.concurrency, "min_pass_rate": item.gates.min_pass_rate,
+            "name": item.name,
+            "recipes": item.loaded_recipes,
+            "budget_micros": item.budget_micros,
+            "concurrency": item.concurrency,
+            "min_pass_rate": item.gates.min_pass_rate,
         }
     else:
         base = {"name": item.name, "recipes": [item], "budget_micros": None}
@@ -510,8 +551,10 @@ def resolve_path(path: str, settings: Settings) -> Path:
     p = Path(path)
     if p.is_file():
         return p
-    for candidate in (settings.recipes_dir / "suites" / f"{path}.yaml",
-                      settings.recipes_dir / f"{path}.yaml"):
+    for candidate in (
+        settings.recipes_dir / "suites" / f"{path}.yaml",
+        settings.recipes_dir / f"{path}.yaml",
+    ):
         if "/" not in path and candidate.is_file():
             return candidate
     raise errors.InvalidRequest.field(
@@ -531,13 +574,29 @@ def table_rows(report: Report) -> list[dict[str, Any]]:
     """One row per recipe and check: the pass table (content-free: labels, counts, money)."""
     rows = []
     for s in report.recipes:
-        rows.append({"recipe": s.recipe, "check": "(all checks)", "passed": s.passed,
-                     "runs": s.planned, "pass_rate": round(s.pass_rate, 4),
-                     "charged_micros": s.charged_micros, "duration_ms": s.duration_ms})
+        rows.append(
+            {
+                "recipe": s.recipe,
+                "check": "(all checks)",
+                "passed": s.passed,
+                "runs": s.planned,
+                "pass_rate": round(s.pass_rate, 4),
+                "charged_micros": s.charged_micros,
+                "duration_ms": s.duration_ms,
+            }
+        )
         for c in s.checks:
-            rows.append({"recipe": s.recipe, "check": c.check, "passed": c.passed,
-                         "runs": c.total, "pass_rate": round(c.rate, 4),
-                         "charged_micros": None, "duration_ms": None})
+            rows.append(
+                {
+                    "recipe": s.recipe,
+                    "check": c.check,
+                    "passed": c.passed,
+                    "runs": c.total,
+                    "pass_rate": round(c.rate, 4),
+                    "charged_micros": None,
+                    "duration_ms": None,
+                }
+            )
     return rows
 
 
@@ -560,8 +619,10 @@ def render_markdown(report: Report, *, reasons: bool = True) -> str:
         charged = usd(row["charged_micros"]) if row["charged_micros"] is not None else ""
         took = f"{row['duration_ms'] / 1000:.1f} s" if row["duration_ms"] is not None else ""
         check = row["check"].replace("|", "\\|")
-        lines.append(f"| {row['recipe']} | {check} | {row['passed']}/{row['runs']} | "
-                     f"{row['pass_rate']:.0%} | {charged} | {took} |")
+        lines.append(
+            f"| {row['recipe']} | {check} | {row['passed']}/{row['runs']} | "
+            f"{row['pass_rate']:.0%} | {charged} | {took} |"
+        )
     lines.append("")
     for failure in report.gate_failures:
         lines.append(f"- gate failed: {failure}")
@@ -606,9 +667,13 @@ def summary(report: Report) -> dict[str, Any]:
     """A content-free summary (what a flow returns)."""
     cmp = report.comparison
     return {
-        "suite": report.suite, "suite_run_id": report.suite_run_id, "passed": report.passed,
-        "runs": len(report.results), "passing": sum(1 for r in report.results if r.passed),
-        "charged_micros": report.charged_micros, "wall_ms": report.wall_ms,
+        "suite": report.suite,
+        "suite_run_id": report.suite_run_id,
+        "passed": report.passed,
+        "runs": len(report.results),
+        "passing": sum(1 for r in report.results if r.passed),
+        "charged_micros": report.charged_micros,
+        "wall_ms": report.wall_ms,
         "gate_failures": report.gate_failures,
         "pass_rates": {s.recipe: s.pass_rate for s in report.recipes},
         "regressions": len(cmp.regressions) if cmp else None,
@@ -632,8 +697,10 @@ def write_report(report: Report, settings: Settings) -> Path:
     out = settings.state_dir / "evals"
     out.mkdir(parents=True, exist_ok=True)
     target = out / f"{report.suite_run_id}.json"
-    for path, text in ((target, json.dumps(report_json(report), indent=2) + "\n"),
-                       (target.with_suffix(".md"), render_markdown(report))):
+    for path, text in (
+        (target, json.dumps(report_json(report), indent=2) + "\n"),
+        (target.with_suffix(".md"), render_markdown(report)),
+    ):
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(text)
         os.replace(tmp, path)

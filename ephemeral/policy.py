@@ -127,15 +127,27 @@ class RunRequest(_Strict):
 
 
 RunStatus = Literal[
-    "queued", "provisioning", "running",
-    "succeeded", "failed", "timed_out", "cancelled", "budget_exhausted",
+    "queued",
+    "provisioning",
+    "running",
+    "succeeded",
+    "failed",
+    "timed_out",
+    "cancelled",
+    "budget_exhausted",
 ]
 TERMINAL_STATUSES: frozenset[str] = frozenset(
     {"succeeded", "failed", "timed_out", "cancelled", "budget_exhausted"}
 )
 TerminationReason = Literal[
-    "completed", "timeout", "budget_exhausted", "cancelled", "policy_violation",
-    "model_error", "sandbox_error", "infra_error",
+    "completed",
+    "timeout",
+    "budget_exhausted",
+    "cancelled",
+    "policy_violation",
+    "model_error",
+    "sandbox_error",
+    "infra_error",
 ]
 STATUS_FOR_REASON: dict[str, str] = {
     "completed": "succeeded",

@@ -82,9 +82,7 @@ Budget = Annotated[int | None, BeforeValidator(_budget_value)]
 
 
 def _budget_field() -> Any:
-    return Field(
-        default=None, ge=1, validation_alias=AliasChoices("budget_micros", "budget")
-    )
+    return Field(default=None, ge=1, validation_alias=AliasChoices("budget_micros", "budget"))
 
 
 class Recipe(_Strict):
@@ -108,8 +106,10 @@ class Recipe(_Strict):
     def cells(self) -> list[dict[str, Any]]:
         """Matrix cells in file order: the first key varies slowest."""
         keys = list(self.matrix)
-        return [dict(zip(keys, combo, strict=True)) for combo in
-                itertools.product(*(self.matrix[k] for k in keys))]
+        return [
+            dict(zip(keys, combo, strict=True))
+            for combo in itertools.product(*(self.matrix[k] for k in keys))
+        ]
 
     def run_count(self) -> int:
         return math.prod(len(v) for v in self.matrix.values()) * self.repeat
@@ -289,8 +289,17 @@ def _read(path: Path, label: str) -> tuple[dict[str, Any], _Source, list[_Proble
         dups = _index(node, src) if node is not None else []
         data = loader.construct_document(node) if node is not None else None
     except (_TooLarge, RecursionError):
-        _fail(whole, [_Problem((), f"nests deeper than {MAX_DEPTH} levels or expands to more "
-                                   f"than {MAX_NODES} values (through aliases?)", line=1)])
+        _fail(
+            whole,
+            [
+                _Problem(
+                    (),
+                    f"nests deeper than {MAX_DEPTH} levels or expands to more "
+                    f"than {MAX_NODES} values (through aliases?)",
+                    line=1,
+                )
+            ],
+        )
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else 1
@@ -309,7 +318,14 @@ def _read(path: Path, label: str) -> tuple[dict[str, Any], _Source, list[_Proble
 
 
 _SCHEMAS: tuple[type[BaseModel], ...] = (
-    Recipe, Suite, Gates, Policy, FileSpec, Connection, ShellCondition, *CHECK_KINDS.values()
+    Recipe,
+    Suite,
+    Gates,
+    Policy,
+    FileSpec,
+    Connection,
+    ShellCondition,
+    *CHECK_KINDS.values(),
 )
 _KNOWN_FIELDS = sorted({name for model in _SCHEMAS for name in model.model_fields} | {"budget"})
 
@@ -381,16 +397,20 @@ def _names_problems(recipe: Recipe) -> list[_Problem]:
         elif key in recipe.vars:
             problems.append(_Problem(("matrix", key), "also defined in vars; rename one"))
     if recipe.run_count() > MAX_PLANNED_RUNS:
-        problems.append(_Problem(
-            ("matrix",) if recipe.matrix else ("repeat",),
-            f"expands to {recipe.run_count()} runs, more than {MAX_PLANNED_RUNS}",
-        ))
+        problems.append(
+            _Problem(
+                ("matrix",) if recipe.matrix else ("repeat",),
+                f"expands to {recipe.run_count()} runs, more than {MAX_PLANNED_RUNS}",
+            )
+        )
     if recipe.budget_micros is not None and recipe.budget_micros < recipe.policy.max_cost_micros:
-        problems.append(_Problem(
-            ("budget_micros",),
-            f"{recipe.budget_micros} is below one run's policy.max_cost_micros "
-            f"({recipe.policy.max_cost_micros}): no run could start",
-        ))
+        problems.append(
+            _Problem(
+                ("budget_micros",),
+                f"{recipe.budget_micros} is below one run's policy.max_cost_micros "
+                f"({recipe.policy.max_cost_micros}): no run could start",
+            )
+        )
     return problems
 
 
@@ -481,18 +501,29 @@ def _build_suite(p: Path, data: Any, source: _Source, dups: list[_Problem]) -> S
             errors.extend(exc.errors or [])
             continue
         if recipe.name in names:
-            errors.append(_error(source, where._replace(
-                message=f"recipe name {recipe.name!r} is also recipes[{names[recipe.name]}]")))
+            errors.append(
+                _error(
+                    source,
+                    where._replace(
+                        message=f"recipe name {recipe.name!r} is also recipes[{names[recipe.name]}]"
+                    ),
+                )
+            )
         names[recipe.name] = i
         loaded.append(recipe)
     if suite.budget_micros is not None:
         for i, recipe in enumerate(loaded):
             if suite.budget_micros < recipe.policy.max_cost_micros:
-                errors.append(_error(source, _Problem(
-                    ("budget_micros",),
-                    f"{suite.budget_micros} is below one run of {recipe.name!r} "
-                    f"({recipe.policy.max_cost_micros}); recipes[{i}] could never start",
-                )))
+                errors.append(
+                    _error(
+                        source,
+                        _Problem(
+                            ("budget_micros",),
+                            f"{suite.budget_micros} is below one run of {recipe.name!r} "
+                            f"({recipe.policy.max_cost_micros}); recipes[{i}] could never start",
+                        ),
+                    )
+                )
     if errors:
         _fail_errors(errors)
     suite._source = source
@@ -515,8 +546,14 @@ def expand(recipe: Recipe, *, default_model: str) -> list[PlannedRun]:
     _check(recipe._source or _Source(file=f"<recipe {recipe.name}>"), problems)
     model = recipe.model or default_model
     return [
-        PlannedRun(recipe=recipe.name, prompt=text, model=model, policy=recipe.policy,
-                   cell=cell, repeat_index=i)
+        PlannedRun(
+            recipe=recipe.name,
+            prompt=text,
+            model=model,
+            policy=recipe.policy,
+            cell=cell,
+            repeat_index=i,
+        )
         for cell, i, text in rendered
     ]
 

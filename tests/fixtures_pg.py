@@ -54,8 +54,9 @@ class PgCluster:
         return ["runuser", "-u", "postgres", "--", *args] if self._as_postgres else list(args)
 
     def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self._cmd(*args), capture_output=True, text=True, timeout=120,
-                              check=False)
+        return subprocess.run(
+            self._cmd(*args), capture_output=True, text=True, timeout=120, check=False
+        )
 
     def unavailable(self) -> str | None:
         for tool in ("initdb", "pg_ctl", "psql"):
@@ -76,16 +77,35 @@ class PgCluster:
             pw = pwd.getpwnam("postgres")
             os.chown(self.dir, pw.pw_uid, pw.pw_gid)
         self.dir.chmod(0o700)
-        init = self._run(str(PG_BIN / "initdb"), "-D", str(self.dir / "data"), "-U", "postgres",
-                         "--auth=trust", "-E", "UTF8", "--no-sync", "--no-instructions")
+        init = self._run(
+            str(PG_BIN / "initdb"),
+            "-D",
+            str(self.dir / "data"),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+            "--no-instructions",
+        )
         if init.returncode != 0:
             raise RuntimeError(f"initdb failed: {init.stderr.strip()}")
         last = ""
         for _ in range(5):  # the free port can be taken between probing and binding
             self.port = _free_port()
             started = self._run(
-                str(PG_BIN / "pg_ctl"), "-D", str(self.dir / "data"), "-l", str(self.dir / "log"),
-                "-o", f"-p {self.port} -k {self.dir} {_SERVER_OPTS}", "-w", "-t", "60", "start",
+                str(PG_BIN / "pg_ctl"),
+                "-D",
+                str(self.dir / "data"),
+                "-l",
+                str(self.dir / "log"),
+                "-o",
+                f"-p {self.port} -k {self.dir} {_SERVER_OPTS}",
+                "-w",
+                "-t",
+                "60",
+                "start",
             )
             if started.returncode == 0:
                 return self
@@ -100,9 +120,25 @@ class PgCluster:
 
     def psql(self, sql: str, database: str = "postgres") -> str:
         out = subprocess.run(
-            [str(PG_BIN / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
-             "-d", database, "-v", "ON_ERROR_STOP=1", "-tAc", sql],
-            capture_output=True, text=True, timeout=60, check=False,
+            [
+                str(PG_BIN / "psql"),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-U",
+                "postgres",
+                "-d",
+                database,
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-tAc",
+                sql,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
         )
         if out.returncode != 0:
             raise RuntimeError(f"psql {sql!r} failed: {out.stderr.strip()}")
@@ -121,8 +157,15 @@ class PgCluster:
         if self.dir is None:
             return
         if (self.dir / "data" / "postmaster.pid").exists():
-            self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.dir / "data"), "-m", "immediate",
-                      "-w", "stop")
+            self._run(
+                str(PG_BIN / "pg_ctl"),
+                "-D",
+                str(self.dir / "data"),
+                "-m",
+                "immediate",
+                "-w",
+                "stop",
+            )
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir = None
 

@@ -71,9 +71,13 @@ def create_app(
             await own.close()
 
     app = FastAPI(
-        title="Ephemeral", version=API_VERSION, description=DESCRIPTION, lifespan=lifespan,
+        title="Ephemeral",
+        version=API_VERSION,
+        description=DESCRIPTION,
+        lifespan=lifespan,
         # Swagger UI would load its script from a CDN: none is reachable offline/air-gapped.
-        docs_url=None, redoc_url=None,
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.runtime = runtime
@@ -90,7 +94,9 @@ def create_app(
             from fastapi.openapi.utils import get_openapi
 
             schema = get_openapi(
-                title=app.title, version=app.version, description=app.description,
+                title=app.title,
+                version=app.version,
+                description=app.description,
                 routes=app.routes,
             )
             components = schema.setdefault("components", {}).setdefault("schemas", {})

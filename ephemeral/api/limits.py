@@ -30,15 +30,17 @@ def _is_json(content_type: str) -> bool:
 
 async def _send_problem(send: Send, exc: errors.EphemeralError) -> None:
     body = json.dumps(exc.to_problem()).encode()
-    await send({
-        "type": "http.response.start",
-        "status": exc.status,
-        "headers": [
-            (b"content-type", b"application/problem+json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
-        ],
-    })
+    await send(
+        {
+            "type": "http.response.start",
+            "status": exc.status,
+            "headers": [
+                (b"content-type", b"application/problem+json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -59,18 +61,22 @@ class BodyLimits:
             try:
                 size = int(declared)
             except ValueError:
-                await _send_problem(send, errors.InvalidRequest.field(
-                    "Content-Length", "is not a number"))
+                await _send_problem(
+                    send, errors.InvalidRequest.field("Content-Length", "is not a number")
+                )
                 return
             if size > limit:
                 await _send_problem(send, self._too_large(limit))
                 return
         if api and has_body and not _is_json(headers.get("content-type", "")):
-            await _send_problem(send, errors.UnsupportedMediaType(
-                "the body must be JSON (Content-Type: application/json), got "
-                f"{headers.get('content-type') or 'no Content-Type'}",
-                errors=[{"field": "Content-Type", "message": "must be application/json"}],
-            ))
+            await _send_problem(
+                send,
+                errors.UnsupportedMediaType(
+                    "the body must be JSON (Content-Type: application/json), got "
+                    f"{headers.get('content-type') or 'no Content-Type'}",
+                    errors=[{"field": "Content-Type", "message": "must be application/json"}],
+                ),
+            )
             return
 
         if declared is None and has_body:
@@ -106,5 +112,3 @@ class BodyLimits:
             f"the request body is larger than {limit} bytes",
             errors=[{"field": "body", "message": f"must be at most {limit} bytes"}],
         )
-
-

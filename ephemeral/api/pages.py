@@ -37,8 +37,11 @@ PLAYGROUND_FIELDS = {"max_cost_micros": "budget", "timeout_seconds": "timeout"}
 
 pages = APIRouter(include_in_schema=False)
 env = Environment(
-    loader=FileSystemLoader(TEMPLATES_DIR), autoescape=True, undefined=StrictUndefined,
-    trim_blocks=True, lstrip_blocks=True,
+    loader=FileSystemLoader(TEMPLATES_DIR),
+    autoescape=True,
+    undefined=StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
 )
 env.globals["usd"] = view.usd
 env.filters["tojson_attr"] = lambda v: json.dumps(v, ensure_ascii=False)
@@ -47,14 +50,18 @@ env.filters["tojson_attr"] = lambda v: json.dumps(v, ensure_ascii=False)
 def render(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
     context.setdefault("signed_in", None)
     html = env.get_template(name).render(request_path=request.url.path, **context)
-    return HTMLResponse(html, status_code=status, headers={
-        "Content-Security-Policy": (
-            "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-            "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
-        ),
-        "X-Content-Type-Options": "nosniff",
-        "Referrer-Policy": "same-origin",
-    })
+    return HTMLResponse(
+        html,
+        status_code=status,
+        headers={
+            "Content-Security-Policy": (
+                "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                "base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+            ),
+            "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "same-origin",
+        },
+    )
 
 
 def _macros() -> Any:
@@ -91,12 +98,17 @@ def _login_redirect(request: Request) -> RedirectResponse:
 
 def _set_key_cookie(response: Response, request: Request, key: str) -> None:
     response.set_cookie(
-        PAGE_COOKIE, key, httponly=True, samesite="strict", path="/",
+        PAGE_COOKIE,
+        key,
+        httponly=True,
+        samesite="strict",
+        path="/",
         secure=request.url.scheme == "https",
     )
 
 
 # -- index and sign-in ---------------------------------------------------------------------------
+
 
 @pages.get("/")
 async def index(request: Request) -> Response:
@@ -117,8 +129,13 @@ async def login_form(request: Request, next: str = "/") -> Response:
 @pages.post("/login")
 async def login(request: Request) -> Response:
     if not _same_origin(request):
-        return render(request, "error.html.j2", 403, title="Forbidden",
-                      detail="cross-site form submission refused")
+        return render(
+            request,
+            "error.html.j2",
+            403,
+            title="Forbidden",
+            detail="cross-site form submission refused",
+        )
     form = await _form(request)
     target = _safe_next(form.get("next"))
     key = form.get("api_key", "").strip()
@@ -140,9 +157,14 @@ async def logout(request: Request) -> Response:
 
 # -- the run page ---------------------------------------------------------------------------------
 
+
 def _summary_context(run: dict[str, Any]) -> dict[str, Any]:
-    return {"run": run, "headline": view.headline(run), "money": view.money_line(run),
-            "status_label": view.STATUS_LABELS.get(run["status"], run["status"])}
+    return {
+        "run": run,
+        "headline": view.headline(run),
+        "money": view.money_line(run),
+        "status_label": view.STATUS_LABELS.get(run["status"], run["status"]),
+    }
 
 
 @pages.get("/runs/{run_id}")
@@ -154,17 +176,23 @@ async def run_page(request: Request, run_id: str) -> Response:
     try:
         row = await runtime.store.get_run(run_id, who.org_id)
     except errors.NotFound as exc:
-        return render(request, "error.html.j2", 404, title="Not found", detail=exc.detail,
-                      signed_in=who)
+        return render(
+            request, "error.html.j2", 404, title="Not found", detail=exc.detail, signed_in=who
+        )
     events = await runtime.store.list_events(run_id)
     t0 = events[0].at if events else None
     run = run_object(row, base_url(request))
     settled = bool(events) and events[-1].type == "run.settled"
     return render(
-        request, "run.html.j2", signed_in=who, **_summary_context(run),
+        request,
+        "run.html.j2",
+        signed_in=who,
+        **_summary_context(run),
         rows=[view.timeline_row(e, t0) for e in events],
         permissions=view.permission_rows(row.policy, runtime.settings.retention_days),
-        prompt=row.prompt, live=not settled, last_seq=events[-1].seq if events else 0,
+        prompt=row.prompt,
+        live=not settled,
+        last_seq=events[-1].seq if events else 0,
         t0=t0 or "",
     )
 
@@ -203,18 +231,23 @@ async def run_live(request: Request, run_id: str, after: int = 0, t0: str = "") 
         nonlocal first
         async for ev in rows():
             first = first or ev.at
-            payload = {"seq": ev.seq, "type": ev.type,
-                       "html": str(macros.timeline_row(view.timeline_row(ev, first)))}
+            payload = {
+                "seq": ev.seq,
+                "type": ev.type,
+                "html": str(macros.timeline_row(view.timeline_row(ev, first))),
+            }
             payload.update(await extra(ev))
             yield Event(seq=ev.seq, run_id=ev.run_id, type="page.row", at=ev.at, data=payload)
 
     return StreamingResponse(
         sse.stream(rendered(), lambda e: sse.frame(e.data, id=e.seq)),
-        media_type="text/event-stream", headers=sse.SSE_HEADERS,
+        media_type="text/event-stream",
+        headers=sse.SSE_HEADERS,
     )
 
 
 # -- samples --------------------------------------------------------------------------------------
+
 
 @pages.get("/samples/{name}")
 async def sample_page(request: Request, name: str) -> Response:
@@ -228,11 +261,15 @@ async def sample_page(request: Request, name: str) -> Response:
     folded = _sample_run(sample)
     body = view.request_json(sample.prompt, sample.policy)
     return render(
-        request, "sample.html.j2", signed_in=await page_principal(request), sample=sample,
+        request,
+        "sample.html.j2",
+        signed_in=await page_principal(request),
+        sample=sample,
         **_summary_context(folded),
         rows=[view.timeline_row(e, t0) for e in events],
         permissions=view.permission_rows(sample.policy, runtime.settings.retention_days),
-        curl=view.CURL, request_json=json.dumps(body, indent=2, ensure_ascii=False),
+        curl=view.CURL,
+        request_json=json.dumps(body, indent=2, ensure_ascii=False),
         duration_ms=view.timeline_row(events[-1], t0)["offset_ms"],
     )
 
@@ -244,40 +281,64 @@ def _sample_run(sample: samples.Sample) -> dict[str, Any]:
     state = fold_events(sample.events)
     breakdown = state["cost"]["breakdown"] or {}
     return {
-        "id": sample.run_id, "status": state["status"], "model": sample.model,
-        "cost": {**state["cost"], "breakdown": {
-            "model_micros": int(breakdown.get("model_micros", 0)),
-            "web_micros": int(breakdown.get("web_micros", 0)),
-            "compute_micros": int(breakdown.get("compute_micros", 0)),
-        }},
-        "policy": sample.policy, "usage": state["usage"], "isolation": state["isolation"],
+        "id": sample.run_id,
+        "status": state["status"],
+        "model": sample.model,
+        "cost": {
+            **state["cost"],
+            "breakdown": {
+                "model_micros": int(breakdown.get("model_micros", 0)),
+                "web_micros": int(breakdown.get("web_micros", 0)),
+                "compute_micros": int(breakdown.get("compute_micros", 0)),
+            },
+        },
+        "policy": sample.policy,
+        "usage": state["usage"],
+        "isolation": state["isolation"],
         "termination": {"reason": state["reason"], "detail": None} if state["reason"] else None,
     }
 
 
 # -- playground -----------------------------------------------------------------------------------
 
+
 def _playground_defaults(request: Request, sample_name: str | None) -> dict[str, Any]:
-    values: dict[str, Any] = {"prompt": "", "model": "", "web": False, "shell": True,
-                              "timeout": "120", "budget": "0.04"}
+    values: dict[str, Any] = {
+        "prompt": "",
+        "model": "",
+        "web": False,
+        "shell": True,
+        "timeout": "120",
+        "budget": "0.04",
+    }
     if sample_name:
         try:
             sample = samples.load_sample(get_runtime(request).settings, sample_name)
         except errors.EphemeralError:
             return values
         p = sample.policy
-        values.update(prompt=sample.prompt, web=bool(p.get("web")), shell=bool(p.get("shell")),
-                      timeout=str(p.get("timeout_seconds", 120)),
-                      budget=view.usd(p.get("max_cost_micros")).lstrip("$"))
+        values.update(
+            prompt=sample.prompt,
+            web=bool(p.get("web")),
+            shell=bool(p.get("shell")),
+            timeout=str(p.get("timeout_seconds", 120)),
+            budget=view.usd(p.get("max_cost_micros")).lstrip("$"),
+        )
     return values
 
 
 @pages.get("/playground")
 async def playground(request: Request, sample: str | None = None) -> Response:
     who = await page_principal(request)
-    return render(request, "playground.html.j2", signed_in=who,
-                  values=_playground_defaults(request, sample), errors={}, error=None,
-                  token=secrets.token_hex(16))
+    return render(
+        request,
+        "playground.html.j2",
+        signed_in=who,
+        values=_playground_defaults(request, sample),
+        errors={},
+        error=None,
+        token=secrets.token_hex(16),
+    )
 
 
 def _budget_micros(text: str) -> int:
@@ -297,39 +358,63 @@ def _request_from_form(form: dict[str, str]) -> RunRequest:
         raise errors.InvalidRequest.field("timeout", "must be a whole number of seconds")
     try:
         return RunRequest(
-            prompt=form.get("prompt", ""), model=form.get("model", "").strip() or None,
+            prompt=form.get("prompt", ""),
+            model=form.get("model", "").strip() or None,
             web=form.get("web") == "on",
-            shell=form.get("shell") == "on", timeout_seconds=int(timeout),
+            shell=form.get("shell") == "on",
+            timeout_seconds=int(timeout),
             max_cost_micros=_budget_micros(form.get("budget", "")),
         )
     except ValidationError as exc:
         items = []
         for err in exc.errors():
             name = field_name(err["loc"])
-            items.append({"field": PLAYGROUND_FIELDS.get(name, name),
-                          "message": str(err["msg"]).removeprefix("Value error, ")})
-        raise errors.InvalidRequest("; ".join(f"{i['field']}: {i['message']}" for i in items),
-                                    errors=items) from exc
+            items.append(
+                {
+                    "field": PLAYGROUND_FIELDS.get(name, name),
+                    "message": str(err["msg"]).removeprefix("Value error, "),
+                }
+            )
+        raise errors.InvalidRequest(
+            "; ".join(f"{i['field']}: {i['message']}" for i in items), errors=items
+        ) from exc
 
 
 @pages.post("/playground")
 async def playground_submit(request: Request) -> Response:
     if not _same_origin(request):
-        return render(request, "error.html.j2", 403, title="Forbidden",
-                      detail="cross-site form submission refused")
+        return render(
+            request,
+            "error.html.j2",
+            403,
+            title="Forbidden",
+            detail="cross-site form submission refused",
+        )
     runtime = get_runtime(request)
     form = await _form(request)
-    values = {"prompt": form.get("prompt", ""), "model": form.get("model", ""),
-              "web": form.get("web") == "on",
-              "shell": form.get("shell") == "on", "timeout": form.get("timeout", ""),
-              "budget": form.get("budget", "")}
+    values = {
+        "prompt": form.get("prompt", ""),
+        "model": form.get("model", ""),
+        "web": form.get("web") == "on",
+        "shell": form.get("shell") == "on",
+        "timeout": form.get("timeout", ""),
+        "budget": form.get("budget", ""),
+    }
     token = form.get("token") or secrets.token_hex(16)
     who: Principal | None = await page_principal(request)
     new_key = form.get("api_key", "").strip()
 
     def again(status: int, error: str, field_errors: dict[str, str] | None = None) -> Response:
-        return render(request, "playground.html.j2", status, signed_in=who, values=values,
-                      errors=field_errors or {}, error=error, token=token)
+        return render(
+            request,
+            "playground.html.j2",
+            status,
+            signed_in=who,
+            values=values,
+            errors=field_errors or {},
+            error=error,
+            token=token,
+        )
 
     try:
         if new_key:
@@ -338,8 +423,11 @@ async def playground_submit(request: Request) -> Response:
             raise errors.InvalidRequest.field("api_key", "paste a member key to start a run")
         run_request = _request_from_form(form)
         row, _ = await runtime.submit(
-            who.org_id, run_request, idempotency_key=f"playground:{token[:64]}",
-            body_hash=body_hash(run_request), labels={"source": "playground"},
+            who.org_id,
+            run_request,
+            idempotency_key=f"playground:{token[:64]}",
+            body_hash=body_hash(run_request),
+            labels={"source": "playground"},
         )
     except errors.Unauthorized as exc:
         return again(401, exc.detail, {"api_key": exc.detail})
@@ -350,5 +438,3 @@ async def playground_submit(request: Request) -> Response:
     if new_key:
         _set_key_cookie(response, request, new_key)
     return response
-
-

@@ -67,8 +67,11 @@ async def healthz() -> dict[str, str]:
     status_code=201,
     response_model=RunObject,
     responses={
-        200: {"description": "Idempotent replay: the run this key created before "
-                             "(header `Idempotent-Replayed: true`)", "model": RunObject},
+        200: {
+            "description": "Idempotent replay: the run this key created before "
+            "(header `Idempotent-Replayed: true`)",
+            "model": RunObject,
+        },
         **problems(401, 402, 409, 413, 415, 422),
     },
     summary="Start a run",
@@ -80,12 +83,17 @@ async def create_run(
     runtime: Rt,
     idempotency_key: Annotated[
         str | None,
-        Header(alias="Idempotency-Key", pattern=IDEMPOTENCY_KEY_PATTERN,
-               description="1-255 printable ASCII characters; same key + same body → same run"),
+        Header(
+            alias="Idempotency-Key",
+            pattern=IDEMPOTENCY_KEY_PATTERN,
+            description="1-255 printable ASCII characters; same key + same body → same run",
+        ),
     ] = None,
 ) -> JSONResponse:
     row, replayed = await runtime.submit(
-        who.org_id, body, idempotency_key=idempotency_key,
+        who.org_id,
+        body,
+        idempotency_key=idempotency_key,
         body_hash=body_hash(body) if idempotency_key is not None else None,
     )
     headers = {"Location": f"/v1/runs/{row.id}"}
@@ -123,8 +131,8 @@ async def get_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> dict
     responses={
         200: {
             "description": "The events as a JSON list, or with `Accept: text/event-stream` a live "
-                           "SSE stream (`id:` = seq; resumes after `Last-Event-ID`; ends after "
-                           "`run.settled`).",
+            "SSE stream (`id:` = seq; resumes after `Last-Event-ID`; ends after "
+            "`run.settled`).",
             "content": {"text/event-stream": {"schema": {"type": "string"}}},
         },
         **problems(401, 404, 422),
@@ -142,12 +150,14 @@ async def get_events(
     resume = sse.parse_last_event_id(last_event_id)
     start = max(after, resume or 0)
     if "text/event-stream" in request.headers.get("accept", ""):
+
         def render(ev: Event) -> str:
             return sse.frame(ev.model_dump(mode="json"), id=ev.seq, event=ev.type)
 
         return StreamingResponse(
             sse.stream(runtime.events(run_id, start, follow=True), render),
-            media_type="text/event-stream", headers=sse.SSE_HEADERS,
+            media_type="text/event-stream",
+            headers=sse.SSE_HEADERS,
         )
     events = [ev.model_dump(mode="json") async for ev in runtime.events(run_id, start)]
     return JSONResponse(events)
@@ -159,8 +169,12 @@ async def cancel_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> d
     return run_object(row, base_url(request))
 
 
-@v1.delete("/runs/{run_id}", response_model=RunObject, responses=problems(401, 404, 409, 422),
-           summary="Erase a run's content (prompt, commands, outputs); billing stays")
+@v1.delete(
+    "/runs/{run_id}",
+    response_model=RunObject,
+    responses=problems(401, 404, 409, 422),
+    summary="Erase a run's content (prompt, commands, outputs); billing stays",
+)
 async def delete_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> dict[str, Any]:
     row = await runtime.store.get_run(run_id, who.org_id)
     if row.status not in TERMINAL_STATUSES:
@@ -181,5 +195,3 @@ async def isolation(request: Request, who: Auth, runtime: Rt) -> dict[str, Any]:
         cache["info"] = await runtime.isolation_info()
     info: dict[str, Any] = cache["info"]
     return info
-
-

@@ -78,9 +78,14 @@ async def record_sample(runtime: Any, name: str) -> Path:
     if row.status != "succeeded":
         raise errors.SandboxError(f"the sample run ended {row.status}; not recording it")
     sample = Sample(
-        name=name, description=recipe.description or "", model=row.model,
-        recorded_at=rfc3339(utcnow()), run_id=row.id, prompt=planned.prompt,
-        policy=row.policy, events=events,
+        name=name,
+        description=recipe.description or "",
+        model=row.model,
+        recorded_at=rfc3339(utcnow()),
+        run_id=row.id,
+        prompt=planned.prompt,
+        policy=row.policy,
+        events=events,
     )
     path = sample_path(settings, name)
     path.parent.mkdir(parents=True, exist_ok=True)

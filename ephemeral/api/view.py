@@ -18,9 +18,14 @@ _md = MarkdownIt("commonmark", {"html": False, "linkify": False, "typographer": 
 MAX_SHOWN_OUTPUT_CHARS = 64_000
 
 STATUS_LABELS = {
-    "queued": "Queued", "provisioning": "Provisioning", "running": "Running",
-    "succeeded": "Succeeded", "failed": "Failed", "timed_out": "Timed out",
-    "cancelled": "Cancelled", "budget_exhausted": "Budget exhausted",
+    "queued": "Queued",
+    "provisioning": "Provisioning",
+    "running": "Running",
+    "succeeded": "Succeeded",
+    "failed": "Failed",
+    "timed_out": "Timed out",
+    "cancelled": "Cancelled",
+    "budget_exhausted": "Budget exhausted",
 }
 
 
@@ -42,7 +47,11 @@ def timeline_row(ev: Event, t0: str | None = None) -> dict[str, Any]:
     d = ev.data
     offset = (parse_at(ev.at) - parse_at(t0)).total_seconds() if t0 else 0.0
     row: dict[str, Any] = {
-        "seq": ev.seq, "type": ev.type, "stage": stage, "text": text, "at": ev.at,
+        "seq": ev.seq,
+        "type": ev.type,
+        "stage": stage,
+        "text": text,
+        "at": ev.at,
         "offset_ms": max(0, int(offset * 1000)),
         "kind": ev.type.split(".", 1)[0],
     }
@@ -62,10 +71,14 @@ def permission_rows(policy: dict[str, Any], retention_days: int) -> list[tuple[s
     """The product page's "What the agent can and cannot do" table, from the stored policy."""
     conns = policy.get("connections") or []
     files = policy.get("files") or []
-    conn_text = "; ".join(
-        f"{c.get('name')}: {', '.join(c.get('methods') or [])} {', '.join(c.get('paths') or [])}"
-        for c in conns
-    ) or "none"
+    conn_text = (
+        "; ".join(
+            f"{c.get('name')}: {', '.join(c.get('methods') or [])} "
+            f"{', '.join(c.get('paths') or [])}"
+            for c in conns
+        )
+        or "none"
+    )
     file_text = ", ".join(str(f.get("path")) for f in files) or "none"
     zdr = policy.get("zero_data_retention")
     return [
@@ -73,8 +86,10 @@ def permission_rows(policy: dict[str, Any], retention_days: int) -> list[tuple[s
         ("Web", "on" if policy.get("web") else "off"),
         ("Shell", "on, inside a sealed machine" if policy.get("shell") else "off"),
         ("Files", file_text),
-        ("Zero data retention",
-         "on: no content is kept" if zdr else f"off: records are kept for {retention_days} days"),
+        (
+            "Zero data retention",
+            "on: no content is kept" if zdr else f"off: records are kept for {retention_days} days",
+        ),
         ("Budget", f"{usd(policy.get('max_cost_micros'))}, hard cap"),
         ("Time limit", f"{policy.get('timeout_seconds')} seconds"),
         ("Isolation", str(policy.get("isolation", "auto"))),
@@ -85,7 +100,11 @@ def money_line(run: dict[str, Any]) -> str | None:
     """``$0.00353 charged, $0.03647 refunded (model … · web … · compute …)`` once settled."""
     cost = run["cost"]
     if cost.get("charged_micros") is None or run["status"] not in (
-        "succeeded", "failed", "timed_out", "cancelled", "budget_exhausted"
+        "succeeded",
+        "failed",
+        "timed_out",
+        "cancelled",
+        "budget_exhausted",
     ):
         return None
     b = cost["breakdown"]
@@ -101,8 +120,11 @@ def headline(run: dict[str, Any]) -> str:
     cost = run["cost"]
     status = STATUS_LABELS.get(run["status"], run["status"])
     spent = cost.get("charged_micros") if money_line(run) else None
-    money = f"{usd(spent)} of {usd(cost['reserved_micros'])}" if spent is not None else (
-        f"budget {usd(cost['reserved_micros'])}")
+    money = (
+        f"{usd(spent)} of {usd(cost['reserved_micros'])}"
+        if spent is not None
+        else (f"budget {usd(cost['reserved_micros'])}")
+    )
     return f"{status} · {run['id']} · {money}"
 
 

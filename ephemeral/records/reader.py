@@ -21,7 +21,9 @@ from ephemeral.records.views import schema_root, view_sql
 # wrong answers; the next attempt lists and opens the files again.
 _ATTEMPTS = 5
 _TRANSIENT = (
-    "No such file or directory", "TProtocolException", "No magic bytes",
+    "No such file or directory",
+    "TProtocolException",
+    "No magic bytes",
     "Could not read enough bytes",
 )
 # Files from before a column was added; the views then merge schemas by name (slower).
@@ -36,12 +38,26 @@ COST_DIMENSIONS: dict[str, str] = {
     "status": "status",
 }
 COST_COLUMNS = [
-    "key", "runs", "charged_micros", "model_micros", "web_micros", "compute_micros",
-    "input_tokens", "output_tokens",
+    "key",
+    "runs",
+    "charged_micros",
+    "model_micros",
+    "web_micros",
+    "compute_micros",
+    "input_tokens",
+    "output_tokens",
 ]
 TOTAL_COLUMNS = [
-    "runs", "model_calls", "input_tokens", "output_tokens", "reserved_micros", "charged_micros",
-    "refunded_micros", "model_micros", "web_micros", "compute_micros",
+    "runs",
+    "model_calls",
+    "input_tokens",
+    "output_tokens",
+    "reserved_micros",
+    "charged_micros",
+    "refunded_micros",
+    "model_micros",
+    "web_micros",
+    "compute_micros",
 ]
 
 
@@ -105,9 +121,7 @@ class Records:
         for kind in KINDS:
             for attempt in range(_ATTEMPTS):
                 try:
-                    con.execute(
-                        view_sql(self.records_dir, kind, union_by_name=self._union_by_name)
-                    )
+                    con.execute(view_sql(self.records_dir, kind, union_by_name=self._union_by_name))
                     break
                 except duckdb.Error as err:
                     if attempt + 1 == _ATTEMPTS or not _transient(err):
@@ -195,9 +209,7 @@ class Records:
         sums = ", ".join(
             f"coalesce(sum({c}), 0)::BIGINT AS {c}" for c in TOTAL_COLUMNS if c != "runs"
         )
-        _, rows = self._run(
-            f"SELECT count(*) AS runs, {sums} FROM runs {where}", params
-        )
+        _, rows = self._run(f"SELECT count(*) AS runs, {sums} FROM runs {where}", params)
         return dict(zip(TOTAL_COLUMNS, rows[0], strict=True))
 
     @staticmethod
@@ -208,7 +220,7 @@ class Records:
             raise InvalidRequest.field("since", "must be a positive duration")
         cutoff = (now or utcnow()).astimezone(UTC) - since
         # The date predicate lets DuckDB skip whole partitions before opening their files.
-        return "WHERE \"date\" >= $1 AND created_at >= $2", [cutoff.date(), cutoff]
+        return 'WHERE "date" >= $1 AND created_at >= $2', [cutoff.date(), cutoff]
 
     def compact(self, older_than_days: int = 1, *, now: datetime | None = None) -> int:
         """Merge per-run files of partitions at least N days old; returns files merged."""

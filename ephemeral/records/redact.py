@@ -55,14 +55,16 @@ def redact_checks(checks: str | None) -> str | None:
     if not isinstance(parsed, list):
         return None
     kept = [
-        {**item, "reason": REMOVED_REASON} if isinstance(item, dict) and "reason" in item
-        else item
+        {**item, "reason": REMOVED_REASON} if isinstance(item, dict) and "reason" in item else item
         for item in parsed
     ]
     return json.dumps(kept, sort_keys=True)
 
 
 __all__ = [
-    "CONTENT_KEYS", "REMOVED_REASON", "event_data_has_content", "redact_checks",
+    "CONTENT_KEYS",
+    "REMOVED_REASON",
+    "event_data_has_content",
+    "redact_checks",
     "redact_event_data",
 ]

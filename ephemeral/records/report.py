@@ -65,15 +65,21 @@ def cost_chart(rows: list[tuple[Any, ...]], since: timedelta | None, now: dateti
     for i, day in enumerate(days):
         value = charged.get(day.isoformat(), 0)
         h = plot_h * value / peak
-        bars.append(Bar(
-            x=round(left + i * step + step * 0.1, 2), y=round(top + plot_h - h, 2),
-            width=round(max(step * 0.8, 0.5), 2), height=round(h, 2),
-            day=day.isoformat(), label=usd(value),
-        ))
+        bars.append(
+            Bar(
+                x=round(left + i * step + step * 0.1, 2),
+                y=round(top + plot_h - h, 2),
+                width=round(max(step * 0.8, 0.5), 2),
+                height=round(h, 2),
+                day=day.isoformat(),
+                label=usd(value),
+            )
+        )
     every = max(1, len(days) // 6)
     x_labels = [
         (round(left + i * step + step / 2, 2), d.strftime("%m-%d"))
-        for i, d in enumerate(days) if i % every == 0
+        for i, d in enumerate(days)
+        if i % every == 0
     ]
     return Chart(width, height, bars, usd(peak if charged else 0), x_labels, top + plot_h)
 
@@ -103,13 +109,15 @@ def report_context(
 ) -> dict[str, Any]:
     now = now or utcnow()
     totals = records.totals(since, now=now)
-    parts = [
-        (name, totals[f"{name}_micros"]) for name in ("model", "web", "compute")
-    ]
+    parts = [(name, totals[f"{name}_micros"]) for name in ("model", "web", "compute")]
     spent = sum(v for _, v in parts)
     breakdown = [
-        {"part": name, "micros": v, "usd": usd(v),
-         "share": f"{(100 * v / spent):.1f}%" if spent else "-"}
+        {
+            "part": name,
+            "micros": v,
+            "usd": usd(v),
+            "share": f"{(100 * v / spent):.1f}%" if spent else "-",
+        }
         for name, v in parts
     ]
     by = {}
@@ -120,8 +128,14 @@ def report_context(
     return {
         "generated_at": rfc3339(now),
         "period": describe_period(since, now),
-        "totals": {**totals, **{k.removesuffix("_micros") + "_usd": usd(v)
-                                for k, v in totals.items() if k.endswith("_micros")}},
+        "totals": {
+            **totals,
+            **{
+                k.removesuffix("_micros") + "_usd": usd(v)
+                for k, v in totals.items()
+                if k.endswith("_micros")
+            },
+        },
         "breakdown": breakdown,
         "by": by,
         "chart": cost_chart(day_rows, since, now),

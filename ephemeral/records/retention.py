@@ -30,7 +30,7 @@ from ephemeral.records.redact import REMOVED_REASON, redact_checks, redact_event
 from ephemeral.records.schema import COMPACTED_NAME, CONTENT_COLUMNS, columns
 from ephemeral.records.writer import _cursor
 
-_TIME_COLUMN = {"runs": "created_at", "steps": "\"at\"", "events": "\"at\""}
+_TIME_COLUMN = {"runs": "created_at", "steps": '"at"', "events": '"at"'}
 _KEY = {"runs": ("run_id",), "steps": ("run_id", "seq"), "events": ("run_id", "seq")}
 # A cheap SQL filter for rows that may still hold content; Python decides for each candidate.
 _CANDIDATE = {

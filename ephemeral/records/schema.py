@@ -154,7 +154,10 @@ CONTENT_COLUMNS: dict[str, tuple[str, ...]] = {
 PHYSICAL_NAMES: dict[str, dict[str, str]] = {"steps": {"kind": "step_kind"}}
 
 _SCALAR_TYPES: dict[type, str] = {
-    str: "VARCHAR", int: "BIGINT", bool: "BOOLEAN", datetime: "TIMESTAMPTZ",
+    str: "VARCHAR",
+    int: "BIGINT",
+    bool: "BOOLEAN",
+    datetime: "TIMESTAMPTZ",
 }
 
 

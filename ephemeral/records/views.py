@@ -77,7 +77,11 @@ def schema_root() -> Path:
 
 def _schema_path(root: Path, kind: str) -> Path:
     return (
-        root / f"v{SCHEMA_VERSION}" / f"kind={kind}" / "date=1970-01-01" / "host=_schema"
+        root
+        / f"v{SCHEMA_VERSION}"
+        / f"kind={kind}"
+        / "date=1970-01-01"
+        / "host=_schema"
         / "_schema.parquet"
     )
 

@@ -109,9 +109,7 @@ def copy_rows(
 ) -> None:
     tmp = temp_name(target)
     try:
-        cur.execute(
-            f"COPY ({select_from_param(kind)}) TO {sql_str(tmp)} (FORMAT parquet)", [rows]
-        )
+        cur.execute(f"COPY ({select_from_param(kind)}) TO {sql_str(tmp)} (FORMAT parquet)", [rows])
         fsync_file(tmp)
         os.replace(tmp, target)
     finally:
@@ -143,7 +141,8 @@ def _cap_steps(steps: list[StepRecord]) -> list[StepRecord]:
 
 def _check_ids(run: RunRecord, steps: list[StepRecord], events: list[EventRecord]) -> None:
     groups: tuple[tuple[str, Sequence[StepRecord | EventRecord]], ...] = (
-        ("steps", steps), ("events", events),
+        ("steps", steps),
+        ("events", events),
     )
     for name, items in groups:
         for i, item in enumerate(items):

@@ -46,7 +46,9 @@ def reader(engine: AsyncEngine) -> AsyncEngine:
 def _sqlite_engine(url: str) -> AsyncEngine:
     parsed = make_url(url)
     if parsed.get_driver_name() != "aiosqlite":
-        raise errors.InvalidRequest.field("database_url", "SQLite URLs must use sqlite+aiosqlite://")
+        raise errors.InvalidRequest.field(
+            "database_url", "SQLite URLs must use sqlite+aiosqlite://"
+        )
     database = parsed.database or ""
     if database in ("", ":memory:") or database.startswith("file:"):
         raise errors.InvalidRequest.field(

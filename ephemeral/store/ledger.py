@@ -56,7 +56,12 @@ def check_micros(field: str, value: object, *, allow_zero: bool = True) -> int:
 
 
 async def claim_idempotency(
-    conn: AsyncConnection, *, org_id: str, key: str, body_hash: str | None, run_id: str,
+    conn: AsyncConnection,
+    *,
+    org_id: str,
+    key: str,
+    body_hash: str | None,
+    run_id: str,
     now: datetime,
 ) -> sa.Row[Any] | None:
     """Claim ``key`` for ``run_id``; return the earlier claim instead if there is one.
@@ -71,8 +76,14 @@ async def claim_idempotency(
         )
     claimed = await conn.execute(
         insert(conn, idempotency)
-        .values(org_id=org_id, key=key, body_hash=body_hash, run_id=run_id, state="admitting",
-                created_at=now)
+        .values(
+            org_id=org_id,
+            key=key,
+            body_hash=body_hash,
+            run_id=run_id,
+            state="admitting",
+            created_at=now,
+        )
         .on_conflict_do_nothing()
         .returning(idempotency.c.run_id)
     )
@@ -101,9 +112,7 @@ async def hold(conn: AsyncConnection, *, org_id: str, amount: int) -> None:
         .returning(orgs.c.reserved_micros)
     )
     if held.first() is None:
-        org = (
-            await conn.execute(sa.select(orgs).where(orgs.c.id == org_id))
-        ).first()
+        org = (await conn.execute(sa.select(orgs).where(orgs.c.id == org_id))).first()
         if org is None:
             raise errors.NotFound(f"org {org_id} not found")
         available = org.balance_micros - org.reserved_micros
@@ -115,33 +124,64 @@ async def hold(conn: AsyncConnection, *, org_id: str, amount: int) -> None:
 
 
 async def admit(
-    conn: AsyncConnection, *, org_id: str, run_id: str, model: str, prompt: str | None,
-    policy: dict[str, Any], labels: dict[str, Any], idempotency_key: str | None,
+    conn: AsyncConnection,
+    *,
+    org_id: str,
+    run_id: str,
+    model: str,
+    prompt: str | None,
+    policy: dict[str, Any],
+    labels: dict[str, Any],
+    idempotency_key: str | None,
     body_hash: str | None,
 ) -> str | None:
     """Admit a run in the caller's transaction. Returns the replayed run id, or None if new."""
     amount = check_micros("max_cost_micros", policy.get("max_cost_micros"), allow_zero=False)
     now = utcnow()
     if idempotency_key is not None:
-        earlier = await claim_idempotency(conn, org_id=org_id, key=idempotency_key,
-                                          body_hash=body_hash, run_id=run_id, now=now)
+        earlier = await claim_idempotency(
+            conn, org_id=org_id, key=idempotency_key, body_hash=body_hash, run_id=run_id, now=now
+        )
         if earlier is not None:
             return str(earlier.run_id)
     await hold(conn, org_id=org_id, amount=amount)
     await conn.execute(
         sa.insert(runs).values(
-            id=run_id, org_id=org_id, status="queued", model=model, prompt=prompt, policy=policy,
-            labels=labels, created_at=now, usage={}, reserved_micros=amount, charged_micros=0,
-            refunded_micros=0, breakdown={}, idempotency_key=idempotency_key, last_seq=1,
+            id=run_id,
+            org_id=org_id,
+            status="queued",
+            model=model,
+            prompt=prompt,
+            policy=policy,
+            labels=labels,
+            created_at=now,
+            usage={},
+            reserved_micros=amount,
+            charged_micros=0,
+            refunded_micros=0,
+            breakdown={},
+            idempotency_key=idempotency_key,
+            last_seq=1,
         )
     )
     await conn.execute(
-        sa.insert(ledger).values(org_id=org_id, run_id=run_id, kind="reserve",
-                                 amount_micros=amount, idempotency_key=f"{run_id}:reserve", at=now)
+        sa.insert(ledger).values(
+            org_id=org_id,
+            run_id=run_id,
+            kind="reserve",
+            amount_micros=amount,
+            idempotency_key=f"{run_id}:reserve",
+            at=now,
+        )
     )
     await conn.execute(
-        sa.insert(run_events).values(run_id=run_id, seq=1, type="run.queued", at=rfc3339(now),
-                                     data={"reserved_micros": amount})
+        sa.insert(run_events).values(
+            run_id=run_id,
+            seq=1,
+            type="run.queued",
+            at=rfc3339(now),
+            data={"reserved_micros": amount},
+        )
     )
     if idempotency_key is not None:
         await conn.execute(
@@ -158,17 +198,21 @@ async def charge(conn: AsyncConnection, *, run_id: str, kind: str, micros: int, 
     check_micros("micros", micros)
     if not key or len(key) > MAX_LEDGER_KEY:
         raise errors.InvalidRequest.field("key", f"must be 1-{MAX_LEDGER_KEY} characters")
-    run = (
-        await conn.execute(sa.select(runs.c.org_id).where(runs.c.id == run_id))
-    ).first()
+    run = (await conn.execute(sa.select(runs.c.org_id).where(runs.c.id == run_id))).first()
     if run is None:
         raise errors.NotFound(f"run {run_id} not found")
     # The ledger row goes first: a concurrent duplicate waits on the unique key and then
     # does nothing, so a retried charge can never be counted twice.
     fresh = await conn.execute(
         insert(conn, ledger)
-        .values(org_id=run.org_id, run_id=run_id, kind=kind, amount_micros=micros,
-                idempotency_key=key, at=utcnow())
+        .values(
+            org_id=run.org_id,
+            run_id=run_id,
+            kind=kind,
+            amount_micros=micros,
+            idempotency_key=key,
+            at=utcnow(),
+        )
         .on_conflict_do_nothing()
         .returning(ledger.c.id)
     )
@@ -185,17 +229,18 @@ async def charge(conn: AsyncConnection, *, run_id: str, kind: str, micros: int, 
         return int(total or 0)
     added = await conn.execute(
         sa.update(runs)
-        .where(runs.c.id == run_id, runs.c.settled_at.is_(None),
-               runs.c.charged_micros + micros <= runs.c.reserved_micros)
+        .where(
+            runs.c.id == run_id,
+            runs.c.settled_at.is_(None),
+            runs.c.charged_micros + micros <= runs.c.reserved_micros,
+        )
         .values(charged_micros=runs.c.charged_micros + micros)
         .returning(runs.c.charged_micros)
     )
     row = added.first()
     if row is not None:
         return int(row.charged_micros)
-    now_run = (
-        await conn.execute(sa.select(runs).where(runs.c.id == run_id))
-    ).one()
+    now_run = (await conn.execute(sa.select(runs).where(runs.c.id == run_id))).one()
     if now_run.settled_at is not None:
         raise errors.Conflict(f"run {run_id} is already settled; no further charges")
     raise errors.BudgetExhausted(
@@ -222,8 +267,7 @@ async def settle(conn: AsyncConnection, run_id: str) -> Settlement:
         await conn.execute(
             sa.update(runs)
             .where(runs.c.id == run_id, runs.c.settled_at.is_(None))
-            .values(settled_at=now,
-                    refunded_micros=runs.c.reserved_micros - runs.c.charged_micros)
+            .values(settled_at=now, refunded_micros=runs.c.reserved_micros - runs.c.charged_micros)
             .returning(runs.c.org_id, runs.c.reserved_micros, runs.c.charged_micros)
         )
     ).first()
@@ -231,9 +275,12 @@ async def settle(conn: AsyncConnection, run_id: str) -> Settlement:
         done = (await conn.execute(sa.select(runs).where(runs.c.id == run_id))).first()
         if done is None:
             raise errors.NotFound(f"run {run_id} not found")
-        return Settlement(reserved_micros=done.reserved_micros,
-                          charged_micros=done.charged_micros,
-                          refunded_micros=done.refunded_micros, breakdown=dict(done.breakdown))
+        return Settlement(
+            reserved_micros=done.reserved_micros,
+            charged_micros=done.charged_micros,
+            refunded_micros=done.refunded_micros,
+            breakdown=dict(done.breakdown),
+        )
     reserved, charged = int(marked.reserved_micros), int(marked.charged_micros)
     items = await breakdown(conn, run_id)
     if sum(items.values()) != charged:
@@ -245,21 +292,37 @@ async def settle(conn: AsyncConnection, run_id: str) -> Settlement:
     await conn.execute(
         sa.update(orgs)
         .where(orgs.c.id == marked.org_id)
-        .values(reserved_micros=orgs.c.reserved_micros - reserved,
-                balance_micros=orgs.c.balance_micros - charged)
+        .values(
+            reserved_micros=orgs.c.reserved_micros - reserved,
+            balance_micros=orgs.c.balance_micros - charged,
+        )
     )
     await conn.execute(
         sa.insert(ledger),
         [
-            {"org_id": marked.org_id, "run_id": run_id, "kind": "settle", "amount_micros": charged,
-             "idempotency_key": f"{run_id}:settle", "note": None, "at": now},
-            {"org_id": marked.org_id, "run_id": run_id, "kind": "refund",
-             "amount_micros": refunded, "idempotency_key": f"{run_id}:refund", "note": None,
-             "at": now},
+            {
+                "org_id": marked.org_id,
+                "run_id": run_id,
+                "kind": "settle",
+                "amount_micros": charged,
+                "idempotency_key": f"{run_id}:settle",
+                "note": None,
+                "at": now,
+            },
+            {
+                "org_id": marked.org_id,
+                "run_id": run_id,
+                "kind": "refund",
+                "amount_micros": refunded,
+                "idempotency_key": f"{run_id}:refund",
+                "note": None,
+                "at": now,
+            },
         ],
     )
-    return Settlement(reserved_micros=reserved, charged_micros=charged,
-                      refunded_micros=refunded, breakdown=items)
+    return Settlement(
+        reserved_micros=reserved, charged_micros=charged, refunded_micros=refunded, breakdown=items
+    )
 
 
 async def credit(conn: AsyncConnection, *, org_id: str, micros: int, note: str) -> None:
@@ -282,7 +345,13 @@ async def credit(conn: AsyncConnection, *, org_id: str, micros: int, note: str) 
             "micros", "would leave the balance below what running runs have reserved"
         )
     await conn.execute(
-        sa.insert(ledger).values(org_id=org_id, run_id=None, kind="credit", amount_micros=micros,
-                                 idempotency_key=new_id("credit"), note=note[:500] or None,
-                                 at=utcnow())
+        sa.insert(ledger).values(
+            org_id=org_id,
+            run_id=None,
+            kind="credit",
+            amount_micros=micros,
+            idempotency_key=new_id("credit"),
+            note=note[:500] or None,
+            at=utcnow(),
+        )
     )

@@ -34,30 +34,50 @@ def turn(*commands: str, final: str | None = None, tokens: tuple[int, int] = (10
 
 
 def write_cassette(cassettes: Path, name: str, turns: list[dict]) -> str:
-    (cassettes / f"{name}.json").write_text(json.dumps({
-        "version": 1, "model": "openai/gpt-6-luna", "recorded_at": "2026-11-29T00:00:00Z",
-        "turns": turns,
-    }))
+    (cassettes / f"{name}.json").write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "model": "openai/gpt-6-luna",
+                "recorded_at": "2026-11-29T00:00:00Z",
+                "turns": turns,
+            }
+        )
+    )
     return f"replay/{name}"
 
 
 @pytest.fixture
 def api_settings(tmp_path: Path, cassettes: Path) -> Settings:
-    write_cassette(cassettes, "api-quick", [
-        turn("echo hello; whoami"),
-        turn(final="## Done\n\nRan `whoami`. <script>alert(1)</script>"),
-    ])
-    write_cassette(cassettes, "api-live", [
-        turn("echo starting"),
-        turn("sleep 2; echo still here"),
-        turn(final="**Finished** after a short wait."),
-    ])
-    write_cassette(cassettes, "api-slow", [
-        turn("sleep 30"),
-        turn(final="slept"),
-    ])
+    write_cassette(
+        cassettes,
+        "api-quick",
+        [
+            turn("echo hello; whoami"),
+            turn(final="## Done\n\nRan `whoami`. <script>alert(1)</script>"),
+        ],
+    )
+    write_cassette(
+        cassettes,
+        "api-live",
+        [
+            turn("echo starting"),
+            turn("sleep 2; echo still here"),
+            turn(final="**Finished** after a short wait."),
+        ],
+    )
+    write_cassette(
+        cassettes,
+        "api-slow",
+        [
+            turn("sleep 30"),
+            turn(final="slept"),
+        ],
+    )
     return Settings.load(
-        state_dir=tmp_path / "state", cassettes_dir=cassettes, use_prefect=False,
+        state_dir=tmp_path / "state",
+        cassettes_dir=cassettes,
+        use_prefect=False,
         default_model=QUICK,
     )
 

@@ -45,8 +45,9 @@ class LiveServer:
 @contextlib.contextmanager
 def live_server(settings: Settings, *, warm_pool: bool = False) -> Iterator[LiveServer]:
     app = create_app(settings, warm_pool=warm_pool)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()

@@ -22,8 +22,11 @@ pytestmark = pytest.mark.sandbox
 
 
 def async_client(app: FastAPI, member: Member, **kw: object) -> AsyncClient:
-    return AsyncClient(Settings.load(url="http://testserver", api_key=member.key),
-                       transport=httpx.ASGITransport(app=app), **kw)  # type: ignore[arg-type]
+    return AsyncClient(
+        Settings.load(url="http://testserver", api_key=member.key),
+        transport=httpx.ASGITransport(app=app),
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 async def test_async_client_create_stream_wait_get(app: FastAPI, member: Member) -> None:
@@ -40,9 +43,7 @@ async def test_async_client_create_stream_wait_get(app: FastAPI, member: Member)
         assert erased["output"] is None
 
 
-async def test_async_client_maps_problems_to_error_classes(
-    app: FastAPI, member: Member
-) -> None:
+async def test_async_client_maps_problems_to_error_classes(app: FastAPI, member: Member) -> None:
     async with async_client(app, member) as client:
         with pytest.raises(errors.InvalidRequest) as bad:
             await client.runs.create(prompt="x", timeout_seconds=0)
@@ -53,8 +54,10 @@ async def test_async_client_maps_problems_to_error_classes(
             await client.runs.create(prompt="x", model="replay/none-such")
         with pytest.raises(errors.PaymentRequired):
             await client.runs.create(prompt="x", max_cost_micros=99_000_000)
-    bad_key = AsyncClient(Settings.load(url="http://testserver", api_key="eph_nope"),
-                          transport=httpx.ASGITransport(app=app))
+    bad_key = AsyncClient(
+        Settings.load(url="http://testserver", api_key="eph_nope"),
+        transport=httpx.ASGITransport(app=app),
+    )
     async with bad_key:
         with pytest.raises(errors.Unauthorized):
             await bad_key.runs.list()
@@ -75,8 +78,9 @@ async def test_create_retries_with_the_same_idempotency_key(app: FastAPI, member
                     return httpx.Response(503, headers={"Retry-After": "0"})
             return response
 
-    client = AsyncClient(Settings.load(url="http://testserver", api_key=member.key),
-                         transport=FlakyProxy())
+    client = AsyncClient(
+        Settings.load(url="http://testserver", api_key=member.key), transport=FlakyProxy()
+    )
     async with client:
         run = await client.runs.create(**SAMPLE_BODY)
         assert len(keys) == 2 and keys[0] == keys[1]
@@ -87,9 +91,9 @@ async def test_create_retries_with_the_same_idempotency_key(app: FastAPI, member
 
 def test_sse_parser_handles_multiline_comments_and_ids() -> None:
     parser = SSEParser()
-    lines = [": hello", "id: 7", "event: x", "data: {\"a\":", "data: 1}", "", "", "data: 2", ""]
+    lines = [": hello", "id: 7", "event: x", 'data: {"a":', "data: 1}", "", "", "data: 2", ""]
     messages = [m for m in map(parser.feed, lines) if m is not None]
-    assert messages == [("x", "{\"a\":\n1}"), (None, "2")]
+    assert messages == [("x", '{"a":\n1}'), (None, "2")]
     assert parser.last_id == "7"
 
 
@@ -168,7 +172,8 @@ def test_cli_exit_code_for_a_cancelled_run(server: LiveServer) -> None:
 
         def run_cli() -> None:
             res = CliRunner().invoke(
-                cli_app, ["run", "--prompt", "slow", "--model", "replay/api-slow"], env=env)
+                cli_app, ["run", "--prompt", "slow", "--model", "replay/api-slow"], env=env
+            )
             holder["code"] = res.exit_code
 
         t = threading.Thread(target=run_cli)
@@ -178,8 +183,10 @@ def test_cli_exit_code_for_a_cancelled_run(server: LiveServer) -> None:
             page = client.runs.list()
             if page["runs"]:
                 run_id = page["runs"][0]["id"]
-                if any(e.type == "shell.executed" or e.type == "model.called"
-                       for e in client.runs.events(run_id)):
+                if any(
+                    e.type == "shell.executed" or e.type == "model.called"
+                    for e in client.runs.events(run_id)
+                ):
                     break
             threading.Event().wait(0.05)
         assert run_id is not None

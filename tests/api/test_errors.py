@@ -62,29 +62,35 @@ async def test_invalid_bodies_are_422_naming_each_field(
 
 
 async def test_several_bad_fields_are_all_named(http: httpx.AsyncClient, member: Member) -> None:
-    r = await http.post("/v1/runs", json={"timeout_seconds": 0, "extra": 1},
-                        headers=member.headers)
+    r = await http.post("/v1/runs", json={"timeout_seconds": 0, "extra": 1}, headers=member.headers)
     body = assert_problem(r, 422)
     assert {e["field"] for e in body["errors"]} == {"prompt", "timeout_seconds", "extra"}
 
 
 async def test_unknown_model_is_422_naming_model(http: httpx.AsyncClient, member: Member) -> None:
-    r = await http.post("/v1/runs", json={**SAMPLE_BODY, "model": "replay/no-such-cassette"},
-                        headers=member.headers)
+    r = await http.post(
+        "/v1/runs", json={**SAMPLE_BODY, "model": "replay/no-such-cassette"}, headers=member.headers
+    )
     assert_problem(r, 422, ["model"])
 
 
 async def test_invalid_json_is_422(http: httpx.AsyncClient, member: Member) -> None:
-    r = await http.post("/v1/runs", content=b'{"prompt": ', headers={
-        **member.headers, "Content-Type": "application/json"})
+    r = await http.post(
+        "/v1/runs",
+        content=b'{"prompt": ',
+        headers={**member.headers, "Content-Type": "application/json"},
+    )
     assert_problem(r, 422, ["body"])
     r = await http.post("/v1/runs", json=["prompt"], headers=member.headers)
     assert_problem(r, 422, ["body"])
 
 
 async def test_wrong_content_type_is_415(http: httpx.AsyncClient, member: Member) -> None:
-    r = await http.post("/v1/runs", content=b"prompt=hi", headers={
-        **member.headers, "Content-Type": "application/x-www-form-urlencoded"})
+    r = await http.post(
+        "/v1/runs",
+        content=b"prompt=hi",
+        headers={**member.headers, "Content-Type": "application/x-www-form-urlencoded"},
+    )
     assert_problem(r, 415, ["Content-Type"])
     r = await http.post("/v1/runs", content=b'{"prompt":"hi"}', headers=member.headers)
     assert_problem(r, 415, ["Content-Type"])
@@ -105,8 +111,9 @@ async def test_oversized_chunked_body_is_413(http: httpx.AsyncClient, member: Me
         for _ in range(MAX_API_BODY_BYTES // len(piece) + 2):
             yield piece
 
-    r = await http.post("/v1/runs", content=chunks(), headers={
-        **member.headers, "Content-Type": "application/json"})
+    r = await http.post(
+        "/v1/runs", content=chunks(), headers={**member.headers, "Content-Type": "application/json"}
+    )
     assert_problem(r, 413)
 
 

@@ -55,15 +55,24 @@ def test_schemathesis_finds_no_server_errors_or_contract_breaks(server: LiveServ
         if operation.path == "/v1/isolation":
             continue  # probes every isolation level (tested in test_runs_api, marked slow)
 
-        @settings(max_examples=8, deadline=None, database=None, derandomize=True,
-                  phases=[Phase.explicit, Phase.generate],
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=8,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=operation.as_strategy())
         def check(case: schemathesis.Case) -> None:
             # Schema-valid is not always acceptable: base64 content, path rules, the balance, the
             # host's isolation levels and the price book are checked beyond JSON Schema (422/402).
-            case.call_and_validate(base_url=server.url, headers=auth, timeout=30,
-                                   excluded_checks=[positive_data_acceptance])
+            case.call_and_validate(
+                base_url=server.url,
+                headers=auth,
+                timeout=30,
+                excluded_checks=[positive_data_acceptance],
+            )
 
         check()
         checked += 1

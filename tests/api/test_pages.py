@@ -44,8 +44,9 @@ async def test_login_sets_an_httponly_strict_cookie(
     assert r.status_code == 303 and r.headers["location"] == "/"
     cookie = r.headers["set-cookie"]
     assert "HttpOnly" in cookie and "SameSite=strict" in cookie.replace("Strict", "strict")
-    cross = await http.post("/login", data={"api_key": member.key},
-                            headers={"Origin": "http://evil.example"})
+    cross = await http.post(
+        "/login", data={"api_key": member.key}, headers={"Origin": "http://evil.example"}
+    )
     assert cross.status_code == 403
 
 
@@ -79,8 +80,15 @@ async def test_run_page_shows_timeline_permissions_output_and_money(
     assert "<script>alert(1)</script>" not in html  # model-written HTML stays text
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     assert re.search(r"Worker disposed: \$[0-9.]+ charged, \$[0-9.]+ refunded \(model \$", html)
-    for setting in ("Connections", "Web", "Shell", "Files", "Zero data retention", "Budget",
-                    "Time limit"):
+    for setting in (
+        "Connections",
+        "Web",
+        "Shell",
+        "Files",
+        "Zero data retention",
+        "Budget",
+        "Time limit",
+    ):
         assert f"<td>{setting}</td>" in html
     assert "on, inside a sealed machine" in html and "$0.04, hard cap" in html
     assert "60 seconds" in html
@@ -95,7 +103,7 @@ async def test_live_stream_sends_rendered_rows_until_settled(
     assert r.status_code == 200
     messages = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
     assert messages[0]["seq"] == 2 and messages[-1]["type"] == "run.settled"
-    assert all(m["html"].startswith("<li class=\"ev") for m in messages)
+    assert all(m["html"].startswith('<li class="ev') for m in messages)
     assert "Worker disposed" in messages[-1]["summary_html"]
     shell = next(m for m in messages if m["type"] == "shell.executed")
     assert "echo hello; whoami" in shell["html"]
@@ -145,12 +153,16 @@ async def test_playground_prefills_from_the_sample(http: httpx.AsyncClient) -> N
 
 
 async def test_playground_names_bad_fields(http: httpx.AsyncClient, member: Member) -> None:
-    r = await signed_in(http, member).post("/playground", data={
-        "prompt": "", "shell": "on", "timeout": "0", "budget": "abc", "token": "t1"})
+    r = await signed_in(http, member).post(
+        "/playground",
+        data={"prompt": "", "shell": "on", "timeout": "0", "budget": "abc", "token": "t1"},
+    )
     assert r.status_code == 422
     assert 'data-field="budget"' in r.text
-    r = await http.post("/playground", data={
-        "prompt": "hi", "shell": "on", "timeout": "9999", "budget": "0.04", "token": "t2"})
+    r = await http.post(
+        "/playground",
+        data={"prompt": "hi", "shell": "on", "timeout": "9999", "budget": "0.04", "token": "t2"},
+    )
     assert r.status_code == 422 and 'data-field="timeout"' in r.text
 
 
@@ -158,8 +170,14 @@ async def test_playground_names_bad_fields(http: httpx.AsyncClient, member: Memb
 async def test_playground_starts_a_run_once_per_form(
     http: httpx.AsyncClient, member: Member, runtime: Runtime
 ) -> None:
-    form = {"prompt": "hello", "shell": "on", "timeout": "60", "budget": "0.04",
-            "token": "form-token-1", "api_key": member.key}
+    form = {
+        "prompt": "hello",
+        "shell": "on",
+        "timeout": "60",
+        "budget": "0.04",
+        "token": "form-token-1",
+        "api_key": member.key,
+    }
     r = await http.post("/playground", data=form)
     assert r.status_code == 303
     rid = r.headers["location"].removeprefix("/runs/")
@@ -183,7 +201,7 @@ async def test_index_lists_the_members_runs_and_logout_forgets_the_key(
     assert "Recent runs" in page.text and f'href="/runs/{rid}"' in page.text
     out = await http.post("/logout")
     assert out.status_code == 303 and PAGE_COOKIE in out.headers["set-cookie"]
-    assert 'Max-Age=0' in out.headers["set-cookie"] or "expires" in out.headers["set-cookie"]
+    assert "Max-Age=0" in out.headers["set-cookie"] or "expires" in out.headers["set-cookie"]
 
 
 @pytest.mark.sandbox

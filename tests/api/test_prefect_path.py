@@ -23,7 +23,8 @@ def flow_run_names(names: list[str]) -> list[tuple[str, bool]]:
     async def read() -> list[tuple[str, bool]]:
         async with get_client() as client:
             runs = await client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=names)))
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=names))
+            )
             return [(r.name, bool(r.state and r.state.is_completed())) for r in runs]
 
     out: list[list[tuple[str, bool]]] = []
@@ -34,16 +35,18 @@ def flow_run_names(names: list[str]) -> list[tuple[str, bool]]:
 
 
 def test_product_page_request_through_prefect_with_the_warm_pool(api_settings: Settings) -> None:
-    settings = api_settings.model_copy(update={
-        "use_prefect": True, "pool_size": 1, "default_model": "replay/sandbox-proof"})
+    settings = api_settings.model_copy(
+        update={"use_prefect": True, "pool_size": 1, "default_model": "replay/sandbox-proof"}
+    )
     with live_server(settings, warm_pool=True) as srv:
         key = srv.member("acme")
         with Client(Settings.load(url=srv.url, api_key=key)) as client:
             run = client.runs.create(**PRODUCT_REQUEST)
             types = [e.type for e in client.runs.events(run["id"], stream=True)]
             final = client.runs.get(run["id"])
-            zdr = client.runs.create(prompt="zdr", model="replay/api-quick",
-                                     zero_data_retention=True)
+            zdr = client.runs.create(
+                prompt="zdr", model="replay/api-quick", zero_data_retention=True
+            )
             first = client.runs.wait(zdr["id"], timeout=120)
             second = client.runs.get(zdr["id"])
         names = flow_run_names([run["id"]])

@@ -50,8 +50,13 @@ async def test_create_run_returns_the_run_and_it_succeeds(
     assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
     shell = next(e for e in events if e["type"] == "shell.executed")
     assert shell["data"]["stdout"] == "hello\nworker\n"
-    after = (await http.get(f"/v1/runs/{run['id']}/events", params={"after": events[-2]["seq"]},
-                            headers=member.headers)).json()
+    after = (
+        await http.get(
+            f"/v1/runs/{run['id']}/events",
+            params={"after": events[-2]["seq"]},
+            headers=member.headers,
+        )
+    ).json()
     assert [e["type"] for e in after] == ["run.settled"]
 
 
@@ -79,14 +84,16 @@ async def test_sse_stream_follows_live_and_resumes_from_last_event_id(
         assert last_id == str(data["seq"]) and kind == data["type"]
 
     resume_at = frames[3][2]["seq"]
-    r2 = await http.get(f"/v1/runs/{run['id']}/events",
-                        headers={**headers, "Last-Event-ID": str(resume_at)})
+    r2 = await http.get(
+        f"/v1/runs/{run['id']}/events", headers={**headers, "Last-Event-ID": str(resume_at)}
+    )
     resumed = parse_sse(r2.text)
     expected = [f[2]["seq"] for f in frames if f[2]["seq"] > resume_at]
     assert [f[2]["seq"] for f in resumed] == expected
 
-    bad = await http.get(f"/v1/runs/{run['id']}/events",
-                         headers={**headers, "Last-Event-ID": "seven"})
+    bad = await http.get(
+        f"/v1/runs/{run['id']}/events", headers={**headers, "Last-Event-ID": "seven"}
+    )
     assert bad.status_code == 422
     assert bad.json()["errors"][0]["field"] == "Last-Event-ID"
 
@@ -100,8 +107,11 @@ async def test_idempotency_replays_without_a_second_reservation(
     org_after_first = await runtime.store.get_org(member.org_id)
     # Same body with another key order and spacing: the canonical JSON is the same.
     body = json.dumps(dict(reversed(list(SAMPLE_BODY.items()))), indent=3)
-    again = await http.post("/v1/runs", content=body, headers={
-        **member.headers, **key, "Content-Type": "application/json"})
+    again = await http.post(
+        "/v1/runs",
+        content=body,
+        headers={**member.headers, **key, "Content-Type": "application/json"},
+    )
     assert again.status_code == 200
     assert again.headers["idempotent-replayed"] == "true"
     assert again.json()["id"] == first.json()["id"]
@@ -109,8 +119,9 @@ async def test_idempotency_replays_without_a_second_reservation(
     assert org.reserved_micros <= org_after_first.reserved_micros  # no second hold
     assert org.balance_micros <= org_after_first.balance_micros
 
-    changed = await http.post("/v1/runs", json={**SAMPLE_BODY, "timeout_seconds": 61},
-                              headers={**member.headers, **key})
+    changed = await http.post(
+        "/v1/runs", json={**SAMPLE_BODY, "timeout_seconds": 61}, headers={**member.headers, **key}
+    )
     assert changed.status_code == 422
     assert changed.headers["content-type"] == "application/problem+json"
     await runtime.wait(first.json()["id"], 60)
@@ -120,9 +131,14 @@ async def test_idempotency_replays_without_a_second_reservation(
 async def test_idempotency_key_must_be_1_to_255_printable_ascii(
     http: httpx.AsyncClient, member: Member, bad: str
 ) -> None:
-    r = await http.post("/v1/runs", json=SAMPLE_BODY,
-                        headers=[("Authorization", member.headers["Authorization"]),
-                                 ("Idempotency-Key", bad.encode("utf-8"))])  # type: ignore[list-item]
+    r = await http.post(
+        "/v1/runs",
+        json=SAMPLE_BODY,
+        headers=[
+            ("Authorization", member.headers["Authorization"]),
+            ("Idempotency-Key", bad.encode("utf-8")),
+        ],
+    )  # type: ignore[list-item]
     assert r.status_code == 422, r.text
     assert [e["field"] for e in r.json()["errors"]] == ["Idempotency-Key"]
 
@@ -144,8 +160,12 @@ async def test_another_orgs_run_is_404_everywhere(
     run = await start(http, member)
     other = await new_member(runtime, "globex")
     rid = run["id"]
-    for method, path in [("GET", f"/v1/runs/{rid}"), ("GET", f"/v1/runs/{rid}/events"),
-                         ("POST", f"/v1/runs/{rid}/cancel"), ("DELETE", f"/v1/runs/{rid}")]:
+    for method, path in [
+        ("GET", f"/v1/runs/{rid}"),
+        ("GET", f"/v1/runs/{rid}/events"),
+        ("POST", f"/v1/runs/{rid}/cancel"),
+        ("DELETE", f"/v1/runs/{rid}"),
+    ]:
         r = await http.request(method, path, headers=other.headers)
         assert r.status_code == 404, (method, path, r.text)
         assert r.json()["title"] == "Not found"
@@ -162,16 +182,21 @@ async def test_list_pages_with_a_cursor_and_filters_by_status(
         await runtime.wait(rid, 60)
     page1 = (await http.get("/v1/runs", params={"limit": 2}, headers=member.headers)).json()
     assert len(page1["runs"]) == 2 and page1["next_cursor"]
-    page2 = (await http.get("/v1/runs", params={"limit": 2, "cursor": page1["next_cursor"]},
-                            headers=member.headers)).json()
+    page2 = (
+        await http.get(
+            "/v1/runs", params={"limit": 2, "cursor": page1["next_cursor"]}, headers=member.headers
+        )
+    ).json()
     assert len(page2["runs"]) == 1 and page2["next_cursor"] is None
     seen = [r["id"] for r in page1["runs"] + page2["runs"]]
     assert sorted(seen) == sorted(ids)
-    done = (await http.get("/v1/runs", params={"status": "succeeded"},
-                           headers=member.headers)).json()
+    done = (
+        await http.get("/v1/runs", params={"status": "succeeded"}, headers=member.headers)
+    ).json()
     assert len(done["runs"]) == 3
-    none = (await http.get("/v1/runs", params={"status": "cancelled"},
-                           headers=member.headers)).json()
+    none = (
+        await http.get("/v1/runs", params={"status": "cancelled"}, headers=member.headers)
+    ).json()
     assert none["runs"] == []
     bad = await http.get("/v1/runs", params={"status": "done"}, headers=member.headers)
     assert bad.status_code == 422 and bad.json()["errors"][0]["field"] == "status"

@@ -49,8 +49,9 @@ def test_playground_starts_a_run_and_the_page_follows_it_to_settled(
     types = tab.eval_on_selector_all("#timeline > li", "els => els.map(e => e.dataset.type)")
     assert types[0] == "run.queued" and types[-1] == "run.settled"
     assert "shell.executed" in types and "sandbox.destroyed" in types
-    assert len(types) == len(set(tab.eval_on_selector_all(
-        "#timeline > li", "els => els.map(e => e.dataset.seq)")))  # no row twice
+    assert len(types) == len(
+        set(tab.eval_on_selector_all("#timeline > li", "els => els.map(e => e.dataset.seq)"))
+    )  # no row twice
     text = tab.inner_text("#run")
     assert "$ echo starting" in text and "still here" in text
     assert "Finished" in tab.inner_text(".markdown strong")
@@ -58,9 +59,7 @@ def test_playground_starts_a_run_and_the_page_follows_it_to_settled(
     assert tab.get_attribute("#summary", "data-status") == "succeeded"
 
 
-def test_sample_replays_step_by_step_and_opens_the_playground(
-    tab: Any, server: LiveServer
-) -> None:
+def test_sample_replays_step_by_step_and_opens_the_playground(tab: Any, server: LiveServer) -> None:
     tab.goto(f"{server.url}/samples/sandbox-proof")
     total = tab.eval_on_selector_all("#timeline > li", "els => els.length")
     assert tab.eval_on_selector_all("#timeline > li.hidden", "els => els.length") == total
@@ -83,18 +82,22 @@ def test_sample_replays_step_by_step_and_opens_the_playground(
     shot(tab, "playground-prefilled")
 
 
-def test_product_page_curl_run_shows_its_full_timeline(
-    tab: Any, api_settings: Settings
-) -> None:
+def test_product_page_curl_run_shows_its_full_timeline(tab: Any, api_settings: Settings) -> None:
     """Done means: the product page's exact request (server default model
     replay/sandbox-proof) succeeds with the sample's shell steps, and its page shows them."""
     settings = api_settings.model_copy(update={"default_model": "replay/sandbox-proof"})
     with live_server(settings) as srv:
         key = srv.member("acme")
         body = json.dumps(PRODUCT_REQUEST)
-        r = httpx.post(f"{srv.url}/v1/runs", content=body, headers={
-            "Authorization": f"Bearer {key}", "Content-Type": "application/json",
-            "Idempotency-Key": "3f1c2b8e-uuidgen"})
+        r = httpx.post(
+            f"{srv.url}/v1/runs",
+            content=body,
+            headers={
+                "Authorization": f"Bearer {key}",
+                "Content-Type": "application/json",
+                "Idempotency-Key": "3f1c2b8e-uuidgen",
+            },
+        )
         assert r.status_code == 201, r.text
         run = r.json()
         tab.goto(f"{srv.url}/login?next=/runs/{run['id']}")
@@ -104,7 +107,8 @@ def test_product_page_curl_run_shows_its_full_timeline(
         tab.wait_for_selector('li[data-type="run.settled"]', timeout=90_000)
         shot(tab, "product-page-run")
         commands = tab.eval_on_selector_all(
-            'li[data-type="shell.executed"] code.cmd', "els => els.map(e => e.textContent)")
+            'li[data-type="shell.executed"] code.cmd', "els => els.map(e => e.textContent)"
+        )
         assert len(commands) == 4
         assert commands[0].startswith("$ pwd; whoami")
         assert "curl -sS -m 8 https://example.com" in commands[1]
@@ -112,6 +116,7 @@ def test_product_page_curl_run_shows_its_full_timeline(
         assert "/tmp/proof.txt" in commands[3]
         assert "Could not resolve host" in tab.inner_text("#timeline")
         assert tab.get_attribute("#summary", "data-status") == "succeeded"
-        final = httpx.get(f"{srv.url}/v1/runs/{run['id']}",
-                          headers={"Authorization": f"Bearer {key}"}).json()
+        final = httpx.get(
+            f"{srv.url}/v1/runs/{run['id']}", headers={"Authorization": f"Bearer {key}"}
+        ).json()
         assert final["status"] == "succeeded" and final["model"] == "replay/sandbox-proof"

@@ -15,20 +15,34 @@ REPO = Path(__file__).resolve().parents[2]
 
 def write_cassette(directory: Path, name: str, commands: list[str], final: str) -> str:
     """A replay cassette: one turn running ``commands``, then a final answer."""
-    calls = [{"id": f"call_{i}", "name": "shell", "arguments": {"command": c}}
-             for i, c in enumerate(commands)]
+    calls = [
+        {"id": f"call_{i}", "name": "shell", "arguments": {"command": c}}
+        for i, c in enumerate(commands)
+    ]
     usage = {"input_tokens": 1000, "output_tokens": 50, "cached_input_tokens": 0}
     turns = [
-        {"message": {"role": "assistant", "content": None, "tool_calls": calls},
-         "usage": usage, "latency_ms": 5},
-        {"message": {"role": "assistant", "content": final, "tool_calls": []},
-         "usage": usage, "latency_ms": 5},
+        {
+            "message": {"role": "assistant", "content": None, "tool_calls": calls},
+            "usage": usage,
+            "latency_ms": 5,
+        },
+        {
+            "message": {"role": "assistant", "content": final, "tool_calls": []},
+            "usage": usage,
+            "latency_ms": 5,
+        },
     ]
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{name}.json").write_text(json.dumps({
-        "version": 1, "model": "openai/gpt-6-luna", "recorded_at": "2026-11-29T00:00:00Z",
-        "turns": turns,
-    }))
+    (directory / f"{name}.json").write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "model": "openai/gpt-6-luna",
+                "recorded_at": "2026-11-29T00:00:00Z",
+                "turns": turns,
+            }
+        )
+    )
     return f"replay/{name}"
 
 
@@ -40,8 +54,13 @@ def cli(
     for key in ("EPHEMERAL_URL", "PREFECT_API_URL", "PREFECT_HOME"):
         full_env.pop(key, None)
     return subprocess.run(
-        [sys.executable, "-m", "ephemeral.cli", *args], cwd=REPO, env=full_env,
-        capture_output=True, text=True, timeout=timeout, check=False,
+        [sys.executable, "-m", "ephemeral.cli", *args],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 

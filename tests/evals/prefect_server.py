@@ -30,8 +30,9 @@ def free_port() -> int:
 
 
 class PrefectServer:
-    def __init__(self, home: Path, *, database_url: str | None = None,
-                 template: Path | None = None) -> None:
+    def __init__(
+        self, home: Path, *, database_url: str | None = None, template: Path | None = None
+    ) -> None:
         self.home = home
         self.port = free_port()
         self.database_url = database_url
@@ -45,12 +46,17 @@ class PrefectServer:
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-        env.update({
-            "PREFECT_HOME": str(self.home), "PREFECT_API_URL": self.api_url,
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
-            "PREFECT_LOGGING_LEVEL": "WARNING", "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
-            "PREFECT_UI_ENABLED": "false",
-        })
+        env.update(
+            {
+                "PREFECT_HOME": str(self.home),
+                "PREFECT_API_URL": self.api_url,
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "DO_NOT_TRACK": "1",
+                "PREFECT_LOGGING_LEVEL": "WARNING",
+                "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+                "PREFECT_UI_ENABLED": "false",
+            }
+        )
         if self.database_url:
             env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = self.database_url
         env.update(extra)
@@ -60,8 +66,14 @@ class PrefectServer:
         log = self.home / f"{name}.log"
         self.logs.append(log)
         with log.open("wb") as out:
-            proc = subprocess.Popen([*args], cwd=REPO, env=self.env(**env), stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                [*args],
+                cwd=REPO,
+                env=self.env(**env),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs.append(proc)
         return proc
 
@@ -69,8 +81,17 @@ class PrefectServer:
         self.home.mkdir(parents=True, exist_ok=True)
         if self.template is not None and self.database_url is None:
             shutil.copyfile(self.template, self.home / "prefect.db")
-        server = self.spawn("server", *PREFECT, "server", "start", "--host", "127.0.0.1",
-                            "--port", str(self.port), "--no-ui")
+        server = self.spawn(
+            "server",
+            *PREFECT,
+            "server",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--no-ui",
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if server.poll() is not None:
@@ -82,8 +103,15 @@ class PrefectServer:
         raise AssertionError(f"prefect server not healthy after {timeout} s: {self.tail()}")
 
     def prefect(self, *args: str, timeout: float = 120, **env: str) -> str:
-        res = subprocess.run([*PREFECT, "--no-prompt", *args], cwd=REPO, env=self.env(**env),
-                             capture_output=True, text=True, timeout=timeout, check=False)
+        res = subprocess.run(
+            [*PREFECT, "--no-prompt", *args],
+            cwd=REPO,
+            env=self.env(**env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
         assert res.returncode == 0, f"prefect {' '.join(args)}: {res.stdout}{res.stderr}"
         return res.stdout
 

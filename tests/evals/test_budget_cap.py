@@ -15,8 +15,14 @@ from ephemeral.recipes import PlannedRun
 
 def planned(n: int, cost: int, recipe: str = "r") -> list[PlannedRun]:
     return [
-        PlannedRun(recipe=recipe, prompt="p", model="replay/x",
-                   policy=Policy(max_cost_micros=cost), cell={}, repeat_index=i)
+        PlannedRun(
+            recipe=recipe,
+            prompt="p",
+            model="replay/x",
+            policy=Policy(max_cost_micros=cost),
+            cell={},
+            repeat_index=i,
+        )
         for i in range(n)
     ]
 
@@ -43,9 +49,15 @@ class Ledger:
         self.in_flight -= 1
         charged = self.charge if isinstance(self.charge, int) else self.charge[p.repeat_index]
         assert charged <= p.policy.max_cost_micros
-        return RunResult(pair_key=p.pair_key(), recipe=p.recipe, repeat_index=p.repeat_index,
-                         run_id=f"run_{p.repeat_index:032x}", status="succeeded",
-                         reserved_micros=p.policy.max_cost_micros, charged_micros=charged)
+        return RunResult(
+            pair_key=p.pair_key(),
+            recipe=p.recipe,
+            repeat_index=p.repeat_index,
+            run_id=f"run_{p.repeat_index:032x}",
+            status="succeeded",
+            reserved_micros=p.policy.max_cost_micros,
+            charged_micros=charged,
+        )
 
 
 async def test_runs_stop_starting_when_the_next_would_not_fit() -> None:
@@ -109,21 +121,27 @@ def test_the_cap_is_never_passed(
 ) -> None:
     cap = Cap("recipe", budget)
     plan = [
-        PlannedRun(recipe="r", prompt="p", model="replay/x", policy=Policy(max_cost_micros=c),
-                   cell={}, repeat_index=i)
+        PlannedRun(
+            recipe="r",
+            prompt="p",
+            model="replay/x",
+            policy=Policy(max_cost_micros=c),
+            cell={},
+            repeat_index=i,
+        )
         for i, c in enumerate(costs)
     ]
     charges = {i: int(c * spend[i]) for i, c in enumerate(costs)}
     ledger = Ledger([cap], charge=charges, concurrency=concurrency)
-    results = asyncio.run(run_planned(plan, lambda p: [cap], ledger.start,
-                                      concurrency=concurrency))
+    results = asyncio.run(run_planned(plan, lambda p: [cap], ledger.start, concurrency=concurrency))
     assert len(results) == len(plan)
     assert cap.committed == sum(r.charged_micros for r in results) <= budget
     for r, p in zip(results, plan, strict=True):
         # A run is skipped only when even an idle scheduler could not fit it.
         if r.status == "skipped":
             assert p.policy.max_cost_micros > budget - sum(
-                x.charged_micros for x in results[: p.repeat_index])
+                x.charged_micros for x in results[: p.repeat_index]
+            )
 
 
 async def test_concurrency_must_be_positive() -> None:

@@ -41,8 +41,10 @@ def wait_for_runs(server: PrefectServer, ids: dict[str, str], timeout: float) ->
     deadline = time.monotonic() + timeout
     states: dict[str, str] = {}
     while time.monotonic() < deadline:
-        states = {name: server.api("GET", f"/flow_runs/{fid}")["state"]["type"]
-                  for name, fid in ids.items()}
+        states = {
+            name: server.api("GET", f"/flow_runs/{fid}")["state"]["type"]
+            for name, fid in ids.items()
+        }
         if all(s in TERMINAL for s in states.values()):
             return states
         time.sleep(1)
@@ -71,8 +73,9 @@ async def test_deployments_run_on_a_process_worker(server: PrefectServer, tmp_pa
     nightly = server.api("GET", "/deployments/name/eval-suite/eval-suite-nightly")
     [schedule] = nightly["schedules"]
     assert schedule["schedule"]["cron"] == "0 3 * * *" and schedule["active"] is True
-    assert nightly["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {
-        "directory": str(REPO)}}]
+    assert nightly["pull_steps"] == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}
+    ]
     assert nightly["job_variables"]["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
 
     triggers = {
@@ -83,12 +86,22 @@ async def test_deployments_run_on_a_process_worker(server: PrefectServer, tmp_pa
     ids = {}
     for name, params in triggers.items():
         dep = server.api("GET", f"/deployments/name/{name}")
-        ids[name] = server.api("POST", f"/deployments/{dep['id']}/create_flow_run",
-                               json={"parameters": params})["id"]
+        ids[name] = server.api(
+            "POST", f"/deployments/{dep['id']}/create_flow_run", json={"parameters": params}
+        )["id"]
     server.spawn(
-        "worker", *PREFECT, "worker", "start", "--pool", POOL, "--type", "process",
-        EPHEMERAL_STATE_DIR=str(state_dir), EPHEMERAL_PROJECT_DIR=str(REPO),
-        PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="2",
+        "worker",
+        *PREFECT,
+        "worker",
+        "start",
+        "--pool",
+        POOL,
+        "--type",
+        "process",
+        EPHEMERAL_STATE_DIR=str(state_dir),
+        EPHEMERAL_PROJECT_DIR=str(REPO),
+        PREFECT_WORKER_QUERY_SECONDS="1",
+        PREFECT_WORKER_PREFETCH_SECONDS="2",
     )
     states = wait_for_runs(server, ids, timeout=240)
     t_done = time.monotonic()
@@ -102,7 +115,8 @@ async def test_deployments_run_on_a_process_worker(server: PrefectServer, tmp_pa
     _, rows = Records(settings.records_dir).costs(by="recipe", since=None)
     runs_by_recipe = {key: n for key, n, *_ in rows}
     # agent-run's run has no recipe; recipe-run adds one sandbox-proof; the suite adds three.
-    assert runs_by_recipe == {"(none)": 1, "sandbox-proof": 2, "exit-codes": 1,
-                              "file-roundtrip": 1}
-    print(f"\ndeploy test: server+pool+deploy {t_deployed - t0:.1f} s, "
-          f"trigger->3 flow runs completed {t_done - t_deployed:.1f} s")
+    assert runs_by_recipe == {"(none)": 1, "sandbox-proof": 2, "exit-codes": 1, "file-roundtrip": 1}
+    print(
+        f"\ndeploy test: server+pool+deploy {t_deployed - t0:.1f} s, "
+        f"trigger->3 flow runs completed {t_done - t_deployed:.1f} s"
+    )

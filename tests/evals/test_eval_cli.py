@@ -35,8 +35,9 @@ def test_smoke_suite_runs_records_and_compares(state_dir: Path) -> None:
     assert set(by_recipe) == set(RECIPES)
     assert all(row["runs"] == 1 and row["charged_micros"] > 0 for row in by_recipe.values())
 
-    checks = cli(state_dir, "query", "SELECT recipe, checks, suite_run_id FROM runs", "--format",
-                 "json")
+    checks = cli(
+        state_dir, "query", "SELECT recipe, checks, suite_run_id FROM runs", "--format", "json"
+    )
     assert checks.returncode == 0, checks.stderr
     for row in json.loads(checks.stdout):
         verdicts = json.loads(row["checks"])
@@ -60,7 +61,9 @@ def test_smoke_suite_runs_records_and_compares(state_dir: Path) -> None:
 def test_failing_gate_and_recipe_budget(tmp_path: Path, state_dir: Path) -> None:
     # Two runs of the sample under a recipe budget that holds exactly one worst case: the
     # second cannot start even after the first settles (its charge stays committed).
-    recipe = write(tmp_path, """
+    recipe = write(
+        tmp_path,
+        """
         name: proof-twice
         model: replay/sandbox-proof
         prompt: the sample
@@ -70,12 +73,18 @@ def test_failing_gate_and_recipe_budget(tmp_path: Path, state_dir: Path) -> None
         checks:
           - status: succeeded
           - output_contains: "this is not in the output"
-    """, name="proof-twice.yaml")
-    suite = write(tmp_path, f"""
+    """,
+        name="proof-twice.yaml",
+    )
+    suite = write(
+        tmp_path,
+        f"""
         name: gated
         recipes: [{recipe}]
         gates: {{min_pass_rate: 0.5}}
-    """, name="suite.yaml")
+    """,
+        name="suite.yaml",
+    )
     res = cli(state_dir, "eval", str(suite), "--no-prefect", "--json")
     assert res.returncode == 1, res.stdout + res.stderr
     report = json.loads(res.stdout)
@@ -85,17 +94,20 @@ def test_failing_gate_and_recipe_budget(tmp_path: Path, state_dir: Path) -> None
     assert "not in the output" in first["checks"][1]["reason"]
     assert second["status"] == "skipped" and second["run_id"] is None
     assert "budget: recipe proof-twice" in second["detail"]
-    assert report["gate_failures"] == [
-        "proof-twice: pass rate 0% (0/2) below min_pass_rate 50%"]
+    assert report["gate_failures"] == ["proof-twice: pass rate 0% (0/2) below min_pass_rate 50%"]
     assert report["charged_micros"] <= 40_000
 
 
 def test_a_bad_recipe_starts_nothing(tmp_path: Path, state_dir: Path) -> None:
-    recipe = write(tmp_path, """
+    recipe = write(
+        tmp_path,
+        """
         name: bad
         model: nobody/unknown-model
         prompt: hi
-    """, name="bad.yaml")
+    """,
+        name="bad.yaml",
+    )
     suite = write(tmp_path, f"name: s\nrecipes: [{recipe}]\n", name="s.yaml")
     res = cli(state_dir, "eval", str(suite), "--no-prefect")
     assert res.returncode == 2

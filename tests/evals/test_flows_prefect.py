@@ -31,9 +31,12 @@ async def test_eval_suite_and_recipe_run_flows(tmp_path: Path) -> None:
 
     cassettes = tmp_path / "cassettes"
     model = write_cassette(cassettes, "evalflow", [f"echo {CANARY}"], f"said {CANARY}")
-    settings = Settings.load(state_dir=tmp_path / "state", cassettes_dir=cassettes,
-                             use_prefect=True)
-    recipe = write(tmp_path, f"""
+    settings = Settings.load(
+        state_dir=tmp_path / "state", cassettes_dir=cassettes, use_prefect=True
+    )
+    recipe = write(
+        tmp_path,
+        f"""
         name: canary_echo
         model: {model}
         prompt: echo the canary
@@ -43,9 +46,14 @@ async def test_eval_suite_and_recipe_run_flows(tmp_path: Path) -> None:
           - status: succeeded
           - output_matches: "CANARY-evalflow-[0-9a-f]+"
           - output_contains: "not there"
-    """, name="canary.yaml")
-    suite = write(tmp_path, f"name: flows\nrecipes: [{recipe}]\ngates: {{min_pass_rate: 0}}\n",
-                  name="suite.yaml")
+    """,
+        name="canary.yaml",
+    )
+    suite = write(
+        tmp_path,
+        f"name: flows\nrecipes: [{recipe}]\ngates: {{min_pass_rate: 0}}\n",
+        name="suite.yaml",
+    )
     runtime = await Runtime.start(settings)
     try:
         first = await eval_suite(suite=str(suite))
@@ -58,16 +66,28 @@ async def test_eval_suite_and_recipe_run_flows(tmp_path: Path) -> None:
 
     async with get_client() as client:
         # Every run was an agent-run subflow, named by its run id, with only the id as parameter.
-        runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            name=FlowRunFilterName(any_=first["run_ids"] + second["run_ids"])))
+        runs = await client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                name=FlowRunFilterName(any_=first["run_ids"] + second["run_ids"])
+            )
+        )
         assert len(runs) == 4
         for run in runs:
             assert run.parent_task_run_id is not None
             assert run.state is not None and run.state.is_completed()
             assert set(run.parameters) == {"run_id"}
-        artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=["eval-canary-echo", "eval-flows",
-                                        "eval-table-canary-echo", "eval-table-flows"])))
+        artifacts = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(
+                    any_=[
+                        "eval-canary-echo",
+                        "eval-flows",
+                        "eval-table-canary-echo",
+                        "eval-table-flows",
+                    ]
+                )
+            )
+        )
     kinds = sorted((a.key, a.type) for a in artifacts)
     assert ("eval-flows", "markdown") in kinds and ("eval-table-flows", "table") in kinds
     assert ("eval-canary-echo", "markdown") in kinds

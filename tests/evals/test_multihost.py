@@ -90,8 +90,15 @@ def test_prefect_server_on_postgres_with_strict_limits_and_zombie_automation(
     assert stored["trigger"]["within"] == 90
     assert stored["actions"][0]["type"] == "change-flow-run-state"
 
-    res = subprocess.run([*PREFECT[:1], "-c", CLIENT], cwd=REPO, env=pg_server.env(),
-                         capture_output=True, text=True, timeout=180, check=False)
+    res = subprocess.run(
+        [*PREFECT[:1], "-c", CLIENT],
+        cwd=REPO,
+        env=pg_server.env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["peak"] == 1  # three holders, limit 1: never two at once

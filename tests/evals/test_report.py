@@ -17,13 +17,25 @@ from ephemeral.recipes import load_recipe
 from tests.recipes.helpers import write
 
 
-def result(key_index: int, checks: dict[str, bool], charged: int, recipe: str = "r",
-           cell: dict | None = None, status: str = "succeeded") -> RunResult:
+def result(
+    key_index: int,
+    checks: dict[str, bool],
+    charged: int,
+    recipe: str = "r",
+    cell: dict | None = None,
+    status: str = "succeeded",
+) -> RunResult:
     cell = cell or {}
     return RunResult(
-        pair_key=pair_key(recipe, cell, key_index), recipe=recipe, cell=cell,
-        repeat_index=key_index, run_id=f"run_{key_index:032x}", status=status,
-        charged_micros=charged, reserved_micros=40_000, duration_ms=1000,
+        pair_key=pair_key(recipe, cell, key_index),
+        recipe=recipe,
+        cell=cell,
+        repeat_index=key_index,
+        run_id=f"run_{key_index:032x}",
+        status=status,
+        charged_micros=charged,
+        reserved_micros=40_000,
+        duration_ms=1000,
         checks=[CheckResult(check=k, passed=v, reason=f"why {k}") for k, v in checks.items()],
     )
 
@@ -31,21 +43,30 @@ def result(key_index: int, checks: dict[str, bool], charged: int, recipe: str = 
 def test_pair_key_matches_planned_runs(tmp_path) -> None:
     from ephemeral.recipes import expand
 
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: m
         prompt: "{{ lang }} {{ n }}"
         matrix: {lang: [py, sh], n: [1, 2.5]}
         repeat: 2
-    """)
+    """,
+    )
     for p in expand(load_recipe(path), default_model="replay/x"):
         assert pair_key(p.recipe, p.cell, p.repeat_index) == p.pair_key()
 
 
 def test_compare_finds_flips_and_cost_delta() -> None:
-    before = [result(0, {"a": True, "b": True}, 1000), result(1, {"a": False}, 500),
-              result(2, {"a": True}, 700)]
-    now = [result(0, {"a": True, "b": False}, 1500), result(1, {"a": True}, 400),
-           result(3, {"a": True}, 900)]
+    before = [
+        result(0, {"a": True, "b": True}, 1000),
+        result(1, {"a": False}, 500),
+        result(2, {"a": True}, 700),
+    ]
+    now = [
+        result(0, {"a": True, "b": False}, 1500),
+        result(1, {"a": True}, 400),
+        result(3, {"a": True}, 900),
+    ]
     cmp = compare(now, before, "suite_old")
     assert cmp.paired == 2 and cmp.new == 1 and cmp.missing == 1
     assert [(f.pair_key, f.check) for f in cmp.regressions] == [("r/{}/0", "b")]
@@ -55,15 +76,22 @@ def test_compare_finds_flips_and_cost_delta() -> None:
 
 
 def test_compare_pairs_by_cell_not_by_position() -> None:
-    before = [result(0, {"a": True}, 10, cell={"lang": "py"}),
-              result(0, {"a": False}, 10, cell={"lang": "sh"})]
-    now = [result(0, {"a": False}, 10, cell={"lang": "sh"}),
-           result(0, {"a": True}, 10, cell={"lang": "py"})]
+    before = [
+        result(0, {"a": True}, 10, cell={"lang": "py"}),
+        result(0, {"a": False}, 10, cell={"lang": "sh"}),
+    ]
+    now = [
+        result(0, {"a": False}, 10, cell={"lang": "sh"}),
+        result(0, {"a": True}, 10, cell={"lang": "py"}),
+    ]
     assert compare(now, before, "x").flips == []
 
 
 def _recipe(tmp_path, checks: str = "") -> object:
-    return load_recipe(write(tmp_path, f"""
+    return load_recipe(
+        write(
+            tmp_path,
+            f"""
         name: r
         prompt: hi
         repeat: 4
@@ -71,23 +99,27 @@ def _recipe(tmp_path, checks: str = "") -> object:
           - status: succeeded
           - output_contains: "ok"
         {checks}
-    """))
+    """,
+        )
+    )
 
 
 def test_pass_rate_counts_skipped_runs_against_the_gate(tmp_path) -> None:
     recipe = _recipe(tmp_path)
     both = {"status: succeeded": True, "output_contains: ok": True}
     results = [
-        result(0, both, 10), result(1, both, 10),
+        result(0, both, 10),
+        result(1, both, 10),
         result(2, {"status: succeeded": True, "output_contains: ok": False}, 10),
-        RunResult(pair_key="r/{}/3", recipe="r", repeat_index=3, status="skipped",
-                  detail="budget"),
+        RunResult(pair_key="r/{}/3", recipe="r", repeat_index=3, status="skipped", detail="budget"),
     ]
     [stat] = recipe_stats([recipe], results)
     assert (stat.planned, stat.ran, stat.passed, stat.skipped) == (4, 3, 2, 1)
     assert stat.pass_rate == 0.5
     assert {c.check: (c.passed, c.total) for c in stat.checks} == {
-        "status: succeeded": (3, 4), "output_contains: ok": (2, 4)}
+        "status: succeeded": (3, 4),
+        "output_contains: ok": (2, 4),
+    }
     assert gate_failures([stat], 0.5) == []
     [failure] = gate_failures([stat], 0.75)
     assert "r: pass rate 50% (2/4)" in failure and "75%" in failure
@@ -101,17 +133,27 @@ def test_a_run_without_checks_passes_when_it_succeeded() -> None:
 
 def _report(tmp_path, comparison=None) -> Report:
     recipe = _recipe(tmp_path)
-    results = [result(i, {"status: succeeded": True, "output_contains: ok": i != 1}, 100)
-               for i in range(4)]
+    results = [
+        result(i, {"status: succeeded": True, "output_contains: ok": i != 1}, 100) for i in range(4)
+    ]
     stats = recipe_stats([recipe], results)
-    return Report(suite="smoke", suite_run_id="suite_abc", min_pass_rate=1.0,
-                  budget_micros=200_000, wall_ms=4200, results=results, recipes=stats,
-                  comparison=comparison, gate_failures=gate_failures(stats, 1.0))
+    return Report(
+        suite="smoke",
+        suite_run_id="suite_abc",
+        min_pass_rate=1.0,
+        budget_micros=200_000,
+        wall_ms=4200,
+        results=results,
+        recipes=stats,
+        comparison=comparison,
+        gate_failures=gate_failures(stats, 1.0),
+    )
 
 
 def test_summary_markdown_and_table(tmp_path) -> None:
-    old = [result(i, {"status: succeeded": True, "output_contains: ok": True}, 50)
-           for i in range(4)]
+    old = [
+        result(i, {"status: succeeded": True, "output_contains: ok": True}, 50) for i in range(4)
+    ]
     report = _report(tmp_path)
     report = report.model_copy(update={"comparison": compare(report.results, old, "suite_old")})
     md = render_markdown(report)
@@ -124,8 +166,15 @@ def test_summary_markdown_and_table(tmp_path) -> None:
     assert "4 paired runs (0 new, 0 missing); cost of the paired runs +$0.000200" in md
     assert "REGRESSED `r/{}/1` output_contains: ok" in md
     rows = table_rows(report)
-    assert rows[0] == {"recipe": "r", "check": "(all checks)", "passed": 3, "runs": 4,
-                       "pass_rate": 0.75, "charged_micros": 400, "duration_ms": 4000}
+    assert rows[0] == {
+        "recipe": "r",
+        "check": "(all checks)",
+        "passed": 3,
+        "runs": 4,
+        "pass_rate": 0.75,
+        "charged_micros": 400,
+        "duration_ms": 4000,
+    }
     assert len(rows) == 3
 
 

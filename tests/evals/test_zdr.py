@@ -23,9 +23,13 @@ CANARY = "CANARY-zdr-eval-5e1f"  # the checks match it without spelling it out
 async def test_zdr_output_is_judged_once_and_not_kept(tmp_path: Path) -> None:
     cassettes = tmp_path / "cassettes"
     model = write_cassette(cassettes, "zdr-eval", [f"echo {CANARY}"], f"done: {CANARY}")
-    settings = Settings.load(state_dir=tmp_path / "state", cassettes_dir=cassettes,
-                             use_prefect=False)
-    recipe = load_recipe(write(tmp_path, f"""
+    settings = Settings.load(
+        state_dir=tmp_path / "state", cassettes_dir=cassettes, use_prefect=False
+    )
+    recipe = load_recipe(
+        write(
+            tmp_path,
+            f"""
         name: zdr
         model: {model}
         prompt: say the canary
@@ -34,7 +38,9 @@ async def test_zdr_output_is_judged_once_and_not_kept(tmp_path: Path) -> None:
           - output_matches: "CANARY-zdr-eval-[0-9a-f]{{4}}"
           - output_matches: "absent-CANARY"
           - shell: {{command_matches: "echo", exit_code: 0}}
-    """))
+    """,
+        )
+    )
     runtime = await Runtime.start(settings)
     try:
         report = await evals.run_evaluation(runtime, evals.Evaluation(name="zdr", recipes=[recipe]))

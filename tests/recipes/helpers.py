@@ -37,8 +37,13 @@ def only(errors: list[dict[str, Any]], field: str) -> dict[str, Any]:
 
 
 def event(seq: int, type_: str, **data: Any) -> dict[str, Any]:
-    return {"seq": seq, "run_id": RUN_ID, "type": type_,
-            "at": f"2026-10-07T15:02:{seq:02d}.000Z", "data": data}
+    return {
+        "seq": seq,
+        "run_id": RUN_ID,
+        "type": type_,
+        "at": f"2026-10-07T15:02:{seq:02d}.000Z",
+        "data": data,
+    }
 
 
 RUN_ID = "run_de9af30ebaaa50ab76819bb536239c61"
@@ -55,14 +60,22 @@ OUTPUT = (
 def product_page_run() -> dict[str, Any]:
     """The run object of the product page sample (DESIGN §3)."""
     return {
-        "id": RUN_ID, "status": "succeeded",
+        "id": RUN_ID,
+        "status": "succeeded",
         "created_at": "2026-10-07T15:01:58.120Z",
-        "started_at": "2026-10-07T15:01:58.500Z", "ended_at": "2026-10-07T15:02:21.750Z",
-        "model": "openai/gpt-6-luna", "policy": {"web": False, "shell": True},
-        "isolation": "gvisor", "termination": {"reason": "completed", "detail": None},
+        "started_at": "2026-10-07T15:01:58.500Z",
+        "ended_at": "2026-10-07T15:02:21.750Z",
+        "model": "openai/gpt-6-luna",
+        "policy": {"web": False, "shell": True},
+        "isolation": "gvisor",
+        "termination": {"reason": "completed", "detail": None},
         "usage": {"model_calls": 3, "input_tokens": 4800, "output_tokens": 414},
-        "cost": {"reserved_micros": 40000, "charged_micros": 3530, "refunded_micros": 36470,
-                 "breakdown": {"model_micros": 330, "web_micros": 0, "compute_micros": 3200}},
+        "cost": {
+            "reserved_micros": 40000,
+            "charged_micros": 3530,
+            "refunded_micros": 36470,
+            "breakdown": {"model_micros": 330, "web_micros": 0, "compute_micros": 3200},
+        },
         "output": OUTPUT,
     }
 
@@ -72,22 +85,53 @@ def product_page_events() -> list[dict[str, Any]]:
         event(1, "run.queued", reserved_micros=40000),
         event(2, "sandbox.ready", isolation="gvisor", image="default", boot_ms=310),
         event(3, "worker.started", shell=True, web=False, connections=[], files=[]),
-        event(4, "model.called", model="openai/gpt-6-luna", input_tokens=1500,
-              output_tokens=120, cost_micros=100, latency_ms=800),
-        event(5, "shell.executed", command="pwd; whoami", exit_code=0,
-              stdout="/tmp/ephemeral-run-s2TPIy/scratch\nworker\n", stderr="",
-              duration_ms=12, truncated=False),
-        event(6, "shell.executed", command="command -v curl && curl -sS -m 8 https://example.com",
-              exit_code=6, stdout="/usr/bin/curl\n",
-              stderr="curl: (6) Could not resolve host: example.com\n",
-              duration_ms=40, truncated=False),
-        event(7, "shell.executed",
-              command="printf 'sandbox proof\\n' > /tmp/proof.txt && ls -l /tmp/proof.txt",
-              exit_code=0, stdout="-rw-r--r-- 1 worker worker 14 Oct  7 15:02 /tmp/proof.txt\n",
-              stderr="", duration_ms=9, truncated=False),
+        event(
+            4,
+            "model.called",
+            model="openai/gpt-6-luna",
+            input_tokens=1500,
+            output_tokens=120,
+            cost_micros=100,
+            latency_ms=800,
+        ),
+        event(
+            5,
+            "shell.executed",
+            command="pwd; whoami",
+            exit_code=0,
+            stdout="/tmp/ephemeral-run-s2TPIy/scratch\nworker\n",
+            stderr="",
+            duration_ms=12,
+            truncated=False,
+        ),
+        event(
+            6,
+            "shell.executed",
+            command="command -v curl && curl -sS -m 8 https://example.com",
+            exit_code=6,
+            stdout="/usr/bin/curl\n",
+            stderr="curl: (6) Could not resolve host: example.com\n",
+            duration_ms=40,
+            truncated=False,
+        ),
+        event(
+            7,
+            "shell.executed",
+            command="printf 'sandbox proof\\n' > /tmp/proof.txt && ls -l /tmp/proof.txt",
+            exit_code=0,
+            stdout="-rw-r--r-- 1 worker worker 14 Oct  7 15:02 /tmp/proof.txt\n",
+            stderr="",
+            duration_ms=9,
+            truncated=False,
+        ),
         event(8, "sandbox.destroyed", lifetime_ms=23000),
         event(9, "run.succeeded", model_calls=3, tokens=5214, reason="completed"),
         event(10, "run.output", markdown=OUTPUT),
-        event(11, "run.settled", charged_micros=3530, refunded_micros=36470,
-              breakdown={"model_micros": 330, "web_micros": 0, "compute_micros": 3200}),
+        event(
+            11,
+            "run.settled",
+            charged_micros=3530,
+            refunded_micros=36470,
+            breakdown={"model_micros": 330, "web_micros": 0, "compute_micros": 3200},
+        ),
     ]

@@ -65,11 +65,15 @@ async def test_recorded_answer_holds_in_a_real_sandbox(name: str, tmp_path: Path
             for call in turn["message"].get("tool_calls") or []:
                 command = call["arguments"]["command"]
                 result = await sbx.exec(command, cwd=sbx.workdir, timeout=30)
-                events.append({
-                    "seq": len(events) + 1, "run_id": "run_test", "type": "shell.executed",
-                    "at": "2026-11-29T10:00:00.000Z",
-                    "data": {"command": command, **result.model_dump(exclude={"timed_out"})},
-                })
+                events.append(
+                    {
+                        "seq": len(events) + 1,
+                        "run_id": "run_test",
+                        "type": "shell.executed",
+                        "at": "2026-11-29T10:00:00.000Z",
+                        "data": {"command": command, **result.model_dump(exclude={"timed_out"})},
+                    }
+                )
     finally:
         await sbx.destroy()
 

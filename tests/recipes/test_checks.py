@@ -14,11 +14,16 @@ from .helpers import product_page_events, product_page_run
 CHECKS = TypeAdapter(list[Check])
 
 
-def verdicts(checks: list[dict[str, Any]], run: dict[str, Any] | None = None,
-             events: list[dict[str, Any]] | None = None) -> list[CheckResult]:
-    return evaluate(CHECKS.validate_python(checks),
-                    product_page_run() if run is None else run,
-                    product_page_events() if events is None else events)
+def verdicts(
+    checks: list[dict[str, Any]],
+    run: dict[str, Any] | None = None,
+    events: list[dict[str, Any]] | None = None,
+) -> list[CheckResult]:
+    return evaluate(
+        CHECKS.validate_python(checks),
+        product_page_run() if run is None else run,
+        product_page_events() if events is None else events,
+    )
 
 
 def one(check: dict[str, Any], **kw: Any) -> CheckResult:
@@ -27,15 +32,17 @@ def one(check: dict[str, Any], **kw: Any) -> CheckResult:
 
 
 def test_the_product_page_run_passes_its_recipe_checks() -> None:
-    results = verdicts([
-        {"output_contains": "Could not resolve host"},
-        {"output_matches": r"\b2 3 5 7\b"},
-        {"shell": {"command_matches": "curl", "exit_code_not": 0}},
-        {"shell": {"command_matches": "whoami", "exit_code": 0, "stdout_contains": "worker"}},
-        {"max_cost_micros": 10000},
-        {"max_duration_seconds": 60},
-        {"status": "succeeded"},
-    ])
+    results = verdicts(
+        [
+            {"output_contains": "Could not resolve host"},
+            {"output_matches": r"\b2 3 5 7\b"},
+            {"shell": {"command_matches": "curl", "exit_code_not": 0}},
+            {"shell": {"command_matches": "whoami", "exit_code": 0, "stdout_contains": "worker"}},
+            {"max_cost_micros": 10000},
+            {"max_duration_seconds": 60},
+            {"status": "succeeded"},
+        ]
+    )
     assert all(r.passed for r in results), results
     assert [r.check for r in results] == [
         "output_contains: Could not resolve host",
@@ -91,8 +98,10 @@ def test_shell_stdout() -> None:
 
 def test_shell_without_shell_events_and_under_zero_data_retention() -> None:
     no_shell = [e for e in product_page_events() if e["type"] != "shell.executed"]
-    assert one({"shell": {"command_matches": "."}}, events=no_shell).reason == \
-        "no shell command was run"
+    assert (
+        one({"shell": {"command_matches": "."}}, events=no_shell).reason
+        == "no shell command was run"
+    )
     redacted = [
         {**e, "data": {"command_bytes": 11, "exit_code": 0}} if e["type"] == "shell.executed" else e
         for e in product_page_events()
@@ -102,8 +111,15 @@ def test_shell_without_shell_events_and_under_zero_data_retention() -> None:
 
 
 def test_shell_killed_command_has_no_exit_code() -> None:
-    events = [{"seq": 1, "run_id": "r", "type": "shell.executed", "at": "t",
-               "data": {"command": "sleep 999", "exit_code": None}}]
+    events = [
+        {
+            "seq": 1,
+            "run_id": "r",
+            "type": "shell.executed",
+            "at": "t",
+            "data": {"command": "sleep 999", "exit_code": None},
+        }
+    ]
     killed = one({"shell": {"command_matches": "sleep", "exit_code_not": 0}}, events=events)
     assert not killed.passed
     assert one({"shell": {"command_matches": "sleep"}}, events=events).passed
@@ -131,8 +147,11 @@ def test_max_duration() -> None:
 
 def test_status() -> None:
     assert one({"status": "succeeded"}).reason == "status succeeded (completed)"
-    failed = {**product_page_run(), "status": "budget_exhausted",
-              "termination": {"reason": "budget_exhausted", "detail": None}}
+    failed = {
+        **product_page_run(),
+        "status": "budget_exhausted",
+        "termination": {"reason": "budget_exhausted", "detail": None},
+    }
     r = one({"status": "succeeded"}, run=failed)
     assert not r.passed
     assert r.reason == "status budget_exhausted (budget_exhausted), wanted succeeded"
@@ -140,9 +159,16 @@ def test_status() -> None:
 
 @pytest.mark.parametrize("run", [{}, {"status": 3, "output": 5, "cost": "x", "started_at": 1}])
 def test_malformed_runs_fail_without_raising(run: dict[str, Any]) -> None:
-    results = verdicts([
-        {"output_contains": "x"}, {"output_matches": "x"}, {"max_cost_micros": 1},
-        {"max_duration_seconds": 1}, {"status": "succeeded"},
-        {"shell": {"command_matches": "x"}},
-    ], run=run, events=[{"type": "shell.executed"}, {}, {"type": "shell.executed", "data": "x"}])
+    results = verdicts(
+        [
+            {"output_contains": "x"},
+            {"output_matches": "x"},
+            {"max_cost_micros": 1},
+            {"max_duration_seconds": 1},
+            {"status": "succeeded"},
+            {"shell": {"command_matches": "x"}},
+        ],
+        run=run,
+        events=[{"type": "shell.executed"}, {}, {"type": "shell.executed", "data": "x"}],
+    )
     assert [r.passed for r in results] == [False] * 6

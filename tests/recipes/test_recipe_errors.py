@@ -13,24 +13,30 @@ from .helpers import only, recipe_errors, write
 
 
 def test_good_recipe_loads(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: ok
         prompt: Say hi to {{ who }}.
         vars: {who: worker}
-    """)
+    """,
+    )
     recipe = load_recipe(path)
     assert recipe.name == "ok"
     assert recipe.source_file == str(path)
 
 
 def test_yaml_syntax_error_has_its_line(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: broken
         prompt: hello
         policy:
           web: false
          shell: true
-    """)
+    """,
+    )
     [err] = recipe_errors(path)
     assert err["field"] == "yaml"
     assert err["line"] == 5
@@ -44,11 +50,14 @@ def test_unclosed_flow_sequence(tmp_path: Path) -> None:
 
 
 def test_unknown_key_suggests_the_right_one(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: typo
         descripton: oops
         prompt: hi
-    """)
+    """,
+    )
     err = only(recipe_errors(path), "descripton")
     assert err["line"] == 2
     assert "unknown field" in err["message"]
@@ -56,30 +65,38 @@ def test_unknown_key_suggests_the_right_one(tmp_path: Path) -> None:
 
 
 def test_unknown_policy_key(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: typo
         prompt: hi
         policy:
           shell: true
           network: true
-    """)
+    """,
+    )
     err = only(recipe_errors(path), "policy.network")
     assert err["line"] == 5
 
 
 def test_wrong_type(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: types
         prompt: hi
         repeat: many
-    """)
+    """,
+    )
     err = only(recipe_errors(path), "repeat")
     assert err["line"] == 3
     assert "integer" in err["message"]
 
 
 def test_bad_policy_values(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: policy
         prompt: hi
         policy:
@@ -89,7 +106,8 @@ def test_bad_policy_values(tmp_path: Path) -> None:
           files:
             - path: /etc/passwd
               content_base64: "aGk="
-    """)
+    """,
+    )
     errors = recipe_errors(path)
     assert only(errors, "policy.timeout_seconds")["line"] == 5
     assert "3600" in only(errors, "policy.timeout_seconds")["message"]
@@ -100,74 +118,92 @@ def test_bad_policy_values(tmp_path: Path) -> None:
 
 
 def test_missing_required_field(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: no-prompt
         vars: {}
-    """)
+    """,
+    )
     err = only(recipe_errors(path), "prompt")
     assert err["message"] == "required"
     assert err["line"] == 1
 
 
 def test_template_undefined_variable_points_at_its_line(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: undefined
         vars:
           who: worker
         prompt: |
           Line one for {{ who }}.
           Line two uses {{ whom }}.
-    """)
+    """,
+    )
     err = only(recipe_errors(path), "prompt")
     assert "'whom' is undefined" in err["message"]
     assert err["line"] == 6
 
 
 def test_template_undefined_in_a_plain_scalar(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: undefined
         prompt: "Hello {{ nobody }}"
-    """)
+    """,
+    )
     err = only(recipe_errors(path), "prompt")
     assert err["line"] == 2
 
 
 def test_template_syntax_error_points_at_its_line(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: syntax
         prompt: |
           first line
           second line
           {% if %}oops{% endif %}
-    """)
+    """,
+    )
     err = only(recipe_errors(path), "prompt")
     assert err["message"].startswith("template syntax:")
     assert err["line"] == 5
 
 
 def test_undefined_only_in_some_cells_names_the_cell(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: cells
         prompt: "{{ data[lang] }}"
         vars:
           data: {python: print}
         matrix:
           lang: [python, rust]
-    """)
+    """,
+    )
     err = only(recipe_errors(path), "prompt")
     assert "rust" in err["message"]
     assert '"lang": "rust"' in err["message"]
 
 
 def test_bad_regex_in_checks(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: regex
         prompt: hi
         checks:
           - output_contains: fine
           - output_matches: "(unclosed"
           - shell: {command_matches: "[z-a]"}
-    """)
+    """,
+    )
     errors = recipe_errors(path)
     err = only(errors, "checks[1].output_matches")
     assert err["line"] == 5
@@ -176,7 +212,9 @@ def test_bad_regex_in_checks(tmp_path: Path) -> None:
 
 
 def test_check_shapes(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: shapes
         prompt: hi
         checks:
@@ -187,7 +225,8 @@ def test_check_shapes(tmp_path: Path) -> None:
           - status: running
           - max_cost_micros: -5
           - "output_contains"
-    """)
+    """,
+    )
     errors = recipe_errors(path)
     assert "exactly one key" in only(errors, "checks[0]")["message"]
     assert only(errors, "checks[0]")["line"] == 4
@@ -199,20 +238,25 @@ def test_check_shapes(tmp_path: Path) -> None:
 
 
 def test_empty_matrix_list(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: matrix
         prompt: "{{ os }} {{ arch }}"
         matrix:
           os: [linux]
           arch: []
-    """)
+    """,
+    )
     err = only(recipe_errors(path), "matrix.arch")
     assert err["line"] == 5
     assert "at least 1" in err["message"]
 
 
 def test_matrix_and_vars_names(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: names
         prompt: hi
         vars:
@@ -221,7 +265,8 @@ def test_matrix_and_vars_names(tmp_path: Path) -> None:
         matrix:
           shared: [a]
           repeat_index: [0]
-    """)
+    """,
+    )
     errors = recipe_errors(path)
     assert only(errors, "vars.not-an-identifier")["line"] == 4
     assert "also defined in vars" in only(errors, "matrix.shared")["message"]
@@ -230,32 +275,40 @@ def test_matrix_and_vars_names(tmp_path: Path) -> None:
 
 
 def test_too_many_runs(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: big
         prompt: "{{ a }}{{ b }}"
         matrix:
           a: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
           b: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
         repeat: 11
-    """)
+    """,
+    )
     err = only(recipe_errors(path), "matrix")
     assert "1100 runs" in err["message"]
     assert err["line"] == 3
 
 
 def test_duplicate_key(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: dup
         prompt: hi
         name: dup2
-    """)
+    """,
+    )
     err = only(recipe_errors(path), "name")
     assert err["line"] == 3
     assert "first at line 1" in err["message"]
 
 
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: Not A Name
         model: no-slash
         prompt: hi
@@ -263,21 +316,29 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
         policy: {timeout_seconds: 0, max_cost_micros: 0}
         checks:
           - status: maybe
-    """)
+    """,
+    )
     errors = recipe_errors(path)
     fields = {e["field"]: e["line"] for e in errors}
     assert fields == {
-        "name": 1, "model": 2, "repeat": 4, "policy.timeout_seconds": 5,
-        "policy.max_cost_micros": 5, "checks[0].status": 7,
+        "name": 1,
+        "model": 2,
+        "repeat": 4,
+        "policy.timeout_seconds": 5,
+        "policy.max_cost_micros": 5,
+        "checks[0].status": 7,
     }
     assert [e["line"] for e in errors] == sorted(e["line"] for e in errors)
 
 
-@pytest.mark.parametrize(("budget", "expected"), [
-    ("budget_micros: 200000", 200000),
-    ("budget: 150000", 150000),
-    ("budget: {max_cost_micros: 120000}", 120000),
-])
+@pytest.mark.parametrize(
+    ("budget", "expected"),
+    [
+        ("budget_micros: 200000", 200000),
+        ("budget: 150000", 150000),
+        ("budget: {max_cost_micros: 120000}", 120000),
+    ],
+)
 def test_budget_spellings(tmp_path: Path, budget: str, expected: int) -> None:
     path = write(tmp_path, f"name: b\nprompt: hi\n{budget}\n")
     assert load_recipe(path).budget_micros == expected
@@ -289,8 +350,11 @@ def test_budget_errors(tmp_path: Path) -> None:
     shape = write(tmp_path, "name: b\nprompt: hi\nbudget: {usd: 1}\n", "shape.yaml")
     err = only(recipe_errors(shape), "budget")
     assert (err["line"], "max_cost_micros" in err["message"]) == (3, True)
-    small = write(tmp_path, "name: b\nprompt: hi\nbudget: 1000\npolicy: {max_cost_micros: 40000}\n",
-                  "small.yaml")
+    small = write(
+        tmp_path,
+        "name: b\nprompt: hi\nbudget: 1000\npolicy: {max_cost_micros: 40000}\n",
+        "small.yaml",
+    )
     err = only(recipe_errors(small), "budget_micros")
     assert err["line"] == 3
     assert "no run could start" in err["message"]
@@ -314,23 +378,29 @@ def test_file_level_errors(tmp_path: Path) -> None:
 
 
 def test_empty_rendered_prompt(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: empty
         prompt: "{{ nothing }}"
         vars: {nothing: "   "}
-    """)
+    """,
+    )
     assert "empty prompt" in only(recipe_errors(path), "prompt")["message"]
 
 
-@pytest.mark.parametrize("expr", [
-    "''.__class__",
-    "''.__class__.__mro__[1].__subclasses__()",
-    "self.__init__.__globals__",
-    "cycler.__init__.__globals__.os",
-    "items.append(4)",
-    "'x' * 10000000",
-    "2 ** 100000",
-])
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "''.__class__",
+        "''.__class__.__mro__[1].__subclasses__()",
+        "self.__init__.__globals__",
+        "cycler.__init__.__globals__.os",
+        "items.append(4)",
+        "'x' * 10000000",
+        "2 ** 100000",
+    ],
+)
 def test_sandbox_refuses_escapes_and_blowups(tmp_path: Path, expr: str) -> None:
     text = f"name: escape\nprompt: |\n  hello\n  {{{{ {expr} }}}}\nvars: {{items: [1]}}\n"
     path = write(tmp_path, text)
@@ -349,18 +419,26 @@ def test_expand_reports_problems_of_an_in_memory_recipe() -> None:
 
 
 def _bomb(levels: int) -> str:
-    lines = ["name: bomb", f'prompt: "{{{{ l{levels - 1} }}}}"', "vars:",
-             "  l0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines = [
+        "name: bomb",
+        f'prompt: "{{{{ l{levels - 1} }}}}"',
+        "vars:",
+        "  l0: &a0 [x, x, x, x, x, x, x, x, x, x]",
+    ]
     for n in range(1, levels):
         lines.append(f"  l{n}: &a{n} [" + ", ".join([f"*a{n - 1}"] * 10) + "]")
     return "\n".join(lines) + "\n"
 
 
-@pytest.mark.parametrize("text", [
-    _bomb(9),  # a billion laughs: 10**9 values from a 1 KiB file
-    "name: rec\nprompt: hi\nvars:\n  r: &r [*r]\n",  # an anchor that contains itself
-    "name: deep\nprompt: hi\nvars:\n  v: " + "[" * 200 + "]" * 200 + "\n",
-], ids=["alias-bomb", "recursive-anchor", "deep-nesting"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        _bomb(9),  # a billion laughs: 10**9 values from a 1 KiB file
+        "name: rec\nprompt: hi\nvars:\n  r: &r [*r]\n",  # an anchor that contains itself
+        "name: deep\nprompt: hi\nvars:\n  v: " + "[" * 200 + "]" * 200 + "\n",
+    ],
+    ids=["alias-bomb", "recursive-anchor", "deep-nesting"],
+)
 def test_hostile_yaml_is_refused_quickly(tmp_path: Path, text: str) -> None:
     [err] = recipe_errors(write(tmp_path, text))
     assert (err["field"], err["line"]) == ("(root)", 1)
@@ -368,12 +446,15 @@ def test_hostile_yaml_is_refused_quickly(tmp_path: Path, text: str) -> None:
 
 
 def test_aliases_within_limits_still_work(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: shared
         prompt: "{{ a | length }} {{ b | length }}"
         vars:
           a: &files [one, two]
           b: *files
-    """)
+    """,
+    )
     [run] = expand(load_recipe(path), default_model="x/y")
     assert run.prompt == "2 2"

@@ -51,19 +51,25 @@ def test_validate_ok(app: typer.Typer, tmp_path: Path) -> None:
     a = write(tmp_path, GRID, "a.yaml")
     code, out, err = run(app, "validate", str(a), str(REPO / "recipes/sandbox-proof.yaml"))
     assert code == 0, err
-    assert out.splitlines() == [f"{a}: ok (recipe)",
-                                f"{REPO / 'recipes/sandbox-proof.yaml'}: ok (recipe)"]
+    assert out.splitlines() == [
+        f"{a}: ok (recipe)",
+        f"{REPO / 'recipes/sandbox-proof.yaml'}: ok (recipe)",
+    ]
 
 
 def test_validate_prints_every_error_and_fails(app: typer.Typer, tmp_path: Path) -> None:
     good = write(tmp_path, GRID, "good.yaml")
-    bad = write(tmp_path, """
+    bad = write(
+        tmp_path,
+        """
         name: bad
         prompt: "{{ missing }}"
         policy: {timeout_seconds: -1}
         checks:
           - output_matches: "("
-    """, "bad.yaml")
+    """,
+        "bad.yaml",
+    )
     code, out, err = run(app, "validate", str(bad), str(good))
     assert code == 1
     assert err.splitlines() == [
@@ -102,7 +108,10 @@ def test_show_json(app: typer.Typer, tmp_path: Path) -> None:
     assert code == 0
     runs = json.loads(out)
     assert [(r["cell"], r["repeat_index"]) for r in runs] == [
-        ({"os": "linux"}, 0), ({"os": "linux"}, 1), ({"os": "freebsd"}, 0), ({"os": "freebsd"}, 1),
+        ({"os": "linux"}, 0),
+        ({"os": "linux"}, 1),
+        ({"os": "freebsd"}, 0),
+        ({"os": "freebsd"}, 1),
     ]
     assert runs[0]["prompt"].startswith("Check linux run 0.\nline 0\n")
     assert runs[0]["policy"]["max_cost_micros"] == 25000

@@ -17,8 +17,10 @@ from ephemeral.recipes import (
 from ephemeral.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED = [*sorted((REPO / "recipes").glob("*.yaml")),
-           *sorted((REPO / "recipes/suites").glob("*.yaml"))]
+SHIPPED = [
+    *sorted((REPO / "recipes").glob("*.yaml")),
+    *sorted((REPO / "recipes/suites").glob("*.yaml")),
+]
 
 # The "prompt" of request.json on the product page, verbatim.
 PAGE_PROMPT = (
@@ -54,8 +56,13 @@ def test_product_page_sample() -> None:
     assert run.prompt == PAGE_PROMPT
     assert run.model == "replay/sandbox-proof"
     assert run.policy.model_dump() == {
-        "web": False, "shell": True, "files": [], "connections": [],
-        "zero_data_retention": False, "timeout_seconds": 120, "max_cost_micros": 40000,
+        "web": False,
+        "shell": True,
+        "files": [],
+        "connections": [],
+        "zero_data_retention": False,
+        "timeout_seconds": 120,
+        "max_cost_micros": 40000,
         "isolation": "auto",
     }
 

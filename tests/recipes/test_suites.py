@@ -23,17 +23,22 @@ def suite_errors(path: Path) -> list[dict[str, object]]:
 def test_suite_loads_its_recipes_in_order(tmp_path: Path) -> None:
     write(tmp_path, RECIPE.format(name="a"), "a.yaml")
     write(tmp_path, RECIPE.format(name="b"), "more/b.yaml")
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: nightly
         recipes: [../a.yaml, ../more/b.yaml]
         budget: {max_cost_micros: 100000}
         gates: {min_pass_rate: 0.9}
         concurrency: 3
-    """, "suites/nightly.yaml")
+    """,
+        "suites/nightly.yaml",
+    )
     suite = load_suite(path)
     assert [r.name for r in suite.loaded_recipes] == ["a", "b"]
     assert [r.source_file for r in suite.loaded_recipes] == [
-        str(tmp_path / "a.yaml"), str(tmp_path / "more/b.yaml"),
+        str(tmp_path / "a.yaml"),
+        str(tmp_path / "more/b.yaml"),
     ]
     assert (suite.budget_micros, suite.gates.min_pass_rate, suite.concurrency) == (100000, 0.9, 3)
     assert isinstance(load_any(path), Suite)
@@ -49,13 +54,17 @@ def test_suite_defaults(tmp_path: Path) -> None:
 def test_missing_and_broken_recipes_name_their_own_files(tmp_path: Path) -> None:
     write(tmp_path, RECIPE.format(name="a"), "a.yaml")
     write(tmp_path, "name: b\nprompt: |\n  {{ nope }}\n", "b.yaml")
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: s
         recipes:
           - a.yaml
           - gone.yaml
           - b.yaml
-    """, "s.yaml")
+    """,
+        "s.yaml",
+    )
     errors = suite_errors(path)
     gone = next(e for e in errors if e["field"] == "recipes[1]")
     assert (gone["file"], gone["line"]) == (str(path), 4)
@@ -67,11 +76,15 @@ def test_missing_and_broken_recipes_name_their_own_files(tmp_path: Path) -> None
 def test_duplicate_names_and_small_budget(tmp_path: Path) -> None:
     write(tmp_path, RECIPE.format(name="same"), "a.yaml")
     write(tmp_path, RECIPE.format(name="same"), "b.yaml")
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: s
         recipes: [a.yaml, b.yaml]
         budget_micros: 1000
-    """, "s.yaml")
+    """,
+        "s.yaml",
+    )
     errors = suite_errors(path)
     dup = next(e for e in errors if e["field"] == "recipes[1]")
     assert "also recipes[0]" in str(dup["message"])
@@ -82,12 +95,15 @@ def test_duplicate_names_and_small_budget(tmp_path: Path) -> None:
 
 
 def test_suite_schema_errors(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         name: s
         recipes: []
         gates: {min_pass_rate: 1.5, max_fail: 2}
         concurrency: 0
-    """, "s.yaml")
+    """,
+        "s.yaml",
+    )
     fields = {str(e["field"]): e["line"] for e in suite_errors(path)}
-    assert fields == {"recipes": 2, "gates.min_pass_rate": 3, "gates.max_fail": 3,
-                      "concurrency": 4}
+    assert fields == {"recipes": 2, "gates.min_pass_rate": 3, "gates.max_fail": 3, "concurrency": 4}

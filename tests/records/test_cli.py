@@ -21,10 +21,14 @@ def env(tmp_path: Path) -> dict[str, str]:
     state = tmp_path / "state"
     records_dir = Settings.load(state_dir=state).records_dir
     # runs dated now, so the default 30-day window of the commands includes them
-    for model, charged, days in (("openai/a", 3530, 0), ("anthropic/b", 1200, 0),
-                                 ("openai/a", 10, 3)):
-        write_run(records_dir, *make_run(model=model, charged_micros=charged,
-                                         created_at=_now_minus(days)))
+    for model, charged, days in (
+        ("openai/a", 3530, 0),
+        ("anthropic/b", 1200, 0),
+        ("openai/a", 10, 3),
+    ):
+        write_run(
+            records_dir, *make_run(model=model, charged_micros=charged, created_at=_now_minus(days))
+        )
     return {"EPHEMERAL_STATE_DIR": str(state)}
 
 
@@ -70,11 +74,20 @@ def test_costs_rejects_bad_input_naming_the_field(env: dict[str, str]) -> None:
 
 
 def test_query_formats_and_errors(env: dict[str, str]) -> None:
-    result = _run(["query", "SELECT model, count(*) AS n FROM runs GROUP BY 1 ORDER BY 1",
-                   "--format", "json"], env)
+    result = _run(
+        [
+            "query",
+            "SELECT model, count(*) AS n FROM runs GROUP BY 1 ORDER BY 1",
+            "--format",
+            "json",
+        ],
+        env,
+    )
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout) == [{"model": "anthropic/b", "n": 1},
-                                         {"model": "openai/a", "n": 2}]
+    assert json.loads(result.stdout) == [
+        {"model": "anthropic/b", "n": 1},
+        {"model": "openai/a", "n": 2},
+    ]
     result = _run(["query", "SELECT count(*) AS n FROM steps"], env)
     assert result.exit_code == 0 and "6" in result.output
     result = _run(["query", "SELECT FROM WHERE"], env)

@@ -56,7 +56,9 @@ def test_compaction_keeps_totals_and_is_rerunnable(tmp_path: Path) -> None:
     assert fresh == [f"date={NOW.date()}"] * 6  # today's two runs, three kinds
     compacted = list(tmp_path.rglob("compacted.parquet"))
     assert {p.parent.parent.parent.name for p in compacted} == {
-        "kind=runs", "kind=steps", "kind=events"
+        "kind=runs",
+        "kind=steps",
+        "kind=events",
     }
     assert not [p for p in tmp_path.rglob(".*") if p.name != ".compact.lock"]
     assert records.compact(older_than_days=0, now=NOW) == 6

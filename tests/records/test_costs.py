@@ -26,11 +26,22 @@ RUNS = [
 @pytest.fixture
 def records(tmp_path: Path) -> Records:
     for days, model, recipe, org, status, charged, m, w, c in RUNS:
-        write_run(tmp_path, *make_run(
-            days_ago=days, model=model, recipe=recipe, org_id=org, status=status,
-            charged_micros=charged, model_micros=m, web_micros=w, compute_micros=c,
-            input_tokens=100, output_tokens=10,
-        ))
+        write_run(
+            tmp_path,
+            *make_run(
+                days_ago=days,
+                model=model,
+                recipe=recipe,
+                org_id=org,
+                status=status,
+                charged_micros=charged,
+                model_micros=m,
+                web_micros=w,
+                compute_micros=c,
+                input_tokens=100,
+                output_tokens=10,
+            ),
+        )
     records = Records(tmp_path)
     records.compact(older_than_days=2, now=NOW)  # answers must not depend on the file layout
     return records
@@ -42,7 +53,10 @@ def _expected(by: str, since_days: int | None) -> dict[str, tuple[int, ...]]:
         if since_days is not None and days >= since_days:
             continue
         key = {
-            "model": model, "recipe": recipe or "(none)", "org": org, "status": status,
+            "model": model,
+            "recipe": recipe or "(none)",
+            "org": org,
+            "status": status,
             "day": (NOW - timedelta(days=days)).date().isoformat(),
         }[by]
         acc = out.setdefault(key, [0] * 7)
@@ -84,8 +98,15 @@ def test_totals(records: Records) -> None:
 
 @pytest.mark.parametrize(
     ("micros", "text"),
-    [(3530, "$0.00353"), (0, "$0.00000"), (1_234_567_891, "$1234.56789"), (5, "$0.00001"),
-     (4, "$0.00000"), (-3530, "-$0.00353"), (None, "$0.00000")],
+    [
+        (3530, "$0.00353"),
+        (0, "$0.00000"),
+        (1_234_567_891, "$1234.56789"),
+        (5, "$0.00001"),
+        (4, "$0.00000"),
+        (-3530, "-$0.00353"),
+        (None, "$0.00000"),
+    ],
 )
 def test_usd(micros: int | None, text: str) -> None:
     assert usd(micros) == text

@@ -30,6 +30,11 @@ def test_every_column_is_documented_with_its_type(kind: str) -> None:
 
 def test_cli_commands_are_documented() -> None:
     text = DOC.read_text()
-    for command in ("ephemeral query", "ephemeral costs", "ephemeral records compact",
-                    "ephemeral records purge", "ephemeral report costs"):
+    for command in (
+        "ephemeral query",
+        "ephemeral costs",
+        "ephemeral records compact",
+        "ephemeral records purge",
+        "ephemeral report costs",
+    ):
         assert command in text

@@ -47,9 +47,7 @@ def test_purge_removes_old_content_and_keeps_billing(tmp_path: Path) -> None:
         "OR stderr IS NOT NULL"
     )
     assert rows == [(2 * 3,)]  # only the two recent runs keep their step content
-    _, rows = records.query(
-        "SELECT data FROM events WHERE type = 'web.requested' ORDER BY \"at\""
-    )
+    _, rows = records.query("SELECT data FROM events WHERE type = 'web.requested' ORDER BY \"at\"")
     first = json.loads(rows[0][0])
     assert "url" not in first and first["url_bytes"] > 0 and first["cost_micros"] == 30
     assert new_canary in rows[-1][0]

@@ -37,7 +37,7 @@ def test_round_trip_every_column(tmp_path: Path) -> None:
     assert got["schema_version"] == 1
     assert got["date"] == run.created_at.date()
 
-    cols, rows = records.query('SELECT * FROM steps ORDER BY seq')
+    cols, rows = records.query("SELECT * FROM steps ORDER BY seq")
     assert [dict(zip(cols, r, strict=True))["kind"] for r in rows] == [s.kind for s in steps]
     for step, row in zip(steps, rows, strict=True):
         got = dict(zip(cols, row, strict=True))
@@ -116,15 +116,22 @@ def test_zero_data_retention_canary_never_reaches_disk(tmp_path: Path) -> None:
     assert rows == [(None, None, REMOVED_CHECKS, 3530)]
     _, rows = records.query("SELECT data FROM events WHERE type = 'shell.executed'")
     assert json.loads(rows[0][0]) == {
-        "command_bytes": len(f"echo {canary}"), "stdout_bytes": len(canary), "stderr_bytes": 0,
-        "exit_code": 0, "duration_ms": 4, "truncated": False,
+        "command_bytes": len(f"echo {canary}"),
+        "stdout_bytes": len(canary),
+        "stderr_bytes": 0,
+        "exit_code": 0,
+        "duration_ms": 4,
+        "truncated": False,
     }
 
     # control: the same canary without ZDR is found by the same grep, so the check can fail
     run, steps, events = make_run(content=canary, steps=4)
     write_run(tmp_path / "plain", run, steps, events)
-    found = {p.parent.parent.parent.name for p, d in _all_bytes(tmp_path / "plain")
-             if canary.encode() in d}
+    found = {
+        p.parent.parent.parent.name
+        for p, d in _all_bytes(tmp_path / "plain")
+        if canary.encode() in d
+    }
     assert found == {"kind=runs", "kind=steps", "kind=events"}
 
 
@@ -178,8 +185,13 @@ def test_query_errors_name_the_sql(tmp_path: Path) -> None:
         records.query(f"COPY (SELECT 1) TO '{outside}'")
     assert not outside.exists()
     # the views are shared between calls, so nothing may change them
-    for sql in ("DROP VIEW runs", "CREATE TABLE t AS SELECT 1", "SET threads = 1",
-                "SELECT 1; DROP VIEW runs", "ATTACH ':memory:' AS x"):
+    for sql in (
+        "DROP VIEW runs",
+        "CREATE TABLE t AS SELECT 1",
+        "SET threads = 1",
+        "SELECT 1; DROP VIEW runs",
+        "ATTACH ':memory:' AS x",
+    ):
         with pytest.raises(InvalidRequest) as err:
             records.query(sql)
         assert err.value.errors and err.value.errors[0]["field"] == "sql"
@@ -192,7 +204,8 @@ def test_runs_of_other_days_land_in_their_partition(tmp_path: Path) -> None:
         write_run(tmp_path, *make_run(days_ago=days))
     _, rows = Records(tmp_path).query('SELECT "date", count(*) FROM runs GROUP BY 1 ORDER BY 1')
     assert rows == [
-        ((NOW - timedelta(days=40)).date(), 1), ((NOW - timedelta(days=1)).date(), 2),
+        ((NOW - timedelta(days=40)).date(), 1),
+        ((NOW - timedelta(days=1)).date(), 2),
         (NOW.date(), 1),
     ]
 

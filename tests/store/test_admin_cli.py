@@ -88,9 +88,16 @@ def test_keys_create_json_list_revoke(cli) -> None:
     assert cli("keys", "revoke", "key_nope").exit_code == 1
 
 
-@pytest.mark.parametrize(("text", "micros"), [("10", 10_000_000), ("0.25", 250_000),
-                                              ("$1.5", 1_500_000), ("-2", -2_000_000),
-                                              ("0.000001", 1)])
+@pytest.mark.parametrize(
+    ("text", "micros"),
+    [
+        ("10", 10_000_000),
+        ("0.25", 250_000),
+        ("$1.5", 1_500_000),
+        ("-2", -2_000_000),
+        ("0.000001", 1),
+    ],
+)
 def test_parse_usd_is_exact(text: str, micros: int) -> None:
     assert parse_usd(text) == micros
 

@@ -19,8 +19,13 @@ COST = 40_000
 
 
 async def _admit(store: Store, org: Org, **kw: object):
-    args: dict[str, object] = {"org_id": org.id, "run_id": new_run_id(), "model": "replay/x",
-                               "prompt": "hello", "policy": policy(COST)}
+    args: dict[str, object] = {
+        "org_id": org.id,
+        "run_id": new_run_id(),
+        "model": "replay/x",
+        "prompt": "hello",
+        "policy": policy(COST),
+    }
     args.update(kw)
     return await store.admit_run(**args)  # type: ignore[arg-type]
 
@@ -31,8 +36,9 @@ async def test_200_concurrent_admissions_never_overdraw(store: Store) -> None:
     await store.credit(org.id, fits * COST + COST - 1)  # one micro short of one more run
 
     started = time.perf_counter()
-    outcomes = await asyncio.gather(*(_admit(store, org) for _ in range(200)),
-                                    return_exceptions=True)
+    outcomes = await asyncio.gather(
+        *(_admit(store, org) for _ in range(200)), return_exceptions=True
+    )
     elapsed = time.perf_counter() - started
 
     admitted = [o for o in outcomes if isinstance(o, tuple)]
@@ -49,10 +55,13 @@ async def test_200_concurrent_admissions_never_overdraw(store: Store) -> None:
     assert after.available_micros == COST - 1
     async with store.engine.connect() as conn:
         n_runs = await conn.scalar(sa.select(sa.func.count()).where(runs.c.org_id == org.id))
-        reserve_rows = (await conn.execute(
-            sa.select(sa.func.count(), sa.func.sum(ledger.c.amount_micros))
-            .where(ledger.c.org_id == org.id, ledger.c.kind == "reserve")
-        )).one()
+        reserve_rows = (
+            await conn.execute(
+                sa.select(sa.func.count(), sa.func.sum(ledger.c.amount_micros)).where(
+                    ledger.c.org_id == org.id, ledger.c.kind == "reserve"
+                )
+            )
+        ).one()
     assert n_runs == fits
     assert tuple(reserve_rows) == (fits, fits * COST)
     print(f"\n200 concurrent admissions on {store.dialect}: {elapsed * 1000:.0f} ms")
@@ -71,8 +80,9 @@ async def test_refusal_names_balance_and_need(store: Store) -> None:
 
 async def test_unknown_org_is_not_found(store: Store) -> None:
     with pytest.raises(errors.NotFound):
-        await store.admit_run(org_id="org_nope", run_id=new_run_id(), model="m/x", prompt="p",
-                              policy=policy())
+        await store.admit_run(
+            org_id="org_nope", run_id=new_run_id(), model="m/x", prompt="p", policy=policy()
+        )
 
 
 @pytest.mark.parametrize("bad", [0, -5, True, 1.5, None, "40000"])
@@ -121,9 +131,16 @@ async def test_keys_are_scoped_per_org(store: Store, org: Org) -> None:
 async def test_key_still_being_admitted_is_409(store: Store, org: Org) -> None:
     # Another admission holds the claim (committed as 'admitting', not yet 'done').
     async with store.engine.begin() as conn:
-        await conn.execute(sa.insert(idempotency).values(
-            org_id=org.id, key="busy", body_hash="h1", run_id=new_run_id(), state="admitting",
-            created_at=utcnow()))
+        await conn.execute(
+            sa.insert(idempotency).values(
+                org_id=org.id,
+                key="busy",
+                body_hash="h1",
+                run_id=new_run_id(),
+                state="admitting",
+                created_at=utcnow(),
+            )
+        )
     with pytest.raises(errors.Conflict) as info:
         await _admit(store, org, idempotency_key="busy", body_hash="h1")
     assert info.value.status == 409

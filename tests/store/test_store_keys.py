@@ -18,7 +18,10 @@ async def test_key_authenticates_its_member(store: Store, org: Org) -> None:
     assert key.prefix == plaintext[:12] and key.revoked_at is None
     principal = await store.authenticate(plaintext)
     assert (principal.org_id, principal.member, principal.key_id) == (
-        org.id, "ada@example.com", key.id)
+        org.id,
+        "ada@example.com",
+        key.id,
+    )
 
 
 async def test_plaintext_is_not_in_the_database_file(sqlite_store: Store, sqlite_url: str) -> None:
@@ -75,8 +78,9 @@ async def test_orgs_create_get_ensure(store: Store) -> None:
         await store.create_org("bad name!")
     assert info.value.errors and info.value.errors[0]["field"] == "name"
     # ensure_org credits only when it creates, also when racing with itself.
-    ensured = await asyncio.gather(*(store.ensure_org("local", initial_credit_micros=5_000_000)
-                                     for _ in range(5)))
+    ensured = await asyncio.gather(
+        *(store.ensure_org("local", initial_credit_micros=5_000_000) for _ in range(5))
+    )
     assert {o.id for o in ensured} == {ensured[0].id}
     assert (await store.get_org("local")).balance_micros == 5_000_000
     assert (await store.ensure_org("local", initial_credit_micros=7)).balance_micros == 5_000_000
@@ -91,8 +95,12 @@ async def test_key_for_unknown_org_and_bad_member(store: Store, org: Org) -> Non
 
 
 async def test_open_refuses_bad_urls_with_the_field(tmp_path: Path) -> None:
-    for url in ("sqlite+aiosqlite://", "sqlite:///x.db", "mysql+aiomysql://127.0.0.1/db",
-                "postgresql://127.0.0.1/db"):
+    for url in (
+        "sqlite+aiosqlite://",
+        "sqlite:///x.db",
+        "mysql+aiomysql://127.0.0.1/db",
+        "postgresql://127.0.0.1/db",
+    ):
         with pytest.raises(errors.InvalidRequest) as info:
             await Store.open(url)
         assert info.value.errors and info.value.errors[0]["field"] == "database_url"

@@ -20,8 +20,9 @@ KINDS = ("model", "web", "compute")
 
 
 async def _run(store: Store, org: Org, reserved: int = 10_000) -> RunRow:
-    run, _ = await store.admit_run(org_id=org.id, run_id=new_run_id(), model="replay/x",
-                                   prompt="p", policy=policy(reserved))
+    run, _ = await store.admit_run(
+        org_id=org.id, run_id=new_run_id(), model="replay/x", prompt="p", policy=policy(reserved)
+    )
     return run
 
 
@@ -29,11 +30,17 @@ async def test_charges_accumulate_and_settle_refunds_the_rest(store: Store, org:
     run = await _run(store, org)
     assert await store.charge(run.id, "model", 330, "m1") == 330
     assert await store.charge(run.id, "compute", 3200, "c1") == 3530
-    assert await store.charged(run.id) == {"model_micros": 330, "web_micros": 0,
-                                           "compute_micros": 3200}
+    assert await store.charged(run.id) == {
+        "model_micros": 330,
+        "web_micros": 0,
+        "compute_micros": 3200,
+    }
     settled = await store.settle(run.id)
     assert (settled.reserved_micros, settled.charged_micros, settled.refunded_micros) == (
-        10_000, 3530, 6470)
+        10_000,
+        3530,
+        6470,
+    )
     assert settled.breakdown == {"model_micros": 330, "web_micros": 0, "compute_micros": 3200}
     after = await store.get_org(org.id)
     assert (after.balance_micros, after.reserved_micros) == (1_000_000 - 3530, 0)
@@ -91,10 +98,13 @@ async def test_no_charge_after_settle(store: Store, org: Org) -> None:
         await store.charge(run.id, "compute", 1, "late")
 
 
-@pytest.mark.parametrize(("kind", "micros", "field"),
-                         [("gpu", 1, "kind"), ("model", -1, "micros"), ("model", 1.5, "micros")])
-async def test_bad_charge_names_the_field(store: Store, org: Org, kind: str, micros: object,
-                                          field: str) -> None:
+@pytest.mark.parametrize(
+    ("kind", "micros", "field"),
+    [("gpu", 1, "kind"), ("model", -1, "micros"), ("model", 1.5, "micros")],
+)
+async def test_bad_charge_names_the_field(
+    store: Store, org: Org, kind: str, micros: object, field: str
+) -> None:
     run = await _run(store, org)
     with pytest.raises(errors.InvalidRequest) as info:
         await store.charge(run.id, kind, micros, "k")  # type: ignore[arg-type]
@@ -102,8 +112,11 @@ async def test_bad_charge_names_the_field(store: Store, org: Org, kind: str, mic
 
 
 async def test_unknown_run(store: Store) -> None:
-    for call in (store.charge("run_" + "0" * 32, "model", 1, "k"),
-                 store.settle("run_" + "0" * 32), store.charged("run_" + "0" * 32)):
+    for call in (
+        store.charge("run_" + "0" * 32, "model", 1, "k"),
+        store.settle("run_" + "0" * 32),
+        store.charged("run_" + "0" * 32),
+    ):
         with pytest.raises(errors.NotFound):
             await call
 
@@ -114,12 +127,20 @@ async def test_credit_and_debit_keep_reservations_covered(store: Store, org: Org
         await store.credit(org.id, -500_000)
     after = await store.credit(org.id, -400_000, "correction")
     assert (after.balance_micros, after.reserved_micros, after.available_micros) == (
-        600_000, 600_000, 0)
+        600_000,
+        600_000,
+        0,
+    )
     with pytest.raises(errors.InvalidRequest):
         await store.credit(org.id, 0)
     async with store.engine.connect() as conn:
-        notes = (await conn.execute(sa.select(ledger.c.amount_micros, ledger.c.note).where(
-            ledger.c.org_id == org.id, ledger.c.kind == "credit").order_by(ledger.c.id))).all()
+        notes = (
+            await conn.execute(
+                sa.select(ledger.c.amount_micros, ledger.c.note)
+                .where(ledger.c.org_id == org.id, ledger.c.kind == "credit")
+                .order_by(ledger.c.id)
+            )
+        ).all()
     assert [tuple(n) for n in notes] == [(1_000_000, "initial credit"), (-400_000, "correction")]
 
 
@@ -151,8 +172,9 @@ charge_ops = st.lists(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reserved=st.integers(1, 20_000), ops=charge_ops)
-def test_any_charge_sequence_settles_consistently(tmp_path_factory: pytest.TempPathFactory,
-                                                  reserved: int, ops: list) -> None:
+def test_any_charge_sequence_settles_consistently(
+    tmp_path_factory: pytest.TempPathFactory, reserved: int, ops: list
+) -> None:
     db: Path = tmp_path_factory.mktemp("prop") / "e.db"
     asyncio.run(_property(f"sqlite+aiosqlite:///{db}", reserved, ops))
 

@@ -19,8 +19,13 @@ CANARY = "CANARY-7f3a9c-not-for-storage"
 
 
 async def _run(store: Store, org: Org, **pol: object) -> RunRow:
-    run, _ = await store.admit_run(org_id=org.id, run_id=new_run_id(), model="replay/x",
-                                   prompt=f"echo {CANARY}", policy=policy(10_000, **pol))
+    run, _ = await store.admit_run(
+        org_id=org.id,
+        run_id=new_run_id(),
+        model="replay/x",
+        prompt=f"echo {CANARY}",
+        policy=policy(10_000, **pol),
+    )
     return run
 
 
@@ -53,9 +58,16 @@ async def test_event_validation(store: Store, org: Org) -> None:
 async def test_zero_data_retention_keeps_no_content(store: Store, org: Org) -> None:
     run = await _run(store, org, zero_data_retention=True)
     event = await store.append_event(
-        run.id, "shell.executed",
-        {"command": f"echo {CANARY}", "exit_code": 0, "stdout": CANARY, "stderr": "",
-         "duration_ms": 3, "truncated": False},
+        run.id,
+        "shell.executed",
+        {
+            "command": f"echo {CANARY}",
+            "exit_code": 0,
+            "stdout": CANARY,
+            "stderr": "",
+            "duration_ms": 3,
+            "truncated": False,
+        },
     )
     assert CANARY not in str(event.data)
     assert event.data["command_bytes"] == len(f"echo {CANARY}") and event.data["exit_code"] == 0
@@ -65,8 +77,9 @@ async def test_zero_data_retention_keeps_no_content(store: Store, org: Org) -> N
 
 async def test_erase_content_keeps_billing(store: Store, org: Org) -> None:
     run = await _run(store, org)
-    await store.append_event(run.id, "shell.executed", {"command": f"echo {CANARY}",
-                                                        "stdout": CANARY, "exit_code": 0})
+    await store.append_event(
+        run.id, "shell.executed", {"command": f"echo {CANARY}", "stdout": CANARY, "exit_code": 0}
+    )
     await store.append_event(run.id, "run.output", {"markdown": CANARY})
     await store.save_transcript(run.id, [{"role": "user", "content": CANARY}])
     await store.update_run(run.id, output=CANARY, usage={"model_calls": 1})
@@ -91,13 +104,21 @@ async def test_erase_content_keeps_billing(store: Store, org: Org) -> None:
     await store.save_transcript(run.id, [{"content": CANARY}])
     assert await store.get_transcript(run.id) is None
     async with store.engine.connect() as conn:
-        kinds = (await conn.execute(sa.select(ledger.c.kind).where(ledger.c.run_id == run.id)
-                                    .order_by(ledger.c.id))).scalars().all()
+        kinds = (
+            (
+                await conn.execute(
+                    sa.select(ledger.c.kind).where(ledger.c.run_id == run.id).order_by(ledger.c.id)
+                )
+            )
+            .scalars()
+            .all()
+        )
     assert kinds == ["reserve", "model", "settle", "refund"]
 
 
-async def test_erased_content_is_gone_from_the_sqlite_files(sqlite_store: Store,
-                                                           sqlite_url: str) -> None:
+async def test_erased_content_is_gone_from_the_sqlite_files(
+    sqlite_store: Store, sqlite_url: str
+) -> None:
     org = await sqlite_store.ensure_org("zdr", initial_credit_micros=100_000)
     run = await _run(sqlite_store, org)
     await sqlite_store.append_event(run.id, "run.output", {"markdown": CANARY * 20})
@@ -115,28 +136,51 @@ async def test_transcript_roundtrip_and_overwrite(store: Store, org: Org) -> Non
     run = await _run(store, org)
     assert await store.get_transcript(run.id) is None
     await store.save_transcript(run.id, [{"role": "user", "content": "a"}])
-    await store.save_transcript(run.id, [{"role": "user", "content": "a"},
-                                         {"role": "assistant", "content": "b"}])
-    assert await store.get_transcript(run.id) == [{"role": "user", "content": "a"},
-                                                  {"role": "assistant", "content": "b"}]
+    await store.save_transcript(
+        run.id, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    )
+    assert await store.get_transcript(run.id) == [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+    ]
 
 
 async def test_update_run_fields_and_guard(store: Store, org: Org) -> None:
     run = await _run(store, org)
     now = utcnow()
-    updated = await store.update_run(run.id, status="running", isolation="gvisor",
-                                     sandbox_id="sb-1", started_at=now, owner="host:123")
+    updated = await store.update_run(
+        run.id,
+        status="running",
+        isolation="gvisor",
+        sandbox_id="sb-1",
+        started_at=now,
+        owner="host:123",
+    )
     assert (updated.status, updated.isolation, updated.sandbox_id, updated.owner) == (
-        "running", "gvisor", "sb-1", "host:123")
+        "running",
+        "gvisor",
+        "sb-1",
+        "host:123",
+    )
     assert updated.started_at is not None
     assert abs(updated.started_at - now) < timedelta(milliseconds=1)
-    done = await store.update_run(run.id, if_status={"running"}, status="succeeded",
-                                  termination_reason="completed", ended_at=utcnow())
+    done = await store.update_run(
+        run.id,
+        if_status={"running"},
+        status="succeeded",
+        termination_reason="completed",
+        ended_at=utcnow(),
+    )
     assert done.status == "succeeded"
     with pytest.raises(errors.Conflict):
         await store.update_run(run.id, if_status={"queued", "running"}, status="cancelled")
-    for bad in ({"status": "exploded"}, {"termination_reason": "meh"}, {"reserved_micros": 1},
-                {"usage": "x"}, {"ended_at": now.replace(tzinfo=None)}):
+    for bad in (
+        {"status": "exploded"},
+        {"termination_reason": "meh"},
+        {"reserved_micros": 1},
+        {"usage": "x"},
+        {"ended_at": now.replace(tzinfo=None)},
+    ):
         with pytest.raises(errors.InvalidRequest) as info:
             await store.update_run(run.id, **bad)
         assert info.value.errors and info.value.errors[0]["field"] == next(iter(bad))
