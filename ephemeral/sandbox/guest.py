@@ -222,6 +222,42 @@ class GuestClient:
         return self._broken
 
 
+class GuestBacked:
+    """The Sandbox methods that forward to a guest agent; drivers only start and destroy.
+
+    A subclass sets ``id``, ``_client`` (once the agent said hello) and ``_destroyed``.
+    """
+
+    id: str
+    _client: GuestClient | None
+    _destroyed: bool
+
+    def _guest(self) -> GuestClient:
+        if self._destroyed or self._client is None:
+            raise errors.SandboxError(f"sandbox {self.id} is destroyed")
+        return self._client
+
+    async def exec(
+        self,
+        command: str | list[str],
+        *,
+        stdin: bytes = b"",
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = 30.0,
+        max_output: int = 64 * 1024,
+    ) -> ExecResult:
+        return await self._guest().exec(
+            command, stdin=stdin, env=env, cwd=cwd, timeout=timeout, max_output=max_output
+        )
+
+    async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        await self._guest().put_file(path, data, mode)
+
+    async def get_file(self, path: str, max_bytes: int = 1 << 20) -> bytes:
+        return await self._guest().get_file(path, max_bytes)
+
+
 class _GuestRefused(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(f"{kind}: {message}")

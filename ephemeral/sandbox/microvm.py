@@ -40,8 +40,8 @@ from pydantic import BaseModel
 from ephemeral import errors
 from ephemeral.sandbox import handles, images, microvm_image
 from ephemeral.sandbox import protocol as p
-from ephemeral.sandbox.base import ExecResult, Handle, Limits, Sandbox
-from ephemeral.sandbox.guest import GuestClient
+from ephemeral.sandbox.base import Handle, Limits, Sandbox
+from ephemeral.sandbox.guest import GuestBacked, GuestClient
 from ephemeral.sandbox.microvm_image import BootArtifacts
 from ephemeral.sandbox.process import new_handle
 from ephemeral.sandbox.qemu import (
@@ -109,7 +109,7 @@ def _exist(*paths: Path) -> bool:
 # ---------------------------------------------------------------------------- the sandbox
 
 
-class MicroVMSandbox:
+class MicroVMSandbox(GuestBacked):
     def __init__(
         self,
         *,
@@ -203,31 +203,6 @@ class MicroVMSandbox:
     async def _expire(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
         await self.destroy()
-
-    def _guest(self) -> GuestClient:
-        if self._destroyed or self._client is None:
-            raise errors.SandboxError(f"sandbox {self.id} is destroyed")
-        return self._client
-
-    async def exec(
-        self,
-        command: str | list[str],
-        *,
-        stdin: bytes = b"",
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        timeout: float = 30.0,
-        max_output: int = 64 * 1024,
-    ) -> ExecResult:
-        return await self._guest().exec(
-            command, stdin=stdin, env=env, cwd=cwd, timeout=timeout, max_output=max_output
-        )
-
-    async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        await self._guest().put_file(path, data, mode)
-
-    async def get_file(self, path: str, max_bytes: int = 1 << 20) -> bytes:
-        return await self._guest().get_file(path, max_bytes)
 
     async def destroy(self) -> None:
         async with self._destroy_lock:

@@ -17,15 +17,15 @@ from pathlib import Path
 
 from ephemeral import errors, ids
 from ephemeral.sandbox import handles
-from ephemeral.sandbox.base import ExecResult, Handle, Limits
+from ephemeral.sandbox.base import Handle, Limits
 from ephemeral.sandbox.cgroups import CgroupSet
-from ephemeral.sandbox.guest import GuestClient
+from ephemeral.sandbox.guest import GuestBacked, GuestClient
 
 STDERR_KEEP = 64 * 1024  # the runtime's own log: kept for diagnostics, never unbounded
 HELLO_TIMEOUT = 20.0
 
 
-class ProcessSandbox:
+class ProcessSandbox(GuestBacked):
     def __init__(
         self,
         *,
@@ -132,31 +132,6 @@ class ProcessSandbox:
         return found
 
     # ---- the Sandbox protocol
-
-    def _guest(self) -> GuestClient:
-        if self._destroyed or self._client is None:
-            raise errors.SandboxError(f"sandbox {self.id} is destroyed")
-        return self._client
-
-    async def exec(
-        self,
-        command: str | list[str],
-        *,
-        stdin: bytes = b"",
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        timeout: float = 30.0,
-        max_output: int = 64 * 1024,
-    ) -> ExecResult:
-        return await self._guest().exec(
-            command, stdin=stdin, env=env, cwd=cwd, timeout=timeout, max_output=max_output
-        )
-
-    async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        await self._guest().put_file(path, data, mode)
-
-    async def get_file(self, path: str, max_bytes: int = 1 << 20) -> bytes:
-        return await self._guest().get_file(path, max_bytes)
 
     async def destroy(self) -> None:
         async with self._destroy_lock:
