@@ -91,6 +91,9 @@ def settings_markdown() -> str:
         )
         if field.default_factory is not None:
             default = "see description"
+        elif isinstance(field.default, Path):
+            # Relative to the checkout, so the page is the same in every clone.
+            default = f"`{field.default.relative_to(REPO_ROOT)}` in the checkout"
         else:
             default = f"`{field.default}`" if field.default is not None else "unset"
         desc = (field.description or _DESCRIPTIONS.get(name, "")).replace("|", "\\|")
