@@ -164,6 +164,12 @@ class Client:
         result: dict[str, Any] = self.request("GET", "/v1/isolation").json()
         return result
 
+    def costs(self, by: str = "model", since: str = "30d") -> dict[str, Any]:
+        """Your org's spend grouped by ``by`` over ``since`` (``30d``, ``12h``, ``all``)."""
+        params = {"by": by, "since": since}
+        result: dict[str, Any] = self.request("GET", "/v1/costs", params=params).json()
+        return result
+
 
 class Runs:
     def __init__(self, client: Client) -> None:
@@ -320,6 +326,12 @@ class AsyncClient:
 
     async def isolation(self) -> dict[str, Any]:
         result: dict[str, Any] = (await self.request("GET", "/v1/isolation")).json()
+        return result
+
+    async def costs(self, by: str = "model", since: str = "30d") -> dict[str, Any]:
+        """Your org's spend grouped by ``by`` over ``since`` (``30d``, ``12h``, ``all``)."""
+        params = {"by": by, "since": since}
+        result: dict[str, Any] = (await self.request("GET", "/v1/costs", params=params)).json()
         return result
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from typing import Annotated, Any
@@ -186,6 +187,34 @@ async def delete_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> d
     await runtime.store.erase_content(run_id)
     runtime.take_zdr_output(run_id)
     return run_object(await runtime.store.get_run(run_id, who.org_id), base_url(request))
+
+
+@v1.get("/costs", responses=problems(401, 422), tags=["costs"], summary="Spend of your org")
+async def costs(
+    who: Auth,
+    runtime: Rt,
+    by: Annotated[str, Query(description="model, recipe, day, org or status")] = "model",
+    since: Annotated[str, Query(max_length=16, description="window: 30d, 12h, 2w or all")] = "30d",
+) -> dict[str, Any]:
+    """Spend grouped by one dimension, over your org's recorded runs only (money in micros)."""
+    from ephemeral.records import Records, parse_since
+
+    window = parse_since(since)
+
+    def read() -> tuple[list[str], list[tuple[Any, ...]]]:
+        # One DuckDB connection per request: connections are not safe to share across threads.
+        records = Records(runtime.settings.records_dir)
+        try:
+            return records.costs(by, window, org_id=who.org_id)
+        finally:
+            records.close()
+
+    columns, rows = await asyncio.to_thread(read)
+    return {
+        "by": by,
+        "since": since,
+        "rows": [dict(zip(columns, row, strict=True)) for row in rows],
+    }
 
 
 @v1.get("/isolation", response_model=IsolationInfo, responses=problems(401), tags=["meta"])

@@ -6,7 +6,6 @@ import asyncio
 import csv
 import enum
 import json
-import re
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
@@ -18,12 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from ephemeral.errors import EphemeralError, InvalidRequest
-from ephemeral.records import COST_DIMENSIONS, Records
+from ephemeral.records import COST_COLUMNS, COST_DIMENSIONS, Records, parse_since
 from ephemeral.records.report import render_costs_html, usd
 from ephemeral.settings import Settings
-
-_SINCE_RE = re.compile(r"^(\d{1,6})([smhdw])$")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
 
 class Format(enum.StrEnum):
@@ -32,16 +28,15 @@ class Format(enum.StrEnum):
     json = "json"
 
 
-def parse_since(text: str | None) -> timedelta | None:
-    """``30d``, ``12h``, ``2w``, ``90m``, ``45s``; ``all`` (or nothing) means no lower bound."""
-    if text is None or text.strip().lower() == "all":
-        return None
-    match = _SINCE_RE.match(text.strip())
-    if not match or int(match.group(1)) == 0:
-        raise InvalidRequest.field(
-            "since", f"expected a positive duration like 30d, 12h, 2w or 'all', not {text!r}"
-        )
-    return timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+def _remote_costs(
+    settings: Settings, by: str, since: str
+) -> tuple[list[str], list[tuple[Any, ...]]]:
+    from ephemeral.client import Client
+
+    with Client(settings) as client:
+        page = client.costs(by=by, since=since)
+    columns = list(COST_COLUMNS)
+    return columns, [tuple(row[c] for c in columns) for row in page["rows"]]
 
 
 def _records() -> Records:
@@ -157,9 +152,16 @@ def costs(
     since: str = typer.Option("30d", "--since", help="Window like 30d, 12h, 2w, or 'all'."),
     fmt: Format = typer.Option(Format.table, "--format", help="table, csv or json."),
 ) -> None:
-    """Spend grouped by model, recipe, day, org or status (USD; csv/json add raw micros)."""
+    """Spend grouped by model, recipe, day, org or status (USD; csv/json add raw micros).
+
+    With EPHEMERAL_URL set, asks that server for your org's spend instead of local records.
+    """
+    settings = Settings.load()
     try:
-        columns, rows = _records().costs(by, parse_since(since))
+        if settings.url:
+            columns, rows = _remote_costs(settings, by, since)
+        else:
+            columns, rows = Records(settings.records_dir).costs(by, parse_since(since))
     except EphemeralError as err:
         raise _fail(err) from err
     if fmt is Format.table:

@@ -6,7 +6,7 @@ Layout, columns and units: ``docs/records.md``. Writers (the settle/record task)
 
 from __future__ import annotations
 
-from ephemeral.records.reader import COST_COLUMNS, COST_DIMENSIONS, Records
+from ephemeral.records.reader import COST_COLUMNS, COST_DIMENSIONS, Records, parse_since
 from ephemeral.records.schema import (
     KINDS,
     SCHEMA_VERSION,
@@ -25,5 +25,6 @@ __all__ = [
     "Records",
     "RunRecord",
     "StepRecord",
+    "parse_since",
     "write_run",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -68,6 +69,22 @@ def _transient(err: duckdb.Error) -> bool:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+_SINCE_RE = re.compile(r"^(\d{1,6})([smhdw])$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def parse_since(text: str | None) -> timedelta | None:
+    """``30d``, ``12h``, ``2w``, ``90m``, ``45s``; ``all`` (or nothing) means no lower bound."""
+    if text is None or text.strip().lower() == "all":
+        return None
+    match = _SINCE_RE.match(text.strip())
+    if not match or int(match.group(1)) == 0:
+        raise InvalidRequest.field(
+            "since", f"expected a positive duration like 30d, 12h, 2w or 'all', not {text!r}"
+        )
+    return timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
 
 
 class Records:
@@ -183,15 +200,26 @@ class Records:
         return self._run(statements[0])
 
     def costs(
-        self, by: str, since: timedelta | None, *, now: datetime | None = None
+        self,
+        by: str,
+        since: timedelta | None,
+        *,
+        now: datetime | None = None,
+        org_id: str | None = None,
     ) -> tuple[list[str], list[tuple[Any, ...]]]:
-        """Spend grouped by one dimension; money in micros, most expensive first (days in order)."""
+        """Spend grouped by one dimension; money in micros, most expensive first (days in order).
+
+        ``org_id`` limits it to one org's runs (the HTTP API always passes the caller's).
+        """
         key = COST_DIMENSIONS.get(by)
         if key is None:
             raise InvalidRequest.field(
                 "by", f"must be one of {', '.join(COST_DIMENSIONS)}, not {by!r}"
             )
         where, params = self._since(since, now)
+        if org_id is not None:
+            params.append(org_id)
+            where += (" AND " if where else "WHERE ") + f"org_id = ${len(params)}"
         order = "key" if by == "day" else "charged_micros DESC, key"
         sql = (
             f"SELECT {key} AS key, count(*) AS runs, "
