@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 from ephemeral import errors
-from ephemeral.sandbox import cgroups, handles, images
+from ephemeral.sandbox import cgroups, handles
 from ephemeral.sandbox.base import Limits, Sandbox
-from ephemeral.sandbox.process import ProcessSandbox, new_handle
-from ephemeral.settings import Settings
+from ephemeral.sandbox.process import ProcessDriver, ProcessSandbox, new_handle
 
 # The Sentry, Gofer and ptrace stubs live in the same cgroup as the guest: headroom for them.
 # Under the ptrace platform every guest process costs ~12 host threads (measured: 100 guest
@@ -113,35 +111,10 @@ def oci_spec(rootfs: str, agent_path: str, limits: Limits, cgroups_path: str) ->
     }
 
 
-class GVisorDriver:
+class GVisorDriver(ProcessDriver):
     isolation = "gvisor"
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self._rootfs: str | None = None
-        self._agent_path = "/opt/ephemeral/agent.py"
-
-    async def _image(self) -> str:
-        if self._rootfs is None:
-            root = await images.ensure_image(self.settings, self.settings.image)
-            self._agent_path = images.agent_exec_path(
-                root,
-                images.load_definition(
-                    images.definition_dir(self.settings, self.settings.image)
-                ).agent.path,
-            )
-            self._rootfs = str(root)
-        return self._rootfs
-
-    async def probe(self) -> str | None:
-        if shutil.which("runsc") is None:
-            return "runsc not installed (apt-get install runsc)"
-        why = cgroups.available()
-        if why:
-            return why
-        from ephemeral.sandbox.probe import start_and_exec_true
-
-        return await start_and_exec_true(self)
+    binary = "runsc"
+    package = "runsc"
 
     @staticmethod
     def runsc_argv(state_root: Path, bundle: Path, container_id: str) -> list[str]:

@@ -21,13 +21,12 @@ import contextlib
 import logging
 import os
 import secrets
-import shutil
 from pathlib import Path
 
 from ephemeral import errors
-from ephemeral.sandbox import cgroups, handles, images, seccomp
+from ephemeral.sandbox import cgroups, handles, seccomp
 from ephemeral.sandbox.base import Limits, Sandbox
-from ephemeral.sandbox.process import ProcessSandbox, new_handle
+from ephemeral.sandbox.process import ProcessDriver, ProcessSandbox, new_handle
 from ephemeral.settings import Settings
 
 AGENT_ARGV = ["/usr/bin/python3", "-I", "-S"]
@@ -39,36 +38,14 @@ HOST_UID_SPAN = 60_000
 log = logging.getLogger(__name__)
 
 
-class NamespacesDriver:
+class NamespacesDriver(ProcessDriver):
     isolation = "namespaces"
+    binary = "bwrap"
+    package = "bubblewrap"
 
     def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self._rootfs: str | None = None
-        self._agent_path = "/opt/ephemeral/agent.py"
+        super().__init__(settings)
         self.privileged_fallback = False
-
-    async def _image(self) -> str:
-        if self._rootfs is None:
-            root = await images.ensure_image(self.settings, self.settings.image)
-            self._agent_path = images.agent_exec_path(
-                root,
-                images.load_definition(
-                    images.definition_dir(self.settings, self.settings.image)
-                ).agent.path,
-            )
-            self._rootfs = str(root)
-        return self._rootfs
-
-    async def probe(self) -> str | None:
-        if shutil.which("bwrap") is None:
-            return "bwrap not installed (apt-get install bubblewrap)"
-        why = cgroups.available()
-        if why:
-            return why
-        from ephemeral.sandbox.probe import start_and_exec_true
-
-        return await start_and_exec_true(self)
 
     def argv(self, rootfs: str, limits: Limits, seccomp_fd: int) -> list[str]:
         disk = limits.disk_mib << 20

@@ -11,15 +11,17 @@ import asyncio
 import contextlib
 import os
 import shlex
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ephemeral import errors, ids
-from ephemeral.sandbox import handles
-from ephemeral.sandbox.base import Handle, Limits
+from ephemeral.sandbox import cgroups, handles, images
+from ephemeral.sandbox.base import Handle, Limits, Sandbox
 from ephemeral.sandbox.cgroups import CgroupSet
 from ephemeral.sandbox.guest import GuestBacked, GuestClient
+from ephemeral.settings import Settings
 
 STDERR_KEEP = 64 * 1024  # the runtime's own log: kept for diagnostics, never unbounded
 HELLO_TIMEOUT = 20.0
@@ -187,3 +189,44 @@ def new_handle(driver: str, owner: str, sandbox_id: str | None = None) -> Handle
         host_start_time=handles.process_start_time(os.getpid()),
         created_at=time.time(),
     )
+
+
+class ProcessDriver:
+    """What the process drivers (gvisor, namespaces) share: the image's rootfs and a probe.
+
+    A subclass names its runtime ``binary`` and the package that installs it.
+    """
+
+    isolation: str
+    binary: str
+    package: str
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._rootfs: str | None = None
+        self._agent_path = "/opt/ephemeral/agent.py"
+
+    async def _image(self) -> str:
+        if self._rootfs is None:
+            root = await images.ensure_image(self.settings, self.settings.image)
+            self._agent_path = images.agent_exec_path(
+                root,
+                images.load_definition(
+                    images.definition_dir(self.settings, self.settings.image)
+                ).agent.path,
+            )
+            self._rootfs = str(root)
+        return self._rootfs
+
+    async def probe(self) -> str | None:
+        if shutil.which(self.binary) is None:
+            return f"{self.binary} not installed (apt-get install {self.package})"
+        why = cgroups.available()
+        if why:
+            return why
+        from ephemeral.sandbox.probe import start_and_exec_true
+
+        return await start_and_exec_true(self)
+
+    async def create(self, *, owner: str, limits: Limits) -> Sandbox:
+        raise NotImplementedError  # each driver starts its own runtime
