@@ -690,6 +690,22 @@ def report_json(report: Report) -> dict[str, Any]:
     return data
 
 
+def purge_reports(settings: Settings, retention_days: int, *, now: float | None = None) -> int:
+    """Delete suite summaries older than retention: their check reasons quote run output.
+
+    Pass rates and costs stay answerable from the records, which keep billing figures.
+    """
+    import time
+
+    cutoff = (now if now is not None else time.time()) - retention_days * 86_400
+    removed = 0
+    for path in (settings.state_dir / "evals").glob("*.*"):
+        if path.suffix in (".json", ".md") and path.stat().st_mtime < cutoff:
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
 def write_report(report: Report, settings: Settings) -> Path:
     """Keep the summary next to the records: ``<state>/evals/<suite_run_id>.{json,md}``."""
     import os

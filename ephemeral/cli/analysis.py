@@ -206,10 +206,14 @@ def records_purge(
     try:
         purged = Records(settings.records_dir).purge_content(days)
         erased = asyncio.run(_erase_expired(settings, days))
+        from ephemeral.evals import purge_reports
+
+        reports = purge_reports(settings, days)
     except EphemeralError as err:
         raise _fail(err) from err
     typer.echo(
         f"purged content of {purged} records and {erased} stored runs older than {days} days"
+        f"; removed {reports} eval summary files"
     )
 
 

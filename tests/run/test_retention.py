@@ -25,6 +25,9 @@ async def test_purge_erases_content_and_keeps_billing(run_settings: Settings) ->
         await runtime.close()
     assert row.prompt == "keep me" and row.output
 
+    summary = run_settings.state_dir / "evals" / "suite_old.json"
+    summary.parent.mkdir(parents=True)
+    summary.write_text('{"reason": "output said keep me"}')
     # The CLI runs its own event loop: invoke it from a thread, as a separate command would.
     result = await asyncio.to_thread(
         CliRunner().invoke,
@@ -34,6 +37,8 @@ async def test_purge_erases_content_and_keeps_billing(run_settings: Settings) ->
     )
     assert result.exit_code == 0, result.output
     assert "1 stored runs" in result.output
+    assert "removed 1 eval summary files" in result.output
+    assert not summary.exists()
 
     runtime = await Runtime.start(run_settings)
     try:
