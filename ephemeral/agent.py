@@ -129,10 +129,8 @@ class AgentRun:
             raise StopRun("cancelled", "cancelled by request")
         left = self.time_left()
         if left <= 0:
-            if (
-                self.budget.compute_deadline() is not None
-                and (self.budget.compute_deadline() or 0) < self.deadline
-            ):
+            compute = self.budget.compute_deadline()
+            if compute is not None and compute < self.deadline:
                 raise StopRun("budget_exhausted", "compute used up the remaining budget")
             raise StopRun("timeout", f"time limit of {self.policy.timeout_seconds} s reached")
         return left
@@ -353,45 +351,69 @@ class AgentRun:
             )
 
     async def settle(self) -> RunRow:
-        """Settle the money, then publish the terminal events in the product page's order."""
-        reason = self.reason or "infra_error"
-        status = STATUS_FOR_REASON[reason]
-        settlement = await self.store.settle(self.run_id)
-        tokens = self.usage.input_tokens + self.usage.output_tokens
-        row = await self.store.update_run(
+        """Settle the money and publish the end of the run (see :func:`close_run`)."""
+        row = await close_run(
+            self.store,
             self.run_id,
-            status=status,
-            ended_at=utcnow(),
-            termination_reason=reason,
-            termination_detail=self.detail,
+            reason=self.reason or "infra_error",
+            detail=self.detail,
             usage={
                 "model_calls": self.model_calls,
                 "input_tokens": self.usage.input_tokens,
                 "output_tokens": self.usage.output_tokens,
             },
-            output=None if self.zdr else self.output,
-        )
-        await self.emit(
-            f"run.{status}",
-            {
-                "model_calls": self.model_calls,
-                "tokens": tokens,
-                "reason": reason,
-            },
-        )
-        if self.output is not None:
-            await self.emit("run.output", {"markdown": self.output})
-        await self.emit(
-            "run.settled",
-            {
-                "charged_micros": settlement.charged_micros,
-                "refunded_micros": settlement.refunded_micros,
-                "breakdown": settlement.breakdown,
-            },
+            output=self.output,
+            keep_output=not self.zdr,
+            emit=self.emit,
         )
         if not self.zdr:
             await self.store.save_transcript(self.run_id, self.turns)
         return row
+
+
+async def close_run(
+    store: Store,
+    run_id: str,
+    *,
+    reason: str,
+    detail: str | None,
+    usage: dict[str, Any],
+    output: str | None,
+    keep_output: bool,
+    emit: Callable[[str, dict[str, Any]], Awaitable[Any]],
+) -> RunRow:
+    """The one way a run ends, whether its agent finished it or the runtime abandoned it.
+
+    Settles the money first, then marks the run terminal and publishes ``run.<status>``,
+    ``run.output`` (if any) and ``run.settled`` in the product page's order.
+    """
+    status = STATUS_FOR_REASON[reason]
+    settlement = await store.settle(run_id)
+    row = await store.update_run(
+        run_id,
+        status=status,
+        ended_at=utcnow(),
+        termination_reason=reason,
+        termination_detail=detail,
+        usage=usage,
+        output=output if keep_output else None,
+    )
+    tokens = int(usage.get("input_tokens", 0)) + int(usage.get("output_tokens", 0))
+    await emit(
+        f"run.{status}",
+        {"model_calls": int(usage.get("model_calls", 0)), "tokens": tokens, "reason": reason},
+    )
+    if output is not None:
+        await emit("run.output", {"markdown": output})
+    await emit(
+        "run.settled",
+        {
+            "charged_micros": settlement.charged_micros,
+            "refunded_micros": settlement.refunded_micros,
+            "breakdown": settlement.breakdown,
+        },
+    )
+    return row
 
 
 @dataclass

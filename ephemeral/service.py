@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from ephemeral import errors
-from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps, drive
+from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps, close_run, drive
 from ephemeral.broker import Broker
 from ephemeral.events import Event
 from ephemeral.ids import new_run_id, utcnow
@@ -376,7 +377,7 @@ class Runtime:
         async with asyncio.timeout(timeout):
             while True:
                 row = await self.store.get_run(run_id)
-                if row.status in TERMINAL_STATUSES and row.charged_micros is not None:
+                if row.status in TERMINAL_STATUSES:
                     events = await self.store.list_events(run_id)
                     if events and events[-1].type == "run.settled":
                         return row
@@ -440,8 +441,6 @@ class Runtime:
 
     async def _abandon(self, run_id: str, reason: str, detail: str) -> None:
         """Close a run that has no live agent: charge compute it used, settle, record."""
-        from ephemeral.policy import STATUS_FOR_REASON
-
         row = await self.store.get_run(run_id)
         events = await self.store.list_events(run_id)
         types = [e.type for e in events]
@@ -457,34 +456,15 @@ class Runtime:
             compute = min(rate * lifetime // 1000, row.reserved_micros - spent)
             await self.store.charge(run_id, "compute", max(0, compute), key=f"{run_id}:compute")
             await self.store.append_event(run_id, "sandbox.destroyed", {"lifetime_ms": lifetime})
-        settlement = await self.store.settle(run_id)
-        status = STATUS_FOR_REASON[reason]
-        usage = row.usage or {}
-        await self.store.update_run(
+        await close_run(
+            self.store,
             run_id,
-            status=status,
-            ended_at=utcnow(),
-            termination_reason=reason,
-            termination_detail=detail,
-        )
-        tokens = int(usage.get("input_tokens", 0)) + int(usage.get("output_tokens", 0))
-        await self.store.append_event(
-            run_id,
-            f"run.{status}",
-            {
-                "model_calls": int(usage.get("model_calls", 0)),
-                "tokens": tokens,
-                "reason": reason,
-            },
-        )
-        await self.store.append_event(
-            run_id,
-            "run.settled",
-            {
-                "charged_micros": settlement.charged_micros,
-                "refunded_micros": settlement.refunded_micros,
-                "breakdown": settlement.breakdown,
-            },
+            reason=reason,
+            detail=detail,
+            usage=row.usage or {},
+            output=row.output,
+            keep_output=True,
+            emit=functools.partial(self.store.append_event, run_id),
         )
         await self.record(run_id)
 
