@@ -15,12 +15,10 @@ runtime may hand the guest a non-blocking stdin, which the agent handles.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
-from ephemeral import errors
 from ephemeral.sandbox import cgroups, handles
 from ephemeral.sandbox.base import Limits, Sandbox
 from ephemeral.sandbox.process import ProcessDriver, ProcessSandbox, new_handle
@@ -164,10 +162,5 @@ class GVisorDriver(ProcessDriver):
             await sbx._start(self.runsc_argv(state_root, bundle, handle.id))
             return sbx
         except BaseException as exc:
-            if sbx is not None:
-                await sbx.destroy()
-            else:
-                handles.teardown(handle, hfile)
-            if isinstance(exc, errors.EphemeralError | asyncio.CancelledError | KeyboardInterrupt):
-                raise
-            raise errors.SandboxError(f"gvisor sandbox failed to start: {exc}") from exc
+            await self._failed_start(exc, sbx, handle, hfile)
+            raise

@@ -16,7 +16,6 @@ namespaces, bwrap runs as root instead (uid 1000 inside then maps to host root: 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -158,13 +157,8 @@ class NamespacesDriver(ProcessDriver):
             await sbx._start(argv, pass_fds=[fd])
             return sbx
         except BaseException as exc:
-            if sbx is not None:
-                await sbx.destroy()
-            else:
-                handles.teardown(handle, hfile)
-            if isinstance(exc, errors.EphemeralError | asyncio.CancelledError | KeyboardInterrupt):
-                raise
-            raise errors.SandboxError(f"namespaces sandbox failed to start: {exc}") from exc
+            await self._failed_start(exc, sbx, handle, hfile)
+            raise
         finally:
             with contextlib.suppress(OSError):
                 os.close(fd)

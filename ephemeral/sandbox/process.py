@@ -230,3 +230,23 @@ class ProcessDriver:
 
     async def create(self, *, owner: str, limits: Limits) -> Sandbox:
         raise NotImplementedError  # each driver starts its own runtime
+
+    async def _failed_start(
+        self,
+        exc: BaseException,
+        sbx: ProcessSandbox | None,
+        handle: Handle,
+        handle_file: Path,
+    ) -> None:
+        """Leave nothing behind from a start that failed; raise it as a SandboxError.
+
+        Returns only for errors that must propagate as they are (ours, cancellation); the
+        caller re-raises those.
+        """
+        if sbx is not None:
+            await sbx.destroy()
+        else:
+            handles.teardown(handle, handle_file)
+        if isinstance(exc, errors.EphemeralError | asyncio.CancelledError | KeyboardInterrupt):
+            return
+        raise errors.SandboxError(f"{self.isolation} sandbox failed to start: {exc}") from exc
