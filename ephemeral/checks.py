@@ -72,7 +72,7 @@ def _output(run: Mapping[str, Any]) -> str | None:
 
 
 class _Check(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     def label(self) -> str:
         raise NotImplementedError
@@ -123,7 +123,7 @@ class OutputMatches(_Check):
 
 
 class ShellCondition(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     command_matches: str = Field(min_length=1)
     exit_code: int | None = Field(default=None, ge=0, le=255)

@@ -9,9 +9,17 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from typing import Literal
+from typing import Literal, NoReturn
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ephemeral.settings import Isolation
 
@@ -25,7 +33,8 @@ _HTTP_METHODS = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a JSON "yes", 1 or "30" is not a boolean or a number (no coercion); 422 instead.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class FileSpec(_Strict):
@@ -81,6 +90,11 @@ class Connection(_Strict):
         return v
 
 
+class _Prompt(_Strict):
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    model: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9_.-]*/[A-Za-z0-9_.:/-]+$")
+
+
 class Policy(_Strict):
     web: bool = False
     shell: bool = True
@@ -93,37 +107,43 @@ class Policy(_Strict):
 
     @model_validator(mode="after")
     def _files_total(self) -> Policy:
-        seen: set[str] = set()
+        seen: dict[str, int] = {}
         total = 0
-        for f in self.files:
+        for i, f in enumerate(self.files):
             if f.path in seen:
-                raise ValueError(f"files: duplicate path {f.path!r}")
-            seen.add(f.path)
+                _fail(("files", i, "path"), f.path, f"duplicate path (also files[{seen[f.path]}])")
+            seen[f.path] = i
             total += len(f.content_base64) * 3 // 4
         if total > MAX_FILES_BYTES:
-            raise ValueError(f"files: more than {MAX_FILES_BYTES} bytes in total")
-        names = [c.name for c in self.connections]
-        if len(names) != len(set(names)):
-            raise ValueError("connections: duplicate name")
+            _fail(("files",), None, f"more than {MAX_FILES_BYTES} bytes in total")
+        names: dict[str, int] = {}
+        for i, c in enumerate(self.connections):
+            if c.name in names:
+                _fail(
+                    ("connections", i, "name"),
+                    c.name,
+                    f"duplicate name (also connections[{names[c.name]}])",
+                )
+            names[c.name] = i
         return self
 
 
-class RunRequest(_Strict):
+def _fail(loc: tuple[str | int, ...], value: object, message: str) -> NoReturn:
+    # A ValidationError raised inside a validator keeps its location, so the API and the recipes
+    # name the field itself (files[1].path), prefixed by wherever the policy sits.
+    raise ValidationError.from_exception_data(
+        "Policy",
+        [InitErrorDetails(type=PydanticCustomError("value_error", message), loc=loc, input=value)],
+    )
+
+
+# The policy fields and their checks are Policy's own (inherited, never copied): a request is
+# validated exactly like the policy it carries. _Prompt comes last so prompt and model lead.
+class RunRequest(Policy, _Prompt):
     """The body of ``POST /v1/runs``: a prompt, an optional model and the policy fields."""
 
-    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
-    model: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9_.-]*/[A-Za-z0-9_.:/-]+$")
-    web: bool = False
-    shell: bool = True
-    files: list[FileSpec] = Field(default_factory=list, max_length=MAX_FILES)
-    connections: list[Connection] = Field(default_factory=list)
-    zero_data_retention: bool = False
-    timeout_seconds: int = Field(default=120, ge=1, le=3600)
-    max_cost_micros: int = Field(default=40_000, ge=1, le=MAX_COST_MICROS)
-    isolation: Isolation = "auto"
-
     def policy(self) -> Policy:
-        return Policy(**self.model_dump(exclude={"prompt", "model"}))
+        return Policy.model_validate(self.model_dump(include=set(Policy.model_fields)))
 
 
 RunStatus = Literal[

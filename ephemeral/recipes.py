@@ -67,7 +67,8 @@ Loc = tuple[str | int, ...]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict like the policy: `repeat: "3"` is a string, not 3
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 def _budget_value(v: Any) -> Any:

@@ -23,6 +23,16 @@ log = logging.getLogger("ephemeral.api")
 PROBLEM_JSON = "application/problem+json"
 _LOCATIONS = ("body", "query", "header", "path", "cookie")
 _TITLES = {404: "Not found", 405: "Method not allowed", 406: "Not acceptable"}
+# Request models are strict (no "yes" for true, no "30" for 30): say which JSON type was wanted.
+_TYPE_MESSAGES = {
+    "bool_type": "must be a JSON boolean (true or false)",
+    "int_type": "must be a JSON integer",
+    "float_type": "must be a JSON number",
+    "string_type": "must be a JSON string",
+    "list_type": "must be a JSON array",
+    "model_type": "must be a JSON object",
+    "dict_type": "must be a JSON object",
+}
 
 
 def field_name(loc: Sequence[Any]) -> str:
@@ -45,6 +55,8 @@ def _message(err: dict[str, Any]) -> str:
         return "unknown field"
     if kind == "missing":
         return "is required"
+    if kind in _TYPE_MESSAGES:
+        return _TYPE_MESSAGES[kind]
     if kind == "json_invalid":
         return f"is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})"
     msg = str(err.get("msg", "is invalid"))

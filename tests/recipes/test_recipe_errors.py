@@ -458,3 +458,35 @@ def test_aliases_within_limits_still_work(tmp_path: Path) -> None:
     )
     [run] = expand(load_recipe(path), default_model="x/y")
     assert run.prompt == "2 2"
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ("  web: 'yes'", "policy.web"),
+        ("  shell: 1", "policy.shell"),
+        ("  timeout_seconds: '30'", "policy.timeout_seconds"),
+        ("  max_cost_micros: 1.5", "policy.max_cost_micros"),
+        ("  zero_data_retention: null", "policy.zero_data_retention"),
+    ],
+)
+def test_policy_values_are_not_coerced(tmp_path: Path, line: str, field: str) -> None:
+    path = write(tmp_path, f"name: strict\nprompt: hi\npolicy:\n{line}\n")
+    err = only(recipe_errors(path), field)
+    assert err["line"] == 4
+
+
+def test_duplicate_file_path_names_the_second_item_and_its_line(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+        name: dup
+        prompt: hi
+        policy:
+          files:
+            - {path: a.txt, content_base64: ""}
+            - {path: a.txt, content_base64: ""}
+    """,
+    )
+    err = only(recipe_errors(path), "policy.files[1].path")
+    assert err["line"] == 6 and "duplicate path" in err["message"]
