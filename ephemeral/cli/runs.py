@@ -148,15 +148,17 @@ def register(app: typer.Typer) -> None:
             elif prompt is not None:
                 requests = [
                     (
-                        RunRequest(
-                            prompt=prompt,
-                            model=model,
-                            web=web,
-                            shell=shell,
-                            timeout_seconds=timeout,
-                            max_cost_micros=parse_budget(budget),
-                            isolation=isolation,
-                            zero_data_retention=zero_data_retention,
+                        RunRequest.model_validate(
+                            {
+                                "prompt": prompt,
+                                "model": model,
+                                "web": web,
+                                "shell": shell,
+                                "timeout_seconds": timeout,
+                                "max_cost_micros": parse_budget(budget),
+                                "isolation": isolation,
+                                "zero_data_retention": zero_data_retention,
+                            }
                         ),
                         {},
                     )

@@ -14,8 +14,13 @@ DEFAULT_POOL = 2
 def register(app: typer.Typer) -> None:
     @app.command("serve")
     def serve(
-        host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-        port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+        host: Annotated[
+            str | None,
+            typer.Option(help="Address to listen on (default: EPHEMERAL_HOST, else 127.0.0.1)."),
+        ] = None,
+        port: Annotated[
+            int | None, typer.Option(help="TCP port (default: EPHEMERAL_PORT, else 8000).")
+        ] = None,
         pool: Annotated[
             int | None,
             typer.Option(help="Warm sandboxes kept ready (default: pool_size or 2; 0 = off)."),
@@ -30,7 +35,9 @@ def register(app: typer.Typer) -> None:
         size = pool if pool is not None else (base.pool_size or DEFAULT_POOL)
         if not 0 <= size <= 64:
             raise typer.BadParameter("must be between 0 and 64", param_hint="--pool")
-        settings = Settings.load(pool_size=size, host=host, port=port)
+        # A flag overrides the environment; an absent flag leaves Settings' own value.
+        given = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+        settings = Settings.load(pool_size=size, **given)
         if settings.use_prefect:
             from ephemeral.prefect_setup import configure
 
@@ -38,8 +45,8 @@ def register(app: typer.Typer) -> None:
         app = create_app(settings, warm_pool=size > 0)
         config = uvicorn.Config(
             app,
-            host=host,
-            port=port,
+            host=settings.host,
+            port=settings.port,
             log_level="info",
             proxy_headers=False,
             timeout_graceful_shutdown=10,
