@@ -31,6 +31,8 @@ from pydantic import (
     model_validator,
 )
 
+from ephemeral.money import usd
+
 MAX_PATTERN_CHARS = 1_000
 _EXCERPT = 60
 
@@ -222,7 +224,7 @@ class MaxCost(_Check):
             return False, "the run has no charged cost (not settled?)"
         verb = "≤" if charged <= self.max_cost_micros else ">"
         return charged <= self.max_cost_micros, (
-            f"charged {charged} micros (${charged / 1e6:.5f}) {verb} {self.max_cost_micros}"
+            f"charged {charged} micros ({usd(charged)}) {verb} {self.max_cost_micros}"
         )
 
 

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ephemeral import errors
 from ephemeral.checks import CheckResult, evaluate
 from ephemeral.ids import new_id
+from ephemeral.money import usd
 from ephemeral.recipes import PlannedRun, Recipe, expand, validate_recipe
 
 if TYPE_CHECKING:
@@ -565,11 +566,6 @@ def resolve_path(path: str, settings: Settings) -> Path:
 # --------------------------------------------------------------------------- rendering
 
 
-def usd(micros: int) -> str:
-    sign = "-" if micros < 0 else ""
-    return f"{sign}${abs(micros) / 1e6:.6f}"
-
-
 def table_rows(report: Report) -> list[dict[str, Any]]:
     """One row per recipe and check: the pass table (content-free: labels, counts, money)."""
     rows = []
@@ -649,8 +645,8 @@ def render_comparison(cmp: Comparison | None) -> list[str]:
         f"## Compared with `{cmp.previous_suite_run_id}`",
         "",
         f"{cmp.paired} paired runs ({cmp.new} new, {cmp.missing} missing); "
-        f"cost of the paired runs {'+' if cmp.cost_delta_micros >= 0 else ''}"
-        f"{usd(cmp.cost_delta_micros)} (previous suite run charged "
+        f"cost of the paired runs {usd(cmp.cost_delta_micros, signed=True)} "
+        f"(previous suite run charged "
         f"{usd(cmp.previous_charged_micros)}).",
         "",
     ]

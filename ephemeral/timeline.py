@@ -5,15 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ephemeral.events import Event
-
-
-def usd(micros: int | None) -> str:
-    """Micro-dollars as dollars: at least two decimals, more when the amount needs them."""
-    if micros is None:
-        return "-"
-    text = f"{micros / 1_000_000:.6f}".rstrip("0")
-    whole, _, frac = text.partition(".")
-    return f"${whole}.{frac.ljust(2, '0')}"
+from ephemeral.money import usd
 
 
 def _first_line(text: str | None, limit: int = 160) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
@@ -28,6 +27,7 @@ from ephemeral.api.auth import PAGE_COOKIE, get_runtime, page_principal
 from ephemeral.api.problems import field_name
 from ephemeral.api.runs import base_url, body_hash
 from ephemeral.events import Event
+from ephemeral.money import parse_usd, usd
 from ephemeral.policy import RunRequest
 from ephemeral.runview import run_object
 from ephemeral.store import Principal
@@ -43,7 +43,7 @@ env = Environment(
     trim_blocks=True,
     lstrip_blocks=True,
 )
-env.globals["usd"] = view.usd
+env.globals["usd"] = usd
 env.filters["tojson_attr"] = lambda v: json.dumps(v, ensure_ascii=False)
 
 
@@ -322,7 +322,7 @@ def _playground_defaults(request: Request, sample_name: str | None) -> dict[str,
             web=bool(p.get("web")),
             shell=bool(p.get("shell")),
             timeout=str(p.get("timeout_seconds", 120)),
-            budget=view.usd(p.get("max_cost_micros")).lstrip("$"),
+            budget=usd(p.get("max_cost_micros")).lstrip("$"),
         )
     return values
 
@@ -341,17 +341,6 @@ async def playground(request: Request, sample: str | None = None) -> Response:
     )
 
 
-def _budget_micros(text: str) -> int:
-    try:
-        amount = Decimal(text.strip().lstrip("$"))
-    except InvalidOperation as exc:
-        raise errors.InvalidRequest.field("budget", "is not a dollar amount") from exc
-    micros = amount * 1_000_000
-    if not amount.is_finite() or micros <= 0 or micros != micros.to_integral_value():
-        raise errors.InvalidRequest.field("budget", "must be positive, at most 6 decimals")
-    return int(micros)
-
-
 def _request_from_form(form: dict[str, str]) -> RunRequest:
     timeout = form.get("timeout", "120").strip()
     if not timeout.lstrip("-").isdigit():
@@ -363,7 +352,7 @@ def _request_from_form(form: dict[str, str]) -> RunRequest:
             web=form.get("web") == "on",
             shell=form.get("shell") == "on",
             timeout_seconds=int(timeout),
-            max_cost_micros=_budget_micros(form.get("budget", "")),
+            max_cost_micros=parse_usd(form.get("budget", ""), field="budget"),
         )
     except ValidationError as exc:
         items = []

@@ -10,7 +10,8 @@ from markdown_it import MarkdownIt
 from markupsafe import Markup
 
 from ephemeral.events import Event
-from ephemeral.timeline import describe, usd
+from ephemeral.money import usd
+from ephemeral.timeline import describe
 
 # The output is written by the model: raw HTML stays text ("html": False) and markdown-it's
 # link validation refuses javascript:/vbscript:/data: links.

@@ -7,16 +7,15 @@ that owns the store, not through the HTTP API.
 from __future__ import annotations
 
 import json
-from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from ephemeral import errors
 from ephemeral.cli._store import with_store as _with_store
 from ephemeral.ids import rfc3339
+from ephemeral.money import parse_usd, usd
 
 if TYPE_CHECKING:
     from ephemeral.store import Org, Store
@@ -26,33 +25,12 @@ orgs_app = typer.Typer(no_args_is_help=True, help="Organisations and their balan
 keys_app = typer.Typer(no_args_is_help=True, help="Member API keys (shown once, stored hashed).")
 
 
-def _usd(micros: int) -> str:
-    sign = "-" if micros < 0 else ""
-    return f"{sign}${Decimal(abs(micros)) / 1_000_000:.6f}"
-
-
-def parse_usd(text: str) -> int:
-    """Exact dollars to micros: '10', '0.25', '-1.5'; more than 6 decimals is refused."""
-    try:
-        amount = Decimal(text.strip().removeprefix("$"))
-    except InvalidOperation as exc:
-        raise errors.InvalidRequest.field("--usd", f"{text!r} is not a dollar amount") from exc
-    if not amount.is_finite():
-        raise errors.InvalidRequest.field("--usd", "must be a finite amount")
-    if abs(amount) > 10**9:
-        raise errors.InvalidRequest.field("--usd", "must be at most $1,000,000,000")
-    micros = amount * 1_000_000
-    if micros != micros.to_integral_value():
-        raise errors.InvalidRequest.field("--usd", "has more than 6 decimal places")
-    return int(micros)
-
-
 def _print_org(org: Org) -> None:
     typer.echo(
         f"{org.name} ({org.id})\n"
-        f"  balance   {_usd(org.balance_micros)} ({org.balance_micros} micros)\n"
-        f"  reserved  {_usd(org.reserved_micros)} ({org.reserved_micros} micros)\n"
-        f"  available {_usd(org.available_micros)} ({org.available_micros} micros)"
+        f"  balance   {usd(org.balance_micros)} ({org.balance_micros} micros)\n"
+        f"  reserved  {usd(org.reserved_micros)} ({org.reserved_micros} micros)\n"
+        f"  available {usd(org.available_micros)} ({org.available_micros} micros)"
     )
 
 
@@ -65,17 +43,20 @@ def orgs_create(name: str = typer.Argument(..., help="Unique org name.")) -> Non
 @orgs_app.command("credit")
 def orgs_credit(
     name: str = typer.Argument(..., help="Org name or id."),
-    usd: str | None = typer.Option(None, "--usd", help="Amount in dollars, e.g. 10 or 0.25."),
+    dollars: str | None = typer.Option(None, "--usd", help="Amount in dollars, e.g. 10 or 0.25."),
     micros: int | None = typer.Option(None, "--micros", help="Amount in micro-dollars."),
     note: str = typer.Option("", "--note", help="Why (kept in the ledger)."),
 ) -> None:
     """Add money to an org's balance (negative to correct it)."""
-    if (usd is None) == (micros is None):
+    if (dollars is None) == (micros is None):
         typer.echo("error: give exactly one of --usd or --micros", err=True)
         raise typer.Exit(code=2)
 
     async def go(store: Store) -> Org:
-        amount = micros if micros is not None else parse_usd(str(usd))
+        if micros is not None:
+            amount = micros
+        else:
+            amount = parse_usd(str(dollars), field="--usd", positive=False)
         org = await store.get_org(name)
         return await store.credit(org.id, amount, note or "cli credit")
 

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from ephemeral import errors
 from ephemeral.cli.runs import fail
+from ephemeral.money import usd
 from ephemeral.settings import Settings
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ async def _run(
         task = bar.add_task(evaluation.name, total=total, status="starting")
 
         def observe(p: evals.Progress) -> None:
-            status = f"passing {p.passing} · spent {evals.usd(p.spent_micros)}"
+            status = f"passing {p.passing} · spent {usd(p.spent_micros)}"
             bar.update(task, completed=p.done, status=status)
             if p.last is not None:
                 bar.console.print(_line(p, p.last), markup=False, highlight=False)
@@ -70,7 +71,6 @@ async def _run(
 
 
 def _line(p: evals.Progress, r: evals.RunResult) -> str:
-    from ephemeral import evals
 
     where = f"[{p.done}/{p.total}] {r.pair_key}"
     if r.run_id is None:
@@ -80,7 +80,7 @@ def _line(p: evals.Progress, r: evals.RunResult) -> str:
     took = f"{(r.duration_ms or 0) / 1000:.1f} s"
     return (
         f"{where}  {verdict}  {r.run_id} {r.status} · checks {ok}/{len(r.checks)} · "
-        f"{evals.usd(r.charged_micros)} · {took}"
+        f"{usd(r.charged_micros)} · {took}"
     )
 
 
@@ -107,7 +107,7 @@ def _print_report(report: evals.Report, console: Console) -> None:
             row["check"],
             f"{row['passed']}/{row['runs']}",
             f"[{colour}]{rate:.0%}[/{colour}]",
-            evals.usd(row["charged_micros"]) if row["charged_micros"] is not None else "",
+            usd(row["charged_micros"]) if row["charged_micros"] is not None else "",
             f"{row['duration_ms'] / 1000:.1f} s" if row["duration_ms"] is not None else "",
             style=style,
         )
@@ -121,7 +121,7 @@ def _print_report(report: evals.Report, console: Console) -> None:
                 )
     console.print(
         f"{len(report.results)} runs · {sum(1 for r in report.results if r.passed)} passing · "
-        f"charged {evals.usd(report.charged_micros)} · {report.wall_ms / 1000:.1f} s",
+        f"charged {usd(report.charged_micros)} · {report.wall_ms / 1000:.1f} s",
         highlight=False,
     )
     for line in evals.render_comparison(report.comparison):

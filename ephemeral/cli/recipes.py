@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from ephemeral.errors import EphemeralError, RecipeError
+from ephemeral.money import usd
 from ephemeral.policy import Policy
 from ephemeral.recipes import (
     PlannedRun,
@@ -25,10 +26,6 @@ from ephemeral.settings import Settings
 PROMPT_PREVIEW_LINES = 12
 PROMPT_PREVIEW_CHARS = 800
 PROMPT_WIDTH = 92
-
-
-def _usd(micros: int) -> str:
-    return f"${micros / 1e6:.5f}"
 
 
 def _load(path: Path, settings: Settings) -> Recipe | Suite:
@@ -53,7 +50,7 @@ def _policy_summary(p: Policy) -> str:
         f"connections {', '.join(c.name for c in p.connections) or 'none'}",
         f"zdr {'on' if p.zero_data_retention else 'off'}",
         f"timeout {p.timeout_seconds} s",
-        f"cap {_usd(p.max_cost_micros)}",
+        f"cap {usd(p.max_cost_micros)}",
         f"isolation {p.isolation}",
     ]
     return " · ".join(parts)
@@ -79,8 +76,8 @@ def _show_recipe(recipe: Recipe, runs: list[PlannedRun]) -> None:
         typer.echo(f"  #{n} cell {cell} · repeat {run.repeat_index} · model {run.model}")
         typer.echo(f"    {_policy_summary(run.policy)}")
         typer.echo(_preview(run.prompt))
-    budget = _usd(recipe.budget_micros) if recipe.budget_micros is not None else "none"
-    typer.echo(f"  worst case {_usd(worst_case_micros(runs))} · recipe budget {budget}")
+    budget = usd(recipe.budget_micros) if recipe.budget_micros is not None else "none"
+    typer.echo(f"  worst case {usd(worst_case_micros(runs))} · recipe budget {budget}")
 
 
 def register(app: typer.Typer) -> None:
@@ -140,5 +137,5 @@ def register(app: typer.Typer) -> None:
             _show_recipe(recipe, runs)
         if isinstance(item, Suite):
             total = sum(worst_case_micros(runs) for _, runs in plans)
-            budget = _usd(item.budget_micros) if item.budget_micros is not None else "none"
-            typer.echo(f"suite {item.name}: worst case {_usd(total)} · suite budget {budget}")
+            budget = usd(item.budget_micros) if item.budget_micros is not None else "none"
+            typer.echo(f"suite {item.name}: worst case {usd(total)} · suite budget {budget}")

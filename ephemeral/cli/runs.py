@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,6 +14,7 @@ from rich.markdown import Markdown
 
 from ephemeral import errors
 from ephemeral.ids import rfc3339, utcnow
+from ephemeral.money import parse_usd
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
 from ephemeral.timeline import describe
@@ -23,18 +23,6 @@ EXIT_CODES = {"succeeded": 0, "failed": 1, "timed_out": 2, "budget_exhausted": 3
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False)
-
-
-def parse_budget(text: str) -> int:
-    """``0.04`` or ``$0.04`` (dollars) → micro-dollars, exactly."""
-    try:
-        amount = Decimal(text.strip().lstrip("$"))
-    except InvalidOperation as exc:
-        raise typer.BadParameter(f"not a dollar amount: {text!r}", param_hint="--budget") from exc
-    micros = amount * 1_000_000
-    if micros <= 0 or micros != micros.to_integral_value():
-        raise typer.BadParameter("must be positive with at most 6 decimals", param_hint="--budget")
-    return int(micros)
 
 
 def fail(exc: errors.EphemeralError) -> typer.Exit:
@@ -155,7 +143,7 @@ def register(app: typer.Typer) -> None:
                                 "web": web,
                                 "shell": shell,
                                 "timeout_seconds": timeout,
-                                "max_cost_micros": parse_budget(budget),
+                                "max_cost_micros": parse_usd(budget, field="--budget"),
                                 "isolation": isolation,
                                 "zero_data_retention": zero_data_retention,
                             }

@@ -4,23 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
-from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
 import jinja2
 
 from ephemeral.ids import rfc3339, utcnow
+from ephemeral.money import usd as _money_usd
 from ephemeral.records.reader import Records
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
-_CENT_FIFTHS = Decimal("0.00001")
 
 
 def usd(micros: int | None) -> str:
-    """Integer micro-dollars as dollars with 5 decimals: 3530 -> ``$0.00353`` (no floats)."""
-    value = (Decimal(micros or 0) / Decimal(1_000_000)).quantize(_CENT_FIFTHS, ROUND_HALF_UP)
-    return f"-${-value}" if value < 0 else f"${value}"
+    """:func:`ephemeral.money.usd`, where a sum over no rows (NULL) is $0.00."""
+    return _money_usd(micros or 0)
 
 
 @dataclass(frozen=True)

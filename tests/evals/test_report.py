@@ -158,12 +158,12 @@ def test_summary_markdown_and_table(tmp_path) -> None:
     report = report.model_copy(update={"comparison": compare(report.results, old, "suite_old")})
     md = render_markdown(report)
     assert md.startswith("# Eval `smoke`: FAILED")
-    assert "| r | (all checks) | 3/4 | 75% | $0.000400 | 4.0 s |" in md
+    assert "| r | (all checks) | 3/4 | 75% | $0.0004 | 4.0 s |" in md
     assert "| r | output_contains: ok | 3/4 | 75% |" in md
     assert "gate failed: r: pass rate 75% (3/4)" in md
     assert "why output_contains: ok" in md  # the reason, for our own records
     assert "## Compared with `suite_old`" in md
-    assert "4 paired runs (0 new, 0 missing); cost of the paired runs +$0.000200" in md
+    assert "4 paired runs (0 new, 0 missing); cost of the paired runs +$0.0002" in md
     assert "REGRESSED `r/{}/1` output_contains: ok" in md
     rows = table_rows(report)
     assert rows[0] == {

@@ -96,11 +96,11 @@ def test_show_prints_runs_costs_and_budget(app: typer.Typer, tmp_path: Path) -> 
     assert f"{path}: grid: 4 run(s)" in out
     assert '#1 cell {"os": "linux"} · repeat 0 · model replay/sandbox-proof' in out
     assert '#4 cell {"os": "freebsd"} · repeat 1' in out
-    assert "files data.csv" in out and "cap $0.02500" in out and "web off" in out
+    assert "files data.csv" in out and "cap $0.025" in out and "web off" in out
     assert "│ Check freebsd run 1." in out
     assert "chars in all; --json prints it whole" in out  # 30 template lines are cut
     assert "line 29" not in out
-    assert "worst case $0.10000 · recipe budget $0.06000" in out
+    assert "worst case $0.10 · recipe budget $0.06" in out
 
 
 def test_show_json(app: typer.Typer, tmp_path: Path) -> None:
@@ -122,7 +122,7 @@ def test_show_a_suite(app: typer.Typer) -> None:
     code, out, err = run(app, "show", str(REPO / "recipes/suites/smoke.yaml"))
     assert code == 0, err
     assert "sandbox-proof: 1 run(s)" in out
-    assert "suite smoke: worst case $0.08000 · suite budget $0.20000" in out
+    assert "suite smoke: worst case $0.08 · suite budget $0.20" in out
 
 
 def test_show_a_bad_recipe_fails(app: typer.Typer, tmp_path: Path) -> None:

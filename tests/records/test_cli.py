@@ -48,7 +48,7 @@ def test_costs_table_prints_usd(env: dict[str, str]) -> None:
     result = _run(["costs", "--by", "model"], env)
     assert result.exit_code == 0, result.output
     assert "openai/a" in result.output and "$0.00354" in result.output  # 3540 micros
-    assert "anthropic/b" in result.output and "$0.00120" in result.output
+    assert "anthropic/b" in result.output and "$0.0012" in result.output
     assert "$0.00474" in result.output  # the total row
 
 
