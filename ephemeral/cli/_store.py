@@ -10,9 +10,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
-import typer
-
 from ephemeral import errors
+from ephemeral.cli.output import fail
 from ephemeral.settings import Settings
 
 if TYPE_CHECKING:
@@ -22,7 +21,7 @@ T = TypeVar("T")
 
 
 def with_store(fn: Callable[[Store], Awaitable[T]], settings: Settings | None = None) -> T:
-    """Open the store, run ``fn``, close it; an EphemeralError exits 1 with its detail."""
+    """Open the store, run ``fn``, close it; an EphemeralError exits through :func:`fail`."""
     settings = settings or Settings.load()
 
     async def go() -> T:
@@ -37,5 +36,4 @@ def with_store(fn: Callable[[Store], Awaitable[T]], settings: Settings | None = 
     try:
         return asyncio.run(go())
     except errors.EphemeralError as exc:
-        typer.echo(f"error: {exc.detail}", err=True)
-        raise typer.Exit(code=1) from exc
+        raise fail(exc) from exc

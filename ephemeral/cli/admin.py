@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ephemeral.cli._store import with_store as _with_store
+from ephemeral.cli.output import usage
 from ephemeral.ids import rfc3339
 from ephemeral.money import parse_usd, usd
 
@@ -49,8 +50,7 @@ def orgs_credit(
 ) -> None:
     """Add money to an org's balance (negative to correct it)."""
     if (dollars is None) == (micros is None):
-        typer.echo("error: give exactly one of --usd or --micros", err=True)
-        raise typer.Exit(code=2)
+        raise usage("give exactly one of --usd or --micros")
 
     async def go(store: Store) -> Org:
         if micros is not None:

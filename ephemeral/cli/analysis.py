@@ -16,7 +16,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ephemeral.errors import EphemeralError, InvalidRequest
+from ephemeral.cli.output import fail
+from ephemeral.errors import EphemeralError
 from ephemeral.records import COST_COLUMNS, COST_DIMENSIONS, Records, parse_since
 from ephemeral.records.report import render_costs_html, usd
 from ephemeral.settings import Settings
@@ -41,11 +42,6 @@ def _remote_costs(
 
 def _records() -> Records:
     return Records(Settings.load().records_dir)
-
-
-def _fail(err: EphemeralError) -> typer.Exit:
-    typer.echo(f"error: {err.detail}", err=True)
-    return typer.Exit(2 if isinstance(err, InvalidRequest) else 1)
 
 
 def _cell(value: Any) -> str:
@@ -143,7 +139,7 @@ def query(
     try:
         columns, rows = _records().query(sql)
     except EphemeralError as err:
-        raise _fail(err) from err
+        raise fail(err) from err
     _emit(columns, rows, fmt)
 
 
@@ -163,7 +159,7 @@ def costs(
         else:
             columns, rows = Records(settings.records_dir).costs(by, parse_since(since))
     except EphemeralError as err:
-        raise _fail(err) from err
+        raise fail(err) from err
     if fmt is Format.table:
         _cost_table(by, columns, rows)
     else:
@@ -184,7 +180,7 @@ def records_compact(
     try:
         merged = _records().compact(older_than_days)
     except EphemeralError as err:
-        raise _fail(err) from err
+        raise fail(err) from err
     typer.echo(f"compacted {merged} files")
 
 
@@ -210,7 +206,7 @@ def records_purge(
 
         reports = purge_reports(settings, days)
     except EphemeralError as err:
-        raise _fail(err) from err
+        raise fail(err) from err
     typer.echo(
         f"purged content of {purged} records and {erased} stored runs older than {days} days"
         f"; removed {reports} eval summary files"
@@ -239,7 +235,7 @@ def report_costs(
     try:
         page = render_costs_html(_records(), parse_since(since))
     except EphemeralError as err:
-        raise _fail(err) from err
+        raise fail(err) from err
     html.write_text(page, encoding="utf-8")
     typer.echo(f"wrote {html}")
 

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from ephemeral import errors
 from ephemeral.cli._store import with_store
+from ephemeral.cli.output import fail
 from ephemeral.ids import rfc3339
 from ephemeral.settings import Settings
 
@@ -88,8 +89,7 @@ def add(
                 raise errors.InvalidRequest.field("--header", f"{h[0]} given twice")
             headers[h[0]] = h[1]
     except errors.EphemeralError as exc:
-        typer.echo(f"error: {exc.detail}", err=True)
-        raise typer.Exit(code=2) from exc
+        raise fail(exc) from exc
     sealed = Sealer.for_settings(settings).seal(headers)
 
     async def go(store: Store) -> StoredConnection:

@@ -1,6 +1,7 @@
 """CLI group: ``eval`` — run an eval suite (or a recipe) here, live, and gate on its pass rate.
 
-Exit status: 0 every gate passed, 1 a gate failed (e.g. ``min_pass_rate``), 2 bad input.
+Exit status (ephemeral/cli/exits.py): 0 every gate passed, 1 a gate failed (e.g.
+``min_pass_rate``), 2 bad input, 3 the suite could not run.
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ephemeral import errors
-from ephemeral.cli.runs import fail
+from ephemeral.cli.exits import Exit
+from ephemeral.cli.output import fail
 from ephemeral.money import usd
 from ephemeral.settings import Settings
 
 if TYPE_CHECKING:
     from ephemeral import evals
-
-GATE_FAILED = 1
 
 
 async def _run(
@@ -154,7 +154,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run an eval suite locally with live progress; print the pass table.
 
-        Exit status: 0 every gate passed, 1 a gate failed, 2 bad input.
+        Exit status: 0 every gate passed, 1 a gate failed, 2 bad input, 3 error.
         """
         from ephemeral import evals
 
@@ -179,4 +179,4 @@ def register(app: typer.Typer) -> None:
             sys.stdout.write(json.dumps(evals.report_json(report), indent=2) + "\n")
         else:
             _print_report(report, console)
-        raise typer.Exit(0 if report.passed else GATE_FAILED)
+        raise typer.Exit(Exit.OK if report.passed else Exit.FAILED)

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import typer
 
-from ephemeral.errors import EphemeralError, RecipeError
+from ephemeral.cli.exits import Exit
+from ephemeral.cli.output import fail, report
+from ephemeral.errors import EphemeralError
 from ephemeral.money import usd
 from ephemeral.policy import Policy
 from ephemeral.recipes import (
@@ -33,13 +35,6 @@ def _load(path: Path, settings: Settings) -> Recipe | Suite:
     for recipe in iter_recipes(item):
         validate_recipe(recipe, settings)
     return item
-
-
-def _print_errors(exc: RecipeError) -> None:
-    if not exc.errors:
-        typer.echo(exc.detail, err=True)
-    for err in exc.errors or []:
-        typer.echo(f"{err['file']}:{err['line']}: {err['field']}: {err['message']}", err=True)
 
 
 def _policy_summary(p: Policy) -> str:
@@ -95,12 +90,8 @@ def register(app: typer.Typer) -> None:
         for path in files:
             try:
                 item = _load(path, settings)
-            except RecipeError as exc:
-                _print_errors(exc)
-                failed = True
-                continue
-            except EphemeralError as exc:  # the host's price book, not the recipe
-                typer.echo(f"{path}: error: {exc.detail}", err=True)
+            except EphemeralError as exc:  # a recipe's problems, or the host's price book
+                report(exc, prefix=f"{path}: ")
                 failed = True
                 continue
             kind = (
@@ -109,7 +100,7 @@ def register(app: typer.Typer) -> None:
                 else "recipe"
             )
             typer.echo(f"{path}: ok ({kind})")
-        raise typer.Exit(1 if failed else 0)
+        raise typer.Exit(Exit.FAILED if failed else Exit.OK)
 
     @group.command("show")
     def show(
@@ -123,12 +114,8 @@ def register(app: typer.Typer) -> None:
             plans = [
                 (r, expand(r, default_model=settings.default_model)) for r in iter_recipes(item)
             ]
-        except RecipeError as exc:
-            _print_errors(exc)
-            raise typer.Exit(1) from None
         except EphemeralError as exc:
-            typer.echo(f"{file}: error: {exc.detail}", err=True)
-            raise typer.Exit(1) from None
+            raise fail(exc, prefix=f"{file}: ") from None
         if as_json:
             every = [run.model_dump(mode="json") for _, runs in plans for run in runs]
             typer.echo(json.dumps(every, indent=2, ensure_ascii=False))

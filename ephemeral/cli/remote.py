@@ -9,7 +9,9 @@ from typing import Any
 import httpx
 
 from ephemeral import errors
-from ephemeral.cli.runs import EXIT_CODES, err, fail, out, print_event
+from ephemeral.cli import exits
+from ephemeral.cli.output import err, fail, out
+from ephemeral.cli.runs import print_event
 from ephemeral.client import Client
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
@@ -46,7 +48,7 @@ def run_remote(
                         Markdown(run["output"]) if out.is_terminal else run["output"], markup=False
                     )
                     out.rule()
-                worst = max(worst, EXIT_CODES.get(run["status"], 1))
+                worst = max(worst, exits.for_status(run["status"]))
     except errors.EphemeralError as exc:
         raise fail(exc) from exc
     except httpx.HTTPError as exc:

@@ -9,28 +9,16 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markdown import Markdown
 
 from ephemeral import errors
+from ephemeral.cli import exits
+from ephemeral.cli.output import err, fail, out
 from ephemeral.ids import rfc3339, utcnow
 from ephemeral.money import parse_usd
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
 from ephemeral.timeline import describe
-
-EXIT_CODES = {"succeeded": 0, "failed": 1, "timed_out": 2, "budget_exhausted": 3, "cancelled": 4}
-
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False)
-
-
-def fail(exc: errors.EphemeralError) -> typer.Exit:
-    err.print(f"[red]error:[/red] {exc.detail}")
-    for item in exc.errors or []:
-        where = f"{item['file']}:{item['line']}: " if item.get("file") else ""
-        err.print(f"  {where}{item.get('field')}: {item.get('message')}")
-    return typer.Exit(2)
 
 
 def print_event(ev: Any, index: int) -> None:
@@ -78,7 +66,7 @@ async def _run_local(
                 out.rule("output")
                 out.print(Markdown(output) if out.is_terminal else output, markup=False)
                 out.rule()
-            worst = max(worst, EXIT_CODES.get(row.status, 1))
+            worst = max(worst, exits.for_status(row.status))
     finally:
         await runtime.close()
     return worst
@@ -123,7 +111,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run one agent task (or every run a recipe expands to) and print its timeline live.
 
-        Exit status: 0 succeeded, 1 failed, 2 timed out, 3 budget exhausted, 4 cancelled.
+        Exit status: 0 succeeded, 1 failed, 2 bad input, 3 error, 4 timed out, 5 budget
+        exhausted, 6 cancelled; the highest of several runs (see Exit status above).
         """
         settings = Settings.load(**({"use_prefect": False} if no_prefect else {}))
         try:

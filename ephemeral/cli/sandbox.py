@@ -12,6 +12,7 @@ from typing import Annotated, TypeVar
 import typer
 
 from ephemeral import errors
+from ephemeral.cli.output import fail
 from ephemeral.sandbox import images, reaper, registry
 from ephemeral.sandbox.base import Limits, Sandbox
 from ephemeral.settings import Settings
@@ -35,8 +36,7 @@ def _run(coro_fn: Callable[[], Awaitable[T]]) -> T:
     try:
         return asyncio.run(_as_coro(coro_fn))
     except errors.EphemeralError as exc:
-        typer.echo(f"error: {exc.detail}", err=True)
-        raise typer.Exit(code=1) from exc
+        raise fail(exc) from exc
 
 
 async def _as_coro(fn: Callable[[], Awaitable[T]]) -> T:

@@ -53,7 +53,7 @@ def test_add_list_rm(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert state_bytes_contain(state, b"2022-11-28") == []  # every header value is sealed
 
     code, out = cli("add", "github", "--base-url", "https://x.example", "--header", "A: b")
-    assert code == 1 and "already exists" in out
+    assert code == 3 and "already exists" in out  # ERROR (ephemeral/cli/exits.py)
     code, out = cli(
         "add", "github", "--base-url", "https://x.example", "--header", "A: b", "--replace"
     )
@@ -64,7 +64,7 @@ def test_add_list_rm(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     code, out = cli("list", "--json")
     assert json.loads(out) == []
     code, out = cli("rm", "github")
-    assert code == 1 and "not found" in out
+    assert code == 3 and "not found" in out
 
 
 def test_header_env_with_a_whole_header_line(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,4 +103,4 @@ def test_bad_input_names_the_field(state: Path, args: list[str], why: str) -> No
 
 def test_other_org_must_exist(state: Path) -> None:
     code, out = cli("list", "--org", "nobody")
-    assert code == 1 and "not found" in out
+    assert code == 3 and "not found" in out

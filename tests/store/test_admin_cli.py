@@ -55,13 +55,13 @@ def test_org_lifecycle(cli) -> None:
 def test_org_errors_exit_nonzero_with_reason(cli) -> None:
     assert cli("orgs", "create", "acme").exit_code == 0
     dup = cli("orgs", "create", "acme")
-    assert dup.exit_code == 1 and "already exists" in dup.output
+    assert dup.exit_code == 3 and "already exists" in dup.output
     missing = cli("orgs", "show", "nope")
-    assert missing.exit_code == 1 and "not found" in missing.output
+    assert missing.exit_code == 3 and "not found" in missing.output
     both = cli("orgs", "credit", "acme", "--usd", "1", "--micros", "1")
     assert both.exit_code == 2 and "exactly one" in both.output
     fine = cli("orgs", "credit", "acme", "--usd", "0.0000001")
-    assert fine.exit_code == 1 and "--usd" in fine.output
+    assert fine.exit_code == 2 and "--usd" in fine.output  # bad input
 
 
 def test_keys_create_json_list_revoke(cli) -> None:
@@ -84,7 +84,7 @@ def test_keys_create_json_list_revoke(cli) -> None:
     assert revoked.exit_code == 0, revoked.output
     with pytest.raises(Unauthorized):
         _authenticate(cli.state_dir, plaintext)
-    assert cli("keys", "revoke", "key_nope").exit_code == 1
+    assert cli("keys", "revoke", "key_nope").exit_code == 3
 
 
 def test_credit_reads_dollars_exactly_and_allows_a_debit(cli) -> None:

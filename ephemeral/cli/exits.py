@@ -1,0 +1,57 @@
+"""The exit status of every ``ephemeral`` command, in one place (docs/cli.md lists them).
+
+A script can tell apart what it gave wrong (2), what broke around the work (3) and how the work
+itself ended (0, 1, 4-6). The codes for a run's ending are derived from the run statuses of
+:mod:`ephemeral.policy`; with several runs (a recipe), the command exits with the highest code.
+``ephemeral sandbox exec`` is the exception: it exits with the sandboxed command's own status.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from ephemeral import errors
+from ephemeral.policy import TERMINAL_STATUSES
+
+
+class Exit(IntEnum):
+    OK = 0
+    FAILED = 1
+    USAGE = 2
+    ERROR = 3
+    TIMED_OUT = 4
+    BUDGET_EXHAUSTED = 5
+    CANCELLED = 6
+
+
+MEANING: dict[Exit, str] = {
+    Exit.OK: "success: every run succeeded, every check and gate passed",
+    Exit.FAILED: "the work ran and did not pass: a run ended `failed`, an eval gate failed, "
+    "`recipes validate` found a problem",
+    Exit.USAGE: "bad input (unknown option, invalid value, invalid recipe); nothing was started",
+    Exit.ERROR: "the command could not do its work: not found, conflict, no balance, "
+    "server or store unreachable, a run that did not finish",
+    Exit.TIMED_OUT: "a run ended `timed_out`",
+    Exit.BUDGET_EXHAUSTED: "a run ended `budget_exhausted`",
+    Exit.CANCELLED: "a run ended `cancelled`",
+}
+
+FOR_STATUS: dict[str, Exit] = {
+    "succeeded": Exit.OK,
+    "failed": Exit.FAILED,
+    "timed_out": Exit.TIMED_OUT,
+    "budget_exhausted": Exit.BUDGET_EXHAUSTED,
+    "cancelled": Exit.CANCELLED,
+}
+if set(FOR_STATUS) != TERMINAL_STATUSES:  # a new terminal status needs its own code
+    raise ImportError(f"exit codes cover {sorted(FOR_STATUS)}, not {sorted(TERMINAL_STATUSES)}")
+
+
+def for_status(status: str) -> Exit:
+    """The code for how a run ended; a run that is not terminal did not finish (``ERROR``)."""
+    return FOR_STATUS.get(status, Exit.ERROR)
+
+
+def for_error(exc: errors.EphemeralError) -> Exit:
+    """Bad input is ``USAGE``; any other error of ours is ``ERROR``."""
+    return Exit.USAGE if isinstance(exc, errors.InvalidRequest) else Exit.ERROR

@@ -1,0 +1,44 @@
+"""What every command prints besides its result: errors on stderr, one shape, one exit code.
+
+:func:`report` prints ``error: <detail>`` and then ``  field: message`` for each field it names;
+an error whose every item names a file (a recipe's) prints one ``file:line: field: message`` line
+per problem instead, like a compiler. :func:`fail` reports and returns the :class:`typer.Exit` to
+raise, with the code :mod:`ephemeral.cli.exits` assigns to that kind of error.
+"""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from ephemeral import errors
+from ephemeral.cli.exits import Exit, for_error
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def report(exc: errors.EphemeralError, *, prefix: str = "") -> None:
+    """Print the error and every field it names on stderr."""
+    items = exc.errors or []
+    if items and all(item.get("file") for item in items):
+        for item in items:
+            line = f"{item['file']}:{item['line']}: {item.get('field')}: {item.get('message')}"
+            err.print(line, markup=False)
+        return
+    err.print(f"{escape(prefix)}[red]error:[/red] {escape(exc.detail)}")
+    for item in items:
+        err.print(f"  {item.get('field')}: {item.get('message')}", markup=False)
+
+
+def fail(exc: errors.EphemeralError, *, prefix: str = "") -> typer.Exit:
+    """:func:`report` the error and return the exit to raise."""
+    report(exc, prefix=prefix)
+    return typer.Exit(for_error(exc))
+
+
+def usage(message: str) -> typer.Exit:
+    """A usage mistake found by the command itself (click finds the others, also exit 2)."""
+    err.print(f"[red]error:[/red] {escape(message)}")
+    return typer.Exit(Exit.USAGE)
