@@ -8,7 +8,7 @@ APT_PACKAGES := bubblewrap runsc qemu-system-x86 mmdebstrap e2fsprogs busybox-st
                 chromium postgresql
 PYTEST_ARGS ?=
 
-.PHONY: setup apt venv image prefect-template demo test bench lint fmt serve serve-prefect clean
+.PHONY: setup apt venv image prefect-template demo test test-fast bench lint fmt serve serve-prefect clean
 
 setup: apt venv image prefect-template
 
@@ -40,8 +40,16 @@ prefect-template: venv
 demo: setup
 	$(EPH) run recipes/sandbox-proof.yaml
 
+# The whole suite. CI (.ci/run) also sets EPHEMERAL_TEST_REQUIRE_DRIVERS, so a missing
+# gvisor or namespaces driver fails the run instead of skipping its tests.
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The inner loop: everything but the markers that cost minutes (TCG microVMs and other `slow`
+# tests, the Prefect server, PostgreSQL, Chromium). Real sandboxes still run.
+FAST_MARKERS := not slow and not prefect and not postgres and not browser
+test-fast: setup
+	$(PY) -m pytest -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) bench/sandbox.py

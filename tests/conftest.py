@@ -25,6 +25,9 @@ _SESSION_TMP = Path(tempfile.mkdtemp(prefix="ephemeral-tests-"))
 
 def pytest_configure(config: pytest.Config) -> None:
     from ephemeral import prefect_setup
+    from tests import drivers
+
+    drivers.required()  # a typo in EPHEMERAL_TEST_REQUIRE_DRIVERS stops the run here
 
     os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect")
     prefect_setup.configure(Settings.load(state_dir=_SESSION_TMP / "state"))

@@ -17,6 +17,7 @@ import pytest
 from ephemeral.checks import MaxCost, MaxDuration, StatusIs, evaluate
 from ephemeral.recipes import load_recipe
 from ephemeral.settings import Settings
+from tests.drivers import unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = ["sandbox-proof", "exit-codes", "file-roundtrip"]
@@ -47,11 +48,11 @@ async def test_recorded_answer_holds_in_a_real_sandbox(name: str, tmp_path: Path
 
     settings = Settings.load(state_dir=tmp_path / "state")
     if images.built_rootfs(settings) is None:
-        pytest.skip("guest image not built (make setup)")
+        unavailable("guest image not built (make setup)", "namespaces")
     driver = ns.NamespacesDriver(settings)
     why = await driver.probe()
     if why:
-        pytest.skip(f"namespaces sandbox unavailable: {why}")
+        unavailable(f"namespaces sandbox unavailable: {why}", "namespaces")
 
     recipe = load_recipe(REPO / "recipes" / f"{name}.yaml")
     assert recipe.model == f"replay/{name}"

@@ -15,6 +15,8 @@ from ephemeral import errors
 from ephemeral.sandbox import images, registry
 from ephemeral.sandbox.base import Limits, Sandbox, SandboxDriver
 from ephemeral.settings import Settings
+from tests.drivers import unavailable
+from tests.sandbox.leaks import Footprint, footprint, leftovers
 
 # microvm-tcg emulates a whole machine in software: ~10x slower per test, so it is `slow`
 DRIVERS = ["namespaces", "gvisor", pytest.param("microvm-tcg", marks=pytest.mark.slow)]
@@ -32,7 +34,7 @@ def sandbox_settings() -> Iterator[Settings]:
 @pytest.fixture(scope="session")
 def rootfs(sandbox_settings: Settings) -> Path:
     if shutil.which("mmdebstrap") is None and images.built_rootfs(sandbox_settings) is None:
-        pytest.skip("no image built and mmdebstrap missing (make setup)")
+        unavailable("no image built and mmdebstrap missing (make setup)")
     return asyncio.run(images.ensure_image(sandbox_settings))
 
 
@@ -52,7 +54,7 @@ def driver(
     iso: str = request.param
     why = _availability_of(iso, sandbox_settings)
     if why is not None:
-        pytest.skip(f"{iso} cannot run here: {why}")
+        unavailable(f"{iso} cannot run here: {why}", iso)
     return registry.get_driver(iso, sandbox_settings)
 
 
@@ -61,18 +63,19 @@ Factory = Callable[..., Awaitable[Sandbox]]
 
 @pytest.fixture
 async def make_sandbox(
-    request: pytest.FixtureRequest, driver: SandboxDriver
+    request: pytest.FixtureRequest, driver: SandboxDriver, sandbox_settings: Settings
 ) -> AsyncIterator[Factory]:
-    made: list[Sandbox] = []
+    made: list[tuple[Sandbox, Footprint]] = []
 
     async def factory(**limits: float) -> Sandbox:
         sbx = await driver.create(owner="test", limits=Limits(**limits))
-        made.append(sbx)
+        made.append((sbx, footprint(sbx, sandbox_settings.sandboxes_dir)))
         return sbx
 
     yield factory
     logs = []
-    for sbx in made:
+    left: list[str] = []
+    for sbx, fp in made:
         tail = getattr(sbx, "log_tail", None)
         if tail is not None:
             logs.append(f"--- {sbx.isolation} {sbx.id}\n{tail(4000)}")
@@ -80,5 +83,7 @@ async def make_sandbox(
             await sbx.destroy()
         except errors.SandboxError as exc:  # still report the test's own failure first
             logs.append(f"destroy failed: {exc}")
+        left += [f"{sbx.id}: {what}" for what in leftovers(fp)]
     if logs:
         request.node.add_report_section("teardown", "sandbox logs", "\n".join(logs))
+    assert not left, "destroyed sandboxes left things on the host:\n" + "\n".join(left)

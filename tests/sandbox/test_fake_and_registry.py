@@ -11,6 +11,7 @@ from ephemeral.sandbox import registry
 from ephemeral.sandbox.base import ExecResult, Limits
 from ephemeral.sandbox.fake import FakeDriver
 from ephemeral.settings import Settings
+from tests.drivers import unavailable
 
 
 async def test_fake_behaves_like_a_sandbox_for_simple_commands() -> None:
@@ -50,7 +51,7 @@ async def test_auto_never_picks_fake_or_tcg(tmp_path: Path) -> None:
     try:
         picked = await registry.resolve_isolation("auto", settings)
     except errors.IsolationUnavailable as exc:
-        pytest.skip(f"no isolation runs here: {exc.detail}")
+        unavailable(f"no isolation runs here: {exc.detail}")
     assert picked in ("microvm-kvm", "gvisor", "namespaces")
 
 

@@ -16,6 +16,7 @@ from ephemeral.sandbox import cgroups, reaper, registry
 from ephemeral.sandbox.base import Limits, SandboxDriver
 from ephemeral.sandbox.pool import WarmPool
 from ephemeral.settings import Settings
+from tests.drivers import unavailable
 
 pytestmark = pytest.mark.sandbox
 
@@ -109,7 +110,7 @@ async def test_warm_pool_hands_out_each_sandbox_once(driver: SandboxDriver) -> N
 async def test_namespaces_seccomp_and_userns_lockdown(sandbox_settings: Settings) -> None:
     why = await registry.probe_level("namespaces", sandbox_settings)
     if why is not None:
-        pytest.skip(f"namespaces cannot run here: {why}")
+        unavailable(f"namespaces cannot run here: {why}", "namespaces")
     driver = registry.get_driver("namespaces", sandbox_settings)
     sbx = await driver.create(owner="test", limits=Limits())
     try:

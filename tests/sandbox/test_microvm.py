@@ -20,6 +20,7 @@ from ephemeral.sandbox import handles
 from ephemeral.sandbox.base import Limits
 from ephemeral.sandbox.microvm import MicroVMDriver, MicroVMSandbox, Snapshot
 from ephemeral.settings import Settings
+from tests.drivers import unavailable
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -29,7 +30,7 @@ LIMITS = Limits()
 @pytest.fixture(scope="module")
 def tcg(tmp_path_factory: pytest.TempPathFactory) -> tuple[MicroVMDriver, Snapshot]:
     if shutil.which("qemu-system-x86_64") is None:
-        pytest.skip("qemu-system-x86_64 is not installed")
+        unavailable("qemu-system-x86_64 is not installed", "microvm-tcg")
     settings = Settings.load(
         state_dir=tmp_path_factory.mktemp("microvm") / "state", use_prefect=False
     )
@@ -37,7 +38,8 @@ def tcg(tmp_path_factory: pytest.TempPathFactory) -> tuple[MicroVMDriver, Snapsh
     try:
         snap = asyncio.run(driver.snapshot(LIMITS))
     except errors.EphemeralError as exc:
-        pytest.skip(f"microVM artifacts or snapshot could not be built here: {exc.detail}")
+        why = f"microVM artifacts or snapshot could not be built: {exc.detail}"
+        unavailable(why, "microvm-tcg")
     return driver, snap
 
 
@@ -228,9 +230,9 @@ def _qemu_pids() -> set[int]:
 async def test_kvm_probe_is_honest(tmp_path: Path):
     """``microvm-kvm`` is offered only if a guest kernel really boots under /dev/kvm."""
     if shutil.which("qemu-system-x86_64") is None:
-        pytest.skip("qemu-system-x86_64 is not installed")
+        unavailable("qemu-system-x86_64 is not installed", "microvm-kvm")
     if not _exists("/dev/kvm"):
-        pytest.skip("no /dev/kvm on this host")
+        unavailable("no /dev/kvm on this host", "microvm-kvm")
     driver = MicroVMDriver(Settings.load(state_dir=tmp_path / "state", use_prefect=False), "kvm")
     before = _qemu_pids()
     why = await driver.boot_probe(fresh=True)
