@@ -1,8 +1,8 @@
 """The run object of DESIGN §3, and the fold that rebuilds a run from its event log.
 
-The store keeps a row per run for fast listing, but the event log is the source of truth:
-:func:`fold_events` rebuilds status, usage and money from events alone, and the golden tests
-check that both agree.
+The run object is rendered from the store's run row (the API, the pages and the records read
+the row); :func:`fold_events` rebuilds status, usage and money from the events alone, and
+tests/run/test_agent_run.py checks that both agree.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ def test_without_the_variable_a_missing_driver_skips(monkeypatch: pytest.MonkeyP
 
 def test_a_required_driver_that_cannot_run_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(drivers.REQUIRE_ENV, "gvisor, namespaces")
-    with pytest.raises(pytest.fail.Exception, match="gvisor required .* no runsc"):
+    with pytest.raises(pytest.fail.Exception, match=r"gvisor required .* no runsc"):
         drivers.unavailable("no runsc", "gvisor")
     with pytest.raises(pytest.fail.Exception, match="gvisor, namespaces required"):
         drivers.unavailable("no image")  # needed by every driver
