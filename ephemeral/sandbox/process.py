@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ephemeral import errors, ids
-from ephemeral.sandbox import cgroups, handles, images
+from ephemeral.sandbox import cgroups, handles, images, sidechannel
 from ephemeral.sandbox.base import Handle, Limits, Sandbox
 from ephemeral.sandbox.cgroups import CgroupSet
 from ephemeral.sandbox.guest import GuestBacked, GuestClient
@@ -101,10 +101,8 @@ class ProcessSandbox(GuestBacked):
 
     async def _drain_stderr(self) -> None:
         assert self._proc is not None and self._proc.stderr is not None
-        while chunk := await self._proc.stderr.read(65536):
-            self._stderr += chunk
-            if len(self._stderr) > STDERR_KEEP:
-                del self._stderr[: len(self._stderr) - STDERR_KEEP]
+        # rate-limited: a guest flooding this pipe blocks on it instead of costing host CPU
+        await sidechannel.drain(self._proc.stderr, self._stderr, keep=STDERR_KEEP)
 
     async def _expire(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
