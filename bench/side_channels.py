@@ -41,6 +41,7 @@ async def flooder(settings: Settings) -> ProcessSandbox:
         handle_file=handles.write(settings.sandboxes_dir, handle),
         cgroups=None,
         limits=Limits(),
+        runtime="hostile_agent.py",
     )
     await sbx._start([sys.executable, str(HOSTILE), "flood_stderr"])
     return sbx

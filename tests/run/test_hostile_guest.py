@@ -47,6 +47,7 @@ class HostileDriver:
             handle_file=hfile,
             cgroups=None,
             limits=limits,
+            runtime="hostile_agent.py",
         )
         await sbx._start([sys.executable, str(HOSTILE), self.mode])
         return sbx
@@ -71,6 +72,8 @@ async def test_absurd_guest_numbers_never_cost_the_records(
     row = await runtime.execute(row.id)
     events = await runtime.store.list_events(row.id)
 
+    ready = next(e for e in events if e.type == "sandbox.ready")
+    assert ready.data["runtime"] == "hostile_agent.py"  # the runtime's own label, recorded
     # the first reply's week is replaced by what the host timed; the 2^63 reply is a lie
     shell = [e.data for e in events if e.type == "shell.executed"]
     assert shell[0]["exit_code"] == 511
