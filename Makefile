@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EPH := $(VENV)/bin/ephemeral
 APT_PACKAGES := bubblewrap runsc qemu-system-x86 mmdebstrap e2fsprogs busybox-static cpio \
-                gcc libc6-dev util-linux \
+                gcc libc6-dev util-linux libseccomp2 \
                 chromium postgresql
 PYTEST_ARGS ?=
 

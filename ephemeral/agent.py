@@ -155,7 +155,12 @@ class AgentRun:
             boot_ms = int((self.budget.sandbox_started - t0) * 1000)
             await self.emit(
                 "sandbox.ready",
-                {"isolation": sandbox.isolation, "image": sandbox.image, "boot_ms": boot_ms},
+                {
+                    "isolation": sandbox.isolation,
+                    "image": sandbox.image,
+                    "boot_ms": boot_ms,
+                    "runtime": sandbox.runtime,
+                },
             )
         await self.store.update_run(
             self.run_id, status="running", isolation=sandbox.isolation, sandbox_id=sandbox.id

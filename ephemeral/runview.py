@@ -73,6 +73,7 @@ def fold_events(events: list[Event]) -> dict[str, Any]:
         "status": None,
         "reason": None,
         "isolation": None,
+        "runtime": None,  # the sandbox runtime's version line (absent from older logs)
         "usage": {"model_calls": 0, "input_tokens": 0, "output_tokens": 0},
         "cost": {
             "reserved_micros": 0,
@@ -96,6 +97,7 @@ def fold_events(events: list[Event]) -> dict[str, Any]:
         elif ev.type == "sandbox.ready":
             state["status"] = "running"
             state["isolation"] = d["isolation"]
+            state["runtime"] = d.get("runtime")
             state["sandbox_alive"] = True
         elif ev.type == "model.called":
             u = state["usage"]

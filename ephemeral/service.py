@@ -310,6 +310,7 @@ class Runtime:
                 "isolation": sandbox.isolation,
                 "image": sandbox.image,
                 "boot_ms": int((ready - t0) * 1000),
+                "runtime": sandbox.runtime,
             },
         )
 
@@ -471,13 +472,18 @@ class Runtime:
     # introspection -------------------------------------------------------------------------
     async def isolation_info(self) -> dict[str, Any]:
         """What this host offers (probed by really starting one) and what ``auto`` picks."""
+        from ephemeral.sandbox.probe import runtime_path, runtime_version
+
         levels: dict[str, dict[str, Any]] = {}
         for level in ISOLATION_LEVELS:
             try:
                 reason = await get_driver(level, self.settings).probe()
             except errors.EphemeralError as exc:
                 reason = exc.detail
-            levels[level] = {"available": reason is None, "reason": reason}
+            runtime = await asyncio.to_thread(
+                runtime_version, level, runtime_path(level, self.settings)
+            )
+            levels[level] = {"available": reason is None, "reason": reason, "runtime": runtime}
         try:
             auto: str | None = await resolve_isolation("auto", self.settings)
         except errors.IsolationUnavailable:

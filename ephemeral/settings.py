@@ -43,6 +43,11 @@ class Settings(BaseSettings):
     images_dir: Path = REPO_ROOT / "sandbox_images"
     recipes_dir: Path = REPO_ROOT / "recipes"
     cassettes_dir: Path = REPO_ROOT / "recipes" / "cassettes"
+    runsc_path: Path | None = Field(
+        default=None,
+        description="The `runsc` binary the `gvisor` level runs and probes (absolute path); "
+        "unset: `runsc` on `PATH`. For a newer gVisor than the distribution's (docs/gvisor.md).",
+    )
     pool_size: int = Field(default=0, ge=0, le=64)
     max_concurrent_runs: int = Field(default=8, ge=1, le=512)
     retention_days: int = Field(default=30, ge=1)
@@ -76,6 +81,14 @@ class Settings(BaseSettings):
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()
+
+    @field_validator("runsc_path")
+    @classmethod
+    def _runsc_absolute(cls, v: Path | None) -> Path | None:
+        # a relative path would depend on the server's working directory
+        if v is not None and not v.is_absolute():
+            raise ValueError("must be an absolute path")
+        return v
 
     @classmethod
     def load(cls, **overrides: object) -> Settings:

@@ -23,7 +23,8 @@ def describe(event: Event | dict[str, Any]) -> tuple[str, str]:
     if t == "run.queued":
         return "Queued", f"budget {usd(d.get('reserved_micros'))} reserved"
     if t == "sandbox.ready":
-        return "Sandbox", f"{d.get('isolation')} ready · {d.get('boot_ms')} ms"
+        runtime = f" · {d['runtime']}" if d.get("runtime") else ""
+        return "Sandbox", f"{d.get('isolation')} ready · {d.get('boot_ms')} ms{runtime}"
     if t == "worker.started":
         parts = [
             f"shell {'on' if d.get('shell') else 'off'}",

@@ -91,6 +91,8 @@ class EventObject(BaseModel):
 class IsolationLevel(BaseModel):
     available: bool
     reason: str | None
+    # the runtime binary's version line ("runsc version 0.0~20221219.0"), "missing" if absent
+    runtime: str | None = None
 
 
 class IsolationInfo(BaseModel):

@@ -165,12 +165,20 @@ def isolation_cmd(
             return offered, None, exc.detail
 
     offered, auto, why = _run(go)
+    from ephemeral.sandbox.probe import runtime_path, runtime_version
+
+    runtimes = {k: runtime_version(k, runtime_path(k, settings)) for k in offered}
     if as_json:
         typer.echo(
             json.dumps(
                 {
                     "levels": [
-                        {"isolation": k, "available": v is None, "reason": v}
+                        {
+                            "isolation": k,
+                            "available": v is None,
+                            "reason": v,
+                            "runtime": runtimes[k],
+                        }
                         for k, v in offered.items()
                     ],
                     "auto": auto,
@@ -185,7 +193,7 @@ def isolation_cmd(
         note = "" if reason is None else f"  ({reason})"
         if iso == "microvm-tcg" and reason is None:
             note = "  (only when asked for: emulation is not a security boundary)"
-        typer.echo(f"{mark} {iso:<12}{note}")
+        typer.echo(f"{mark} {iso:<12} [{runtimes[iso]}]{note}")
     typer.echo(f"auto -> {auto}" if auto else f"auto -> nothing: {why}")
 
 

@@ -35,6 +35,10 @@ from ephemeral.records.schema import (
 MAX_STEP_TEXT_CHARS = 1 << 20
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# Every integer column is BIGINT. Values reach it from outside (a guest's reply, a provider's
+# usage): those are bounded where they enter, and this clamp is the backstop that keeps one
+# out-of-range number from failing the COPY and losing the whole run's records.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 _db: duckdb.DuckDBPyConnection | None = None
 _db_pid = 0
@@ -78,6 +82,8 @@ def select_from_param(kind: str) -> str:
 
 
 def _clean(value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return min(INT64_MAX, max(INT64_MIN, value))
     # Lone surrogates (undecodable guest bytes) cannot be encoded as UTF-8 and would fail the write.
     if isinstance(value, str) and not value.isascii():
         try:

@@ -34,6 +34,7 @@ class Sandbox(Protocol):
     id: str
     isolation: str
     image: str
+    runtime: str  # the runtime's version line, e.g. "runsc version 0.0~20221219.0"
     boot_ms: int
     workdir: str
 

@@ -30,6 +30,7 @@ class FakeSandbox:
         n = next(_counter)
         self.id = f"sbx_fake{n:020d}"
         self.image = "fake"
+        self.runtime = "fake"
         self.boot_ms = 0
         self.workdir = f"/tmp/ephemeral-run-fake{n:04d}/scratch"
         self.owner = owner

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from typing import Any, Protocol
 
 from pydantic import BaseModel
@@ -137,6 +138,7 @@ class GuestClient:
                 cwd=cwd,
             )
         frame_cap = min(p.MAX_FRAME, 2 * (4 * max_output // 3 + 4) + _ENVELOPE)
+        t0 = time.monotonic()
         try:
             obj = await self._call(req, timeout + self.exec_grace, frame_cap)
         except _GuestRefused as exc:
@@ -144,13 +146,15 @@ class GuestClient:
                 raise errors.InvalidRequest.field("cwd", exc.message) from None
             raise errors.SandboxError(f"guest refused exec: {exc.kind}: {exc.message}") from None
         reply = self._checked(p.ExecReply, obj, "exec reply")
+        # The guest's own clock is only believed below what the host saw elapse.
+        host_ms = int((time.monotonic() - t0) * 1000) + 1
         out = self._b64(reply.stdout, "stdout", max_output)
         err = self._b64(reply.stderr, "stderr", max_output)
         return ExecResult(
             exit_code=reply.exit_code,
             stdout=out.decode("utf-8", errors="replace"),
             stderr=err.decode("utf-8", errors="replace"),
-            duration_ms=reply.duration_ms,
+            duration_ms=min(reply.duration_ms, host_ms),
             truncated=reply.truncated,
             timed_out=reply.timed_out,
         )

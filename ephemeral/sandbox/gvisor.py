@@ -15,12 +15,16 @@ runtime may hand the guest a non-blocking stdin, which the agent handles.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+from ephemeral import errors
 from ephemeral.sandbox import cgroups, handles
 from ephemeral.sandbox.base import Limits, Sandbox
+from ephemeral.sandbox.probe import runtime_version
 from ephemeral.sandbox.process import ProcessDriver, ProcessSandbox, new_handle
 
 # The Sentry, Gofer and ptrace stubs live in the same cgroup as the guest: headroom for them.
@@ -114,10 +118,22 @@ class GVisorDriver(ProcessDriver):
     binary = "runsc"
     package = "runsc"
 
+    def binary_path(self) -> str | None:
+        """``EPHEMERAL_RUNSC_PATH`` when set (it must be an executable file), else PATH's."""
+        configured = self.settings.runsc_path
+        if configured is None:
+            return super().binary_path()
+        return str(configured) if os.access(configured, os.X_OK) and configured.is_file() else None
+
+    async def probe(self) -> str | None:
+        if self.settings.runsc_path is not None and self.binary_path() is None:
+            return f"EPHEMERAL_RUNSC_PATH={self.settings.runsc_path} is not an executable file"
+        return await super().probe()
+
     @staticmethod
-    def runsc_argv(state_root: Path, bundle: Path, container_id: str) -> list[str]:
+    def runsc_argv(runsc: str, state_root: Path, bundle: Path, container_id: str) -> list[str]:
         return [
-            "runsc",
+            runsc,
             f"--root={state_root}",
             "--network=none",
             "--platform=ptrace",
@@ -128,6 +144,10 @@ class GVisorDriver(ProcessDriver):
 
     async def create(self, *, owner: str, limits: Limits) -> Sandbox:
         rootfs = await self._image()
+        runsc = self.binary_path()
+        if runsc is None:
+            raise errors.IsolationUnavailable(f"gvisor: {self.binary} not found")
+        runtime = await asyncio.to_thread(runtime_version, self.isolation, runsc)
         handle = new_handle(self.isolation, owner)
         run_dir = self.settings.state_dir / "run" / handle.id
         state_root, bundle = run_dir / "state", run_dir / "bundle"
@@ -158,8 +178,9 @@ class GVisorDriver(ProcessDriver):
                 handle_file=hfile,
                 cgroups=cg,
                 limits=limits,
+                runtime=runtime,
             )
-            await sbx._start(self.runsc_argv(state_root, bundle, handle.id))
+            await sbx._start(self.runsc_argv(runsc, state_root, bundle, handle.id))
             return sbx
         except BaseException as exc:
             await self._failed_start(exc, sbx, handle, hfile)

@@ -124,6 +124,7 @@ class MicroVMSandbox(GuestBacked):
         self.id = sandbox_id
         self.isolation = isolation
         self.image = image
+        self.runtime = qemu_version()  # cached after the first call
         self.boot_ms = 0
         self.workdir = ""
         self.limits = limits

@@ -45,10 +45,21 @@ async def start_and_exec_true(driver: SandboxDriver) -> str | None:
         await sbx.destroy()
 
 
-def runtime_version(isolation: str) -> str:
-    """A fingerprint of the runtime binary, so a cached verdict dies with an upgrade."""
-    binary = {"namespaces": "bwrap", "gvisor": "runsc"}.get(isolation, "qemu-system-x86_64")
-    path = shutil.which(binary)
+def runtime_path(isolation: str, settings: Settings | None = None) -> str | None:
+    """The runtime binary a level runs: ``EPHEMERAL_RUNSC_PATH`` for gvisor, else on PATH."""
+    if isolation == "gvisor" and settings is not None and settings.runsc_path is not None:
+        return str(settings.runsc_path)
+    if isolation.startswith("microvm"):
+        return shutil.which("qemu-system-x86_64")
+    binary = {"namespaces": "bwrap", "gvisor": "runsc"}.get(isolation)
+    return shutil.which(binary) if binary else None
+
+
+def runtime_version(isolation: str, path: str | None = None) -> str:
+    """The runtime binary's first ``--version`` line (``runsc version 0.0~20221219.0``): a
+    fingerprint, so a cached verdict dies with an upgrade, and what runs and
+    ``ephemeral isolation`` report. ``path`` overrides the binary found on PATH."""
+    path = path or runtime_path(isolation)
     if path is None:
         return "missing"
     # Memoised by the binary's identity: `--version` costs 40-60 ms and admission calls this
@@ -74,7 +85,9 @@ async def cached_probe(
 ) -> str | None:
     from ephemeral.sandbox import images
 
-    version = await asyncio.to_thread(runtime_version, driver.isolation)
+    version = await asyncio.to_thread(
+        runtime_version, driver.isolation, runtime_path(driver.isolation, settings)
+    )
     try:
         image_key = images.image_dir(settings, settings.image).name
     except errors.EphemeralError:

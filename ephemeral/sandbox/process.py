@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ephemeral import errors, ids
-from ephemeral.sandbox import cgroups, handles, images
+from ephemeral.sandbox import cgroups, handles, images, sidechannel
 from ephemeral.sandbox.base import Handle, Limits, Sandbox
 from ephemeral.sandbox.cgroups import CgroupSet
 from ephemeral.sandbox.guest import GuestBacked, GuestClient
@@ -39,8 +39,11 @@ class ProcessSandbox(GuestBacked):
         cgroups: CgroupSet | None,
         limits: Limits,
         cleanup: Callable[[], None] | None = None,
+        runtime: str | None = None,
     ) -> None:
         self.id = sandbox_id
+        # the runtime's version line; unset: the binary on PATH for this level, read at start
+        self.runtime = runtime or ""
         self.isolation = isolation
         self.image = image
         self.boot_ms = 0
@@ -63,6 +66,10 @@ class ProcessSandbox(GuestBacked):
 
     async def _start(self, argv: Sequence[str], *, pass_fds: Sequence[int] = ()) -> None:
         t0 = time.monotonic()
+        if not self.runtime:
+            from ephemeral.sandbox.probe import runtime_version
+
+            self.runtime = await asyncio.to_thread(runtime_version, self.isolation)
         join = ""
         if self._cgroups is not None:
             join = " && ".join(f"echo $$ > {shlex.quote(f)}" for f in self._cgroups.procs_files)
@@ -101,10 +108,8 @@ class ProcessSandbox(GuestBacked):
 
     async def _drain_stderr(self) -> None:
         assert self._proc is not None and self._proc.stderr is not None
-        while chunk := await self._proc.stderr.read(65536):
-            self._stderr += chunk
-            if len(self._stderr) > STDERR_KEEP:
-                del self._stderr[: len(self._stderr) - STDERR_KEEP]
+        # rate-limited: a guest flooding this pipe blocks on it instead of costing host CPU
+        await sidechannel.drain(self._proc.stderr, self._stderr, keep=STDERR_KEEP)
 
     async def _expire(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
@@ -218,8 +223,12 @@ class ProcessDriver:
             self._rootfs = str(root)
         return self._rootfs
 
+    def binary_path(self) -> str | None:
+        """The runtime binary to run; None when it is missing."""
+        return shutil.which(self.binary)
+
     async def probe(self) -> str | None:
-        if shutil.which(self.binary) is None:
+        if self.binary_path() is None:
             return f"{self.binary} not installed (apt-get install {self.package})"
         why = cgroups.available()
         if why:

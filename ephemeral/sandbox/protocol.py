@@ -5,10 +5,11 @@ The agent speaks first with a ``hello`` frame; after that the host sends one req
 (``{"id": N, "op": ...}``) and waits for the reply with the same id before sending the next.
 Binary payloads (stdin, stdout, files, entropy) travel base64-encoded.
 
-Everything the agent sends is hostile: frames are size-capped before they are read, parsed into
-strict models, cross-checked against what was asked (ids, output caps), and every read has a
-deadline. Any violation is a :class:`~ephemeral.errors.SandboxError`; the caller destroys the
-sandbox, it never retries on a lying agent.
+Everything the agent sends is hostile: frames are size-capped before they are read, nesting is
+capped while they are parsed, they are parsed into strict models whose every field is bounded
+(integers, string lengths, sizes), cross-checked against what was asked (ids, output caps), and
+every read has a deadline. Any violation is a :class:`~ephemeral.errors.SandboxError`; the
+caller destroys the sandbox, it never retries on a lying agent.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ from ephemeral import errors
 PROTOCOL_VERSION = 1
 MAX_FRAME = 16 << 20  # a reply larger than this is a lying or broken agent
 HEADER_BYTES = 4
+# Replies are flat objects; a newer agent's hello may nest a little. Deeper is hostile, and
+# unbounded nesting would otherwise end in the parser's RecursionError.
+MAX_DEPTH = 16
+# Bounds of the integers the host takes from the guest. Each is far past any honest value and
+# well inside a signed 64-bit column, so a guest number can never break the records writer.
+MAX_PID = 1 << 22  # the kernel's PID_MAX_LIMIT
+MAX_UID = (1 << 32) - 2  # uid_t, less the (uid_t)-1 "no uid" marker
+MAX_PROTOCOL = 1 << 16
+MAX_DURATION_MS = 7 * 24 * 3600 * 1000  # a sandbox never lives a week
+MAX_TEXT = 4 * (MAX_FRAME // 3) + 4  # a base64 payload that fits in one frame
 
 # request ops
 OP_EXEC = "exec"
@@ -49,10 +60,12 @@ Path_ = Annotated[str, Field(min_length=1, max_length=4096)]
 class Hello(_Frame):
     model_config = ConfigDict(extra="ignore", strict=True)  # newer agents may say more
     type: Literal["hello"]
-    protocol: int
-    workdir: Annotated[str, Field(pattern=r"^/tmp/ephemeral-run-[A-Za-z0-9_]{1,64}/scratch$")]
-    pid: int = Field(ge=1)
-    uid: int = Field(ge=0)
+    protocol: int = Field(ge=0, le=MAX_PROTOCOL)
+    workdir: Annotated[
+        str, Field(max_length=128, pattern=r"^/tmp/ephemeral-run-[A-Za-z0-9_]{1,64}/scratch$")
+    ]
+    pid: int = Field(ge=1, le=MAX_PID)
+    uid: int = Field(ge=0, le=MAX_UID)
 
 
 # ---- requests (host -> agent)
@@ -118,23 +131,23 @@ class ExecReply(_Frame):
     id: int
     ok: Literal[True]
     exit_code: int = Field(ge=-1, le=511)
-    stdout: str
-    stderr: str
+    stdout: Annotated[str, Field(max_length=MAX_TEXT)]
+    stderr: Annotated[str, Field(max_length=MAX_TEXT)]
     truncated: bool
     timed_out: bool
-    duration_ms: int = Field(ge=0)
+    duration_ms: int = Field(ge=0, le=MAX_DURATION_MS)
 
 
 class GetReply(_Frame):
     id: int
     ok: Literal[True]
-    data: str
+    data: Annotated[str, Field(max_length=MAX_TEXT)]
 
 
 class PutReply(_Frame):
     id: int
     ok: Literal[True]
-    size: int = Field(ge=0)
+    size: int = Field(ge=0, le=MAX_FRAME)
 
 
 class ReseedReply(_Frame):
@@ -166,7 +179,8 @@ class FrameReader(Protocol):
 async def read_frame(
     reader: FrameReader, *, timeout: float, max_frame: int = MAX_FRAME
 ) -> dict[str, Any]:
-    """One frame as a dict; SandboxError on EOF, oversize, bad JSON, or no frame before timeout."""
+    """One frame as a dict; SandboxError on EOF, oversize, bad JSON, nesting deeper than
+    ``MAX_DEPTH``, or no frame before timeout. Never any other exception."""
     try:
         async with asyncio.timeout(timeout):
             header = await reader.readexactly(HEADER_BYTES)
@@ -182,13 +196,39 @@ async def read_frame(
         ) from None
     except (ConnectionError, OSError) as exc:
         raise errors.SandboxError(f"guest channel failed: {exc}") from exc
+    return decode_frame(body)
+
+
+def decode_frame(body: bytes) -> dict[str, Any]:
+    """A frame body as a dict; SandboxError for anything but a shallow UTF-8 JSON object."""
     try:
         obj = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except RecursionError:
+        # the C parser checks the interpreter's recursion limit: a deep frame stops there
+        raise errors.SandboxError(f"guest sent a frame nested deeper than {MAX_DEPTH}") from None
+    except (UnicodeError, ValueError) as exc:  # ValueError also covers over-long int literals
         raise errors.SandboxError("guest sent a frame that is not UTF-8 JSON") from exc
     if not isinstance(obj, dict):
         raise errors.SandboxError("guest sent a frame that is not a JSON object")
+    if _depth(obj) > MAX_DEPTH:
+        raise errors.SandboxError(f"guest sent a frame nested deeper than {MAX_DEPTH}")
     return obj
+
+
+def _depth(obj: object) -> int:
+    """Nesting depth of parsed JSON, iteratively (the object may be ~1000 deep)."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(obj, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return depth
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, dict | list))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, dict | list))
+    return deepest
 
 
 def parse(model: type[M], obj: dict[str, Any], what: str) -> M:
@@ -196,8 +236,11 @@ def parse(model: type[M], obj: dict[str, Any], what: str) -> M:
         return model.model_validate(obj)
     except ValidationError as exc:
         first = exc.errors()[0]
-        loc = ".".join(map(str, first["loc"])) or "<frame>"
-        raise errors.SandboxError(f"guest sent an invalid {what}: {loc}: {first['msg']}") from None
+        # loc may hold a guest-chosen key: bounded, like every guest string the host repeats
+        loc = ".".join(map(str, first["loc"]))[:64] or "<frame>"
+        raise errors.SandboxError(
+            f"guest sent an invalid {what}: {loc}: {first['msg'][:200]}"
+        ) from None
 
 
 def b64encode(data: bytes) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ephemeral import errors
+from ephemeral.sandbox import sidechannel
 from ephemeral.sandbox.microvm_image import BootArtifacts
 
 Accel = Literal["kvm", "tcg"]
@@ -261,10 +262,8 @@ class QemuProcess:
 
 
 async def _drain(stream: asyncio.StreamReader, buf: bytearray) -> None:
-    while chunk := await stream.read(65536):
-        buf += chunk
-        if len(buf) > CONSOLE_KEEP:
-            del buf[: len(buf) - CONSOLE_KEEP]
+    # The console is the guest's to write: read at a bounded rate (see sidechannel.py).
+    await sidechannel.drain(stream, buf, keep=CONSOLE_KEEP)
 
 
 def new_run_dir() -> Path:

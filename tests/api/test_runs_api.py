@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import pytest
@@ -269,3 +270,7 @@ async def test_isolation_reports_levels_and_auto(http: httpx.AsyncClient, member
     assert info["auto"] in info["available"]
     for level in info["levels"].values():
         assert level["available"] == (level["reason"] is None)
+        # an available level names the runtime that ran its probe
+        assert not level["available"] or level["runtime"] not in (None, "missing", "unknown")
+    if shutil.which("runsc"):
+        assert info["levels"]["gvisor"]["runtime"].startswith("runsc version")

@@ -161,6 +161,18 @@ def test_undecodable_guest_text_is_stored_replaced(tmp_path: Path) -> None:
     assert rows == [("bytes \ufffd here\x00nul",)]
 
 
+def test_out_of_range_numbers_are_clamped_not_fatal(tmp_path: Path) -> None:
+    run, steps, events = make_run()
+    steps[0] = steps[0].model_copy(update={"duration_ms": 1 << 63, "exit_code": -(1 << 70)})
+    run = run.model_copy(update={"input_tokens": 10**30})
+    write_run(tmp_path, run, steps, events)
+    recs = Records(tmp_path)
+    _, rows = recs.query("SELECT duration_ms, exit_code FROM steps WHERE seq = 1")
+    assert rows == [((1 << 63) - 1, -(1 << 63))]
+    _, rows = recs.query("SELECT input_tokens FROM runs")
+    assert rows == [((1 << 63) - 1,)]
+
+
 def test_huge_step_output_is_capped_and_flagged(tmp_path: Path) -> None:
     from ephemeral.records.writer import MAX_STEP_TEXT_CHARS
 

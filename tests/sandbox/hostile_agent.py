@@ -52,6 +52,51 @@ def ok_exec(rid: int, **over: object) -> dict:
     return reply
 
 
+def flood_stderr() -> None:
+    """Say hello, then write to the runtime's stderr (the host's side channel) as fast as it can
+    be read, while still answering requests like a good agent."""
+    import os
+    import threading
+
+    def flood() -> None:
+        line = b"E" * 65535 + b"\n"
+        while True:
+            try:
+                os.write(2, line)
+            except OSError:
+                return
+
+    threading.Thread(target=flood, daemon=True).start()
+    send(HELLO)
+    while True:
+        req = recv()
+        if req["op"] == "exec":
+            send(ok_exec(req["id"], stdout=base64.b64encode(b"hi\n").decode()))
+        else:
+            send({"id": req["id"], "ok": True})
+
+
+def absurd() -> None:
+    """Answer every request, with the largest numbers the models let through, then with one
+    past them (2^63 ms, the reply that once cost a run its records)."""
+    execs = 0
+    while True:
+        req = recv()
+        rid = req["id"]
+        if req["op"] == "exec":
+            execs += 1
+            if execs == 1:
+                send(ok_exec(rid, exit_code=511, duration_ms=7 * 24 * 3600 * 1000))
+            else:
+                send(ok_exec(rid, duration_ms=1 << 63))
+        elif req["op"] == "put":
+            send({"id": rid, "ok": True, "size": len(base64.b64decode(req["data"]))})
+        elif req["op"] == "reseed":
+            send({"id": rid, "ok": True, "credited": True})
+        else:
+            send({"id": rid, "ok": True})
+
+
 def main(mode: str) -> None:
     if mode == "silent":
         time.sleep(3600)
@@ -73,7 +118,11 @@ def main(mode: str) -> None:
     if mode == "dies_mid_frame":
         raw((100).to_bytes(4, "big") + b'{"type": "he')
         sys.exit(0)
+    if mode == "flood_stderr":
+        flood_stderr()
     send(HELLO)
+    if mode == "absurd":
+        absurd()
     if mode == "good":
         while True:
             req = recv()
@@ -97,6 +146,14 @@ def main(mode: str) -> None:
         send(ok_exec(rid, exit_code="0"))
     elif mode == "flood_frame":
         send(ok_exec(rid, stderr="A" * 200_000))
+    elif mode == "huge_duration":
+        send(ok_exec(rid, duration_ms=1 << 63))
+    elif mode == "deep_nesting":
+        body = b'{"id": %d, "x": ' % rid + b"[" * 3000 + b"]" * 3000 + b"}"
+        raw(len(body).to_bytes(4, "big") + body)
+    elif mode == "huge_int":
+        body = b'{"id": %d, "ok": true, "duration_ms": 1%s}' % (rid, b"0" * 5000)
+        raw(len(body).to_bytes(4, "big") + body)
     elif mode == "dies_after_request":
         sys.exit(1)
     time.sleep(3600)

@@ -66,6 +66,9 @@ async def test_bad_handshakes_fail_fast(mode: str, message: str) -> None:
         ("extra_field", "invalid exec reply: evil"),
         ("string_exit_code", "invalid exec reply: exit_code"),
         ("flood_frame", "frame \\(cap"),
+        ("huge_duration", "invalid exec reply: duration_ms"),
+        ("deep_nesting", "nested deeper than"),
+        ("huge_int", "not UTF-8 JSON"),
         ("dies_after_request", "closed the channel"),
     ],
 )
