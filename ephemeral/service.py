@@ -477,7 +477,11 @@ class Runtime:
                 reason = await get_driver(level, self.settings).probe()
             except errors.EphemeralError as exc:
                 reason = exc.detail
-            levels[level] = {"available": reason is None, "reason": reason}
+            levels[level] = {
+                "available": reason is None,
+                "reason": reason,
+                "privileged": level == "namespaces" and self.settings.namespaces_privileged,
+            }
         try:
             auto: str | None = await resolve_isolation("auto", self.settings)
         except errors.IsolationUnavailable:

@@ -91,6 +91,9 @@ class EventObject(BaseModel):
 class IsolationLevel(BaseModel):
     available: bool
     reason: str | None
+    # namespaces only: EPHEMERAL_NAMESPACES_PRIVILEGED is on (agent is host root; runs say
+    # `namespaces-privileged`)
+    privileged: bool = False
 
 
 class IsolationInfo(BaseModel):

@@ -170,7 +170,12 @@ def isolation_cmd(
             json.dumps(
                 {
                     "levels": [
-                        {"isolation": k, "available": v is None, "reason": v}
+                        {
+                            "isolation": k,
+                            "available": v is None,
+                            "reason": v,
+                            "privileged": k == "namespaces" and settings.namespaces_privileged,
+                        }
                         for k, v in offered.items()
                     ],
                     "auto": auto,
@@ -185,6 +190,8 @@ def isolation_cmd(
         note = "" if reason is None else f"  ({reason})"
         if iso == "microvm-tcg" and reason is None:
             note = "  (only when asked for: emulation is not a security boundary)"
+        if iso == "namespaces" and settings.namespaces_privileged:
+            note += "  (PRIVILEGED: agent is host root, runs say namespaces-privileged)"
         typer.echo(f"{mark} {iso:<12}{note}")
     typer.echo(f"auto -> {auto}" if auto else f"auto -> nothing: {why}")
 
