@@ -65,6 +65,12 @@ async def test_the_worker_cannot_signal_ptrace_or_read_the_agent(make_sandbox: F
         assert agent.stdout.strip() in ("0", "root")
     caps = await sbx.exec("grep -E '^Cap(Prm|Eff|Amb)' /proc/self/status")
     assert all(line.split()[1] == "0000000000000000" for line in caps.stdout.splitlines())
+    # the agent's channel devices (microVM virtio ports) belong to root alone
+    ports = await sbx.exec(
+        "for f in /dev/vport* /dev/virtio-ports/*; do "
+        '[ -e "$f" ] && { [ -r "$f" ] || [ -w "$f" ]; } && echo "OPEN $f"; done; true'
+    )
+    assert "OPEN" not in ports.stdout, ports.stdout
     fds = await sbx.exec("ls /proc/self/fd")
     assert sorted(int(n) for n in fds.stdout.split()) <= [0, 1, 2, 3], fds.stdout
 
@@ -154,6 +160,8 @@ async def _assert_unprivileged(sbx: Sandbox) -> None:
     assert uids and min(uids) >= namespaces.SLOT_BASE, uids
     shadow = await sbx.exec("cat /etc/shadow")
     assert shadow.exit_code != 0 and "root:" not in shadow.stdout
+    # no nested user namespaces, even without the seccomp filter's help
+    assert (await sbx.exec("cat /proc/sys/user/max_user_namespaces")).stdout == "0\n"
 
 
 async def test_a_failed_start_never_weakens_the_next_sandbox(
