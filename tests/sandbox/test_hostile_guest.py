@@ -63,7 +63,7 @@ async def test_the_worker_cannot_signal_ptrace_or_read_the_agent(make_sandbox: F
     agent = await sbx.exec("ps -o uid= -p 1 2>/dev/null || true")
     if agent.stdout.strip():
         assert agent.stdout.strip() in ("0", "root")
-    caps = await sbx.exec("grep -E '^Cap(Prm|Eff|Amb)' /proc/self/status")
+    caps = await sbx.exec("grep -E '^Cap(Inh|Prm|Eff|Amb)' /proc/self/status")
     assert all(line.split()[1] == "0000000000000000" for line in caps.stdout.splitlines())
     # the agent's channel devices (microVM virtio ports) belong to root alone
     ports = await sbx.exec(

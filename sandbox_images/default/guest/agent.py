@@ -43,6 +43,8 @@ BASE_ENV = {
 }
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_DUMPABLE = 4
+SYS_CAPSET = 126  # x86_64
+CAPSET = None  # set by set_subreaper_and_undumpable for a root agent
 MAX_ID = 64
 
 
@@ -194,12 +196,18 @@ def set_subreaper_and_undumpable():
     subreaper = os.getpid() != 1
     if not (subreaper or is_root()):
         return  # skip the costly ctypes import
+    global CAPSET
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     if subreaper:
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    if is_root() and libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise ProtocolError("prctl(PR_SET_DUMPABLE, 0) failed: errno %d" % ctypes.get_errno())
+    if is_root():
+        if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            raise ProtocolError("prctl(PR_SET_DUMPABLE, 0) failed: errno %d" % ctypes.get_errno())
+        # Built here, called in a forked child (which may not import): an all-zero capset.
+        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, self
+        data = (ctypes.c_uint32 * 6)()
+        CAPSET = lambda: libc.syscall(SYS_CAPSET, header, data)  # noqa: E731
 
 
 def proc_stat(pid):
@@ -595,6 +603,9 @@ def _demote():
         os.setgroups([])
         os.setgid(WORKER_GID)
         os.setuid(WORKER_UID)
+        # setuid cleared the permitted, effective and ambient sets; clear the inheritable too
+        if CAPSET is not None and CAPSET() != 0:
+            raise OSError(errno.EPERM, "capset")
 
 
 def _wait_exit(pid, deadline):
