@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from ephemeral import errors
-from ephemeral.sandbox import namespaces, process, registry
+from ephemeral.sandbox import handles, namespaces, process, registry
 from ephemeral.sandbox.base import Limits, Sandbox
+from ephemeral.sandbox.process import ProcessSandbox, new_handle
 from ephemeral.settings import Settings
 from tests.sandbox.conftest import Factory, _availability_of
 
@@ -272,3 +274,29 @@ async def test_inotify_does_not_see_other_tenants(sandbox_settings: Settings, ot
     finally:
         await watcher.destroy()
         await actor.destroy()
+
+
+# ---- a lying agent: the sandbox is destroyed, not just the client
+
+
+async def test_a_reply_nobody_asked_for_destroys_the_sandbox(tmp_path: Path) -> None:
+    handle = new_handle("test", "test")
+    hfile = handles.write(tmp_path, handle)
+    sbx = ProcessSandbox(
+        sandbox_id=handle.id,
+        isolation="test",
+        image="none",
+        handle=handle,
+        handle_file=hfile,
+        cgroups=None,
+        limits=Limits(),
+    )
+    await sbx._start([sys.executable, str(Path(__file__).with_name("hostile_agent.py")), "unasked"])
+    try:
+        assert (await sbx.exec(["true"], max_output=1000)).stdout == "first\n"
+        with pytest.raises(errors.SandboxError, match="not in flight"):
+            await sbx.exec(["true"], max_output=1000)
+        assert not sbx.alive
+        assert not hfile.exists()
+    finally:
+        await sbx.destroy()
