@@ -483,7 +483,12 @@ class Runtime:
             runtime = await asyncio.to_thread(
                 runtime_version, level, runtime_path(level, self.settings)
             )
-            levels[level] = {"available": reason is None, "reason": reason, "runtime": runtime}
+            levels[level] = {
+                "available": reason is None,
+                "reason": reason,
+                "runtime": runtime,
+                "privileged": level == "namespaces" and self.settings.namespaces_privileged,
+            }
         try:
             auto: str | None = await resolve_isolation("auto", self.settings)
         except errors.IsolationUnavailable:

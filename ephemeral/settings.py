@@ -55,6 +55,13 @@ class Settings(BaseSettings):
     use_prefect: bool = True
     host: str = "127.0.0.1"
     port: int = 8000
+    namespaces_privileged: bool = Field(
+        default=False,
+        description="Run the `namespaces` sandbox without a user namespace: its agent is host "
+        "root (capabilities cut to a few) and commands run as host uid 1000. Only for kernels "
+        "that refuse user namespaces; labelled `namespaces-privileged`. Never chosen "
+        "automatically.",
+    )
     broker_allow_private_hosts: bool = Field(
         default=False,
         description="Let `web_fetch` and connections reach loopback and private addresses "

@@ -93,6 +93,9 @@ class IsolationLevel(BaseModel):
     reason: str | None
     # the runtime binary's version line ("runsc version 0.0~20221219.0"), "missing" if absent
     runtime: str | None = None
+    # namespaces only: EPHEMERAL_NAMESPACES_PRIVILEGED is on (agent is host root; runs say
+    # `namespaces-privileged`)
+    privileged: bool = False
 
 
 class IsolationInfo(BaseModel):

@@ -178,6 +178,7 @@ def isolation_cmd(
                             "available": v is None,
                             "reason": v,
                             "runtime": runtimes[k],
+                            "privileged": k == "namespaces" and settings.namespaces_privileged,
                         }
                         for k, v in offered.items()
                     ],
@@ -193,6 +194,8 @@ def isolation_cmd(
         note = "" if reason is None else f"  ({reason})"
         if iso == "microvm-tcg" and reason is None:
             note = "  (only when asked for: emulation is not a security boundary)"
+        if iso == "namespaces" and settings.namespaces_privileged:
+            note += "  (PRIVILEGED: agent is host root, runs say namespaces-privileged)"
         typer.echo(f"{mark} {iso:<12} [{runtimes[iso]}]{note}")
     typer.echo(f"auto -> {auto}" if auto else f"auto -> nothing: {why}")
 

@@ -1,15 +1,17 @@
 """Host-side client of the guest agent, over any byte channel (pipes, a unix socket, ...).
 
 Drivers own the channel and the process; this class owns the conversation. One request is in
-flight at a time (the agent is sequential), so calls are serialised with a lock. A failure of
-any kind marks the client broken: the sandbox behind it can no longer be trusted and must be
-destroyed, so every later call fails fast with the first error.
+flight at a time (the agent is sequential), so calls are serialised with a lock. Each request
+carries a fresh random id (a 128-bit nonce) and only a reply echoing it is taken: a stale,
+replayed or unasked-for frame is a lying guest. A failure of any kind marks the client broken:
+the sandbox behind it can no longer be trusted, so every later call fails fast with the first
+error, and :class:`GuestBacked` destroys the sandbox.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import secrets
 import time
 from typing import Any, Protocol
 
@@ -44,13 +46,16 @@ class GuestClient:
     ):
         self._reader = reader
         self._writer = writer
-        self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
         self._broken: errors.SandboxError | None = None
         self.label = label
         self.exec_grace = exec_grace
         self.op_timeout = op_timeout
         self.hello: p.Hello | None = None
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
 
     @property
     def workdir(self) -> str:
@@ -85,9 +90,8 @@ class GuestClient:
                 obj = await p.read_frame(self._reader, timeout=timeout, max_frame=max_frame)
                 rid = getattr(req, "id", None)
                 if obj.get("id") != rid:
-                    raise errors.SandboxError(
-                        f"guest replied to id {obj.get('id')!r}, expected {rid}"
-                    )
+                    # a stale, replayed or forged frame: never echo its content
+                    raise errors.SandboxError("guest sent a reply to a request not in flight")
                 if obj.get("ok") is False:
                     err = p.parse(p.ErrorReply, obj, "error reply")
                     # A refused request is an answer, not a broken agent.
@@ -117,7 +121,7 @@ class GuestClient:
     ) -> ExecResult:
         if isinstance(command, str):
             req = p.ExecRequest(
-                id=next(self._ids),
+                id=_nonce(),
                 shell=command,
                 timeout=timeout,
                 max_output=max_output,
@@ -129,7 +133,7 @@ class GuestClient:
             if not command or not all(isinstance(a, str) for a in command):
                 raise errors.InvalidRequest.field("command", "argv must be non-empty strings")
             req = p.ExecRequest(
-                id=next(self._ids),
+                id=_nonce(),
                 argv=list(command),
                 timeout=timeout,
                 max_output=max_output,
@@ -160,7 +164,7 @@ class GuestClient:
         )
 
     async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        req = p.PutRequest(id=next(self._ids), path=path, data=p.b64encode(data), mode=mode)
+        req = p.PutRequest(id=_nonce(), path=path, data=p.b64encode(data), mode=mode)
         try:
             obj = await self._call(req, self.op_timeout, 64 * 1024)
         except _GuestRefused as exc:
@@ -170,7 +174,7 @@ class GuestClient:
             raise self._lie(f"put {path}: guest wrote {reply.size} of {len(data)} bytes")
 
     async def get_file(self, path: str, max_bytes: int = 1 << 20) -> bytes:
-        req = p.GetRequest(id=next(self._ids), path=path, max_bytes=max_bytes)
+        req = p.GetRequest(id=_nonce(), path=path, max_bytes=max_bytes)
         cap = min(p.MAX_FRAME, 4 * max_bytes // 3 + _ENVELOPE)
         try:
             obj = await self._call(req, self.op_timeout, cap)
@@ -184,7 +188,7 @@ class GuestClient:
         return self._b64(reply.data, "file", max_bytes)
 
     async def reseed(self, entropy: bytes) -> bool:
-        req = p.ReseedRequest(id=next(self._ids), entropy=p.b64encode(entropy))
+        req = p.ReseedRequest(id=_nonce(), entropy=p.b64encode(entropy))
         try:
             obj = await self._call(req, self.op_timeout, 4096)
         except _GuestRefused as exc:
@@ -193,17 +197,26 @@ class GuestClient:
 
     async def ping(self) -> None:
         try:
-            obj = await self._call(p.PingRequest(id=next(self._ids)), self.op_timeout, 4096)
+            obj = await self._call(p.PingRequest(id=_nonce()), self.op_timeout, 4096)
         except _GuestRefused as exc:
             raise errors.SandboxError(f"ping: {exc.kind}: {exc.message}") from None
         self._checked(p.EmptyReply, obj, "ping reply")
+
+    async def kill_all(self) -> int:
+        """SIGKILL every process of the worker uid and every command session; how many there
+        were. Call it before anything whose result must not be touched by what ran before."""
+        try:
+            obj = await self._call(p.KillAllRequest(id=_nonce()), self.op_timeout, 4096)
+        except _GuestRefused as exc:
+            raise errors.SandboxError(f"kill_all: {exc.kind}: {exc.message}") from None
+        return self._checked(p.KillAllReply, obj, "kill_all reply").killed
 
     async def shutdown(self, timeout: float = 2.0) -> None:
         """Ask the agent to exit; best effort (the driver kills the sandbox anyway)."""
         if self._broken is not None:
             return
         try:
-            await self._call(p.ShutdownRequest(id=next(self._ids)), timeout, 4096)
+            await self._call(p.ShutdownRequest(id=_nonce()), timeout, 4096)
         except (errors.SandboxError, _GuestRefused):
             return
 
@@ -226,20 +239,33 @@ class GuestClient:
         return self._broken
 
 
+def _nonce() -> str:
+    return secrets.token_hex(16)
+
+
 class GuestBacked:
     """The Sandbox methods that forward to a guest agent; drivers only start and destroy.
 
-    A subclass sets ``id``, ``_client`` (once the agent said hello) and ``_destroyed``.
+    A subclass sets ``id``, ``_client`` (once the agent said hello) and ``_destroyed``. A call
+    that leaves the client broken (the guest lied, went silent or closed the channel) destroys
+    the sandbox before the error reaches the caller.
     """
 
     id: str
     _client: GuestClient | None
     _destroyed: bool
 
+    async def destroy(self) -> None:
+        raise NotImplementedError
+
     def _guest(self) -> GuestClient:
         if self._destroyed or self._client is None:
             raise errors.SandboxError(f"sandbox {self.id} is destroyed")
         return self._client
+
+    async def _on_error(self, client: GuestClient) -> None:
+        if client.broken:
+            await self.destroy()
 
     async def exec(
         self,
@@ -251,15 +277,39 @@ class GuestBacked:
         timeout: float = 30.0,
         max_output: int = 64 * 1024,
     ) -> ExecResult:
-        return await self._guest().exec(
-            command, stdin=stdin, env=env, cwd=cwd, timeout=timeout, max_output=max_output
-        )
+        client = self._guest()
+        try:
+            return await client.exec(
+                command, stdin=stdin, env=env, cwd=cwd, timeout=timeout, max_output=max_output
+            )
+        except errors.SandboxError:
+            await self._on_error(client)
+            raise
 
     async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        await self._guest().put_file(path, data, mode)
+        client = self._guest()
+        try:
+            await client.put_file(path, data, mode)
+        except errors.SandboxError:
+            await self._on_error(client)
+            raise
 
     async def get_file(self, path: str, max_bytes: int = 1 << 20) -> bytes:
-        return await self._guest().get_file(path, max_bytes)
+        client = self._guest()
+        try:
+            return await client.get_file(path, max_bytes)
+        except errors.SandboxError:
+            await self._on_error(client)
+            raise
+
+    async def kill_all(self) -> int:
+        """Kill every process of the worker uid in the sandbox (see GuestClient.kill_all)."""
+        client = self._guest()
+        try:
+            return await client.kill_all()
+        except errors.SandboxError:
+            await self._on_error(client)
+            raise
 
 
 class _GuestRefused(Exception):

@@ -9,6 +9,12 @@ before exec), so the Sentry, the Gofer and every stub process count against its 
 Destroy kills the cgroup and deletes the directories; no ``runsc delete`` round trip is needed
 because all state lives in that private root.
 
+Identities: the agent runs as gVisor's sandboxed root (uid 0 inside the Sentry's own user
+namespace: never host root; the Sentry itself runs as an unprivileged host user) with only
+:data:`AGENT_CAPS`, and makes itself non-dumpable; commands run as uid 1000 with no capabilities.
+A command therefore cannot open the agent's channel through ``/proc/1/fd``, ptrace it, or
+signal it, and so cannot forge its own result.
+
 Pitfalls (research/isolation.md 9-10): the agent's stdio must be pipes, not files, and the
 runtime may hand the guest a non-blocking stdin, which the agent handles.
 """
@@ -35,6 +41,16 @@ SENTRY_MEMORY_MIB = 160
 SENTRY_PIDS = 256
 HOST_PIDS_PER_GUEST_PROCESS = 12
 SMALL_TMPFS = 16 << 20
+# What the root agent needs: demote commands to the worker (SETUID, SETGID), kill them (KILL),
+# and put/get files the worker owns or made unreadable (DAC_OVERRIDE, CHOWN, FOWNER).
+AGENT_CAPS = [
+    "CAP_SETUID",
+    "CAP_SETGID",
+    "CAP_KILL",
+    "CAP_DAC_OVERRIDE",
+    "CAP_CHOWN",
+    "CAP_FOWNER",
+]
 
 
 def _tmpfs(dest: str, size: int) -> dict[str, Any]:
@@ -45,7 +61,7 @@ def _tmpfs(dest: str, size: int) -> dict[str, Any]:
         "options": [
             "nosuid",
             "nodev",
-            "mode=1777" if dest == "/tmp" else "mode=755",
+            "mode=1777" if dest in ("/tmp", "/var/tmp") else "mode=755",
             f"size={size}",
         ],
     }
@@ -59,13 +75,14 @@ def oci_spec(rootfs: str, agent_path: str, limits: Limits, cgroups_path: str) ->
         "options": ["nosuid", "nodev", "mode=755", "uid=1000", "gid=1000", f"size={SMALL_TMPFS}"],
     }
     caps: dict[str, list[str]] = {
-        k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")
+        k: list(AGENT_CAPS) for k in ("bounding", "effective", "permitted")
     }
+    caps.update(inheritable=[], ambient=[])
     return {
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False,
-            "user": {"uid": 1000, "gid": 1000, "additionalGids": []},
+            "user": {"uid": 0, "gid": 0, "additionalGids": []},
             "args": [
                 "/usr/bin/python3",
                 "-I",

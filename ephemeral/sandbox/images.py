@@ -106,7 +106,7 @@ def _definition_files(defdir: Path) -> Iterator[Path]:
 
 
 # Bumped when the builder's output changes for the same definition (it is part of the hash).
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
 
 
 def definition_hash(defdir: Path) -> str:
@@ -244,6 +244,8 @@ async def _assemble(defdir: Path, d: ImageDefinition, base: Path, out: Path) -> 
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     await _run(["cp", "-a", "--reflink=auto", str(base), str(tmp / "rootfs")], "copy base rootfs")
+    # mmdebstrap copies the build host's name: every sandbox says `sandbox` instead
+    (tmp / "rootfs" / "etc" / "hostname").write_text("sandbox\n")
     agent_dst = tmp / "rootfs" / d.agent.path.lstrip("/")
     agent_dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(defdir / d.agent.source, agent_dst)

@@ -1,25 +1,55 @@
-"""``namespaces`` isolation: bubblewrap + cgroups + a seccomp deny-list.
+"""``namespaces`` isolation: bubblewrap in a user namespace of its own, cgroups and seccomp.
 
 Every namespace is unshared (user, pid, net, ipc, uts, cgroup, mount) and nested user namespaces
-are disabled; the image root is bound read-only; the writable paths are size-capped tmpfs; all
-capabilities are dropped; the guest runs as uid/gid 1000. The host kernel is shared, so this is
-the weakest level: it is only picked when nothing stronger runs, and always labelled.
+are disabled; the image is seen through a read-only overlay; the writable paths are size-capped
+tmpfs. The host kernel is shared, so this is the weakest level: it is only picked when nothing
+stronger runs, and always labelled.
 
-The guest's uid 1000 is an unprivileged host uid (a random one in 200000-259999 per sandbox),
-not host root: the launcher (root) joins the cgroups, enters a private mount namespace, binds
-the image at a world-traversable mount point there (the cache lives under a 0700 home), drops to
-that uid with ``setpriv`` and execs bwrap, which builds its own user namespace. The bind exists
-only in that private namespace and vanishes with it. Where the kernel refuses unprivileged user
-namespaces, bwrap runs as root instead (uid 1000 inside then maps to host root: weaker, and
-``privileged_fallback`` says so).
+Identities. The launcher (host root) gives each sandbox a user namespace mapping 65,536 ids,
+``0..65535`` inside to ``base..base+65535`` on the host, where ``base`` is a slot of its own
+(:func:`_allocate_slot`, held until destroy: two live sandboxes never share host uids, and none
+of those uids is host root or a real host user). Inside it:
+
+- the guest agent is root *of that namespace* (host uid ``base``), with only the capabilities it
+  needs (:data:`AGENT_CAPS`), non-dumpable, as pid 1 of its pid namespace;
+- every command runs as uid/gid 1000 (host ``base+1000``), with no capabilities, no fds but
+  0-2, and no-new-privileges, so it can neither signal, ptrace nor read ``/proc/1/fd`` or
+  ``/proc/1/mem`` of the agent, nor forge its replies;
+- the image's files belong to host root, unmapped here: they show as ``nobody`` and only their
+  world permissions apply (``/etc/shadow`` is unreadable even to the agent);
+- ``user.max_user_namespaces`` is 0 in that namespace, so no process can make another.
+
+The sequence (:func:`_launcher`): in a private mount namespace, bind the image at a neutral path
+and mount a read-only overlay of it (so other tenants' opens of the shared image files are not
+inotify events on the inodes this sandbox sees, and ``/proc/self/mountinfo`` names no host
+path); start a holder process in a new user namespace, write its uid/gid maps from outside,
+keep its namespace by fd, enter it as uid 0 with ``nsenter``, forbid further user namespaces
+and exec bwrap, which makes the remaining namespaces and runs the agent. Everything vanishes
+with the sandbox's processes; nothing is mounted on the host.
+
+The kernel's view is masked like Docker's masked paths: ``/proc/cmdline``, ``loadavg`` and
+``boot_id`` show per-sandbox values, ``kcore``/``keys``/``timer_list``/``sched_debug`` read
+empty. ``/proc/uptime`` stays the host's: the kernel does not shift the start times in
+``/proc/<pid>/stat`` by a time namespace, so any other uptime breaks ``ps``. ``/dev``
+belongs to the sandbox's root and is not writable by the worker (bwrap cannot size-cap it);
+``/dev/shm`` is a 16 MiB tmpfs. An extra seccomp program
+refuses ``socket(AF_VSOCK)``: vsock is not network-namespaced, so a bind would take a port from
+the host's space.
+
+``namespaces_privileged`` (an operator setting, never automatic) skips the user namespace: the
+agent is host root with the same reduced capabilities and commands run as host uid 1000. Such a
+sandbox is labelled ``namespaces-privileged``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import secrets
+import struct
+import uuid
 from pathlib import Path
 
 from ephemeral import errors
@@ -30,11 +60,113 @@ from ephemeral.settings import Settings
 
 AGENT_ARGV = ["/usr/bin/python3", "-I", "-S"]
 SMALL_TMPFS = 16 << 20
-# Mount point for the image inside each sandbox's private mount namespace (empty on the host).
-MOUNT_POINT = Path("/run/ephemeral/rootfs")
-HOST_UID_BASE = 200_000
-HOST_UID_SPAN = 60_000
+# Empty directories on the host; the mounts on them exist only in each launcher's namespace.
+RUN_DIR = Path("/run/ephemeral")
+LOWER = RUN_DIR / "lower"  # the image, bound at a path that says nothing about the host
+EMPTY = RUN_DIR / "empty"  # overlayfs needs two lower layers when it has no upper one
+MOUNT_POINT = RUN_DIR / "rootfs"  # the overlay bwrap makes the sandbox's /
+SLOTS_DIR = RUN_DIR / "uid-slots"
+# Host ids of sandbox N: SLOT_BASE + N * SLOT_SIZE .. + SLOT_SIZE - 1 (above every real user)
+SLOT_BASE = 1 << 30
+SLOT_SIZE = 1 << 16
+SLOTS = 4096
+AGENT_CAPS = [
+    "CAP_SETUID",
+    "CAP_SETGID",
+    "CAP_KILL",
+    "CAP_DAC_OVERRIDE",
+    "CAP_CHOWN",
+    "CAP_FOWNER",
+]
+# Docker's masked /proc paths that exist here read empty; these read per-sandbox values.
+MASKED = ("/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug")
+PRIVILEGED_LABEL = "namespaces-privileged"
 log = logging.getLogger(__name__)
+
+# socket(AF_VSOCK, ...) -> EAFNOSUPPORT; everything else is left to the main filter.
+_SYS_SOCKET = 41
+_AF_VSOCK = 40
+_EAFNOSUPPORT = 97
+
+
+def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
+    return struct.pack("=HBBI", code, jt, jf, k)
+
+
+def no_vsock_program() -> bytes:
+    return b"".join(
+        [
+            _insn(0x20, 0, 0, 4),  # ld arch
+            _insn(0x15, 0, 4, seccomp.AUDIT_ARCH_X86_64),  # other ABIs: the main filter's job
+            _insn(0x20, 0, 0, 0),  # ld nr
+            _insn(0x15, 0, 2, _SYS_SOCKET),
+            _insn(0x20, 0, 0, 16),  # ld args[0] (low half)
+            _insn(0x15, 1, 0, _AF_VSOCK),
+            _insn(0x06, 0, 0, 0x7FFF0000),  # allow
+            _insn(0x06, 0, 0, 0x00050000 | _EAFNOSUPPORT),
+        ]
+    )
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, 0)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _allocate_slot() -> tuple[int, int]:
+    """A free uid slot and the fd whose lock holds it (released when the fd closes)."""
+    SLOTS_DIR.mkdir(parents=True, mode=0o700, exist_ok=True)
+    for _ in range(64):
+        slot = secrets.randbelow(SLOTS)
+        fd = os.open(SLOTS_DIR / f"{slot}.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return SLOT_BASE + slot * SLOT_SIZE, fd
+    raise errors.SandboxError("namespaces: no free uid slot (too many sandboxes at once)")
+
+
+def _launcher(rootfs: str, host_base: int | None, passed: list[int]) -> list[str]:
+    """argv prefix: private mount namespace + overlay, then (unless privileged) the user
+    namespace, entered as its root; the bwrap argv follows. ``passed`` are the fds bwrap reads:
+    the namespace is held on a free single-digit fd (all a POSIX shell can name)."""
+    nsfd = next(n for n in range(3, 10) if n not in passed)
+    for d in (RUN_DIR, LOWER, EMPTY, MOUNT_POINT):
+        d.mkdir(mode=0o755, exist_ok=True)
+    mounts = (
+        'mount --bind "$1" "$2" || exit 1\n'
+        'mount -t overlay sandbox -o "ro,lowerdir=$3:$2" "$4" || exit 1\n'
+        "base=$5\nnsfd=$6\nshift 6\n"
+    )
+    if host_base is None:
+        userns = 'exec "$@"'
+    else:
+        # The holder unshares; we (root outside) write its maps; its namespace is kept by an fd
+        # while nsenter makes us its uid 0. Capabilities are recomputed at exec, so the map must
+        # exist before anything runs inside as root: hence a holder instead of `unshare --user`.
+        userns = (
+            "unshare --user -- sleep 60 </dev/null >/dev/null 2>&1 &\nh=$!\ni=0\n"
+            'until echo "0 $base 65536" 2>/dev/null >"/proc/$h/uid_map"; do\n'
+            "  i=$((i + 1))\n"
+            "  if [ $i -gt 200000 ] || ! kill -0 $h 2>/dev/null; then\n"
+            '    echo "namespaces: could not map the user namespace" >&2; exit 1\n'
+            "  fi\ndone\n"
+            'echo "0 $base 65536" >"/proc/$h/gid_map" || exit 1\n'
+            'eval "exec $nsfd<\\"/proc/$h/ns/user\\"" || exit 1\n'
+            "{ kill -9 $h; wait $h; } 2>/dev/null\n"
+            'exec nsenter --user="/proc/self/fd/$nsfd" --setuid=0 --setgid=0 -- /bin/sh -c '
+            '\'eval "exec $0<&-" && echo 0 >/proc/sys/user/max_user_namespaces && '
+            'exec "$@"\' "$nsfd" "$@"'
+        )
+    return [
+        "unshare", "--mount", "--propagation", "private",
+        "/bin/sh", "-c", mounts + userns, "sh",
+        rootfs, str(LOWER), str(EMPTY), str(MOUNT_POINT), str(host_base or 0), str(nsfd),
+    ]  # fmt: skip
 
 
 class NamespacesDriver(ProcessDriver):
@@ -44,24 +176,31 @@ class NamespacesDriver(ProcessDriver):
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
-        self.privileged_fallback = False
+        self.privileged = settings.namespaces_privileged
 
-    def argv(self, rootfs: str, limits: Limits, seccomp_fd: int) -> list[str]:
+    @property
+    def label(self) -> str:
+        """What a sandbox of this driver is called in runs and logs."""
+        return PRIVILEGED_LABEL if self.privileged else self.isolation
+
+    def argv(self, rootfs: str, limits: Limits, fds: dict[str, int]) -> list[str]:
         disk = limits.disk_mib << 20
         argv = [
             "bwrap",
-            "--unshare-all",
-            "--unshare-user",
-            "--disable-userns",
+            "--unshare-ipc",
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-uts",
+            "--unshare-cgroup",
             "--die-with-parent",
             "--new-session",
             "--as-pid-1",
             "--cap-drop",
             "ALL",
-            "--uid",
-            "1000",
-            "--gid",
-            "1000",
+        ]
+        for cap in AGENT_CAPS:
+            argv += ["--cap-add", cap]
+        argv += [
             "--hostname",
             "sandbox",
             "--ro-bind",
@@ -71,13 +210,25 @@ class NamespacesDriver(ProcessDriver):
             "/proc",
             "--dev",
             "/dev",
+            "--perms",
+            "1777",
             "--size",
             str(disk),
             "--tmpfs",
             "/tmp",
         ]
-        for path in ("/run", "/var/tmp", "/home/worker", "/dev/shm"):
-            argv += ["--size", str(SMALL_TMPFS), "--tmpfs", path]
+        for path, perms in (("/run", "0755"), ("/var/tmp", "1777"), ("/home/worker", "0755")):
+            argv += ["--perms", perms, "--size", str(SMALL_TMPFS), "--tmpfs", path]
+        argv += ["--perms", "1777", "--size", str(SMALL_TMPFS), "--tmpfs", "/dev/shm"]
+        for path in MASKED:
+            if os.path.exists(path):
+                argv += ["--ro-bind", "/dev/null", path]
+        for name, path in (
+            ("cmdline", "/proc/cmdline"),
+            ("loadavg", "/proc/loadavg"),
+            ("boot_id", "/proc/sys/kernel/random/boot_id"),
+        ):
+            argv += ["--perms", "0444", "--ro-bind-data", str(fds[name]), path]
         argv += [
             "--chdir",
             "/",
@@ -91,8 +242,10 @@ class NamespacesDriver(ProcessDriver):
             "--setenv",
             "LANG",
             "C.UTF-8",
-            "--seccomp",
-            str(seccomp_fd),
+            "--add-seccomp-fd",
+            str(fds["seccomp"]),
+            "--add-seccomp-fd",
+            str(fds["no_vsock"]),
             "--",
             *AGENT_ARGV,
             self._agent_path,
@@ -101,64 +254,50 @@ class NamespacesDriver(ProcessDriver):
         ]
         return argv
 
-    @staticmethod
-    def unprivileged_launcher(rootfs: str, host_uid: int) -> list[str]:
-        for d in (MOUNT_POINT.parent, MOUNT_POINT):
-            d.mkdir(mode=0o755, exist_ok=True)
-        return [
-            "unshare", "--mount", "--propagation", "private",
-            "/bin/sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh",
-            rootfs, str(MOUNT_POINT),
-            "setpriv", f"--reuid={host_uid}", f"--regid={host_uid}", "--clear-groups",
-            "--inh-caps=-all", "--bounding-set=-all",
-        ]  # fmt: skip
-
     async def create(self, *, owner: str, limits: Limits) -> Sandbox:
-        if not self.privileged_fallback:
-            try:
-                return await self._create(owner, limits, unprivileged=True)
-            except errors.SandboxError as exc:
-                text = str(exc)
-                if "namespace" not in text and "uid map" not in text:
-                    raise
-                log.warning("unprivileged bwrap refused (%s); running bwrap as root", text)
-                self.privileged_fallback = True
-        return await self._create(owner, limits, unprivileged=False)
-
-    async def _create(self, owner: str, limits: Limits, *, unprivileged: bool) -> Sandbox:
+        """Start one sandbox; any failure is a SandboxError and never a weaker sandbox."""
         rootfs = await self._image()
         handle = new_handle(self.isolation, owner)
         cg = cgroups.CgroupSet.for_id(handle.id)
         handle.cgroups = [str(d) for d in cg.dirs]
         hfile = handles.write(self.settings.sandboxes_dir, handle)
         sbx: ProcessSandbox | None = None
-        fd = os.memfd_create("ephemeral-seccomp", 0)
+        fds: dict[str, int] = {}
+        slot_fd: int | None = None
         try:
-            os.write(fd, seccomp.program())
-            os.lseek(fd, 0, os.SEEK_SET)
+            fds["seccomp"] = _memfd("ephemeral-seccomp", seccomp.program())
+            fds["no_vsock"] = _memfd("ephemeral-no-vsock", no_vsock_program())
+            fds["cmdline"] = _memfd("cmdline", b"BOOT_IMAGE=/vmlinuz-sandbox ro quiet\n")
+            fds["loadavg"] = _memfd("loadavg", b"0.00 0.00 0.00 0/0 0\n")
+            fds["boot_id"] = _memfd("boot_id", f"{uuid.uuid4()}\n".encode())
+            host_base: int | None = None
+            if not self.privileged:
+                host_base, slot_fd = _allocate_slot()
             cg = cgroups.CgroupSet.create(handle.id, limits)
+            held = slot_fd
             sbx = ProcessSandbox(
                 sandbox_id=handle.id,
-                isolation=self.isolation,
+                isolation=self.label,
                 image=self.settings.image,
                 handle=handle,
                 handle_file=hfile,
                 cgroups=cg,
                 limits=limits,
+                cleanup=(lambda: os.close(held)) if held is not None else None,
             )
-            if unprivileged:
-                host_uid = HOST_UID_BASE + secrets.randbelow(HOST_UID_SPAN)
-                argv = [
-                    *self.unprivileged_launcher(rootfs, host_uid),
-                    *self.argv(str(MOUNT_POINT), limits, fd),
-                ]
-            else:
-                argv = self.argv(rootfs, limits, fd)
-            await sbx._start(argv, pass_fds=[fd])
+            slot_fd = None  # the sandbox's destroy releases it now
+            argv = [
+                *_launcher(rootfs, host_base, [*fds.values()]),
+                *self.argv(str(MOUNT_POINT), limits, fds),
+            ]
+            await sbx._start(argv, pass_fds=list(fds.values()))
             return sbx
         except BaseException as exc:
             await self._failed_start(exc, sbx, handle, hfile)
             raise
         finally:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            for fd in fds.values():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            if slot_fd is not None:
+                os.close(slot_fd)

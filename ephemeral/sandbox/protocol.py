@@ -2,8 +2,16 @@
 
 Wire format: a 4-byte big-endian length, then that many bytes of UTF-8 JSON holding one object.
 The agent speaks first with a ``hello`` frame; after that the host sends one request
-(``{"id": N, "op": ...}``) and waits for the reply with the same id before sending the next.
+(``{"id": NONCE, "op": ...}``) and waits for the reply with the same id before sending the next.
 Binary payloads (stdin, stdout, files, entropy) travel base64-encoded.
+
+Request ids are fresh 128-bit random nonces (32 hex digits), one per request: a process inside
+the sandbox that somehow reached the channel could neither guess the id of the request in flight
+nor replay an old reply, and the host takes no frame but the reply to the request it just sent
+(anything else breaks the client; the sandbox is destroyed). Ops: ``exec``, ``put``, ``get``,
+``reseed``, ``ping``, ``kill_all`` (SIGKILL every process of the worker uid and every command
+session, and report how many; an eval's verify step calls it first so nothing the agent under
+test left running can touch the verdict) and ``shutdown``.
 
 Everything the agent sends is hostile: frames are size-capped before they are read, nesting is
 capped while they are parsed, they are parsed into strict models whose every field is bounded
@@ -24,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ephemeral import errors
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME = 16 << 20  # a reply larger than this is a lying or broken agent
 HEADER_BYTES = 4
 # Replies are flat objects; a newer agent's hello may nest a little. Deeper is hostile, and
@@ -44,6 +52,7 @@ OP_PUT = "put"
 OP_GET = "get"
 OP_RESEED = "reseed"
 OP_PING = "ping"
+OP_KILL_ALL = "kill_all"
 OP_SHUTDOWN = "shutdown"
 
 
@@ -55,6 +64,8 @@ class _Frame(BaseModel):
 
 
 Path_ = Annotated[str, Field(min_length=1, max_length=4096)]
+# A request id: the host's nonce (secrets.token_hex(16)), echoed by the agent.
+Id = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
 
 
 class Hello(_Frame):
@@ -72,7 +83,7 @@ class Hello(_Frame):
 
 
 class ExecRequest(_Frame):
-    id: int
+    id: Id
     op: Literal["exec"] = "exec"
     argv: list[str] | None = None
     shell: str | None = None
@@ -84,7 +95,7 @@ class ExecRequest(_Frame):
 
 
 class PutRequest(_Frame):
-    id: int
+    id: Id
     op: Literal["put"] = "put"
     path: Path_
     data: str  # base64
@@ -92,43 +103,56 @@ class PutRequest(_Frame):
 
 
 class GetRequest(_Frame):
-    id: int
+    id: Id
     op: Literal["get"] = "get"
     path: Path_
     max_bytes: int = Field(ge=0)
 
 
 class ReseedRequest(_Frame):
-    id: int
+    id: Id
     op: Literal["reseed"] = "reseed"
     entropy: str  # base64
 
 
 class PingRequest(_Frame):
-    id: int
+    id: Id
     op: Literal["ping"] = "ping"
 
 
+class KillAllRequest(_Frame):
+    id: Id
+    op: Literal["kill_all"] = "kill_all"
+
+
 class ShutdownRequest(_Frame):
-    id: int
+    id: Id
     op: Literal["shutdown"] = "shutdown"
 
 
-Request = ExecRequest | PutRequest | GetRequest | ReseedRequest | PingRequest | ShutdownRequest
+Request = (
+    ExecRequest
+    | PutRequest
+    | GetRequest
+    | ReseedRequest
+    | PingRequest
+    | KillAllRequest
+    | ShutdownRequest
+)
 
 
 # ---- replies (agent -> host)
 
 
 class ErrorReply(_Frame):
-    id: int
+    id: Id
     ok: Literal[False]
     kind: Annotated[str, Field(max_length=64)]
     error: Annotated[str, Field(max_length=4096)]
 
 
 class ExecReply(_Frame):
-    id: int
+    id: Id
     ok: Literal[True]
     exit_code: int = Field(ge=-1, le=511)
     stdout: Annotated[str, Field(max_length=MAX_TEXT)]
@@ -139,25 +163,31 @@ class ExecReply(_Frame):
 
 
 class GetReply(_Frame):
-    id: int
+    id: Id
     ok: Literal[True]
     data: Annotated[str, Field(max_length=MAX_TEXT)]
 
 
 class PutReply(_Frame):
-    id: int
+    id: Id
     ok: Literal[True]
     size: int = Field(ge=0, le=MAX_FRAME)
 
 
 class ReseedReply(_Frame):
-    id: int
+    id: Id
     ok: Literal[True]
     credited: bool
 
 
+class KillAllReply(_Frame):
+    id: Id
+    ok: Literal[True]
+    killed: int = Field(ge=0, le=1 << 22)
+
+
 class EmptyReply(_Frame):
-    id: int
+    id: Id
     ok: Literal[True]
 
 

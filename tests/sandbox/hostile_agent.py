@@ -12,7 +12,7 @@ import time
 
 HELLO = {
     "type": "hello",
-    "protocol": 1,
+    "protocol": 2,
     "workdir": "/tmp/ephemeral-run-abc123/scratch",
     "pid": 7,
     "uid": 1000,
@@ -37,7 +37,7 @@ def recv() -> dict:
     return json.loads(sys.stdin.buffer.read(int.from_bytes(header, "big")))
 
 
-def ok_exec(rid: int, **over: object) -> dict:
+def ok_exec(rid: str, **over: object) -> dict:
     reply = {
         "id": rid,
         "ok": True,
@@ -128,6 +128,8 @@ def main(mode: str) -> None:
             req = recv()
             if req["op"] == "exec":
                 send(ok_exec(req["id"], stdout=base64.b64encode(b"hi\n").decode()))
+            elif req["op"] == "kill_all":
+                send({"id": req["id"], "ok": True, "killed": 0})
             else:
                 send({"id": req["id"], "ok": True})
     req = recv()
@@ -135,7 +137,16 @@ def main(mode: str) -> None:
     if mode == "mute_after_hello":
         time.sleep(3600)
     elif mode == "wrong_id":
-        send(ok_exec(rid + 1))
+        send(ok_exec("0" * 32 if rid != "0" * 32 else "1" * 32))
+    elif mode == "int_id":
+        send(ok_exec(1))
+    elif mode in ("replay", "unasked"):
+        first = ok_exec(rid, stdout=base64.b64encode(b"first\n").decode())
+        send(first)
+        if mode == "unasked":  # a frame nobody asked for, waiting in the channel
+            send(ok_exec(rid, stdout=base64.b64encode(b"FORGED\n").decode()))
+        second = recv()
+        send(first if mode == "replay" else ok_exec(second["id"]))
     elif mode == "oversize_stdout":
         send(ok_exec(rid, stdout=base64.b64encode(b"a" * 1500).decode()))
     elif mode == "bad_base64":

@@ -114,10 +114,9 @@ async def test_namespaces_seccomp_and_userns_lockdown(sandbox_settings: Settings
     driver = registry.get_driver("namespaces", sandbox_settings)
     sbx = await driver.create(owner="test", limits=Limits())
     try:
-        if not getattr(driver, "privileged_fallback", False):
-            # the guest's uid 1000 is an unprivileged host uid, never host root
-            host_uids = {Path(f"/proc/{pid}").stat().st_uid for pid in sbx.host_pids}  # type: ignore[attr-defined]
-            assert host_uids and 0 not in host_uids, host_uids
+        # every host process of the sandbox (agent included) has an unprivileged host uid
+        host_uids = {Path(f"/proc/{pid}").stat().st_uid for pid in sbx.host_pids}  # type: ignore[attr-defined]
+        assert host_uids and 0 not in host_uids, host_uids
         probe = textwrap.dedent("""
             import ctypes, os
             libc = ctypes.CDLL(None, use_errno=True)

@@ -60,7 +60,8 @@ async def test_bad_handshakes_fail_fast(mode: str, message: str) -> None:
     ("mode", "message"),
     [
         ("mute_after_hello", "silent"),
-        ("wrong_id", "replied to id 2"),
+        ("wrong_id", "request not in flight"),
+        ("int_id", "request not in flight"),
         ("oversize_stdout", "exceeds the 1000-byte cap"),
         ("bad_base64", "not valid base64"),
         ("extra_field", "invalid exec reply: evil"),
@@ -82,6 +83,27 @@ async def test_lying_replies_break_the_client(mode: str, message: str) -> None:
             await guest.exec(["true"], timeout=0.2)
 
 
+@pytest.mark.parametrize("mode", ["replay", "unasked"])
+async def test_stale_or_unasked_replies_break_the_client(mode: str) -> None:
+    async with agent(mode) as guest:
+        await guest.handshake(timeout=5.0)
+        first = await guest.exec(["true"], timeout=0.2, max_output=1000)
+        assert first.stdout == "first\n"
+        with pytest.raises(errors.SandboxError, match="request not in flight"):
+            await guest.exec(["true"], timeout=0.2, max_output=1000)
+        assert guest.broken
+
+
+def test_request_ids_are_fresh_nonces() -> None:
+    from ephemeral.sandbox.guest import _nonce
+
+    ids = {_nonce() for _ in range(1000)}
+    assert len(ids) == 1000
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    with pytest.raises(ValueError):
+        p.PingRequest(id="1")
+
+
 async def test_a_well_behaved_agent_works() -> None:
     async with agent("good") as guest:
         hello = await guest.handshake(timeout=5.0)
@@ -89,6 +111,7 @@ async def test_a_well_behaved_agent_works() -> None:
         res = await guest.exec("echo hi")
         assert (res.exit_code, res.stdout) == (0, "hi\n")
         await guest.ping()
+        assert await guest.kill_all() == 0
 
 
 def test_request_frames_are_capped() -> None:

@@ -2,11 +2,19 @@
 """Ephemeral guest agent: runs inside the sandbox, speaks one framed protocol on one channel.
 
 Frame: 4-byte big-endian length, then that many bytes of UTF-8 JSON (one object).
-First frame (agent -> host): {"type": "hello", "protocol": 1, "workdir": ..., "pid": ..., "uid": ...}
+First frame (agent -> host): {"type": "hello", "protocol": 2, "workdir": ..., "pid": ..., "uid": ...}
 Then request/response, strictly one at a time:
-  host  -> {"id": N, "op": "exec"|"put"|"get"|"reseed"|"ping"|"shutdown", ...}
-  agent -> {"id": N, "ok": true, ...} | {"id": N, "ok": false, "kind": "...", "error": "..."}
+  host  -> {"id": NONCE, "op": "exec"|"put"|"get"|"reseed"|"ping"|"kill_all"|"shutdown", ...}
+  agent -> {"id": NONCE, "ok": true, ...} | {"id": NONCE, "ok": false, "kind": "...", "error": "..."}
+NONCE is a fresh random string per request, echoed as it came: the host trusts no other reply.
 Binary payloads travel base64-encoded. The host mirror is ephemeral/sandbox/protocol.py.
+
+Identity: the agent is meant to run as root of the sandbox (root of a user namespace, gVisor's
+sandboxed root, or the microVM's root), never host root, with only the capabilities it needs.
+It makes itself non-dumpable, so processes of the worker uid can neither ptrace it nor open its
+/proc/<pid>/fd or mem, and it runs every command in a fresh session as uid/gid 1000 with no
+capabilities and only fds 0-2. `kill_all` kills every process of that uid (before a verify step).
+Run as a non-root user the agent still works, but commands then share its uid: only for tests.
 
 Stdlib only; runs as `python3 -I -S agent.py --channel stdio|virtio:<port-name>`.
 """
@@ -20,7 +28,7 @@ import signal
 import sys
 import time
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME = 64 << 20
 WORKER_UID = 1000
 WORKER_GID = 1000
@@ -34,6 +42,10 @@ BASE_ENV = {
     "SHELL": "/bin/sh",
 }
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_DUMPABLE = 4
+SYS_CAPSET = 126  # x86_64
+CAPSET = None  # set by set_subreaper_and_undumpable for a root agent
+MAX_ID = 64
 
 
 class ProtocolError(Exception):
@@ -176,17 +188,26 @@ def resolve(path, workdir):
     return path if path.startswith("/") else os.path.join(workdir, path)
 
 
-def set_subreaper():
-    # Orphans of a command re-parent to us, so a deadline can find and kill them. As pid 1
-    # (bwrap --as-pid-1, gVisor, a VM's init) that is already so: skip the costly ctypes import.
-    if os.getpid() == 1:
-        return
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
+def set_subreaper_and_undumpable():
+    """Orphans of a command re-parent to us, so a deadline can find and kill them. As pid 1
+    (bwrap --as-pid-1, gVisor) that is already so. A root agent also turns itself non-dumpable:
+    then no process without CAP_SYS_PTRACE can ptrace it, pidfd_getfd its channel or open its
+    /proc/<pid>/fd, even if it shared our uid. A non-root agent shares the worker's uid anyway."""
+    subreaper = os.getpid() != 1
+    if not (subreaper or is_root()):
+        return  # skip the costly ctypes import
+    global CAPSET
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if subreaper:
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    if is_root():
+        if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            raise ProtocolError("prctl(PR_SET_DUMPABLE, 0) failed: errno %d" % ctypes.get_errno())
+        # Built here, called in a forked child (which may not import): an all-zero capset.
+        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, self
+        data = (ctypes.c_uint32 * 6)()
+        CAPSET = lambda: libc.syscall(SYS_CAPSET, header, data)  # noqa: E731
 
 
 def proc_stat(pid):
@@ -243,6 +264,49 @@ def kill_group(sid, preexisting):
         time.sleep(0.005)
 
 
+def worker_pids():
+    """Every process of the worker uid we can see (this pid namespace), by real or effective uid."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/status" % name, "rb") as fh:
+                for line in fh:
+                    if line.startswith(b"Uid:"):
+                        uids = [int(u) for u in line.split()[1:3]]
+                        if WORKER_UID in uids:
+                            out.append(int(name))
+                        break
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def kill_all():
+    """SIGKILL every process of the worker uid and every child of ours, until none is left
+    (a fork racing the scan is caught by the next round). Returns how many were signalled."""
+    me = os.getpid()
+    killed = set()
+    deadline = time.monotonic() + 5.0
+    while True:
+        targets = set(worker_pids()) if is_root() else set()
+        targets.update(pid for pid, st in children_of_me() if st[3] != "Z")
+        targets.discard(me)
+        for pid in targets:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        reap_zombies()
+        if not targets:
+            return len(killed)
+        if time.monotonic() > deadline:
+            raise OpError("kill_failed", "%d processes survived SIGKILL" % len(targets))
+        time.sleep(0.005)
+
+
 # ----------------------------------------------------------------------------- ops
 
 
@@ -262,12 +326,13 @@ class Agent:
             except EOFError:
                 return 0
             rid = req.get("id")
-            if not isinstance(rid, int) or isinstance(rid, bool):
-                raise ProtocolError("request without an integer id")
+            if not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID:
+                raise ProtocolError("request without a string id")
             op = req.get("op")
             handler = {
                 "exec": self.op_exec, "put": self.op_put, "get": self.op_get,
-                "reseed": self.op_reseed, "ping": self.op_ping, "shutdown": self.op_shutdown,
+                "reseed": self.op_reseed, "ping": self.op_ping, "kill_all": self.op_kill_all,
+                "shutdown": self.op_shutdown,
             }.get(op)
             try:
                 if handler is None:
@@ -390,6 +455,9 @@ class Agent:
             except OSError:
                 credited = False
         return {"credited": credited}
+
+    def op_kill_all(self, req):
+        return {"killed": kill_all()}
 
     def op_shutdown(self, req):
         return {}
@@ -535,6 +603,9 @@ def _demote():
         os.setgroups([])
         os.setgid(WORKER_GID)
         os.setuid(WORKER_UID)
+        # setuid cleared the permitted, effective and ambient sets; clear the inheritable too
+        if CAPSET is not None and CAPSET() != 0:
+            raise OSError(errno.EPERM, "capset")
 
 
 def _wait_exit(pid, deadline):
@@ -657,6 +728,12 @@ def make_workdir():
     if is_root():
         for p in (run, scratch):
             os.chown(p, WORKER_UID, WORKER_GID)
+        # bwrap makes /home/worker a tmpfs owned by whoever mounted it: hand it to the worker
+        try:
+            if os.stat(WORKER_HOME).st_uid != WORKER_UID:
+                os.chown(WORKER_HOME, WORKER_UID, WORKER_GID)
+        except OSError:
+            pass
     return scratch
 
 
@@ -687,7 +764,7 @@ def main(argv):
     channel_spec = parse_args(argv)
     # A command that exits before reading its stdin must give us EPIPE, never kill the agent.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    set_subreaper()
+    set_subreaper_and_undumpable()
     if channel_spec == "stdio":
         channel = open_stdio()
     elif channel_spec.startswith("virtio:") and len(channel_spec) > 7:
