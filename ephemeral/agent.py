@@ -485,11 +485,18 @@ async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
 
 async def _finish(run: AgentRun, steps: Steps) -> RunRow:
     # Teardown and settlement must finish even if the caller is being cancelled.
+    # If a step's wrapper fails (a Prefect API error around the task, not the step itself), the
+    # plain method still runs: both are idempotent, and neither may be skipped.
     async def finish() -> RunRow:
         try:
             await steps.teardown(run)
-        finally:
-            row = await steps.settle(run)
-        return row
+        except Exception as exc:  # noqa: BLE001 - the sandbox must go whatever failed
+            log.warning("run %s: teardown step failed (%s); tearing down directly", run.run_id, exc)
+            await run.teardown()
+        try:
+            return await steps.settle(run)
+        except Exception as exc:  # noqa: BLE001 - the money must settle whatever failed
+            log.warning("run %s: settle step failed (%s); settling directly", run.run_id, exc)
+            return await run.settle()
 
     return await asyncio.shield(finish())
