@@ -148,3 +148,43 @@ async def test_an_exception_on_the_execution_path_settles_the_run(
     assert "ConnectionError: database went away" in (done.termination_detail or "")
     assert done.charged_micros + done.refunded_micros == done.reserved_micros
     assert (await runtime.store.get_org(member.org_id)).reserved_micros == 0
+
+
+async def test_client_waits_out_a_full_queue(api_settings: Settings) -> None:
+    """A real 429 from a full queue: the client waits Retry-After and the retry is admitted."""
+    from ephemeral.client import AsyncClient
+
+    settings = api_settings.model_copy(update={"max_concurrent_runs": 1, "max_queued_runs": 0})
+    rt = await Runtime.start(settings)
+    try:
+        member = await new_member(rt, "patient")
+        app = create_app(settings, rt)
+        seen: list[int] = []
+
+        class Recorder(httpx.AsyncBaseTransport):
+            inner = httpx.ASGITransport(app=app)
+
+            async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+                response = await self.inner.handle_async_request(request)
+                if request.method == "POST" and request.url.path == "/v1/runs":
+                    seen.append(response.status_code)
+                return response
+
+        client = AsyncClient(
+            Settings.load(url="http://testserver", api_key=member.key), transport=Recorder()
+        )
+        async with client:
+            first = await client.runs.create(request=RunRequest.model_validate(SLOW))
+            second = asyncio.create_task(
+                client.runs.create(request=RunRequest.model_validate(SAMPLE_BODY))
+            )
+            async with asyncio.timeout(10):
+                while 429 not in seen:
+                    await asyncio.sleep(0.05)
+            await client.runs.cancel(first["id"])
+            run = await second
+            assert seen[:2] == [201, 429] and seen[-1] == 201
+            done = await client.runs.wait(run["id"], timeout=60)
+            assert done["status"] == "succeeded"
+    finally:
+        await rt.close()
