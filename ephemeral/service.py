@@ -357,18 +357,20 @@ class Runtime:
 
         for attempt in range(1, FLOW_START_ATTEMPTS + 1):
             started = self._flow_started[run_id] = asyncio.Event()
-            runner = asyncio.create_task(agent_run(run_id), name=f"flow-{run_id}")
+            runner: asyncio.Task[str] | None = None
             try:
                 async with self._flow_starts:
+                    runner = asyncio.create_task(agent_run(run_id), name=f"flow-{run_id}")
                     waiter = asyncio.create_task(started.wait())
                     await asyncio.wait({runner, waiter}, return_when=asyncio.FIRST_COMPLETED)
                     waiter.cancel()
                 await runner
                 return
             except asyncio.CancelledError:
-                runner.cancel()
-                with contextlib.suppress(BaseException):
-                    await runner
+                if runner is not None:
+                    runner.cancel()
+                    with contextlib.suppress(BaseException):
+                        await runner
                 raise
             except Exception as exc:
                 if started.is_set() or attempt == FLOW_START_ATTEMPTS:
