@@ -317,11 +317,11 @@ class Runtime:
                 await self._flow_loop.call(self._inner.execute(run_id))
                 return await self.store.get_run(run_id)
             async with self._slots:
-                if not await self._grant(run_id):
-                    return await self.store.get_run(run_id)
                 t0 = time.monotonic()
                 if self.settings.use_prefect:
                     await self._run_flow(run_id)
+                    return await self.store.get_run(run_id)
+                if not await self._grant(run_id):
                     return await self.store.get_run(run_id)
                 agent = await self.build(run_id)
                 return await self.run_agent(agent)
@@ -349,6 +349,8 @@ class Runtime:
     async def _run_flow(self, run_id: str) -> None:
         """Start the run's Prefect flow, retrying while its body has not begun.
 
+        Flow starts are serialised; the run stays ``queued`` until its turn to start, and only
+        then is its slot granted (so waiting for the start lock is queue time, not run time).
         Until the flow body builds the run nothing has happened that a retry could repeat
         (no sandbox, no step), so Prefect API errors there are retried; once it has begun, the
         flow's own ``drive`` settles the run whatever happens.
@@ -360,6 +362,8 @@ class Runtime:
             runner: asyncio.Task[str] | None = None
             try:
                 async with self._flow_starts:
+                    if attempt == 1 and not await self._grant(run_id):
+                        return
                     runner = asyncio.create_task(agent_run(run_id), name=f"flow-{run_id}")
                     waiter = asyncio.create_task(started.wait())
                     await asyncio.wait({runner, waiter}, return_when=asyncio.FIRST_COMPLETED)
