@@ -335,6 +335,11 @@ def report(level: int, stats: dict[str, Any], wall: float, n: int) -> None:
         f"  unbalanced={len(stats['unbalanced'])}  429s={stats['throttled']}"
         f"  client errors={len(stats['errors'])}"
     )
+    if stats["errors"]:
+        kinds: dict[str, int] = {}
+        for e in stats["errors"]:
+            kinds[e] = kinds.get(e, 0) + 1
+        print(f"  client errors (retried): {kinds}")
     print(line("queue wait", stats["queue_ms"]))
     print(line("slot grant → worker.started", stats["first_step_ms"]))
     print(line("end to end (client)", stats["e2e_ms"]))
