@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ephemeral import errors
@@ -92,7 +93,6 @@ class AgentRun:
     detail: str | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     broker: Broker | None = None  # serves web_fetch / connection_call (ephemeral.broker)
-    handoff: tuple[Sandbox, float] | None = None  # a sandbox already announced, its start time
 
     def __post_init__(self) -> None:
         rate = self.price_book.compute_micros(
@@ -137,31 +137,31 @@ class AgentRun:
 
     # steps -------------------------------------------------------------------------------
     async def provision(self) -> None:
-        if self.handoff is not None:
-            # The runtime already took a warm sandbox and announced it (see Runtime.execute).
-            sandbox, self.budget.sandbox_started = self.handoff
-            self.handoff = None
-            self.sandbox = sandbox
-        else:
-            await self.store.update_run(self.run_id, status="provisioning", started_at=utcnow())
-            t0 = time.monotonic()
-            sandbox = await asyncio.wait_for(
-                self.acquire_sandbox(self.run_id, self.limits),
-                timeout=max(1.0, self.time_left()),
-            )
-            self.sandbox = sandbox
-            self.budget.sandbox_started = time.monotonic()
-            # What this run waited for, not the sandbox's original boot (a pooled one is instant).
-            boot_ms = int((self.budget.sandbox_started - t0) * 1000)
-            await self.emit(
-                "sandbox.ready",
-                {
-                    "isolation": sandbox.isolation,
-                    "image": sandbox.image,
-                    "boot_ms": boot_ms,
-                    "runtime": sandbox.runtime,
-                },
-            )
+        # The sandbox (warm or cold) is attached only now, when the run can act: the runtime
+        # granted its slot (``started_at``) before, and nothing was billed while it queued.
+        started_at = self.row.started_at
+        if started_at is None:  # executed without the runtime's slot grant
+            started_at = utcnow()
+            await self.store.update_run(self.run_id, status="provisioning", started_at=started_at)
+        t0 = time.monotonic()
+        sandbox = await asyncio.wait_for(
+            self.acquire_sandbox(self.run_id, self.limits),
+            timeout=max(1.0, self.time_left()),
+        )
+        self.sandbox = sandbox
+        self.budget.sandbox_started = time.monotonic()
+        # What this run waited for, not the sandbox's original boot (a pooled one is instant).
+        boot_ms = int((self.budget.sandbox_started - t0) * 1000)
+        await self.emit(
+            "sandbox.ready",
+            {
+                "isolation": sandbox.isolation,
+                "image": sandbox.image,
+                "boot_ms": boot_ms,
+                "queue_wait_ms": _ms(self.row.created_at, started_at),
+                "runtime": sandbox.runtime,
+            },
+        )
         await self.store.update_run(
             self.run_id, status="running", isolation=sandbox.isolation, sandbox_id=sandbox.id
         )
@@ -376,6 +376,12 @@ class AgentRun:
         return row
 
 
+def _ms(a: datetime, b: datetime) -> int:
+    """Milliseconds from ``a`` to ``b`` (naive times, as SQLite returns them, are UTC)."""
+    a, b = (t if t.tzinfo is not None else t.replace(tzinfo=UTC) for t in (a, b))
+    return max(0, int((b - a).total_seconds() * 1000))
+
+
 async def close_run(
     store: Store,
     run_id: str,
@@ -480,11 +486,18 @@ async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
 
 async def _finish(run: AgentRun, steps: Steps) -> RunRow:
     # Teardown and settlement must finish even if the caller is being cancelled.
+    # If a step's wrapper fails (a Prefect API error around the task, not the step itself), the
+    # plain method still runs: both are idempotent, and neither may be skipped.
     async def finish() -> RunRow:
         try:
             await steps.teardown(run)
-        finally:
-            row = await steps.settle(run)
-        return row
+        except Exception as exc:  # noqa: BLE001 - the sandbox must go whatever failed
+            log.warning("run %s: teardown step failed (%s); tearing down directly", run.run_id, exc)
+            await run.teardown()
+        try:
+            return await steps.settle(run)
+        except Exception as exc:  # noqa: BLE001 - the money must settle whatever failed
+            log.warning("run %s: settle step failed (%s); settling directly", run.run_id, exc)
+            return await run.settle()
 
     return await asyncio.shield(finish())

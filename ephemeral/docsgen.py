@@ -138,7 +138,9 @@ _DESCRIPTIONS = {
     "recipes_dir": "Where recipes live.",
     "cassettes_dir": "Where `replay/<name>` cassettes live.",
     "pool_size": "Warm sandboxes kept started per isolation level (server).",
-    "max_concurrent_runs": "Runs executing at once in one process.",
+    "max_concurrent_runs": "Runs executing at once in one process (execution slots).",
+    "max_queued_runs": "Admitted runs that may wait `queued` for a slot in one process; past "
+    "it `POST /v1/runs` answers `429` with `Retry-After` and reserves nothing (`0`: no waiting).",
     "retention_days": "Days before run content (not billing) is purged.",
     "max_turns": "Model calls per run before it stops without a final answer.",
     "use_prefect": "Run steps as Prefect tasks in an `agent-run` flow (off: same steps, plain).",

@@ -6,6 +6,7 @@
     ├── Unauthorized                    401
     ├── NotFound                        404 (also another org's object: never 403)
     ├── Conflict                        409
+    ├── QueueFull                       429 the host's run queue is full (``Retry-After``)
     ├── PaymentRequired                 402 (balance or budget cannot cover the request)
     ├── PayloadTooLarge                 413
     ├── UnsupportedMediaType            415
@@ -89,6 +90,16 @@ class Conflict(EphemeralError):
     title = "Conflict"
 
 
+class QueueFull(EphemeralError):
+    status = 429
+    slug = "queue-full"
+    title = "Too many runs waiting"
+
+    def __init__(self, detail: str, *, retry_after: float | None = None, **kw: Any) -> None:
+        super().__init__(detail, **kw)
+        self.retry_after = retry_after
+
+
 class PaymentRequired(EphemeralError):
     status = 402
     slug = "insufficient-balance"
@@ -153,6 +164,7 @@ ALL_ERRORS: tuple[type[EphemeralError], ...] = (
     Unauthorized,
     NotFound,
     Conflict,
+    QueueFull,
     PaymentRequired,
     PayloadTooLarge,
     UnsupportedMediaType,

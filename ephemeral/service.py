@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from ephemeral import errors
@@ -34,6 +35,10 @@ log = logging.getLogger("ephemeral.service")
 T = TypeVar("T")
 
 EVENT_POLL_SECONDS = 0.1
+WATCHDOG_SECONDS = 5.0  # how often the watchdog looks for runs that nothing is finishing
+WATCHDOG_GRACE_SECONDS = 60.0  # past a run's time limit before the watchdog steps in
+FLOW_START_ATTEMPTS = 4  # tries to start a run's Prefect flow before the run fails
+FLOW_START_BACKOFF_SECONDS = 1.0
 ISOLATION_LEVELS = ("microvm-kvm", "microvm-tcg", "gvisor", "namespaces")
 LOCAL_ORG = "local"
 LOCAL_ORG_CREDIT_MICROS = 100_000_000  # $100 of play money for the embedded CLI
@@ -89,7 +94,15 @@ class Runtime:
         self._pools: dict[str, Any] = {}
         self._zdr_outputs: dict[str, str] = {}
         self._zdr_prompts: dict[str, str] = {}
-        self._handoffs: dict[str, tuple[Sandbox, float]] = {}
+        self._granted: set[str] = set()  # holds a slot; its flow has not built the run yet
+        self._flow_started: dict[str, asyncio.Event] = {}
+        # Creating a Prefect flow run is a burst of writes to Prefect's database; one at a time
+        # keeps the embedded SQLite server from answering 503 under load (docs/deploy.md).
+        self._flow_starts = asyncio.Semaphore(1)
+        self._admitting = 0
+        self._run_seconds = 5.0  # moving average of a run's execution, for Retry-After
+        self._suspects: set[str] = set()
+        self._watchdog: asyncio.Task[None] | None = None
         self._flow_loop: FlowLoop | None = None
         self._inner: Runtime | None = None
 
@@ -102,8 +115,9 @@ class Runtime:
         warm_pool: bool = False,
         recover: bool = True,
         separate_flow_loop: bool = False,
+        watchdog: bool = True,
     ) -> Runtime:
-        """Open the store, finish runs orphaned by a crash, start the warm pool.
+        """Open the store, finish runs orphaned by a crash, start the warm pool and the watchdog.
 
         ``separate_flow_loop`` (servers, with Prefect on) executes runs on a :class:`FlowLoop`
         so this loop stays free for admission and streaming.
@@ -117,13 +131,20 @@ class Runtime:
         if separate_flow_loop and settings.use_prefect:
             runtime._flow_loop = FlowLoop()
             runtime._inner = await runtime._flow_loop.call(
-                cls.start(settings, warm_pool=warm_pool, recover=False)
+                # The outer runtime watches: it owns the task of every run it launched.
+                cls.start(settings, warm_pool=warm_pool, recover=False, watchdog=False)
             )
         elif warm_pool and settings.pool_size > 0:
             await runtime._start_pool()
+        if watchdog:
+            runtime._watchdog = asyncio.create_task(runtime._watch(), name="run-watchdog")
         return runtime
 
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(BaseException):
+                await self._watchdog
         for task in list(self._running.values()):
             task.cancel()
         for task in list(self._running.values()):
@@ -204,10 +225,27 @@ class Runtime:
         return row, replayed
 
     async def submit(self, org_id: str, request: RunRequest, **kw: Any) -> tuple[RunRow, bool]:
-        """Admit and start in the background (the API's path)."""
-        row, replayed = await self.admit(org_id, request, **kw)
-        if not replayed:
-            self.launch(row.id)
+        """Admit and start in the background (the API's path).
+
+        Refused with :class:`~ephemeral.errors.QueueFull` (429, before any money is reserved)
+        when ``max_queued_runs`` runs already wait for an execution slot.
+        """
+        waiting = len(self._running) + self._admitting - self.settings.max_concurrent_runs
+        if waiting >= self.settings.max_queued_runs:
+            slots = self.settings.max_concurrent_runs
+            retry_after = self._run_seconds * (waiting + 1) / slots
+            raise errors.QueueFull(
+                f"{max(0, waiting)} runs are already waiting for one of this host's {slots} "
+                "execution slots; retry after the time in Retry-After",
+                retry_after=min(60.0, max(1.0, retry_after)),
+            )
+        self._admitting += 1
+        try:
+            row, replayed = await self.admit(org_id, request, **kw)
+            if not replayed:
+                self.launch(row.id)
+        finally:
+            self._admitting -= 1
         return row, replayed
 
     def launch(self, run_id: str) -> asyncio.Task[RunRow]:
@@ -220,7 +258,15 @@ class Runtime:
     def default_limits(self, timeout_seconds: int) -> Limits:
         return Limits(lifetime_seconds=float(timeout_seconds) + 10.0)
 
+    def granted(self, run_id: str) -> bool:
+        """The run holds an execution slot here and no agent was built for it yet."""
+        return run_id in self._granted
+
     async def build(self, run_id: str) -> AgentRun:
+        self._granted.discard(run_id)
+        started = self._flow_started.get(run_id)
+        if started is not None:
+            started.set()
         row = await self.store.get_run(run_id)
         policy = Policy.model_validate(row.policy)
         if policy.zero_data_retention:
@@ -241,7 +287,6 @@ class Runtime:
             price_book=self.price_book,
             acquire_sandbox=lambda owner, limits: self._acquire(policy, owner, limits),
             limits=self.default_limits(policy.timeout_seconds),
-            handoff=self._handoffs.pop(run_id, None),
             max_turns=self.settings.max_turns,
             image=self.settings.image,
             broker=Broker(self.settings),
@@ -256,63 +301,103 @@ class Runtime:
         return await get_driver(isolation, self.settings).create(owner=owner, limits=limits)
 
     async def execute(self, run_id: str) -> RunRow:
-        """Run to the end in this process and return the settled row."""
-        if self._inner is not None and self._flow_loop is not None:
-            await self._flow_loop.call(self._inner.execute(run_id))
-            return await self.store.get_run(run_id)
+        """Run to the end in this process and return the settled row.
+
+        The run waits ``queued`` for an execution slot holding nothing but its reservation; the
+        slot grant marks it ``provisioning`` and starts its clock (``started_at``); the sandbox
+        is attached only when its flow body provisions. Whatever goes wrong on this path, the
+        run is settled before this returns (or, if even that fails, by the watchdog).
+        """
         task = asyncio.current_task()
         if task is not None:
-            self._running.setdefault(run_id, task)  # so cancel() can reach it
+            self._running.setdefault(run_id, task)  # so cancel() and the watchdog can reach it
+        t0 = time.monotonic()
         try:
+            if self._inner is not None and self._flow_loop is not None:
+                await self._flow_loop.call(self._inner.execute(run_id))
+                return await self.store.get_run(run_id)
             async with self._slots:
-                await self._hand_over(run_id)
+                t0 = time.monotonic()
                 if self.settings.use_prefect:
-                    from flows.agent_run import agent_run
-
-                    await agent_run(run_id)
+                    await self._run_flow(run_id)
+                    return await self.store.get_run(run_id)
+                if not await self._grant(run_id):
                     return await self.store.get_run(run_id)
                 agent = await self.build(run_id)
                 return await self.run_agent(agent)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure must end the run, never leave it open
+            await self._fail(run_id, exc)
+            return await self.store.get_run(run_id)
         finally:
+            self._run_seconds = 0.9 * self._run_seconds + 0.1 * (time.monotonic() - t0)
+            self._granted.discard(run_id)
+            self._flow_started.pop(run_id, None)
             if task is not None and self._running.get(run_id) is task:
                 del self._running[run_id]
-            unused = self._handoffs.pop(run_id, None)
-            if unused is not None:  # the flow ended before attaching it
-                await unused[0].destroy()
 
-    def has_handoff(self, run_id: str) -> bool:
-        return run_id in self._handoffs
-
-    async def _hand_over(self, run_id: str) -> None:
-        """Take a warm sandbox and announce it before the flow starts.
-
-        Creating a Prefect flow run costs hundreds of milliseconds; with a warm pool the
-        sandbox is ready long before that, and the run's first event should say so.
-        """
-        if not self._pools:
-            return
+    async def _grant(self, run_id: str) -> bool:
+        """The run got a slot: from now on its time counts. False if it no longer waits."""
         row = await self.store.get_run(run_id)
         if row.status != "queued":
-            return
-        policy = Policy.model_validate(row.policy)
-        pool = self._pools.get(await resolve_isolation(policy.isolation, self.settings))
-        if pool is None:
-            return
-        t0 = time.monotonic()
-        sandbox: Sandbox = await pool.acquire(run_id)
-        ready = time.monotonic()
-        self._handoffs[run_id] = (sandbox, ready)
+            return False
         await self.store.update_run(run_id, status="provisioning", started_at=utcnow())
-        await self.store.append_event(
-            run_id,
-            "sandbox.ready",
-            {
-                "isolation": sandbox.isolation,
-                "image": sandbox.image,
-                "boot_ms": int((ready - t0) * 1000),
-                "runtime": sandbox.runtime,
-            },
-        )
+        self._granted.add(run_id)
+        return True
+
+    async def _run_flow(self, run_id: str) -> None:
+        """Start the run's Prefect flow, retrying while its body has not begun.
+
+        Flow starts are serialised; the run stays ``queued`` until its turn to start, and only
+        then is its slot granted (so waiting for the start lock is queue time, not run time).
+        Until the flow body builds the run nothing has happened that a retry could repeat
+        (no sandbox, no step), so Prefect API errors there are retried; once it has begun, the
+        flow's own ``drive`` settles the run whatever happens.
+        """
+        from flows.agent_run import agent_run
+
+        for attempt in range(1, FLOW_START_ATTEMPTS + 1):
+            started = self._flow_started[run_id] = asyncio.Event()
+            runner: asyncio.Task[str] | None = None
+            try:
+                async with self._flow_starts:
+                    if attempt == 1 and not await self._grant(run_id):
+                        return
+                    runner = asyncio.create_task(agent_run(run_id), name=f"flow-{run_id}")
+                    waiter = asyncio.create_task(started.wait())
+                    await asyncio.wait({runner, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                await runner
+                return
+            except asyncio.CancelledError:
+                if runner is not None:
+                    runner.cancel()
+                    with contextlib.suppress(BaseException):
+                        await runner
+                raise
+            except Exception as exc:
+                if started.is_set() or attempt == FLOW_START_ATTEMPTS:
+                    raise
+                log.warning(
+                    "run %s: starting its flow failed (attempt %d of %d): %s",
+                    run_id,
+                    attempt,
+                    FLOW_START_ATTEMPTS,
+                    _brief(exc),
+                )
+                await asyncio.sleep(FLOW_START_BACKOFF_SECONDS * 2 ** (attempt - 1))
+
+    async def _fail(self, run_id: str, exc: BaseException) -> None:
+        """An exception escaped the execution path: end the run ``infra_error`` with the reason."""
+        log.error("run %s: execution failed: %s", run_id, _brief(exc), exc_info=exc)
+        try:
+            row = await self.store.get_run(run_id)
+            if row.status not in TERMINAL_STATUSES or not row.settled:
+                await self._abandon(run_id, "infra_error", f"execution failed: {_brief(exc)}")
+        except Exception:
+            # The store itself is failing; the watchdog retries once this task is gone.
+            log.exception("run %s: could not settle after a failure", run_id)
 
     async def run_agent(
         self,
@@ -399,6 +484,60 @@ class Runtime:
             if not follow:
                 return
             await asyncio.sleep(EVENT_POLL_SECONDS)
+
+    # watchdog ------------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_SECONDS)
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("watchdog: sweep failed")
+
+    async def sweep(self) -> list[str]:
+        """Finish this process's runs that nothing is finishing; returns the ids it finished.
+
+        A run with no live task on two sweeps in a row (one is not enough: a caller may admit
+        and only then execute) is abandoned ``infra_error``. A run still ``provisioning`` or
+        ``running`` past its time limit plus a grace is stopped and then abandoned.
+        """
+        finished: list[str] = []
+        suspects: set[str] = set()
+        now = utcnow()
+        for row in await self.store.open_runs():
+            if row.owner != self.owner:
+                continue
+            task = self._running.get(row.id)
+            if task is None or task.done():
+                if row.id not in self._suspects:
+                    suspects.add(row.id)
+                    continue
+                detail = "nothing was executing the run (found by the watchdog)"
+            elif row.started_at is not None and row.status in ("provisioning", "running"):
+                limit = Policy.model_validate(row.policy).timeout_seconds + WATCHDOG_GRACE_SECONDS
+                if (now - _aware(row.started_at)).total_seconds() <= limit:
+                    continue
+                await self._stop(row.id, task)
+                detail = "the run outlived its time limit (stopped by the watchdog)"
+            else:
+                continue
+            if (await self.store.get_run(row.id)).status not in TERMINAL_STATUSES:
+                log.error("run %s: %s", row.id, detail)
+                await self._abandon(row.id, "infra_error", detail)
+            finished.append(row.id)
+        self._suspects = suspects
+        return finished
+
+    async def _stop(self, run_id: str, task: asyncio.Task[RunRow]) -> None:
+        if self._inner is not None and self._flow_loop is not None:
+            inner = self._inner
+            inner_task = await self._flow_loop.call(_task_of(inner, run_id))
+            if inner_task is not None:
+                self._flow_loop.loop.call_soon_threadsafe(inner_task.cancel)
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            async with asyncio.timeout(30):
+                await asyncio.shield(task)
 
     # recovery ------------------------------------------------------------------------------
     async def recover(self) -> list[str]:
@@ -506,3 +645,17 @@ def _ms_between(a: str, b: str) -> int:
     ta = datetime.fromisoformat(a.replace("Z", "+00:00"))
     tb = datetime.fromisoformat(b.replace("Z", "+00:00"))
     return max(0, int((tb - ta).total_seconds() * 1000))
+
+
+async def _task_of(runtime: Runtime, run_id: str) -> asyncio.Task[RunRow] | None:
+    return runtime._running.get(run_id)
+
+
+def _aware(at: datetime) -> datetime:
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+
+
+def _brief(exc: BaseException) -> str:
+    """The exception's type and first line, bounded: it lands in the run's termination detail."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__

@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     )
     pool_size: int = Field(default=0, ge=0, le=64)
     max_concurrent_runs: int = Field(default=8, ge=1, le=512)
+    # Runs admitted beyond the slots wait, holding only their reservation; past this many
+    # waiting, POST /v1/runs answers 429 with Retry-After and reserves nothing.
+    max_queued_runs: int = Field(default=64, ge=0, le=100_000)
     retention_days: int = Field(default=30, ge=1)
     max_turns: int = Field(default=20, ge=1, le=200)
     use_prefect: bool = True

@@ -23,7 +23,8 @@ async def reserve_budget(runtime: Runtime, run_id: str) -> AgentRun | None:
     that guards each step.
     """
     row = await runtime.store.get_run(run_id)
-    waiting = row.status == "queued" or runtime.has_handoff(run_id)
+    # Granted: the runtime gave it an execution slot and is waiting for this flow to build it.
+    waiting = row.status == "queued" or runtime.granted(run_id)
     if not waiting or row.reserved_micros <= 0:
         return None
     return await runtime.build(run_id)

@@ -14,6 +14,7 @@ from ephemeral import errors
 from ephemeral.api import sse
 from ephemeral.api.auth import get_runtime, principal
 from ephemeral.api.schemas import (
+    PROBLEM_CONTENT,
     EventObject,
     Health,
     IsolationInfo,
@@ -31,6 +32,17 @@ router = APIRouter()
 v1 = APIRouter(prefix="/v1", tags=["runs"])
 
 RUN_ID_PATTERN = r"^run_[0-9a-f]{32}$"
+QUEUE_FULL = {
+    "description": "Too many runs already wait for an execution slot on this host; nothing "
+    "was reserved. Retry after `Retry-After` seconds (with the same Idempotency-Key).",
+    "content": PROBLEM_CONTENT,
+    "headers": {
+        "Retry-After": {
+            "description": "Seconds to wait before retrying",
+            "schema": {"type": "integer", "minimum": 1},
+        }
+    },
+}
 IDEMPOTENCY_KEY_PATTERN = r"^[\x20-\x7E]{1,255}$"
 
 Auth = Annotated[Principal, Depends(principal)]
@@ -74,6 +86,7 @@ async def healthz() -> dict[str, str]:
             "model": RunObject,
         },
         **problems(401, 402, 409, 413, 415, 422),
+        429: QUEUE_FULL,
     },
     summary="Start a run",
 )
