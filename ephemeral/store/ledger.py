@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ephemeral import errors
 from ephemeral.ids import new_id, rfc3339, utcnow
+from ephemeral.money import usd
 from ephemeral.store.models import Settlement
 from ephemeral.store.schema import CHARGE_KINDS, idempotency, ledger, orgs, run_events, runs
 
@@ -36,12 +37,6 @@ def insert(conn: AsyncConnection, table: sa.Table) -> Any:
     if conn.dialect.name == "postgresql":
         return postgresql.insert(table)
     return sqlite.insert(table)
-
-
-def usd(micros: int) -> str:
-    sign = "-" if micros < 0 else ""
-    whole, frac = divmod(abs(micros), 1_000_000)
-    return f"{sign}${whole}.{frac:06d}"
 
 
 def check_micros(field: str, value: object, *, allow_zero: bool = True) -> int:

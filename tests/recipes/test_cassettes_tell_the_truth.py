@@ -20,7 +20,7 @@ from ephemeral.settings import Settings
 from tests.drivers import unavailable
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPES = ["sandbox-proof", "exit-codes", "file-roundtrip"]
+RECIPES = ["sandbox-proof", "exit-codes", "file-roundtrip", "hostile-agent"]
 
 pytestmark = pytest.mark.sandbox
 

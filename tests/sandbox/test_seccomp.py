@@ -159,11 +159,6 @@ async def test_another_abi_kills_the_process(sbx: Sandbox) -> None:
     assert "survived" not in res.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the agent shares the worker's uid until the agent-identity change (issue 13 item 2) "
-    "lands; remove this marker then",
-)
 async def test_the_worker_cannot_open_the_agents_memory(sbx: Sandbox) -> None:
     res = await sbx.exec(
         ["python3", "-c", "open('/proc/1/mem', 'r+b'); print('opened')"], timeout=30
