@@ -163,7 +163,11 @@ class AgentRun:
             },
         )
         await self.store.update_run(
-            self.run_id, status="running", isolation=sandbox.isolation, sandbox_id=sandbox.id
+            self.run_id,
+            status="running",
+            isolation=sandbox.isolation,
+            runtime=sandbox.runtime,
+            sandbox_id=sandbox.id,
         )
         for f in self.policy.files:
             await sandbox.put_file(f.path, f.data())

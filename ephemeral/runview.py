@@ -37,6 +37,7 @@ def run_object(row: Any, base_url: str | None = None) -> dict[str, Any]:
         "model": row.model,
         "policy": row.policy,
         "isolation": row.isolation,
+        "runtime": row.runtime,
         "termination": (
             {"reason": row.termination_reason, "detail": row.termination_detail}
             if row.termination_reason

@@ -65,6 +65,8 @@ class RunObject(BaseModel):
     model: str
     policy: dict[str, Any]
     isolation: str | None
+    # the sandbox runtime's version line, measured by the host ("runsc version 0.0~20221219.0")
+    runtime: str | None = None
     termination: Termination | None
     usage: Usage
     cost: Cost

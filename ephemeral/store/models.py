@@ -55,6 +55,7 @@ class RunRow(_Row):
     policy: dict[str, Any]
     labels: dict[str, Any] = Field(default_factory=dict)
     isolation: str | None = None
+    runtime: str | None = None
     sandbox_id: str | None = None
     created_at: datetime
     started_at: datetime | None = None

@@ -1,7 +1,8 @@
 """Tables of the operational store (orgs, keys, runs, events, ledger, idempotency, transcripts).
 
-Tables are created with ``create_all`` when the store opens. There is no migration tool yet:
-the first change to an existing column needs Alembic (``render_as_batch=True`` for SQLite).
+Tables are created with ``create_all`` when the store opens, and :func:`upgrade` then makes an
+older database current with additive steps only (a new nullable column, a wider string). The
+first change that is not additive needs Alembic (``render_as_batch=True`` for SQLite).
 
 Money is integer micro-dollars in BIGINT columns. The CHECK constraints are a backstop; the
 conditional ``UPDATE … RETURNING`` statements in :mod:`ephemeral.store.ledger` are what keep
@@ -87,7 +88,9 @@ runs = sa.Table(
     sa.Column("prompt", sa.Text, nullable=True),
     sa.Column("policy", JSONType, nullable=False),
     sa.Column("labels", JSONType, nullable=False),
-    sa.Column("isolation", sa.String(20), nullable=True),
+    sa.Column("isolation", sa.String(40), nullable=True),
+    # the sandbox runtime's version line ("runsc version 0.0~20221219.0"), host-measured
+    sa.Column("runtime", sa.String(200), nullable=True),
     sa.Column("sandbox_id", sa.String(200), nullable=True),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("started_at", UTCDateTime, nullable=True),
@@ -174,3 +177,31 @@ connections = sa.Table(
     sa.Column("sealed_headers", sa.Text, nullable=False),
     sa.Column("created_at", UTCDateTime, nullable=False),
 )
+
+
+def upgrade(conn: sa.Connection) -> None:
+    """Bring a database made by an older release up to :data:`metadata`, additively.
+
+    Adds every nullable column the database lacks and widens string columns that have grown
+    (PostgreSQL enforces lengths; SQLite does not). Idempotent; runs on every open.
+    """
+    inspector = sa.inspect(conn)
+    for table in metadata.sorted_tables:
+        have = {c["name"]: c for c in inspector.get_columns(table.name)}
+        for column in table.columns:
+            ddl_type = column.type.compile(dialect=conn.dialect)
+            if column.name not in have:
+                if not column.nullable:
+                    raise RuntimeError(
+                        f"{table.name}.{column.name}: not additive, needs a migration"
+                    )
+                conn.execute(
+                    sa.text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {ddl_type}")
+                )
+                continue
+            old = getattr(have[column.name]["type"], "length", None)
+            new = getattr(column.type, "length", None)
+            if conn.dialect.name == "postgresql" and old and new and old < new:
+                conn.execute(
+                    sa.text(f"ALTER TABLE {table.name} ALTER COLUMN {column.name} TYPE {ddl_type}")
+                )

@@ -34,6 +34,7 @@ from ephemeral.store.schema import (
     run_events,
     run_transcripts,
     runs,
+    upgrade,
 )
 
 RUN_STATUSES = frozenset({"queued", "provisioning", "running"}) | TERMINAL_STATUSES
@@ -57,7 +58,15 @@ MAX_PAGE = 100
 IDEMPOTENCY_RETENTION = timedelta(hours=24)
 
 _DATETIME_FIELDS = ("started_at", "ended_at")
-_TEXT_FIELDS = ("isolation", "sandbox_id", "termination_detail", "output", "owner", "prompt")
+_TEXT_FIELDS = (
+    "isolation",
+    "runtime",
+    "sandbox_id",
+    "termination_detail",
+    "output",
+    "owner",
+    "prompt",
+)
 _DICT_FIELDS = ("usage", "labels")
 UPDATABLE_FIELDS = frozenset(
     {"status", "termination_reason", *_DATETIME_FIELDS, *_TEXT_FIELDS, *_DICT_FIELDS}
@@ -117,6 +126,7 @@ class Store:
                     # Several processes may open a fresh database at once; CREATE TABLE races.
                     await conn.execute(sa.text("SELECT pg_advisory_xact_lock(7263501)"))
                 await conn.run_sync(metadata.create_all)
+                await conn.run_sync(upgrade)
         except (OSError, sa.exc.DBAPIError) as exc:
             await engine.dispose()
             shown = sa.make_url(url).render_as_string(hide_password=True)

@@ -43,6 +43,10 @@ async def test_create_run_returns_the_run_and_it_succeeds(
     assert cost["charged_micros"] + cost["refunded_micros"] == cost["reserved_micros"]
     assert got["usage"]["model_calls"] == 2
     assert "Ran `whoami`" in got["output"]
+    # the runtime the host measured, the same line as in sandbox.ready
+    assert got["isolation"] in ("gvisor", "namespaces")
+    binary = "runsc" if got["isolation"] == "gvisor" else "bubblewrap"
+    assert got["runtime"] and got["runtime"].startswith(binary), got["runtime"]
 
     events = (await http.get(f"/v1/runs/{run['id']}/events", headers=member.headers)).json()
     types = [e["type"] for e in events]
