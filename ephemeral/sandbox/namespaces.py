@@ -32,9 +32,9 @@ The kernel's view is masked like Docker's masked paths: ``/proc/cmdline``, ``loa
 empty. ``/proc/uptime`` stays the host's: the kernel does not shift the start times in
 ``/proc/<pid>/stat`` by a time namespace, so any other uptime breaks ``ps``. ``/dev``
 belongs to the sandbox's root and is not writable by the worker (bwrap cannot size-cap it);
-``/dev/shm`` is a 16 MiB tmpfs. An extra seccomp program
-refuses ``socket(AF_VSOCK)``: vsock is not network-namespaced, so a bind would take a port from
-the host's space.
+``/dev/shm`` is a 16 MiB tmpfs. The seccomp allowlist (``seccomp.py``) refuses
+``socket(AF_VSOCK)``: vsock is not network-namespaced, so a bind would take a port from the
+host's space.
 
 ``namespaces_privileged`` (an operator setting, never automatic) skips the user namespace: the
 agent is host root with the same reduced capabilities and commands run as host uid 1000. Such a
@@ -48,7 +48,6 @@ import fcntl
 import logging
 import os
 import secrets
-import struct
 import uuid
 from pathlib import Path
 
@@ -82,31 +81,6 @@ AGENT_CAPS = [
 MASKED = ("/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug")
 PRIVILEGED_LABEL = "namespaces-privileged"
 log = logging.getLogger(__name__)
-
-# socket(AF_VSOCK, ...) -> EAFNOSUPPORT; everything else is left to the main filter.
-_SYS_SOCKET = 41
-_AF_VSOCK = 40
-_EAFNOSUPPORT = 97
-
-
-def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
-    return struct.pack("=HBBI", code, jt, jf, k)
-
-
-def no_vsock_program() -> bytes:
-    return b"".join(
-        [
-            _insn(0x20, 0, 0, 4),  # ld arch
-            _insn(0x15, 0, 4, seccomp.AUDIT_ARCH_X86_64),  # other ABIs: the main filter's job
-            _insn(0x20, 0, 0, 0),  # ld nr
-            _insn(0x15, 0, 2, _SYS_SOCKET),
-            _insn(0x20, 0, 0, 16),  # ld args[0] (low half)
-            _insn(0x15, 1, 0, _AF_VSOCK),
-            _insn(0x06, 0, 0, 0x7FFF0000),  # allow
-            _insn(0x06, 0, 0, 0x00050000 | _EAFNOSUPPORT),
-        ]
-    )
-
 
 def _memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(name, 0)
@@ -244,8 +218,6 @@ class NamespacesDriver(ProcessDriver):
             "C.UTF-8",
             "--add-seccomp-fd",
             str(fds["seccomp"]),
-            "--add-seccomp-fd",
-            str(fds["no_vsock"]),
             "--",
             *AGENT_ARGV,
             self._agent_path,
@@ -266,7 +238,6 @@ class NamespacesDriver(ProcessDriver):
         slot_fd: int | None = None
         try:
             fds["seccomp"] = _memfd("ephemeral-seccomp", seccomp.program())
-            fds["no_vsock"] = _memfd("ephemeral-no-vsock", no_vsock_program())
             fds["cmdline"] = _memfd("cmdline", b"BOOT_IMAGE=/vmlinuz-sandbox ro quiet\n")
             fds["loadavg"] = _memfd("loadavg", b"0.00 0.00 0.00 0/0 0\n")
             fds["boot_id"] = _memfd("boot_id", f"{uuid.uuid4()}\n".encode())

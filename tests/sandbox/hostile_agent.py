@@ -160,10 +160,10 @@ def main(mode: str) -> None:
     elif mode == "huge_duration":
         send(ok_exec(rid, duration_ms=1 << 63))
     elif mode == "deep_nesting":
-        body = b'{"id": %d, "x": ' % rid + b"[" * 3000 + b"]" * 3000 + b"}"
+        body = b'{"id": "%s", "x": ' % rid.encode() + b"[" * 3000 + b"]" * 3000 + b"}"
         raw(len(body).to_bytes(4, "big") + body)
     elif mode == "huge_int":
-        body = b'{"id": %d, "ok": true, "duration_ms": 1%s}' % (rid, b"0" * 5000)
+        body = b'{"id": "%s", "ok": true, "duration_ms": 1%s}' % (rid.encode(), b"0" * 5000)
         raw(len(body).to_bytes(4, "big") + body)
     elif mode == "dies_after_request":
         sys.exit(1)

@@ -179,7 +179,7 @@ def test_malformed_bodies_are_sandbox_errors(body: bytes) -> None:
 
 def test_a_reply_of_two_to_the_63_ms_is_refused() -> None:
     obj = {
-        "id": 1,
+        "id": "0" * 32,
         "ok": True,
         "exit_code": 0,
         "stdout": "",
@@ -194,5 +194,5 @@ def test_a_reply_of_two_to_the_63_ms_is_refused() -> None:
 
 def test_error_messages_do_not_repeat_long_guest_keys() -> None:
     with pytest.raises(errors.SandboxError) as info:
-        p.parse(p.EmptyReply, {"id": 1, "ok": True, "k" * 100_000: 1}, "ping reply")
+        p.parse(p.EmptyReply, {"id": "0" * 32, "ok": True, "k" * 100_000: 1}, "ping reply")
     assert len(str(info.value)) < 400
