@@ -116,7 +116,13 @@ class PrefectServer:
         return res.stdout
 
     def api(self, method: str, path: str, **kw: Any) -> Any:
-        res = httpx.request(method, f"{self.api_url}{path}", timeout=30, **kw)
+        # A SQLite-backed Prefect server answers 503 while its database is locked; Prefect's own
+        # client retries those (PREFECT_CLIENT_RETRY_EXTRA_CODES), and so does this raw helper.
+        for attempt in range(5):
+            res = httpx.request(method, f"{self.api_url}{path}", timeout=30, **kw)
+            if res.status_code != 503:
+                break
+            time.sleep(0.5 * 2**attempt)
         assert res.status_code < 300, f"{method} {path}: {res.status_code} {res.text}"
         return res.json() if res.content else None
 
