@@ -35,6 +35,8 @@ def test_hostile_agent_cannot_forge_its_record(level: str, tmp_path: Path) -> No
     recipe["policy"]["isolation"] = level
     if level.startswith("microvm"):
         recipe["policy"]["timeout_seconds"] = 300  # emulated: every exec is ~10x slower
+        # A VM's vsock space is its own (it has no vsock device): a bind there touches no host.
+        recipe["checks"] = [c for c in recipe["checks"] if "AF_VSOCK" not in str(c)]
     path = tmp_path / "hostile-agent.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
 
