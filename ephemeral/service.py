@@ -217,11 +217,10 @@ class Runtime:
             labels=labels,
             idempotency_key=idempotency_key,
             body_hash=body_hash,
+            owner=self.owner,
         )
-        if not replayed:
-            if policy.zero_data_retention:
-                (self._inner or self)._zdr_prompts[row.id] = request.prompt
-            row = await self.store.update_run(row.id, owner=self.owner)
+        if not replayed and policy.zero_data_retention:
+            (self._inner or self)._zdr_prompts[row.id] = request.prompt
         return row, replayed
 
     async def submit(self, org_id: str, request: RunRequest, **kw: Any) -> tuple[RunRow, bool]:

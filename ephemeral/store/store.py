@@ -315,11 +315,13 @@ class Store:
         labels: dict[str, Any] | None = None,
         idempotency_key: str | None = None,
         body_hash: str | None = None,
+        owner: str | None = None,
     ) -> tuple[RunRow, bool]:
         """Claim the idempotency key, reserve the budget, record the run and ``run.queued``.
 
         All in one transaction: a refused admission leaves nothing behind, not even the key.
-        Returns ``(run, replayed)``.
+        The run is born with its ``owner``, so no recovery can take it for an orphan while the
+        admitting process lives. Returns ``(run, replayed)``.
         """
         if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id):
             raise errors.InvalidRequest.field("run_id", "must be run_ + 32 lowercase hex digits")
@@ -341,6 +343,7 @@ class Store:
                     labels=labels or {},
                     idempotency_key=idempotency_key,
                     body_hash=body_hash,
+                    owner=owner,
                 )
                 run = await self._run(conn, replayed or run_id)
         except sa.exc.IntegrityError as exc:
