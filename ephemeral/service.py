@@ -469,10 +469,9 @@ class Runtime:
         async with asyncio.timeout(timeout):
             while True:
                 row = await self.store.get_run(run_id)
-                if row.status in TERMINAL_STATUSES:
-                    events = await self.store.list_events(run_id)
-                    if events and events[-1].type == "run.settled":
-                        return row
+                # Settled implies `run.settled` is written: the close is one transaction.
+                if row.status in TERMINAL_STATUSES and row.settled:
+                    return row
                 await asyncio.sleep(EVENT_POLL_SECONDS)
 
     async def events(

@@ -69,6 +69,7 @@ _DICT_FIELDS = ("usage", "labels")
 UPDATABLE_FIELDS = frozenset(
     {"status", "termination_reason", *_DATETIME_FIELDS, *_TEXT_FIELDS, *_DICT_FIELDS}
 )
+LIFECYCLE_FIELDS = frozenset({"status", "termination_reason", "ended_at"})
 
 
 def _json_size(field: str, value: Any, limit: int) -> int:
@@ -401,27 +402,28 @@ class Store:
         page = rows[:limit]
         return page, _encode_cursor(page[-1].created_at, page[-1].id)
 
-    async def update_run(
-        self, run_id: str, *, if_status: Collection[str] | None = None, **fields: Any
-    ) -> RunRow:
-        """Set run fields (not money: that is :meth:`charge`/:meth:`settle`).
+    async def update_run(self, run_id: str, **fields: Any) -> RunRow:
+        """Set run fields other than its lifecycle (and money: :meth:`charge`/:meth:`settle`).
 
-        With ``if_status``, the update applies only while the run is in one of those statuses
-        (e.g. so a cancel cannot overwrite a run that just succeeded); otherwise Conflict.
+        The status, the termination reason and ``ended_at`` change only through
+        :meth:`transition` and :meth:`close_run`, which write the events of the change with it.
         """
+        moved = sorted(set(fields) & LIFECYCLE_FIELDS)
+        if moved:
+            raise errors.InvalidRequest.field(
+                moved[0], "changes only with the run's status (Store.transition, Store.close_run)"
+            )
         values = self._run_values(fields)
         async with self._engine.begin() as conn:
             if not values:
                 return await self._run(conn, run_id)
-            query = sa.update(runs).where(runs.c.id == run_id)
-            if if_status is not None:
-                query = query.where(runs.c.status.in_(list(if_status)))
-            row = (await conn.execute(query.values(**values).returning(*runs.c))).first()
-            if row is None:
-                current = await self._run(conn, run_id)
-                raise errors.Conflict(
-                    f"run {run_id} is {current.status}, not one of {sorted(if_status or ())}"
+            row = (
+                await conn.execute(
+                    sa.update(runs).where(runs.c.id == run_id).values(**values).returning(*runs.c)
                 )
+            ).first()
+            if row is None:
+                raise errors.NotFound(f"run {run_id} not found")
         return RunRow.model_validate(row._mapping)
 
     @staticmethod

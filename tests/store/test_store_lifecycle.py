@@ -12,7 +12,7 @@ from ephemeral.ids import new_run_id, utcnow
 from ephemeral.lifecycle import RunStatus, TerminationReason
 from ephemeral.store import Org, RunRow, Store
 from ephemeral.store.schema import runs
-from tests.store.storehelp import policy
+from tests.store.storehelp import force_status, policy
 
 USAGE = {"model_calls": 1, "input_tokens": 10, "output_tokens": 2}
 
@@ -111,7 +111,7 @@ async def test_close_run_settles_a_run_an_older_version_left_terminal(
     store: Store, org: Org
 ) -> None:
     run = await _run(store, org)
-    await store.update_run(run.id, status="failed", termination_reason="infra_error")
+    await force_status(store, run.id, "failed", "infra_error")
     assert [r.id for r in await store.unsettled_runs()] == [run.id]
     row, settlement = await store.close_run(
         run.id, reason=TerminationReason.INFRA_ERROR, detail="unsettled", usage={}, output="x"
