@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,10 +14,12 @@ from collections.abc import Callable
 
 import pytest
 
+from ephemeral.ids import new_run_id
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from ephemeral.store import Store
 from tests.run.conftest import turn
+from tests.store.storehelp import force_status, policy
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -201,3 +204,34 @@ async def test_kill_9_at_every_step_boundary_is_recovered(
         await asyncio.sleep(0.1)
     assert not any(_alive(p) for p in sandbox_pids), "sandbox processes survived the reaper"
     assert not list(run_settings.sandboxes_dir.glob("*.json"))
+
+
+async def test_recovery_settles_a_run_left_terminal_but_unsettled(run_settings: Settings) -> None:
+    """An older version ended a run in several transactions; a crash could stop between them."""
+    store = await Store.open(run_settings.db_url)
+    try:
+        org = await store.ensure_org("local", initial_credit_micros=1_000_000)
+        row, _ = await store.admit_run(
+            org_id=org.id,
+            run_id=new_run_id(),
+            model="replay/x",
+            prompt="p",
+            policy=policy(10_000),
+            owner=f"{socket.gethostname()}:1:0",  # pid 1 never started at tick 0: a dead owner
+        )
+        await store.charge(row.id, "model", 700, key=f"{row.id}:model:0")
+        await force_status(store, row.id, "failed", "infra_error")
+    finally:
+        await store.close()
+
+    runtime = await Runtime.start(run_settings, watchdog=False)
+    try:
+        done = await runtime.wait(row.id, timeout=5)
+        events = [e.type for e in await runtime.store.list_events(row.id)]
+        org = await runtime.store.get_org("local")
+    finally:
+        await runtime.close()
+    assert (done.status, done.termination_reason) == ("failed", "infra_error")
+    assert (done.charged_micros, done.refunded_micros) == (700, 9_300)
+    assert events == ["run.queued", "run.settled"]
+    assert (org.reserved_micros, org.balance_micros) == (0, 1_000_000 - 700)
