@@ -41,7 +41,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ephemeral.policy import TERMINAL_STATUSES
+from ephemeral.lifecycle import TERMINAL_STATUSES
 from ephemeral.pricing import PriceBook
 from ephemeral.sandbox.base import Limits
 from ephemeral.settings import Settings

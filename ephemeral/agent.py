@@ -23,7 +23,9 @@ from ephemeral import errors
 from ephemeral.budget import RunBudget
 from ephemeral.events import redact_for_zdr
 from ephemeral.ids import utcnow
-from ephemeral.policy import STATUS_FOR_REASON, Policy
+from ephemeral.lifecycle import RunStatus, StopRun, compute_charge
+from ephemeral.lifecycle import TerminationReason as Reason
+from ephemeral.policy import Policy
 from ephemeral.providers.base import Message, ModelReply, ToolCall, ToolSpec, Usage
 from ephemeral.retry import call_with_retries
 
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from ephemeral.sandbox.base import Limits, Sandbox
     from ephemeral.store import RunRow, Store
 
+__all__ = ["PLAIN_STEPS", "AgentRun", "Steps", "StopRun", "drive"]  # StopRun: ephemeral.lifecycle
 log = logging.getLogger("ephemeral.run")
 
 MAX_TOKENS = 2048
@@ -54,15 +57,6 @@ SHELL_TOOL = ToolSpec(
         "additionalProperties": False,
     },
 )
-
-
-class StopRun(Exception):
-    """Ends the loop with a termination reason; raised by steps, caught by :func:`drive`."""
-
-    def __init__(self, reason: str, detail: str | None = None) -> None:
-        super().__init__(detail or reason)
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass
@@ -89,7 +83,7 @@ class AgentRun:
     usage: Usage = field(default_factory=Usage)
     model_calls: int = 0
     output: str | None = None
-    reason: str | None = None
+    reason: Reason | None = None
     detail: str | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     broker: Broker | None = None  # serves web_fetch / connection_call (ephemeral.broker)
@@ -126,13 +120,13 @@ class AgentRun:
 
     def _check_time(self) -> float:
         if self.cancelled.is_set():
-            raise StopRun("cancelled", "cancelled by request")
+            raise StopRun(Reason.CANCELLED, "cancelled by request")
         left = self.time_left()
         if left <= 0:
             compute = self.budget.compute_deadline()
             if compute is not None and compute < self.deadline:
-                raise StopRun("budget_exhausted", "compute used up the remaining budget")
-            raise StopRun("timeout", f"time limit of {self.policy.timeout_seconds} s reached")
+                raise StopRun(Reason.BUDGET_EXHAUSTED, "compute used up the remaining budget")
+            raise StopRun(Reason.TIMEOUT, f"time limit of {self.policy.timeout_seconds} s reached")
         return left
 
     # steps -------------------------------------------------------------------------------
@@ -142,7 +136,12 @@ class AgentRun:
         started_at = self.row.started_at
         if started_at is None:  # executed without the runtime's slot grant
             started_at = utcnow()
-            await self.store.update_run(self.run_id, status="provisioning", started_at=started_at)
+            await self.store.transition(
+                self.run_id,
+                expect={RunStatus.QUEUED},
+                to=RunStatus.PROVISIONING,
+                started_at=started_at,
+            )
         t0 = time.monotonic()
         sandbox = await asyncio.wait_for(
             self.acquire_sandbox(self.run_id, self.limits),
@@ -152,19 +151,18 @@ class AgentRun:
         self.budget.sandbox_started = time.monotonic()
         # What this run waited for, not the sandbox's original boot (a pooled one is instant).
         boot_ms = int((self.budget.sandbox_started - t0) * 1000)
-        await self.emit(
-            "sandbox.ready",
-            {
-                "isolation": sandbox.isolation,
-                "image": sandbox.image,
-                "boot_ms": boot_ms,
-                "queue_wait_ms": _ms(self.row.created_at, started_at),
-                "runtime": sandbox.runtime,
-            },
-        )
-        await self.store.update_run(
+        ready = {
+            "isolation": sandbox.isolation,
+            "image": sandbox.image,
+            "boot_ms": boot_ms,
+            "queue_wait_ms": _ms(self.row.created_at, started_at),
+            "runtime": sandbox.runtime,
+        }
+        await self.store.transition(
             self.run_id,
-            status="running",
+            expect={RunStatus.PROVISIONING},
+            to=RunStatus.RUNNING,
+            events=[("sandbox.ready", ready)],
             isolation=sandbox.isolation,
             runtime=sandbox.runtime,
             sandbox_id=sandbox.id,
@@ -210,7 +208,9 @@ class AgentRun:
     async def model_step(self) -> ModelReply | None:
         """One model call. Returns the reply, or None when the loop is over (final answer)."""
         if self.model_calls >= self.max_turns:
-            raise StopRun("model_error", f"no final answer within max_turns ({self.max_turns})")
+            raise StopRun(
+                Reason.MODEL_ERROR, f"no final answer within max_turns ({self.max_turns})"
+            )
         left = self._check_time()
         from ephemeral.pricing import estimate_tokens
 
@@ -221,10 +221,10 @@ class AgentRun:
         if price.output_per_mtok > 0:
             max_tokens = min(MAX_TOKENS, room * 1_000_000 // price.output_per_mtok)
         if max_tokens < MIN_USEFUL_TOKENS:
-            raise StopRun("budget_exhausted", "the next model call does not fit the budget")
+            raise StopRun(Reason.BUDGET_EXHAUSTED, "the next model call does not fit the budget")
         worst = self.price_book.worst_case(self.model, est_in, max_tokens)
         if not self.budget.fits(worst):
-            raise StopRun("budget_exhausted", "the next model call does not fit the budget")
+            raise StopRun(Reason.BUDGET_EXHAUSTED, "the next model call does not fit the budget")
         # The budget note changes every turn, so the model always sees what is left.
         note = Message(
             role="user",
@@ -245,7 +245,7 @@ class AgentRun:
                 cancelled=self.cancelled,
             )
         except errors.ModelError as exc:
-            raise StopRun("model_error", exc.detail) from exc
+            raise StopRun(Reason.MODEL_ERROR, exc.detail) from exc
         cost = self.price_book.model_cost(self.model, reply.usage)
         # Never charge past the reservation, even if a provider over-reports usage.
         cost = min(cost, self.budget.remaining())
@@ -307,7 +307,7 @@ class AgentRun:
         try:
             res = await self.sandbox.exec(command, timeout=timeout, max_output=STEP_OUTPUT_CAP)
         except errors.SandboxError as exc:
-            raise StopRun("sandbox_error", exc.detail) from exc
+            raise StopRun(Reason.SANDBOX_ERROR, exc.detail) from exc
         await self.emit(
             "shell.executed",
             {
@@ -348,23 +348,29 @@ class AgentRun:
             await sandbox.destroy()
         finally:
             self.budget.sandbox_stopped = time.monotonic()
-            compute = min(
-                self.budget.compute_accrued(),
-                self.budget.reserved_micros - self.budget.non_compute_spent(),
+            compute = compute_charge(
+                micros_per_second=self.budget.compute_micros_per_second,
+                seconds=self.budget.sandbox_seconds(),
+                reserved_micros=self.budget.reserved_micros,
+                other_spent_micros=self.budget.non_compute_spent(),
             )
             self.budget.charged["compute_micros"] = compute
-            await self.store.charge(self.run_id, "compute", compute, key=f"{self.run_id}:compute")
-            await self.emit(
-                "sandbox.destroyed",
-                {"lifetime_ms": int(self.budget.sandbox_seconds() * 1000)},
+            await self.store.charge(
+                self.run_id,
+                "compute",
+                compute,
+                key=f"{self.run_id}:compute",
+                event=(
+                    "sandbox.destroyed",
+                    {"lifetime_ms": int(self.budget.sandbox_seconds() * 1000)},
+                ),
             )
 
     async def settle(self) -> RunRow:
-        """Settle the money and publish the end of the run (see :func:`close_run`)."""
-        row = await close_run(
-            self.store,
+        """End the run and settle its money, one store transaction (:meth:`Store.close_run`)."""
+        row, _ = await self.store.close_run(
             self.run_id,
-            reason=self.reason or "infra_error",
+            reason=self.reason or Reason.INFRA_ERROR,
             detail=self.detail,
             usage={
                 "model_calls": self.model_calls,
@@ -373,7 +379,6 @@ class AgentRun:
             },
             output=self.output,
             keep_output=not self.zdr,
-            emit=self.emit,
         )
         if not self.zdr:
             await self.store.save_transcript(self.run_id, self.turns)
@@ -384,51 +389,6 @@ def _ms(a: datetime, b: datetime) -> int:
     """Milliseconds from ``a`` to ``b`` (naive times, as SQLite returns them, are UTC)."""
     a, b = (t if t.tzinfo is not None else t.replace(tzinfo=UTC) for t in (a, b))
     return max(0, int((b - a).total_seconds() * 1000))
-
-
-async def close_run(
-    store: Store,
-    run_id: str,
-    *,
-    reason: str,
-    detail: str | None,
-    usage: dict[str, Any],
-    output: str | None,
-    keep_output: bool,
-    emit: Callable[[str, dict[str, Any]], Awaitable[Any]],
-) -> RunRow:
-    """The one way a run ends, whether its agent finished it or the runtime abandoned it.
-
-    Settles the money first, then marks the run terminal and publishes ``run.<status>``,
-    ``run.output`` (if any) and ``run.settled`` in the product page's order.
-    """
-    status = STATUS_FOR_REASON[reason]
-    settlement = await store.settle(run_id)
-    row = await store.update_run(
-        run_id,
-        status=status,
-        ended_at=utcnow(),
-        termination_reason=reason,
-        termination_detail=detail,
-        usage=usage,
-        output=output if keep_output else None,
-    )
-    tokens = int(usage.get("input_tokens", 0)) + int(usage.get("output_tokens", 0))
-    await emit(
-        f"run.{status}",
-        {"model_calls": int(usage.get("model_calls", 0)), "tokens": tokens, "reason": reason},
-    )
-    if output is not None:
-        await emit("run.output", {"markdown": output})
-    await emit(
-        "run.settled",
-        {
-            "charged_micros": settlement.charged_micros,
-            "refunded_micros": settlement.refunded_micros,
-            "breakdown": settlement.breakdown,
-        },
-    )
-    return row
 
 
 @dataclass
@@ -451,16 +411,16 @@ PLAIN_STEPS = Steps(
 )
 
 
-def _reason_for(exc: BaseException) -> tuple[str, str]:
+def _reason_for(exc: BaseException) -> tuple[Reason, str]:
     if isinstance(exc, StopRun):
         return exc.reason, exc.detail or exc.reason
     if isinstance(exc, errors.IsolationUnavailable | errors.SandboxError):
-        return "sandbox_error", exc.detail
+        return Reason.SANDBOX_ERROR, exc.detail
     if isinstance(exc, errors.ModelError):
-        return "model_error", exc.detail
+        return Reason.MODEL_ERROR, exc.detail
     if isinstance(exc, TimeoutError):
-        return "timeout", "time limit reached"
-    return "infra_error", f"{type(exc).__name__}: internal error"
+        return Reason.TIMEOUT, "time limit reached"
+    return Reason.INFRA_ERROR, f"{type(exc).__name__}: internal error"
 
 
 async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
@@ -474,14 +434,14 @@ async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
                     break
                 for call in reply.message.tool_calls:
                     await steps.tool_step(run, call)
-        run.reason, run.detail = "completed", None
+        run.reason, run.detail = Reason.COMPLETED, None
     except asyncio.CancelledError:
-        run.reason, run.detail = "cancelled", "cancelled by request"
+        run.reason, run.detail = Reason.CANCELLED, "cancelled by request"
         await _finish(run, steps)
         raise
     except Exception as exc:
         run.reason, run.detail = _reason_for(exc)
-        if run.reason == "infra_error":
+        if run.reason is Reason.INFRA_ERROR:
             log.exception("run %s failed", run.run_id)
         if run.output is None and run.messages and run.messages[-1].role == "assistant":
             run.output = run.messages[-1].content

@@ -19,9 +19,10 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -31,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus
 from ephemeral.money import usd
 
 MAX_PATTERN_CHARS = 1_000
@@ -38,7 +40,16 @@ _EXCERPT = 60
 
 Run = Mapping[str, Any]  # the run object of DESIGN §3
 Events = Sequence[Mapping[str, Any]]  # its events, DESIGN §4
-TerminalStatus = Literal["succeeded", "failed", "timed_out", "cancelled", "budget_exhausted"]
+
+
+def _terminal(status: RunStatus) -> RunStatus:
+    if status not in TERMINAL_STATUSES:
+        raise ValueError(f"must be a status a run ends in: {', '.join(sorted(TERMINAL_STATUSES))}")
+    return status
+
+
+# A recipe is YAML, so the status arrives as a string: the enum is matched by value.
+TerminalStatus = Annotated[RunStatus, Field(strict=False), AfterValidator(_terminal)]
 
 
 class CheckResult(BaseModel):

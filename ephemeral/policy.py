@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from typing import Literal, NoReturn
+from typing import NoReturn
 
 from pydantic import (
     BaseModel,
@@ -144,38 +144,3 @@ class RunRequest(Policy, _Prompt):
 
     def policy(self) -> Policy:
         return Policy.model_validate(self.model_dump(include=set(Policy.model_fields)))
-
-
-RunStatus = Literal[
-    "queued",
-    "provisioning",
-    "running",
-    "succeeded",
-    "failed",
-    "timed_out",
-    "cancelled",
-    "budget_exhausted",
-]
-TERMINAL_STATUSES: frozenset[str] = frozenset(
-    {"succeeded", "failed", "timed_out", "cancelled", "budget_exhausted"}
-)
-TerminationReason = Literal[
-    "completed",
-    "timeout",
-    "budget_exhausted",
-    "cancelled",
-    "policy_violation",
-    "model_error",
-    "sandbox_error",
-    "infra_error",
-]
-STATUS_FOR_REASON: dict[str, str] = {
-    "completed": "succeeded",
-    "timeout": "timed_out",
-    "budget_exhausted": "budget_exhausted",
-    "cancelled": "cancelled",
-    "policy_violation": "failed",
-    "model_error": "failed",
-    "sandbox_error": "failed",
-    "infra_error": "failed",
-}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -17,12 +16,13 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from ephemeral import errors
-from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps, close_run, drive
+from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps, drive
 from ephemeral.broker import Broker
 from ephemeral.events import Event
 from ephemeral.ids import new_run_id, utcnow
+from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus, TerminationReason, compute_charge
 from ephemeral.owner import is_alive, this_process
-from ephemeral.policy import TERMINAL_STATUSES, Policy, RunRequest
+from ephemeral.policy import Policy, RunRequest
 from ephemeral.pricing import PriceBook
 from ephemeral.providers.registry import provider_for
 from ephemeral.recording import record_run
@@ -217,11 +217,10 @@ class Runtime:
             labels=labels,
             idempotency_key=idempotency_key,
             body_hash=body_hash,
+            owner=self.owner,
         )
-        if not replayed:
-            if policy.zero_data_retention:
-                (self._inner or self)._zdr_prompts[row.id] = request.prompt
-            row = await self.store.update_run(row.id, owner=self.owner)
+        if not replayed and policy.zero_data_retention:
+            (self._inner or self)._zdr_prompts[row.id] = request.prompt
         return row, replayed
 
     async def submit(self, org_id: str, request: RunRequest, **kw: Any) -> tuple[RunRow, bool]:
@@ -339,10 +338,15 @@ class Runtime:
 
     async def _grant(self, run_id: str) -> bool:
         """The run got a slot: from now on its time counts. False if it no longer waits."""
-        row = await self.store.get_run(run_id)
-        if row.status != "queued":
+        try:
+            await self.store.transition(
+                run_id,
+                expect={RunStatus.QUEUED},
+                to=RunStatus.PROVISIONING,
+                started_at=utcnow(),
+            )
+        except errors.Conflict:  # cancelled or abandoned while it waited
             return False
-        await self.store.update_run(run_id, status="provisioning", started_at=utcnow())
         self._granted.add(run_id)
         return True
 
@@ -394,7 +398,9 @@ class Runtime:
         try:
             row = await self.store.get_run(run_id)
             if row.status not in TERMINAL_STATUSES or not row.settled:
-                await self._abandon(run_id, "infra_error", f"execution failed: {_brief(exc)}")
+                await self._abandon(
+                    run_id, TerminationReason.INFRA_ERROR, f"execution failed: {_brief(exc)}"
+                )
         except Exception:
             # The store itself is failing; the watchdog retries once this task is gone.
             log.exception("run %s: could not settle after a failure", run_id)
@@ -452,9 +458,9 @@ class Runtime:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-            await self._abandon(run_id, "cancelled", "cancelled by request")
+            await self._abandon(run_id, TerminationReason.CANCELLED, "cancelled by request")
         elif is_alive(row.owner) is False or row.owner == self.owner:
-            await self._abandon(run_id, "cancelled", "cancelled by request")
+            await self._abandon(run_id, TerminationReason.CANCELLED, "cancelled by request")
         else:
             raise errors.Conflict("the run is executing in another process; cancel it there")
         return await self.store.get_run(run_id)
@@ -463,10 +469,9 @@ class Runtime:
         async with asyncio.timeout(timeout):
             while True:
                 row = await self.store.get_run(run_id)
-                if row.status in TERMINAL_STATUSES:
-                    events = await self.store.list_events(run_id)
-                    if events and events[-1].type == "run.settled":
-                        return row
+                # Settled implies `run.settled` is written: the close is one transaction.
+                if row.status in TERMINAL_STATUSES and row.settled:
+                    return row
                 await asyncio.sleep(EVENT_POLL_SECONDS)
 
     async def events(
@@ -523,7 +528,7 @@ class Runtime:
                 continue
             if (await self.store.get_run(row.id)).status not in TERMINAL_STATUSES:
                 log.error("run %s: %s", row.id, detail)
-                await self._abandon(row.id, "infra_error", detail)
+                await self._abandon(row.id, TerminationReason.INFRA_ERROR, detail)
             finished.append(row.id)
         self._suspects = suspects
         return finished
@@ -561,10 +566,18 @@ class Runtime:
 
         await reap(self.settings, is_owner_alive=owner_alive)
         for row in orphans:
-            await self._abandon(row.id, "infra_error", "the process running this run died")
+            await self._abandon(
+                row.id, TerminationReason.INFRA_ERROR, "the process running this run died"
+            )
+        # Ended but never settled: only a crash inside an older version's multi-step close
+        # leaves this (the close is one transaction now). Settle from what was charged.
+        for row in await self.store.unsettled_runs():
+            if is_alive(row.owner) is False and row.owner != self.owner:
+                await self._abandon(row.id, TerminationReason.INFRA_ERROR, "unsettled")
+                orphan_ids.add(row.id)
         return sorted(orphan_ids)
 
-    async def finish_orphan(self, run_id: str, reason: str) -> None:
+    async def finish_orphan(self, run_id: str, reason: TerminationReason | str) -> None:
         """Close a run whose process is gone (Prefect cancellation/crash hooks call this)."""
         from ephemeral.sandbox.reaper import reap
 
@@ -576,35 +589,45 @@ class Runtime:
             return owner != run_id
 
         await reap(self.settings, is_owner_alive=alive)
-        detail = "cancelled by request" if reason == "cancelled" else "the run's process died"
+        reason = TerminationReason(reason)
+        cancelled = reason is TerminationReason.CANCELLED
+        detail = "cancelled by request" if cancelled else "the run's process died"
         await self._abandon(run_id, reason, detail)
 
-    async def _abandon(self, run_id: str, reason: str, detail: str) -> None:
+    async def _abandon(self, run_id: str, reason: TerminationReason, detail: str) -> None:
         """Close a run that has no live agent: charge compute it used, settle, record."""
         row = await self.store.get_run(run_id)
         events = await self.store.list_events(run_id)
         types = [e.type for e in events]
         if "sandbox.ready" in types and "sandbox.destroyed" not in types:
+            # The agent's own clock died with it: the sandbox lived from its ready event to the
+            # last thing the run recorded.
             ready = next(e for e in events if e.type == "sandbox.ready")
             lifetime = _ms_between(ready.at, events[-1].at)
             policy = Policy.model_validate(row.policy)
             limits = self.default_limits(policy.timeout_seconds)
-            rate = self.price_book.compute_micros(
-                vcpu_seconds=limits.cpus, gib_seconds=limits.memory_mib / 1024
+            charged = await self.store.charged(run_id)
+            compute = compute_charge(
+                micros_per_second=self.price_book.compute_micros(
+                    vcpu_seconds=limits.cpus, gib_seconds=limits.memory_mib / 1024
+                ),
+                seconds=lifetime / 1000,
+                reserved_micros=row.reserved_micros,
+                other_spent_micros=sum(charged.values()) - charged.get("compute_micros", 0),
             )
-            spent = sum((await self.store.charged(run_id)).values())
-            compute = min(rate * lifetime // 1000, row.reserved_micros - spent)
-            await self.store.charge(run_id, "compute", max(0, compute), key=f"{run_id}:compute")
-            await self.store.append_event(run_id, "sandbox.destroyed", {"lifetime_ms": lifetime})
-        await close_run(
-            self.store,
+            await self.store.charge(
+                run_id,
+                "compute",
+                compute,
+                key=f"{run_id}:compute",
+                event=("sandbox.destroyed", {"lifetime_ms": lifetime}),
+            )
+        await self.store.close_run(
             run_id,
             reason=reason,
             detail=detail,
             usage=row.usage or {},
             output=row.output,
-            keep_output=True,
-            emit=functools.partial(self.store.append_event, run_id),
         )
         await self.record(run_id)
 

@@ -23,7 +23,8 @@ from ephemeral.api.schemas import (
     problems,
 )
 from ephemeral.events import Event
-from ephemeral.policy import TERMINAL_STATUSES, RunRequest, RunStatus
+from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus
+from ephemeral.policy import RunRequest
 from ephemeral.runview import run_object
 from ephemeral.service import Runtime
 from ephemeral.store import Principal, RunRow

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from ephemeral.policy import RunStatus
+from ephemeral.lifecycle import RunStatus
 
 
 class ProblemItem(BaseModel):

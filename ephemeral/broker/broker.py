@@ -14,6 +14,8 @@ from ephemeral.broker import connections, web
 from ephemeral.broker.secrets import Sealer
 from ephemeral.broker.ssrf import public_url
 from ephemeral.broker.tools import CONNECTION_CALL, NAMES, WEB_FETCH, tools_for
+from ephemeral.lifecycle import StopRun
+from ephemeral.lifecycle import TerminationReason as Reason
 from ephemeral.policy import Policy
 from ephemeral.providers.base import ToolCall, ToolSpec
 from ephemeral.settings import Settings
@@ -67,11 +69,9 @@ class Broker:
 
     async def _charge_web(self, run: AgentRun) -> int:
         """Charge one request inside the run's budget *before* it is sent."""
-        from ephemeral.agent import StopRun
-
         price = run.price_book.web_request_micros()
         if not run.budget.fits(price):
-            raise StopRun("budget_exhausted", "the next web request does not fit the budget")
+            raise StopRun(Reason.BUDGET_EXHAUSTED, "the next web request does not fit the budget")
         self._web_requests += 1
         try:
             await run.store.charge(
@@ -79,7 +79,7 @@ class Broker:
             )
         except errors.BudgetExhausted as exc:
             raise StopRun(
-                "budget_exhausted", "the next web request does not fit the budget"
+                Reason.BUDGET_EXHAUSTED, "the next web request does not fit the budget"
             ) from exc
         run.budget.charged["web_micros"] += price
         return price

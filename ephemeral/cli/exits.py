@@ -2,7 +2,7 @@
 
 A script can tell apart what it gave wrong (2), what broke around the work (3) and how the work
 itself ended (0, 1, 4-6). The codes for a run's ending are derived from the run statuses of
-:mod:`ephemeral.policy`; with several runs (a recipe), the command exits with the highest code.
+:mod:`ephemeral.lifecycle`; with several runs (a recipe), the command exits with the highest code.
 ``ephemeral sandbox exec`` is the exception: it exits with the sandboxed command's own status.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from enum import IntEnum
 
 from ephemeral import errors
-from ephemeral.policy import TERMINAL_STATUSES
+from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus
 
 
 class Exit(IntEnum):
@@ -36,12 +36,12 @@ MEANING: dict[Exit, str] = {
     Exit.CANCELLED: "a run ended `cancelled`",
 }
 
-FOR_STATUS: dict[str, Exit] = {
-    "succeeded": Exit.OK,
-    "failed": Exit.FAILED,
-    "timed_out": Exit.TIMED_OUT,
-    "budget_exhausted": Exit.BUDGET_EXHAUSTED,
-    "cancelled": Exit.CANCELLED,
+FOR_STATUS: dict[RunStatus, Exit] = {
+    RunStatus.SUCCEEDED: Exit.OK,
+    RunStatus.FAILED: Exit.FAILED,
+    RunStatus.TIMED_OUT: Exit.TIMED_OUT,
+    RunStatus.BUDGET_EXHAUSTED: Exit.BUDGET_EXHAUSTED,
+    RunStatus.CANCELLED: Exit.CANCELLED,
 }
 if set(FOR_STATUS) != TERMINAL_STATUSES:  # a new terminal status needs its own code
     raise ImportError(f"exit codes cover {sorted(FOR_STATUS)}, not {sorted(TERMINAL_STATUSES)}")
@@ -49,7 +49,9 @@ if set(FOR_STATUS) != TERMINAL_STATUSES:  # a new terminal status needs its own 
 
 def for_status(status: str) -> Exit:
     """The code for how a run ended; a run that is not terminal did not finish (``ERROR``)."""
-    return FOR_STATUS.get(status, Exit.ERROR)
+    if status not in TERMINAL_STATUSES:
+        return Exit.ERROR
+    return FOR_STATUS[RunStatus(status)]
 
 
 def for_error(exc: errors.EphemeralError) -> Exit:

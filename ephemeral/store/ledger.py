@@ -129,6 +129,7 @@ async def admit(
     labels: dict[str, Any],
     idempotency_key: str | None,
     body_hash: str | None,
+    owner: str | None = None,
 ) -> str | None:
     """Admit a run in the caller's transaction. Returns the replayed run id, or None if new."""
     amount = check_micros("max_cost_micros", policy.get("max_cost_micros"), allow_zero=False)
@@ -156,6 +157,7 @@ async def admit(
             refunded_micros=0,
             breakdown={},
             idempotency_key=idempotency_key,
+            owner=owner,
             last_seq=1,
         )
     )

@@ -1,7 +1,9 @@
 """The operational store: orgs, member keys, runs, their events, money and transcripts.
 
 One :class:`Store` per process, opened with the settings' ``db_url`` and passed down. Every
-method is one transaction. Money moves live in :mod:`ephemeral.store.ledger`.
+method is one transaction. Money moves live in :mod:`ephemeral.store.ledger`. A run changes
+status only through :meth:`Store.transition` and :meth:`Store.close_run`, each of which writes
+the row and the events of that change together, guarded by the status the run must be in.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import base64
 import binascii
 import json
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -20,7 +22,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from ephemeral import errors
 from ephemeral.events import Event, redact_for_zdr
 from ephemeral.ids import RUN_ID_RE, new_id, rfc3339, utcnow
-from ephemeral.policy import TERMINAL_STATUSES
+from ephemeral.lifecycle import (
+    OPEN_STATUSES,
+    STATUS_FOR_REASON,
+    TERMINAL_STATUSES,
+    RunStatus,
+    TerminationReason,
+)
 from ephemeral.store import connections as conns
 from ephemeral.store import keys, ledger
 from ephemeral.store.connections import StoredConnection
@@ -36,20 +44,10 @@ from ephemeral.store.schema import (
     runs,
     upgrade,
 )
+from ephemeral.store.schema import ledger as ledger_rows
 
-RUN_STATUSES = frozenset({"queued", "provisioning", "running"}) | TERMINAL_STATUSES
-TERMINATION_REASONS = frozenset(
-    {
-        "completed",
-        "timeout",
-        "budget_exhausted",
-        "cancelled",
-        "policy_violation",
-        "model_error",
-        "sandbox_error",
-        "infra_error",
-    }
-)
+RUN_STATUSES: frozenset[str] = frozenset(RunStatus)
+TERMINATION_REASONS: frozenset[str] = frozenset(TerminationReason)
 ORG_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 EVENT_TYPE_RE = re.compile(r"^[a-z][a-z_]*(\.[a-z][a-z_]*)+$")
 MAX_EVENT_BYTES = 1 << 20
@@ -71,6 +69,7 @@ _DICT_FIELDS = ("usage", "labels")
 UPDATABLE_FIELDS = frozenset(
     {"status", "termination_reason", *_DATETIME_FIELDS, *_TEXT_FIELDS, *_DICT_FIELDS}
 )
+LIFECYCLE_FIELDS = frozenset({"status", "termination_reason", "ended_at"})
 
 
 def _json_size(field: str, value: Any, limit: int) -> int:
@@ -317,11 +316,13 @@ class Store:
         labels: dict[str, Any] | None = None,
         idempotency_key: str | None = None,
         body_hash: str | None = None,
+        owner: str | None = None,
     ) -> tuple[RunRow, bool]:
         """Claim the idempotency key, reserve the budget, record the run and ``run.queued``.
 
         All in one transaction: a refused admission leaves nothing behind, not even the key.
-        Returns ``(run, replayed)``.
+        The run is born with its ``owner``, so no recovery can take it for an orphan while the
+        admitting process lives. Returns ``(run, replayed)``.
         """
         if not isinstance(run_id, str) or not RUN_ID_RE.match(run_id):
             raise errors.InvalidRequest.field("run_id", "must be run_ + 32 lowercase hex digits")
@@ -343,6 +344,7 @@ class Store:
                     labels=labels or {},
                     idempotency_key=idempotency_key,
                     body_hash=body_hash,
+                    owner=owner,
                 )
                 run = await self._run(conn, replayed or run_id)
         except sa.exc.IntegrityError as exc:
@@ -400,27 +402,28 @@ class Store:
         page = rows[:limit]
         return page, _encode_cursor(page[-1].created_at, page[-1].id)
 
-    async def update_run(
-        self, run_id: str, *, if_status: Collection[str] | None = None, **fields: Any
-    ) -> RunRow:
-        """Set run fields (not money: that is :meth:`charge`/:meth:`settle`).
+    async def update_run(self, run_id: str, **fields: Any) -> RunRow:
+        """Set run fields other than its lifecycle (and money: :meth:`charge`/:meth:`settle`).
 
-        With ``if_status``, the update applies only while the run is in one of those statuses
-        (e.g. so a cancel cannot overwrite a run that just succeeded); otherwise Conflict.
+        The status, the termination reason and ``ended_at`` change only through
+        :meth:`transition` and :meth:`close_run`, which write the events of the change with it.
         """
+        moved = sorted(set(fields) & LIFECYCLE_FIELDS)
+        if moved:
+            raise errors.InvalidRequest.field(
+                moved[0], "changes only with the run's status (Store.transition, Store.close_run)"
+            )
         values = self._run_values(fields)
         async with self._engine.begin() as conn:
             if not values:
                 return await self._run(conn, run_id)
-            query = sa.update(runs).where(runs.c.id == run_id)
-            if if_status is not None:
-                query = query.where(runs.c.status.in_(list(if_status)))
-            row = (await conn.execute(query.values(**values).returning(*runs.c))).first()
-            if row is None:
-                current = await self._run(conn, run_id)
-                raise errors.Conflict(
-                    f"run {run_id} is {current.status}, not one of {sorted(if_status or ())}"
+            row = (
+                await conn.execute(
+                    sa.update(runs).where(runs.c.id == run_id).values(**values).returning(*runs.c)
                 )
+            ).first()
+            if row is None:
+                raise errors.NotFound(f"run {run_id} not found")
         return RunRow.model_validate(row._mapping)
 
     @staticmethod
@@ -450,6 +453,111 @@ class Store:
                 _json_size(name, fields[name], 1 << 20)
         return dict(fields)
 
+    async def transition(
+        self,
+        run_id: str,
+        *,
+        expect: Collection[RunStatus],
+        to: RunStatus,
+        events: Sequence[tuple[str, dict[str, Any]]] = (),
+        **fields: Any,
+    ) -> RunRow:
+        """Move a run to the open status ``to`` with ``fields`` and ``events``, atomically.
+
+        Applies only while the run is in one of ``expect`` (compare-and-set); otherwise Conflict
+        and nothing is written. A run ends through :meth:`close_run`, never here.
+        """
+        if to not in OPEN_STATUSES:
+            raise errors.InvalidRequest.field("status", f"{to!r} is not an open status")
+        values = self._run_values({**fields, "status": to})
+        for type_, data in events:
+            self._check_event(type_, data)
+        async with self._engine.begin() as conn:
+            row = await self._cas(conn, run_id, expect, values)
+            for type_, data in events:
+                await self._append(conn, run_id, type_, data)
+        return row
+
+    async def _cas(
+        self, conn: AsyncConnection, run_id: str, expect: Collection[str], values: dict[str, Any]
+    ) -> RunRow:
+        row = (
+            await conn.execute(
+                sa.update(runs)
+                .where(runs.c.id == run_id, runs.c.status.in_(sorted(expect)))
+                .values(**values)
+                .returning(*runs.c)
+            )
+        ).first()
+        if row is None:
+            current = await self._run(conn, run_id)
+            raise errors.Conflict(f"run {run_id} is {current.status}, not one of {sorted(expect)}")
+        return RunRow.model_validate(row._mapping)
+
+    async def close_run(
+        self,
+        run_id: str,
+        *,
+        reason: TerminationReason,
+        detail: str | None,
+        usage: dict[str, Any],
+        output: str | None,
+        keep_output: bool = True,
+    ) -> tuple[RunRow, Settlement]:
+        """End an open run and settle it: one transaction, or nothing at all.
+
+        Marks the run terminal (only if it is still open), settles its reservation from what
+        was charged, and appends ``run.<status>``, ``run.output`` (if any) and ``run.settled``.
+        A run that is already terminal is left as it is, except that one a crash left
+        unsettled (by an older version, which closed in several steps) is settled now.
+        """
+        reason = TerminationReason(reason)
+        status = STATUS_FOR_REASON[reason]
+        values = self._run_values(
+            {
+                "status": status,
+                "ended_at": utcnow(),
+                "termination_reason": reason,
+                "termination_detail": detail,
+                "usage": usage,
+                "output": output if keep_output else None,
+            }
+        )
+        tokens = int(usage.get("input_tokens", 0)) + int(usage.get("output_tokens", 0))
+        async with self._engine.begin() as conn:
+            try:
+                await self._cas(conn, run_id, OPEN_STATUSES, values)
+            except errors.Conflict:
+                current = await self._run(conn, run_id)
+                if current.settled:
+                    return current, await ledger.settle(conn, run_id)
+                output = None  # closed earlier: only the settlement is missing
+            else:
+                await self._append(
+                    conn,
+                    run_id,
+                    f"run.{status}",
+                    {
+                        "model_calls": int(usage.get("model_calls", 0)),
+                        "tokens": tokens,
+                        "reason": str(reason),
+                    },
+                )
+            settlement = await ledger.settle(conn, run_id)
+            if output is not None:
+                await self._append(conn, run_id, "run.output", {"markdown": output})
+            await self._append(
+                conn,
+                run_id,
+                "run.settled",
+                {
+                    "charged_micros": settlement.charged_micros,
+                    "refunded_micros": settlement.refunded_micros,
+                    "breakdown": settlement.breakdown,
+                },
+            )
+            return await self._run(conn, run_id), settlement
+
     async def open_runs(self) -> list[RunRow]:
         """Runs not yet in a terminal status (what crash recovery has to finish)."""
         return await self._runs_where(runs.c.status.not_in(sorted(TERMINAL_STATUSES)))
@@ -473,31 +581,40 @@ class Store:
         Under zero data retention, or once the run's content was erased, the stored data is
         redacted to sizes (DESIGN §4); delivering content live is the caller's job.
         """
+        self._check_event(type, data)
+        async with self._engine.begin() as conn:
+            return await self._append(conn, run_id, type, data)
+
+    @staticmethod
+    def _check_event(type: str, data: dict[str, Any]) -> None:
         if not isinstance(type, str) or not EVENT_TYPE_RE.match(type) or len(type) > 64:
             raise errors.InvalidRequest.field("type", f"{type!r} is not an event type")
         if not isinstance(data, dict):
             raise errors.InvalidRequest.field("data", "must be an object")
         _json_size("data", data, MAX_EVENT_BYTES)
-        async with self._engine.begin() as conn:
-            # Bumping the counter row-locks the run, so concurrent appends queue here.
-            bumped = (
-                await conn.execute(
-                    sa.update(runs)
-                    .where(runs.c.id == run_id)
-                    .values(last_seq=runs.c.last_seq + 1)
-                    .returning(runs.c.last_seq, runs.c.policy, runs.c.erased_at)
-                )
-            ).first()
-            if bumped is None:
-                raise errors.NotFound(f"run {run_id} not found")
-            if _zdr(bumped.policy) or bumped.erased_at is not None:
-                data = redact_for_zdr(data)
-            at = rfc3339(utcnow())
+
+    async def _append(
+        self, conn: AsyncConnection, run_id: str, type: str, data: dict[str, Any]
+    ) -> Event:
+        # Bumping the counter row-locks the run, so concurrent appends queue here.
+        bumped = (
             await conn.execute(
-                sa.insert(run_events).values(
-                    run_id=run_id, seq=bumped.last_seq, type=type, at=at, data=data
-                )
+                sa.update(runs)
+                .where(runs.c.id == run_id)
+                .values(last_seq=runs.c.last_seq + 1)
+                .returning(runs.c.last_seq, runs.c.policy, runs.c.erased_at)
             )
+        ).first()
+        if bumped is None:
+            raise errors.NotFound(f"run {run_id} not found")
+        if _zdr(bumped.policy) or bumped.erased_at is not None:
+            data = redact_for_zdr(data)
+        at = rfc3339(utcnow())
+        await conn.execute(
+            sa.insert(run_events).values(
+                run_id=run_id, seq=bumped.last_seq, type=type, at=at, data=data
+            )
+        )
         return Event(seq=bumped.last_seq, run_id=run_id, type=type, at=at, data=data)
 
     async def list_events(
@@ -520,13 +637,33 @@ class Store:
 
     # -- money --------------------------------------------------------------------------------
 
-    async def charge(self, run_id: str, kind: str, micros: int, key: str) -> int:
+    async def charge(
+        self,
+        run_id: str,
+        kind: str,
+        micros: int,
+        key: str,
+        *,
+        event: tuple[str, dict[str, Any]] | None = None,
+    ) -> int:
         """Charge inside the run's reservation; idempotent on ``key``; returns the run's total.
 
         Raises BudgetExhausted if the total would pass the reservation (nothing is charged).
+        ``event`` is appended in the same transaction (a compute charge and
+        ``sandbox.destroyed`` are one fact: recovery must never see one without the other).
         """
+        if event is not None:
+            self._check_event(*event)
         async with self._engine.begin() as conn:
-            return await ledger.charge(conn, run_id=run_id, kind=kind, micros=micros, key=key)
+            replay = event is not None and await conn.scalar(
+                sa.select(sa.func.count())
+                .select_from(ledger_rows)
+                .where(ledger_rows.c.idempotency_key == key)
+            )
+            total = await ledger.charge(conn, run_id=run_id, kind=kind, micros=micros, key=key)
+            if event is not None and not replay:
+                await self._append(conn, run_id, *event)
+            return total
 
     async def charged(self, run_id: str) -> dict[str, int]:
         async with self._reader.connect() as conn:

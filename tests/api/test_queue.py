@@ -16,7 +16,8 @@ import pytest
 from fastapi import FastAPI
 
 from ephemeral.api import create_app
-from ephemeral.policy import TERMINAL_STATUSES, RunRequest
+from ephemeral.lifecycle import TERMINAL_STATUSES
+from ephemeral.policy import RunRequest
 from ephemeral.sandbox import handles
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings

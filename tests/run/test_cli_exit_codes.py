@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from ephemeral.cli import app
 from ephemeral.cli.exits import FOR_STATUS, Exit
-from ephemeral.policy import TERMINAL_STATUSES
+from ephemeral.lifecycle import TERMINAL_STATUSES
 
 from .conftest import turn
 

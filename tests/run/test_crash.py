@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,10 +14,12 @@ from collections.abc import Callable
 
 import pytest
 
+from ephemeral.ids import new_run_id
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from ephemeral.store import Store
 from tests.run.conftest import turn
+from tests.store.storehelp import force_status, policy
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -127,3 +130,108 @@ async def _org_reserved(settings: Settings) -> int:
         return (await store.get_org("local")).reserved_micros
     finally:
         await store.close()
+
+
+# Where a run's process dies, and the status the run is left in before recovery.
+BOUNDARIES = {
+    "admitted": "queued",
+    "provisioning": "provisioning",
+    "sandbox.ready": "running",
+    "model_step": "running",
+    "tool_step": "running",
+    "teardown": "running",
+    "closed": "succeeded",
+}
+
+
+async def test_kill_9_at_every_step_boundary_is_recovered(
+    run_settings: Settings, make_cassette: Callable[..., str]
+) -> None:
+    """One run per boundary, each in a process that SIGKILLs itself there (crash_child.py)."""
+    model = make_cassette("boundaries", [turn("echo hi"), turn(final="done")])
+    children = {
+        boundary: subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.run.crash_child",
+                boundary,
+                str(run_settings.state_dir),
+                str(run_settings.cassettes_dir),
+                model,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for boundary in BOUNDARIES
+    }
+    for boundary, child in children.items():
+        out, _ = child.communicate(timeout=90)
+        assert child.returncode == -signal.SIGKILL, f"{boundary}: {out.decode()[-2000:]}"
+
+    store = await Store.open(run_settings.db_url)
+    try:
+        page, _ = await store.list_runs((await store.get_org("local")).id)
+        rows = {r.id: r for r in page}
+        by_status = sorted(r.status for r in rows.values())
+    finally:
+        await store.close()
+    assert by_status == sorted(BOUNDARIES.values())
+    # Killed with their sandboxes up: the handles are left for the reaper (the sandbox itself may
+    # already have gone with its parent's pipes; the existing test above covers a live one).
+    sandbox_pids = _sandbox_pids(run_settings)
+    assert len(list(run_settings.sandboxes_dir.glob("*.json"))) == 3, sandbox_pids
+
+    runtime = await Runtime.start(run_settings, watchdog=False)  # recovery runs at start-up
+    try:
+        for run_id in rows:
+            # The whole point: nothing is left for Runtime.wait to poll on forever.
+            row = await runtime.wait(run_id, timeout=5)
+            events = [e.type for e in await runtime.store.list_events(run_id)]
+            assert row.settled and row.status in ("failed", "succeeded"), (row.status, events)
+            assert row.charged_micros + row.refunded_micros == row.reserved_micros
+            assert events[-1] == "run.settled" and events.count("run.settled") == 1, events
+            assert events.count(f"run.{row.status}") == 1, events
+            assert events.count("sandbox.destroyed") == events.count("sandbox.ready"), events
+            charged = await runtime.store.charged(run_id)
+            assert sum(charged.values()) == row.charged_micros
+        org = await runtime.store.get_org("local")
+    finally:
+        await runtime.close()
+    assert org.reserved_micros == 0, "a reservation is still held"
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in sandbox_pids) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert not any(_alive(p) for p in sandbox_pids), "sandbox processes survived the reaper"
+    assert not list(run_settings.sandboxes_dir.glob("*.json"))
+
+
+async def test_recovery_settles_a_run_left_terminal_but_unsettled(run_settings: Settings) -> None:
+    """An older version ended a run in several transactions; a crash could stop between them."""
+    store = await Store.open(run_settings.db_url)
+    try:
+        org = await store.ensure_org("local", initial_credit_micros=1_000_000)
+        row, _ = await store.admit_run(
+            org_id=org.id,
+            run_id=new_run_id(),
+            model="replay/x",
+            prompt="p",
+            policy=policy(10_000),
+            owner=f"{socket.gethostname()}:1:0",  # pid 1 never started at tick 0: a dead owner
+        )
+        await store.charge(row.id, "model", 700, key=f"{row.id}:model:0")
+        await force_status(store, row.id, "failed", "infra_error")
+    finally:
+        await store.close()
+
+    runtime = await Runtime.start(run_settings, watchdog=False)
+    try:
+        done = await runtime.wait(row.id, timeout=5)
+        events = [e.type for e in await runtime.store.list_events(row.id)]
+        org = await runtime.store.get_org("local")
+    finally:
+        await runtime.close()
+    assert (done.status, done.termination_reason) == ("failed", "infra_error")
+    assert (done.charged_micros, done.refunded_micros) == (700, 9_300)
+    assert events == ["run.queued", "run.settled"]
+    assert (org.reserved_micros, org.balance_micros) == (0, 1_000_000 - 700)

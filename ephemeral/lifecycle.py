@@ -1,0 +1,73 @@
+"""A run's statuses, its termination reasons and the rules between them, in one place.
+
+A run moves ``queued → provisioning → running → <terminal>`` and is then settled; every move is
+one store transaction that writes the run row and its events together, guarded by the status
+the run is expected to be in (:meth:`ephemeral.store.Store.transition`,
+:meth:`ephemeral.store.Store.close_run`). The values are the strings of the wire and the
+database: a ``StrEnum`` member *is* its string.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+
+
+class RunStatus(StrEnum):
+    QUEUED = "queued"
+    PROVISIONING = "provisioning"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+    BUDGET_EXHAUSTED = "budget_exhausted"
+
+
+class TerminationReason(StrEnum):
+    COMPLETED = "completed"
+    TIMEOUT = "timeout"
+    BUDGET_EXHAUSTED = "budget_exhausted"
+    CANCELLED = "cancelled"
+    POLICY_VIOLATION = "policy_violation"
+    MODEL_ERROR = "model_error"
+    SANDBOX_ERROR = "sandbox_error"
+    INFRA_ERROR = "infra_error"
+
+
+OPEN_STATUSES: frozenset[RunStatus] = frozenset(
+    {RunStatus.QUEUED, RunStatus.PROVISIONING, RunStatus.RUNNING}
+)
+TERMINAL_STATUSES: frozenset[RunStatus] = frozenset(RunStatus) - OPEN_STATUSES
+
+STATUS_FOR_REASON: dict[TerminationReason, RunStatus] = {
+    TerminationReason.COMPLETED: RunStatus.SUCCEEDED,
+    TerminationReason.TIMEOUT: RunStatus.TIMED_OUT,
+    TerminationReason.BUDGET_EXHAUSTED: RunStatus.BUDGET_EXHAUSTED,
+    TerminationReason.CANCELLED: RunStatus.CANCELLED,
+    TerminationReason.POLICY_VIOLATION: RunStatus.FAILED,
+    TerminationReason.MODEL_ERROR: RunStatus.FAILED,
+    TerminationReason.SANDBOX_ERROR: RunStatus.FAILED,
+    TerminationReason.INFRA_ERROR: RunStatus.FAILED,
+}
+
+
+def compute_charge(
+    *, micros_per_second: float, seconds: float, reserved_micros: int, other_spent_micros: int
+) -> int:
+    """What a sandbox's lifetime costs, never past what the reservation has left.
+
+    The agent's teardown (from its own clock) and the runtime abandoning a run (from the
+    events' timestamps) both charge through this, under the one ledger key ``<run>:compute``.
+    """
+    accrued = math.ceil(max(0.0, seconds) * micros_per_second)
+    return max(0, min(accrued, reserved_micros - other_spent_micros))
+
+
+class StopRun(Exception):
+    """Ends a run's loop with a termination reason; raised by steps, caught by the driver."""
+
+    def __init__(self, reason: TerminationReason, detail: str | None = None) -> None:
+        self.reason = TerminationReason(reason)
+        super().__init__(detail or self.reason)
+        self.detail = detail

@@ -1,0 +1,133 @@
+"""Status transitions: each is one transaction, guarded by the status the run must be in."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import sqlalchemy as sa
+
+from ephemeral import errors
+from ephemeral.ids import new_run_id, utcnow
+from ephemeral.lifecycle import RunStatus, TerminationReason
+from ephemeral.store import Org, RunRow, Store
+from ephemeral.store.schema import runs
+from tests.store.storehelp import force_status, policy
+
+USAGE = {"model_calls": 1, "input_tokens": 10, "output_tokens": 2}
+
+
+async def _run(store: Store, org: Org) -> RunRow:
+    run, _ = await store.admit_run(
+        org_id=org.id, run_id=new_run_id(), model="replay/x", prompt="p", policy=policy(10_000)
+    )
+    return run
+
+
+async def _types(store: Store, run_id: str) -> list[str]:
+    return [e.type for e in await store.list_events(run_id)]
+
+
+async def test_transition_writes_row_and_events_only_from_the_expected_status(
+    store: Store, org: Org
+) -> None:
+    run = await _run(store, org)
+    started = await store.transition(
+        run.id, expect={RunStatus.QUEUED}, to=RunStatus.PROVISIONING, started_at=utcnow()
+    )
+    assert started.status == "provisioning" and started.started_at is not None
+    with pytest.raises(errors.Conflict, match="provisioning"):
+        await store.transition(
+            run.id,
+            expect={RunStatus.QUEUED},
+            to=RunStatus.RUNNING,
+            events=[("sandbox.ready", {"boot_ms": 1})],
+        )
+    assert await _types(store, run.id) == ["run.queued"]  # the refused move wrote nothing
+    ready = await store.transition(
+        run.id,
+        expect={RunStatus.PROVISIONING},
+        to=RunStatus.RUNNING,
+        events=[("sandbox.ready", {"boot_ms": 1})],
+        sandbox_id="sbx",
+    )
+    assert (ready.status, ready.sandbox_id) == ("running", "sbx")
+    assert await _types(store, run.id) == ["run.queued", "sandbox.ready"]
+    with pytest.raises(errors.InvalidRequest):  # ending a run is close_run's job
+        await store.transition(run.id, expect={RunStatus.RUNNING}, to=RunStatus.SUCCEEDED)
+
+
+async def test_close_run_ends_settles_and_publishes_at_once(store: Store, org: Org) -> None:
+    run = await _run(store, org)
+    await store.charge(run.id, "model", 1_234, key=f"{run.id}:model:0")
+    row, settlement = await store.close_run(
+        run.id, reason=TerminationReason.COMPLETED, detail=None, usage=USAGE, output="# done"
+    )
+    assert (row.status, row.termination_reason, row.output) == ("succeeded", "completed", "# done")
+    assert row.settled and row.ended_at is not None
+    assert (settlement.charged_micros, settlement.refunded_micros) == (1_234, 10_000 - 1_234)
+    events = await store.list_events(run.id)
+    assert [e.type for e in events] == ["run.queued", "run.succeeded", "run.output", "run.settled"]
+    assert events[1].data == {"model_calls": 1, "tokens": 12, "reason": "completed"}
+    assert events[-1].data["charged_micros"] == 1_234
+    assert (await store.get_org(org.id)).reserved_micros == 0
+
+    # A second close (the runtime abandoning a run its agent just ended) changes nothing.
+    again, same = await store.close_run(
+        run.id, reason=TerminationReason.CANCELLED, detail="late", usage={}, output=None
+    )
+    assert (again.status, same) == ("succeeded", settlement)
+    assert len(await store.list_events(run.id)) == 4
+
+
+async def test_concurrent_closes_end_the_run_once(store: Store, org: Org) -> None:
+    run = await _run(store, org)
+    reasons = [TerminationReason.COMPLETED, TerminationReason.CANCELLED] * 3
+    rows = await asyncio.gather(
+        *(store.close_run(run.id, reason=r, detail=None, usage=USAGE, output=None) for r in reasons)
+    )
+    assert len({row.status for row, _ in rows}) == 1
+    types = await _types(store, run.id)
+    assert types.count("run.settled") == 1 and len(types) == 3
+    assert (await store.get_org(org.id)).reserved_micros == 0
+
+
+async def test_a_failing_close_leaves_the_run_open_and_unsettled(store: Store, org: Org) -> None:
+    run = await _run(store, org)
+    await store.charge(run.id, "model", 100, key=f"{run.id}:model:0")
+    async with store.engine.begin() as conn:  # the run's total no longer matches its ledger
+        await conn.execute(sa.update(runs).where(runs.c.id == run.id).values(charged_micros=99))
+    with pytest.raises(errors.EphemeralError, match="ledger"):
+        await store.close_run(
+            run.id, reason=TerminationReason.COMPLETED, detail=None, usage=USAGE, output="x"
+        )
+    row = await store.get_run(run.id)
+    assert (row.status, row.settled, row.ended_at) == ("queued", False, None)
+    assert await _types(store, run.id) == ["run.queued"]
+    assert (await store.get_org(org.id)).reserved_micros == 10_000
+
+
+async def test_close_run_settles_a_run_an_older_version_left_terminal(
+    store: Store, org: Org
+) -> None:
+    run = await _run(store, org)
+    await force_status(store, run.id, "failed", "infra_error")
+    assert [r.id for r in await store.unsettled_runs()] == [run.id]
+    row, settlement = await store.close_run(
+        run.id, reason=TerminationReason.INFRA_ERROR, detail="unsettled", usage={}, output="x"
+    )
+    assert (row.status, row.settled, settlement.refunded_micros) == ("failed", True, 10_000)
+    assert await _types(store, run.id) == ["run.queued", "run.settled"]
+    assert await store.unsettled_runs() == []
+
+
+async def test_compute_charge_and_its_event_are_one_fact(store: Store, org: Org) -> None:
+    run = await _run(store, org)
+    key = f"{run.id}:compute"
+    destroyed = ("sandbox.destroyed", {"lifetime_ms": 5})
+    assert await store.charge(run.id, "compute", 50, key=key, event=destroyed) == 50
+    assert await store.charge(run.id, "compute", 50, key=key, event=destroyed) == 50  # a retry
+    assert await _types(store, run.id) == ["run.queued", "sandbox.destroyed"]
+    with pytest.raises(errors.BudgetExhausted):
+        await store.charge(run.id, "compute", 10_000, key=f"{key}:2", event=destroyed)
+    assert await _types(store, run.id) == ["run.queued", "sandbox.destroyed"]
