@@ -57,12 +57,12 @@ async def test_credentials_are_injected_upstream_and_redacted_from_the_answer(
     assert agent.sandbox is None  # nothing was sent into a sandbox for this
 
 
-async def test_post_sends_the_body_as_json(
-    runtime: Runtime, upstream: Upstream, github: str
-) -> None:
-    agent = await build_run(runtime, connections=[GITHUB])
-    out = await call(
-        agent,
+async def test_post_sends_the_body_as_json(broker: Broker, upstream: Upstream) -> None:
+    ctx = FakeContext(Policy(connections=[Connection(**GITHUB)]))
+    ctx.connect(broker.sealer, "github", f"{upstream.base}/api", {"Authorization": CANARY})
+    out = await ask(
+        broker,
+        ctx,
         "connection_call",
         name="github",
         method="post",

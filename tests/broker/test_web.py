@@ -210,14 +210,14 @@ async def test_the_system_prompt_names_the_hosted_tools(runtime: Runtime) -> Non
 
 
 async def test_no_broker_url_reaches_the_logs(
-    runtime: Runtime, upstream: Upstream, caplog: pytest.LogCaptureFixture
+    broker: Broker, upstream: Upstream, caplog: pytest.LogCaptureFixture
 ) -> None:
     import logging
 
-    agent = await build_run(runtime, web=True)
+    ctx = FakeContext(Policy(web=True))
     with caplog.at_level(logging.DEBUG):
-        assert "status: 200" in await call(
-            agent, "web_fetch", url=f"{upstream.base}/text?k=LOGSECRET"
+        assert "status: 200" in await ask(
+            broker, ctx, "web_fetch", url=f"{upstream.base}/text?k=LOGSECRET"
         )
     assert "LOGSECRET" not in caplog.text
     assert not [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))]
