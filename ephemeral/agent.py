@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ephemeral.providers.base import Provider
     from ephemeral.sandbox.base import Limits, Sandbox
     from ephemeral.store import RunRow, Store
+    from ephemeral.store.connections import StoredConnection
 
 __all__ = ["PLAIN_STEPS", "AgentRun", "Steps", "StopRun", "drive"]  # StopRun: ephemeral.lifecycle
 log = logging.getLogger("ephemeral.run")
@@ -117,6 +118,23 @@ class AgentRun:
         if compute is not None:
             limit = min(limit, compute)
         return limit - time.monotonic()
+
+    # the broker's context (ephemeral.broker.context.BrokerContext) --------------------------
+    async def charge_web(self, seq: int) -> int:
+        price = self.price_book.web_request_micros()
+        if not self.budget.fits(price):
+            raise StopRun(Reason.BUDGET_EXHAUSTED, "the next web request does not fit the budget")
+        try:
+            await self.store.charge(self.run_id, "web", price, key=f"{self.run_id}:web:{seq}")
+        except errors.BudgetExhausted as exc:
+            raise StopRun(
+                Reason.BUDGET_EXHAUSTED, "the next web request does not fit the budget"
+            ) from exc
+        self.budget.charged["web_micros"] += price
+        return price
+
+    async def get_connection(self, name: str) -> StoredConnection:
+        return await self.store.get_connection(self.row.org_id, name)
 
     def _check_time(self) -> float:
         if self.cancelled.is_set():
@@ -290,7 +308,7 @@ class AgentRun:
         if call.name == "shell" and self.policy.shell:
             result = await self._shell(call)
         elif self.broker is not None and self.broker.handles(call.name):
-            result = await self.broker.handle(call, run=self)
+            result = await self.broker.handle(call, ctx=self)
             await self._maybe_warn()
         else:
             result = f"error: tool `{call.name}` is not available in this run (not granted)"

@@ -1,27 +1,22 @@
 """The host-side broker of one run: serves ``web_fetch`` and ``connection_call`` to the model.
 
 The sandbox has no network at all; whatever the agent may reach outside, it reaches through
-these tools, made by the host under the run's policy and budget. Credentials live here and in
+these tools, made by the host under the run's policy and budget. The broker sees the run only
+through a :class:`~ephemeral.broker.context.BrokerContext` (policy, events, charge, time left,
+connection lookup), never the whole run. Credentials live here and in
 the store (sealed); they never enter the sandbox, an event, a log or a tool result.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from ephemeral import errors
 from ephemeral.broker import connections, web
+from ephemeral.broker.context import BrokerContext
 from ephemeral.broker.secrets import Sealer
 from ephemeral.broker.ssrf import public_url
 from ephemeral.broker.tools import CONNECTION_CALL, NAMES, WEB_FETCH, tools_for
-from ephemeral.lifecycle import StopRun
-from ephemeral.lifecycle import TerminationReason as Reason
 from ephemeral.policy import Policy
 from ephemeral.providers.base import ToolCall, ToolSpec
 from ephemeral.settings import Settings
-
-if TYPE_CHECKING:
-    from ephemeral.agent import AgentRun
 
 
 class Broker:
@@ -38,14 +33,14 @@ class Broker:
     def handles(self, name: str) -> bool:
         return name in NAMES
 
-    async def handle(self, call: ToolCall, *, run: AgentRun) -> str:
+    async def handle(self, call: ToolCall, *, ctx: BrokerContext) -> str:
         """Answer one tool call; a refusal is a tool error (and a ``*.denied`` event)."""
         if call.arguments_invalid:
             return f"error: the arguments of `{call.name}` are not a JSON object"
         if call.name == WEB_FETCH:
-            if not run.policy.web:
+            if not ctx.policy.web:
                 raw = call.arguments.get("url")
-                await run.emit(
+                await ctx.emit(
                     "web.denied",
                     {
                         "method": str(call.arguments.get("method", "GET"))[:16],
@@ -56,30 +51,18 @@ class Broker:
                 )
                 return "error: tool `web_fetch` is not available in this run (web is off)"
             return await web.fetch(
-                run,
+                ctx,
                 call.arguments,
-                charge=lambda: self._charge_web(run),
+                charge=lambda: self._charge_web(ctx),
                 allow_private=self.allow_private,
             )
         if call.name == CONNECTION_CALL:
             return await connections.call(
-                run, call.arguments, sealer=self.sealer, allow_private=self.allow_private
+                ctx, call.arguments, sealer=self.sealer, allow_private=self.allow_private
             )
         return f"error: tool `{call.name}` is not available in this run (not granted)"
 
-    async def _charge_web(self, run: AgentRun) -> int:
+    async def _charge_web(self, ctx: BrokerContext) -> int:
         """Charge one request inside the run's budget *before* it is sent."""
-        price = run.price_book.web_request_micros()
-        if not run.budget.fits(price):
-            raise StopRun(Reason.BUDGET_EXHAUSTED, "the next web request does not fit the budget")
         self._web_requests += 1
-        try:
-            await run.store.charge(
-                run.run_id, "web", price, key=f"{run.run_id}:web:{self._web_requests}"
-            )
-        except errors.BudgetExhausted as exc:
-            raise StopRun(
-                Reason.BUDGET_EXHAUSTED, "the next web request does not fit the budget"
-            ) from exc
-        run.budget.charged["web_micros"] += price
-        return price
+        return await ctx.charge_web(self._web_requests)

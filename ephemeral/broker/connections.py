@@ -26,7 +26,7 @@ from ephemeral.broker.ssrf import Refused, resolve
 from ephemeral.policy import Connection
 
 if TYPE_CHECKING:
-    from ephemeral.agent import AgentRun
+    from ephemeral.broker.context import BrokerContext
 
 REQUEST_SECONDS = 30.0
 MODEL_TEXT_CHARS = 16_000
@@ -146,13 +146,15 @@ def _secret_parts(headers: dict[str, str]) -> list[str]:
     return [p for p in parts if p]
 
 
-async def call(run: AgentRun, args: dict[str, Any], *, sealer: Sealer, allow_private: bool) -> str:
+async def call(
+    ctx: BrokerContext, args: dict[str, Any], *, sealer: Sealer, allow_private: bool
+) -> str:
     name, method, path = args.get("name"), args.get("method"), args.get("path")
     body = args.get("body")
     shown_path = path.split("?", 1)[0][:MAX_PATH_CHARS] if isinstance(path, str) else ""
 
     async def deny(reason: str) -> str:
-        await run.emit(
+        await ctx.emit(
             "connection.denied",
             {
                 "name": str(name)[:63],
@@ -166,7 +168,7 @@ async def call(run: AgentRun, args: dict[str, Any], *, sealer: Sealer, allow_pri
     unknown = sorted(set(args) - {"name", "method", "path", "body"})
     if unknown:
         return await deny(f"unknown argument(s): {', '.join(unknown)}")
-    allowed = next((c for c in run.policy.connections if c.name == name), None)
+    allowed = next((c for c in ctx.policy.connections if c.name == name), None)
     if allowed is None:
         return await deny(f"connection {name!r} is not granted to this run")
     if not isinstance(method, str) or method.upper() not in allowed.methods:
@@ -184,7 +186,7 @@ async def call(run: AgentRun, args: dict[str, Any], *, sealer: Sealer, allow_pri
     except Denied as exc:
         return await deny(exc.reason)
     try:
-        stored = await run.store.get_connection(run.row.org_id, allowed.name)
+        stored = await ctx.get_connection(allowed.name)
     except errors.NotFound:
         return await deny(f"connection {allowed.name!r} no longer exists for this org")
     try:
@@ -192,7 +194,7 @@ async def call(run: AgentRun, args: dict[str, Any], *, sealer: Sealer, allow_pri
     except Denied as exc:
         return await deny(exc.reason)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + max(0.1, min(REQUEST_SECONDS, run.time_left()))
+    deadline = loop.time() + max(0.1, min(REQUEST_SECONDS, ctx.time_left()))
     try:
         async with asyncio.timeout_at(deadline):
             target = await resolve(url, allow_private=allow_private)
@@ -216,7 +218,7 @@ async def call(run: AgentRun, args: dict[str, Any], *, sealer: Sealer, allow_pri
     except httpx.HTTPError as exc:
         return f"error: the connection call failed: {type(exc).__name__}"
     finally:
-        await run.emit(
+        await ctx.emit(
             "connection.requested",
             {"name": allowed.name, "method": method, "path": shown_path, "status": status},
         )

@@ -17,7 +17,7 @@ from ephemeral.broker import outbound
 from ephemeral.broker.ssrf import Refused, parse_url, public_url, resolve
 
 if TYPE_CHECKING:
-    from ephemeral.agent import AgentRun
+    from ephemeral.broker.context import BrokerContext
 
 METHODS = ("GET", "HEAD")
 MAX_REDIRECTS = 5
@@ -32,12 +32,14 @@ def _shown(raw: object) -> str:
     return public_url(raw) if isinstance(raw, str) else "(not a string)"
 
 
-async def fetch(run: AgentRun, args: dict[str, Any], *, charge: Charge, allow_private: bool) -> str:
+async def fetch(
+    ctx: BrokerContext, args: dict[str, Any], *, charge: Charge, allow_private: bool
+) -> str:
     method = args.get("method", "GET")
     raw = args.get("url")
 
     async def deny(url: str, reason: str) -> str:
-        await run.emit(
+        await ctx.emit(
             "web.denied",
             {"method": str(method)[:16], "url": url, "reason": reason, "cost_micros": 0},
         )
@@ -54,7 +56,7 @@ async def fetch(run: AgentRun, args: dict[str, Any], *, charge: Charge, allow_pr
         return await deny(_shown(raw), exc.reason)
 
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + max(0.1, min(REQUEST_SECONDS, run.time_left()))
+    deadline = loop.time() + max(0.1, min(REQUEST_SECONDS, ctx.time_left()))
     hops = 0
     while True:
         try:
@@ -77,7 +79,7 @@ async def fetch(run: AgentRun, args: dict[str, Any], *, charge: Charge, allow_pr
         except httpx.HTTPError as exc:
             return f"error: the web request failed: {type(exc).__name__}"
         finally:
-            await run.emit(
+            await ctx.emit(
                 "web.requested",
                 {"method": method, "url": public_url(url), "status": status, "cost_micros": cost},
             )

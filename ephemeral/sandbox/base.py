@@ -1,8 +1,13 @@
-"""The sandbox seam: what every driver offers and what callers may rely on."""
+"""The sandbox seam: what every driver offers and what callers may rely on.
+
+Every driver's sandbox implements :class:`Sandbox` by subclassing
+``ephemeral.sandbox.lifecycle.SandboxBase`` (claim, expiry, destroy-once, ``async with``).
+"""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from types import TracebackType
+from typing import Protocol, Self, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -38,6 +43,15 @@ class Sandbox(Protocol):
     boot_ms: int
     workdir: str
 
+    @property
+    def alive(self) -> bool:
+        """False once destroyed (or expired), or when its runtime died."""
+        ...
+
+    async def claim(self, owner: str) -> None:
+        """Hand a warm sandbox to ``owner``: re-own its handle and restart its lifetime."""
+        ...
+
     async def exec(
         self,
         command: str | list[str],
@@ -59,6 +73,17 @@ class Sandbox(Protocol):
     async def destroy(self) -> None:
         """Idempotent; afterwards no process, mount, cgroup or file of the sandbox remains."""
         ...
+
+    async def __aenter__(self) -> Self:
+        """``async with await driver.create(...) as sbx:`` destroys the sandbox on exit."""
+        ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
 
 
 class SandboxDriver(Protocol):

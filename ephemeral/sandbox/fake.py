@@ -5,7 +5,8 @@ file table (``whoami``, ``pwd``, ``echo``, ``cat``, ``ls``, ``true``/``false``/`
 ``sleep``, ``curl`` that cannot resolve anything, ``>``/``>>`` redirection, ``;``/``&&``/``||``).
 Tests program anything else with ``FakeDriver(responses={command: ExecResult | callable})``.
 Unknown commands answer 127 like ``sh``. ``auto`` never picks it; the registry returns it only
-when asked for ``fake`` by name, and every sandbox it makes says ``isolation == "fake"``.
+when asked for ``fake`` by name, and every sandbox it makes says ``isolation == "fake"``. Its
+lifecycle (claim, lifetime, destroy-once, ``async with``) is the real ``SandboxBase``.
 """
 
 from __future__ import annotations
@@ -18,30 +19,34 @@ from collections.abc import Callable
 
 from ephemeral import errors
 from ephemeral.sandbox.base import ExecResult, Limits, Sandbox
+from ephemeral.sandbox.lifecycle import SandboxBase
 
 Responder = ExecResult | Callable[[str, bytes], ExecResult]
 _counter = itertools.count(1)
 
 
-class FakeSandbox:
-    isolation = "fake"
-
+class FakeSandbox(SandboxBase):
     def __init__(self, owner: str, limits: Limits, responses: dict[str, Responder]) -> None:
         n = next(_counter)
-        self.id = f"sbx_fake{n:020d}"
-        self.image = "fake"
-        self.runtime = "fake"
-        self.boot_ms = 0
+        super().__init__(
+            sandbox_id=f"sbx_fake{n:020d}",
+            isolation="fake",
+            image="fake",
+            runtime="fake",
+            owner=owner,
+            limits=limits,
+        )
         self.workdir = f"/tmp/ephemeral-run-fake{n:04d}/scratch"
-        self.owner = owner
-        self.limits = limits
         self.files: dict[str, bytes] = {}
         self.commands: list[str | list[str]] = []
-        self.destroyed = False
         self._responses = responses
 
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
+
     def _check(self) -> None:
-        if self.destroyed:
+        if self._destroyed:
             raise errors.SandboxError(f"sandbox {self.id} is destroyed")
 
     def _abs(self, path: str, cwd: str | None = None) -> str:
@@ -90,8 +95,7 @@ class FakeSandbox:
             raise errors.PayloadTooLarge(f"{path} is {len(data)} bytes, over {max_bytes}")
         return data
 
-    async def destroy(self) -> None:
-        self.destroyed = True
+    async def _teardown(self) -> None:
         self.files.clear()
 
 
@@ -248,5 +252,6 @@ class FakeDriver:
 
     async def create(self, *, owner: str, limits: Limits) -> Sandbox:
         sbx = FakeSandbox(owner, limits, self.responses)
+        sbx._start_lifetime()
         self.sandboxes.append(sbx)
         return sbx

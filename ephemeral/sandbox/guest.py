@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from ephemeral import errors
 from ephemeral.sandbox import protocol as p
 from ephemeral.sandbox.base import ExecResult
+from ephemeral.sandbox.lifecycle import SandboxBase
 
 # Time the agent may take beyond a command's own deadline to kill it and reply.
 EXEC_GRACE_SECONDS = 5.0
@@ -243,20 +244,15 @@ def _nonce() -> str:
     return secrets.token_hex(16)
 
 
-class GuestBacked:
-    """The Sandbox methods that forward to a guest agent; drivers only start and destroy.
+class GuestBacked(SandboxBase):
+    """The Sandbox methods that forward to a guest agent; drivers only start and tear down.
 
-    A subclass sets ``id``, ``_client`` (once the agent said hello) and ``_destroyed``. A call
-    that leaves the client broken (the guest lied, went silent or closed the channel) destroys
-    the sandbox before the error reaches the caller.
+    A subclass sets ``_client`` once the agent said hello. A call that leaves the client broken
+    (the guest lied, went silent or closed the channel) destroys the sandbox before the error
+    reaches the caller.
     """
 
-    id: str
-    _client: GuestClient | None
-    _destroyed: bool
-
-    async def destroy(self) -> None:
-        raise NotImplementedError
+    _client: GuestClient | None = None
 
     def _guest(self) -> GuestClient:
         if self._destroyed or self._client is None:

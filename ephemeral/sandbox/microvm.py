@@ -121,21 +121,20 @@ class MicroVMSandbox(GuestBacked):
         qemu: QemuProcess,
         limits: Limits,
     ) -> None:
-        self.id = sandbox_id
-        self.isolation = isolation
-        self.image = image
-        self.runtime = qemu_version()  # cached after the first call
-        self.boot_ms = 0
-        self.workdir = ""
-        self.limits = limits
-        self._handle = handle
-        self._handle_file = handle_file
+        super().__init__(
+            sandbox_id=sandbox_id,
+            isolation=isolation,
+            image=image,
+            runtime=qemu_version(),  # cached after the first call
+            owner=handle.owner,
+            limits=limits,
+            handle=handle,
+            handle_file=handle_file,
+        )
+        self._handle: Handle = handle
+        self._handle_file: Path = handle_file
         self._qemu = qemu
-        self._client: GuestClient | None = None
         self._writer: asyncio.StreamWriter | None = None
-        self._lifetime_task: asyncio.Task[None] | None = None
-        self._destroyed = False
-        self._destroy_lock = asyncio.Lock()
 
     @property
     def qemu_pid(self) -> int | None:
@@ -148,17 +147,8 @@ class MicroVMSandbox(GuestBacked):
     def log_tail(self, n: int = CONSOLE_KEEP) -> str:
         return self._qemu.diagnostics(n)
 
-    @property
-    def alive(self) -> bool:
-        return not self._destroyed and self._client is not None and self._qemu.alive()
-
-    async def claim(self, owner: str) -> None:
-        """Hand a warm sandbox to ``owner``: re-own its handle and restart its lifetime."""
-        self._handle.owner = owner
-        await asyncio.to_thread(handles.write, self._handle_file.parent, self._handle)
-        if self._lifetime_task is not None:
-            self._lifetime_task.cancel()
-        self._lifetime_task = asyncio.create_task(self._expire(self.limits.lifetime_seconds))
+    def _running(self) -> bool:
+        return self._client is not None and self._qemu.alive()
 
     async def _restore(self, snap: Snapshot) -> None:
         t0 = time.monotonic()
@@ -199,26 +189,12 @@ class MicroVMSandbox(GuestBacked):
         self._client = client
         self.workdir = snap.meta.hello.workdir
         self.boot_ms = int((time.monotonic() - t0) * 1000)
-        self._lifetime_task = asyncio.create_task(self._expire(self.limits.lifetime_seconds))
+        self._start_lifetime()
 
-    async def _expire(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
-        await self.destroy()
-
-    async def destroy(self) -> None:
-        async with self._destroy_lock:
-            if self._destroyed:
-                return
-            self._destroyed = True
-            if (
-                self._lifetime_task is not None
-                and self._lifetime_task is not asyncio.current_task()
-            ):
-                self._lifetime_task.cancel()
-            if self._writer is not None:
-                self._writer.close()
-            await self._qemu.kill()
-            await asyncio.to_thread(handles.teardown, self._handle, self._handle_file)
+    async def _teardown(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        await self._qemu.kill()
 
 
 # ---------------------------------------------------------------------------- the driver

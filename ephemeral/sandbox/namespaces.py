@@ -82,6 +82,7 @@ MASKED = ("/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug")
 PRIVILEGED_LABEL = "namespaces-privileged"
 log = logging.getLogger(__name__)
 
+
 def _memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(name, 0)
     os.write(fd, data)

@@ -54,11 +54,9 @@ class WarmPool:
             sbx = self._ready.pop(0)
             self._full.clear()
             self._wake.set()
-            if not getattr(sbx, "alive", True):
+            if not sbx.alive:
                 continue
-            claim = getattr(sbx, "claim", None)
-            if claim is not None:
-                await claim(owner)
+            await sbx.claim(owner)
             return sbx
         self._wake.set()
         return await self.driver.create(owner=owner, limits=self.limits)
@@ -66,7 +64,7 @@ class WarmPool:
     async def _fill_loop(self) -> None:
         backoff = 0.5
         while not self._closed:
-            self._ready = [s for s in self._ready if getattr(s, "alive", True)]
+            self._ready = [s for s in self._ready if s.alive]
             if len(self._ready) < self.size:
                 self._full.clear()
             if len(self._ready) < self.size:

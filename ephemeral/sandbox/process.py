@@ -2,7 +2,8 @@
 
 The drivers decide the argv; this module owns the lifecycle every such sandbox shares:
 persist the handle, make the cgroups, spawn the runtime inside them (it joins before exec, so
-nothing escapes), handshake with the agent, enforce the wall-clock lifetime, and destroy.
+nothing escapes), handshake with the agent, and tear down. Claim, the wall-clock lifetime and
+destroy-once are ``lifecycle.SandboxBase``'s.
 """
 
 from __future__ import annotations
@@ -41,25 +42,24 @@ class ProcessSandbox(GuestBacked):
         cleanup: Callable[[], None] | None = None,
         runtime: str | None = None,
     ) -> None:
-        self.id = sandbox_id
-        # the runtime's version line; unset: the binary on PATH for this level, read at start
-        self.runtime = runtime or ""
-        self.isolation = isolation
-        self.image = image
-        self.boot_ms = 0
-        self.workdir = ""
-        self.limits = limits
-        self._handle = handle
-        self._handle_file = handle_file
+        # runtime unset: the binary on PATH for this level, read at start
+        super().__init__(
+            sandbox_id=sandbox_id,
+            isolation=isolation,
+            image=image,
+            runtime=runtime or "",
+            owner=handle.owner,
+            limits=limits,
+            handle=handle,
+            handle_file=handle_file,
+        )
+        self._handle: Handle = handle
+        self._handle_file: Path = handle_file
         self._cgroups = cgroups
         self._cleanup = cleanup
         self._proc: asyncio.subprocess.Process | None = None
-        self._client: GuestClient | None = None
         self._stderr = bytearray()
         self._stderr_task: asyncio.Task[None] | None = None
-        self._lifetime_task: asyncio.Task[None] | None = None
-        self._destroyed = False
-        self._destroy_lock = asyncio.Lock()
         self._created = time.monotonic()
 
     # ---- lifecycle
@@ -104,28 +104,15 @@ class ProcessSandbox(GuestBacked):
             ) from exc
         self.workdir = hello.workdir
         self.boot_ms = int((time.monotonic() - t0) * 1000)
-        self._lifetime_task = asyncio.create_task(self._expire(self.limits.lifetime_seconds))
+        self._start_lifetime()
 
     async def _drain_stderr(self) -> None:
         assert self._proc is not None and self._proc.stderr is not None
         # rate-limited: a guest flooding this pipe blocks on it instead of costing host CPU
         await sidechannel.drain(self._proc.stderr, self._stderr, keep=STDERR_KEEP)
 
-    async def _expire(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
-        await self.destroy()
-
-    @property
-    def alive(self) -> bool:
-        return not self._destroyed and self._proc is not None and self._proc.returncode is None
-
-    async def claim(self, owner: str) -> None:
-        """Hand a warm sandbox to ``owner``: re-own its handle and restart its lifetime."""
-        self._handle.owner = owner
-        await asyncio.to_thread(handles.write, self._handle_file.parent, self._handle)
-        if self._lifetime_task is not None:
-            self._lifetime_task.cancel()
-        self._lifetime_task = asyncio.create_task(self._expire(self.limits.lifetime_seconds))
+    def _running(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
 
     def log_tail(self, n: int = STDERR_KEEP) -> str:
         return self._stderr[-n:].decode("utf-8", errors="replace").strip()
@@ -138,32 +125,22 @@ class ProcessSandbox(GuestBacked):
             found.add(self._proc.pid)
         return found
 
-    # ---- the Sandbox protocol
-
-    async def destroy(self) -> None:
-        async with self._destroy_lock:
-            if self._destroyed:
-                return
-            self._destroyed = True
-            current = asyncio.current_task()
-            if self._lifetime_task is not None and self._lifetime_task is not current:
-                self._lifetime_task.cancel()
-            if self._proc is not None and self._proc.stdin is not None:
-                self._proc.stdin.close()
-            # Everything the handle names, in the order that cannot leave orphans: kill the
-            # process group and the cgroup's members, reap, then remove cgroups and files.
-            await asyncio.to_thread(self._kill)
-            if self._stderr_task is not None:
-                # the runtime's last words, for diagnostics; never wait long for them
-                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                    await asyncio.wait_for(self._stderr_task, 0.5)
-            if self._proc is not None:
-                close_pipes(self._proc)
-                with contextlib.suppress(ProcessLookupError, TimeoutError):
-                    await asyncio.wait_for(self._proc.wait(), 10.0)
-            if self._cleanup is not None:
-                await asyncio.to_thread(self._cleanup)
-            await asyncio.to_thread(handles.teardown, self._handle, self._handle_file)
+    async def _teardown(self) -> None:
+        if self._proc is not None and self._proc.stdin is not None:
+            self._proc.stdin.close()
+        # Everything the handle names, in the order that cannot leave orphans: kill the
+        # process group and the cgroup's members, reap, then remove cgroups and files.
+        await asyncio.to_thread(self._kill)
+        if self._stderr_task is not None:
+            # the runtime's last words, for diagnostics; never wait long for them
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(self._stderr_task, 0.5)
+        if self._proc is not None:
+            close_pipes(self._proc)
+            with contextlib.suppress(ProcessLookupError, TimeoutError):
+                await asyncio.wait_for(self._proc.wait(), 10.0)
+        if self._cleanup is not None:
+            await asyncio.to_thread(self._cleanup)
 
     def _kill(self) -> None:
         if self._handle.pgid:

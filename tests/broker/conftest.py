@@ -15,7 +15,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from ephemeral.agent import AgentRun
-from ephemeral.broker import Sealer
+from ephemeral.broker import Broker, Sealer
 from ephemeral.events import Event
 from ephemeral.policy import RunRequest
 from ephemeral.providers.base import ToolCall
@@ -179,3 +179,9 @@ async def add_connection(
 def state_bytes_contain(state_dir: Path, needle: bytes) -> list[Path]:
     """Every file under the state dir whose bytes contain ``needle``."""
     return [p for p in state_dir.rglob("*") if p.is_file() and needle in p.read_bytes()]
+
+
+@pytest.fixture
+def broker(broker_settings: Settings) -> Broker:
+    """A broker that may reach 127.0.0.1 (the upstream), for tests with a FakeContext."""
+    return Broker(broker_settings)

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from ephemeral import errors
+from ephemeral.broker import Broker
 from ephemeral.broker.connections import Denied, check_path, join
-from ephemeral.policy import Connection, RunRequest
+from ephemeral.policy import Connection, Policy, RunRequest
 from ephemeral.service import Runtime
 from tests.broker.conftest import (
     CANARY,
@@ -20,6 +21,7 @@ from tests.broker.conftest import (
     events_of,
     state_bytes_contain,
 )
+from tests.broker.fake_context import FakeContext, ask
 
 GITHUB = {"name": "github", "methods": ["GET", "POST"], "paths": ["/repos/*"]}
 
@@ -55,12 +57,12 @@ async def test_credentials_are_injected_upstream_and_redacted_from_the_answer(
     assert agent.sandbox is None  # nothing was sent into a sandbox for this
 
 
-async def test_post_sends_the_body_as_json(
-    runtime: Runtime, upstream: Upstream, github: str
-) -> None:
-    agent = await build_run(runtime, connections=[GITHUB])
-    out = await call(
-        agent,
+async def test_post_sends_the_body_as_json(broker: Broker, upstream: Upstream) -> None:
+    ctx = FakeContext(Policy(connections=[Connection(**GITHUB)]))
+    ctx.connect(broker.sealer, "github", f"{upstream.base}/api", {"Authorization": CANARY})
+    out = await ask(
+        broker,
+        ctx,
         "connection_call",
         name="github",
         method="post",
@@ -96,22 +98,25 @@ async def test_post_sends_the_body_as_json(
     ],
 )
 async def test_policy_is_enforced_before_any_call(
-    runtime: Runtime, upstream: Upstream, github: str, args: dict, why: str
+    broker: Broker, upstream: Upstream, args: dict, why: str
 ) -> None:
-    agent = await build_run(runtime, connections=[GITHUB])
-    out = await call(agent, "connection_call", **args)
+    ctx = FakeContext(Policy(connections=[Connection(**GITHUB)]))
+    ctx.connect(broker.sealer, "github", f"{upstream.base}/api", {"Authorization": CANARY})
+    out = await ask(broker, ctx, "connection_call", **args)
     assert out.startswith("error: connection call refused") and why in out, out
-    [denied] = await events_of(agent, "connection.denied")
-    assert set(denied.data) == {"name", "method", "path", "reason"}
+    [denied] = ctx.of("connection.denied")
+    assert set(denied) == {"name", "method", "path", "reason"}
     assert upstream.seen == []
+    assert CANARY not in str(ctx.events)
 
 
-async def test_no_connections_means_no_tool(runtime: Runtime, upstream: Upstream) -> None:
-    agent = await build_run(runtime, shell=True)
-    assert [t.name for t in agent.tools()] == ["shell"]
-    out = await call(agent, "connection_call", name="github", method="GET", path="/repos/x")
+async def test_no_connections_means_no_tool(broker: Broker, upstream: Upstream) -> None:
+    policy = Policy(shell=True)
+    assert broker.tools(policy) == []
+    ctx = FakeContext(policy)
+    out = await ask(broker, ctx, "connection_call", name="github", method="GET", path="/repos/x")
     assert out.startswith("error:") and "not granted" in out
-    assert len(await events_of(agent, "connection.denied")) == 1
+    assert len(ctx.of("connection.denied")) == 1
     assert upstream.seen == []
 
 
@@ -158,6 +163,20 @@ async def test_removed_connection_is_denied_mid_run(
     out = await call(agent, "connection_call", name="github", method="GET", path="/repos/x")
     assert "no longer exists" in out
     assert upstream.seen == []
+
+
+async def test_credentials_reach_only_the_upstream(broker: Broker, upstream: Upstream) -> None:
+    ctx = FakeContext(Policy(connections=[Connection(**GITHUB)]))
+    ctx.connect(
+        broker.sealer, "github", f"{upstream.base}/api", {"Authorization": f"Bearer {CANARY}"}
+    )
+    out = await ask(broker, ctx, "connection_call", name="github", method="GET", path="/repos/a")
+    assert upstream.seen[0].headers["Authorization"] == f"Bearer {CANARY}"
+    assert CANARY not in out and "[redacted]" in out
+    assert CANARY not in str(ctx.events)
+    assert ctx.of("connection.requested") == [
+        {"name": "github", "method": "GET", "path": "/repos/a", "status": 200}
+    ]
 
 
 def test_globs_use_fnmatch_on_the_path_only() -> None:

@@ -16,8 +16,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from ephemeral.service import Runtime
-from tests.broker.conftest import build_run, call, events_of
+from ephemeral.broker import Broker
+from ephemeral.policy import Policy
+from tests.broker.fake_context import FakeContext, ask
 
 
 def _self_signed(tmp: Path) -> tuple[Path, Path]:
@@ -80,12 +81,12 @@ def tls_server(tmp_path: Path) -> Iterator[tuple[int, list[str | None]]]:
 
 
 async def test_tls_sends_the_name_and_verifies_the_certificate(
-    runtime: Runtime, tls_server: tuple[int, list[str | None]]
+    broker: Broker, tls_server: tuple[int, list[str | None]]
 ) -> None:
     port, snis = tls_server
-    agent = await build_run(runtime, web=True)
-    out = await call(agent, "web_fetch", url=f"https://localhost:{port}/x")
+    ctx = FakeContext(Policy(web=True))
+    out = await ask(broker, ctx, "web_fetch", url=f"https://localhost:{port}/x")
     assert out.startswith("error: the web request failed: ConnectError"), out
     assert snis == ["localhost"]  # connected to 127.0.0.1, but TLS was for the name
-    [ev] = await events_of(agent, "web.requested")
-    assert ev.data["status"] is None and ev.data["url"] == f"https://localhost:{port}/x"
+    [ev] = ctx.of("web.requested")
+    assert ev["status"] is None and ev["url"] == f"https://localhost:{port}/x"

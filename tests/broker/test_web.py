@@ -1,16 +1,18 @@
-"""``web_fetch`` through a real runtime's run against a real HTTP server on 127.0.0.1."""
+"""``web_fetch`` against a real HTTP server on 127.0.0.1: the broker alone through a FakeContext,
+and through a real runtime's run where the run's own side matters (ledger, budget stop, ZDR)."""
 
 from __future__ import annotations
 
 import pytest
 
 from ephemeral.agent import StopRun
+from ephemeral.broker import Broker
 from ephemeral.broker.outbound import BODY_CAP
+from ephemeral.policy import Policy
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.broker.conftest import Upstream, build_run, call, events_of
-
-PRICE = 1000  # the shipped price book's micros per web request
+from tests.broker.fake_context import PRICE, FakeContext, OutOfBudget, ask
 
 
 async def test_fetch_returns_text_charges_and_strips_the_query(
@@ -37,14 +39,14 @@ async def test_fetch_returns_text_charges_and_strips_the_query(
     assert agent.budget.charged["web_micros"] == PRICE
 
 
-async def test_head_has_no_body(runtime: Runtime, upstream: Upstream) -> None:
-    agent = await build_run(runtime, web=True)
-    out = await call(agent, "web_fetch", url=f"{upstream.base}/text", method="HEAD")
+async def test_head_has_no_body(broker: Broker, upstream: Upstream) -> None:
+    ctx = FakeContext(Policy(web=True))
+    out = await ask(broker, ctx, "web_fetch", url=f"{upstream.base}/text", method="HEAD")
     assert "status: 200" in out and "hello" not in out
     assert upstream.seen[0].method == "HEAD"
 
 
-async def test_body_is_capped_and_flagged(runtime: Runtime, upstream: Upstream) -> None:
+async def test_body_is_capped_and_flagged(broker: Broker, upstream: Upstream) -> None:
     from ephemeral.broker import outbound
     from ephemeral.broker.ssrf import parse_url, resolve
 
@@ -52,38 +54,37 @@ async def test_body_is_capped_and_flagged(runtime: Runtime, upstream: Upstream) 
     response = await outbound.send(target, "GET", timeout=10)
     assert len(response.body) == BODY_CAP < 300 * 1024
     assert response.truncated
-    agent = await build_run(runtime, web=True)
-    out = await call(agent, "web_fetch", url=f"{upstream.base}/big")
+    out = await ask(broker, FakeContext(Policy(web=True)), "web_fetch", url=f"{upstream.base}/big")
     assert "truncated: true" in out
     assert len(out) < 17_000  # what the model reads is capped too
 
 
-async def test_binary_bodies_are_described_not_shown(runtime: Runtime, upstream: Upstream) -> None:
-    agent = await build_run(runtime, web=True)
-    out = await call(agent, "web_fetch", url=f"{upstream.base}/binary")
+async def test_binary_bodies_are_described_not_shown(broker: Broker, upstream: Upstream) -> None:
+    ctx = FakeContext(Policy(web=True))
+    out = await ask(broker, ctx, "web_fetch", url=f"{upstream.base}/binary")
     assert "256 bytes of application/octet-stream; not shown" in out
 
 
 async def test_redirects_are_followed_and_each_hop_charged(
-    runtime: Runtime, upstream: Upstream
+    broker: Broker, upstream: Upstream
 ) -> None:
-    agent = await build_run(runtime, web=True)
-    out = await call(agent, "web_fetch", url=f"{upstream.base}/chain/3")
+    ctx = FakeContext(Policy(web=True))
+    out = await ask(broker, ctx, "web_fetch", url=f"{upstream.base}/chain/3")
     assert "end of chain" in out
-    hops = await events_of(agent, "web.requested")
-    assert [e.data["url"] for e in hops] == [f"{upstream.base}/chain/{n}" for n in (3, 2, 1, 0)]
-    assert [e.data["status"] for e in hops] == [302, 302, 302, 200]
-    assert (await agent.store.charged(agent.run_id))["web_micros"] == 4 * PRICE
+    hops = ctx.of("web.requested")
+    assert [e["url"] for e in hops] == [f"{upstream.base}/chain/{n}" for n in (3, 2, 1, 0)]
+    assert [e["status"] for e in hops] == [302, 302, 302, 200]
+    assert ctx.charges == [(n, PRICE) for n in (1, 2, 3, 4)]  # each hop, numbered
 
 
-async def test_more_than_five_redirects_are_refused(runtime: Runtime, upstream: Upstream) -> None:
-    agent = await build_run(runtime, web=True)
-    out = await call(agent, "web_fetch", url=f"{upstream.base}/chain/9")
+async def test_more_than_five_redirects_are_refused(broker: Broker, upstream: Upstream) -> None:
+    ctx = FakeContext(Policy(web=True))
+    out = await ask(broker, ctx, "web_fetch", url=f"{upstream.base}/chain/9")
     assert out.startswith("error:") and "more than 5 redirects" in out
     assert len(upstream.seen) == 6  # the first request and five redirects, no more
-    [denied] = await events_of(agent, "web.denied")
-    assert denied.data["url"] == f"{upstream.base}/chain/3"
-    assert denied.data["cost_micros"] == 0
+    [denied] = ctx.of("web.denied")
+    assert denied["url"] == f"{upstream.base}/chain/3"
+    assert denied["cost_micros"] == 0
 
 
 @pytest.mark.parametrize(
@@ -97,16 +98,16 @@ async def test_more_than_five_redirects_are_refused(runtime: Runtime, upstream: 
     ],
 )
 async def test_redirects_get_the_same_checks(
-    runtime: Runtime, upstream: Upstream, to: str, why: str
+    broker: Broker, upstream: Upstream, to: str, why: str
 ) -> None:
-    agent = await build_run(runtime, web=True)
-    out = await call(agent, "web_fetch", url=f"{upstream.base}/redirect?to={to}")
+    ctx = FakeContext(Policy(web=True))
+    out = await ask(broker, ctx, "web_fetch", url=f"{upstream.base}/redirect?to={to}")
     assert out.startswith("error:") and why in out
     assert len(upstream.seen) == 1
-    [denied] = await events_of(agent, "web.denied")
-    assert "redirect refused" in denied.data["reason"]
-    assert "p@" not in denied.data["url"]
-    assert (await agent.store.charged(agent.run_id))["web_micros"] == PRICE  # the first hop only
+    [denied] = ctx.of("web.denied")
+    assert "redirect refused" in denied["reason"]
+    assert "p@" not in denied["url"]
+    assert ctx.charged == PRICE  # the first hop only
 
 
 @pytest.mark.parametrize(
@@ -121,46 +122,44 @@ async def test_redirects_get_the_same_checks(
     ],
 )
 async def test_refused_requests_cost_nothing(
-    runtime: Runtime, upstream: Upstream, args: dict, why: str
+    broker: Broker, upstream: Upstream, args: dict, why: str
 ) -> None:
-    agent = await build_run(runtime, web=True)
-    out = await call(agent, "web_fetch", **args)
+    ctx = FakeContext(Policy(web=True))
+    out = await ask(broker, ctx, "web_fetch", **args)
     assert out.startswith("error:") and why in out
-    [denied] = await events_of(agent, "web.denied")
-    assert denied.data["cost_micros"] == 0
-    assert "SECRETPW" not in str(denied.data)
-    assert (await agent.store.charged(agent.run_id))["web_micros"] == 0
+    [denied] = ctx.of("web.denied")
+    assert denied["cost_micros"] == 0
+    assert "SECRETPW" not in str(denied)
+    assert ctx.charges == []
     assert upstream.seen == []
 
 
 async def test_default_settings_refuse_loopback(
     broker_settings: Settings, upstream: Upstream
 ) -> None:
-    strict = broker_settings.model_copy(update={"broker_allow_private_hosts": False})
-    runtime = await Runtime.start(strict)
-    try:
-        agent = await build_run(runtime, web=True)
-        for url in (
-            f"{upstream.base}/text",
-            f"http://localhost:{upstream.port}/text",
-            f"http://2130706433:{upstream.port}/text",
-            f"http://[::ffff:127.0.0.1]:{upstream.port}/text",
-        ):
-            out = await call(agent, "web_fetch", url=url)
-            assert out.startswith("error:") and "loopback" in out, out
-        assert upstream.seen == []  # nothing reached the server
-        assert len(await events_of(agent, "web.denied")) == 4
-    finally:
-        await runtime.close()
+    strict = Broker(broker_settings.model_copy(update={"broker_allow_private_hosts": False}))
+    ctx = FakeContext(Policy(web=True))
+    for url in (
+        f"{upstream.base}/text",
+        f"http://localhost:{upstream.port}/text",
+        f"http://2130706433:{upstream.port}/text",
+        f"http://[::ffff:127.0.0.1]:{upstream.port}/text",
+    ):
+        out = await ask(strict, ctx, "web_fetch", url=url)
+        assert out.startswith("error:") and "loopback" in out, out
+    assert upstream.seen == []  # nothing reached the server
+    assert len(ctx.of("web.denied")) == 4
+    assert ctx.charges == []
 
 
-async def test_web_off_means_no_tool_and_a_tool_error(runtime: Runtime, upstream: Upstream) -> None:
-    agent = await build_run(runtime, web=False, shell=True)
-    assert [t.name for t in agent.tools()] == ["shell"]
-    out = await call(agent, "web_fetch", url=f"{upstream.base}/text")
+async def test_web_off_means_no_tool_and_a_tool_error(broker: Broker, upstream: Upstream) -> None:
+    policy = Policy(web=False, shell=True)
+    assert broker.tools(policy) == []
+    ctx = FakeContext(policy)
+    out = await ask(broker, ctx, "web_fetch", url=f"{upstream.base}/text")
     assert out.startswith("error:") and "web is off" in out
-    [denied] = await events_of(agent, "web.denied")
-    assert denied.data["reason"] == "web access is off in this run's policy"
+    [denied] = ctx.of("web.denied")
+    assert denied["reason"] == "web access is off in this run's policy"
     assert upstream.seen == []
 
 
@@ -178,20 +177,20 @@ async def test_a_request_that_does_not_fit_stops_the_run(
 
 
 async def test_a_redirect_that_does_not_fit_stops_before_the_hop(
-    runtime: Runtime, upstream: Upstream
+    broker: Broker, upstream: Upstream
 ) -> None:
-    agent = await build_run(runtime, web=True, max_cost_micros=PRICE + 10)
-    with pytest.raises(StopRun):
-        await call(agent, "web_fetch", url=f"{upstream.base}/chain/1")
+    ctx = FakeContext(Policy(web=True), budget_micros=PRICE + 10)
+    with pytest.raises(OutOfBudget):  # the context's stop propagates through the broker
+        await ask(broker, ctx, "web_fetch", url=f"{upstream.base}/chain/1")
     assert len(upstream.seen) == 1
 
 
-async def test_an_unreachable_host_is_charged_and_reported(runtime: Runtime) -> None:
-    agent = await build_run(runtime, web=True)
-    out = await call(agent, "web_fetch", url="http://127.0.0.1:9/")  # discard port: refused
+async def test_an_unreachable_host_is_charged_and_reported(broker: Broker) -> None:
+    ctx = FakeContext(Policy(web=True))
+    out = await ask(broker, ctx, "web_fetch", url="http://127.0.0.1:9/")  # discard port: refused
     assert out.startswith("error: the web request failed")
-    [ev] = await events_of(agent, "web.requested")
-    assert ev.data["status"] is None and ev.data["cost_micros"] == PRICE
+    [ev] = ctx.of("web.requested")
+    assert ev["status"] is None and ev["cost_micros"] == PRICE
 
 
 async def test_zero_data_retention_keeps_no_url(runtime: Runtime, upstream: Upstream) -> None:
@@ -211,14 +210,14 @@ async def test_the_system_prompt_names_the_hosted_tools(runtime: Runtime) -> Non
 
 
 async def test_no_broker_url_reaches_the_logs(
-    runtime: Runtime, upstream: Upstream, caplog: pytest.LogCaptureFixture
+    broker: Broker, upstream: Upstream, caplog: pytest.LogCaptureFixture
 ) -> None:
     import logging
 
-    agent = await build_run(runtime, web=True)
+    ctx = FakeContext(Policy(web=True))
     with caplog.at_level(logging.DEBUG):
-        assert "status: 200" in await call(
-            agent, "web_fetch", url=f"{upstream.base}/text?k=LOGSECRET"
+        assert "status: 200" in await ask(
+            broker, ctx, "web_fetch", url=f"{upstream.base}/text?k=LOGSECRET"
         )
     assert "LOGSECRET" not in caplog.text
     assert not [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))]

@@ -8,6 +8,7 @@ destroy that leaves nothing.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 from pathlib import Path
@@ -16,7 +17,8 @@ import pytest
 
 from ephemeral import errors
 from ephemeral.sandbox import cgroups
-from ephemeral.sandbox.base import Sandbox
+from ephemeral.sandbox.base import Limits, Sandbox, SandboxDriver
+from ephemeral.settings import Settings
 from tests.sandbox.conftest import Factory
 
 pytestmark = pytest.mark.sandbox
@@ -235,3 +237,21 @@ async def test_lifetime_ends_the_sandbox(make_sandbox: Factory) -> None:
     with pytest.raises(errors.SandboxError):
         await sbx.exec("true")
     assert [p for p in pids if _running(p)] == []
+
+
+async def test_async_with_destroys_and_claim_reowns(
+    driver: SandboxDriver, sandbox_settings: Settings
+) -> None:
+    handles_dir = Path(sandbox_settings.sandboxes_dir)
+    with pytest.raises(RuntimeError, match="inside"):
+        async with await driver.create(owner="pool", limits=Limits()) as sbx:
+            assert sbx.alive
+            await sbx.claim("run_" + "c" * 32)
+            handle = json.loads((handles_dir / f"{sbx.id}.json").read_text())
+            assert handle["owner"] == "run_" + "c" * 32
+            assert (await sbx.exec("true")).exit_code == 0  # a claim keeps it usable
+            pids: set[int] = set(getattr(sbx, "host_pids", set()))
+            raise RuntimeError("failed inside")
+    assert not sbx.alive
+    assert pids and [p for p in pids if _running(p)] == []
+    assert not (handles_dir / f"{sbx.id}.json").exists()

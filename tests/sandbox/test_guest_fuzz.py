@@ -179,7 +179,7 @@ def test_malformed_bodies_are_sandbox_errors(body: bytes) -> None:
 
 def test_a_reply_of_two_to_the_63_ms_is_refused() -> None:
     obj = {
-        "id": "0" * 32,
+        "id": "0" * 32,  # a well-formed nonce: only duration_ms is wrong
         "ok": True,
         "exit_code": 0,
         "stdout": "",

@@ -2,10 +2,12 @@
 """Ephemeral guest agent: runs inside the sandbox, speaks one framed protocol on one channel.
 
 Frame: 4-byte big-endian length, then that many bytes of UTF-8 JSON (one object).
-First frame (agent -> host): {"type": "hello", "protocol": 2, "workdir": ..., "pid": ..., "uid": ...}
+First frame (agent -> host):
+  {"type": "hello", "protocol": 2, "workdir": ..., "pid": ..., "uid": ...}
 Then request/response, strictly one at a time:
   host  -> {"id": NONCE, "op": "exec"|"put"|"get"|"reseed"|"ping"|"kill_all"|"shutdown", ...}
-  agent -> {"id": NONCE, "ok": true, ...} | {"id": NONCE, "ok": false, "kind": "...", "error": "..."}
+  agent -> {"id": NONCE, "ok": true, ...}
+         | {"id": NONCE, "ok": false, "kind": "...", "error": "..."}
 NONCE is a fresh random string per request, echoed as it came: the host trusts no other reply.
 Binary payloads travel base64-encoded. The host mirror is ephemeral/sandbox/protocol.py.
 
@@ -27,6 +29,7 @@ import select
 import signal
 import sys
 import time
+import types  # json has loaded it already (via re): free; it types `resource`
 
 PROTOCOL_VERSION = 2
 MAX_FRAME = 64 << 20
@@ -61,7 +64,7 @@ class OpError(Exception):
 
 def log(msg):
     try:
-        os.write(2, ("agent: %s\n" % msg).encode("utf-8", "replace"))
+        os.write(2, (f"agent: {msg}\n").encode("utf-8", "replace"))
     except OSError:
         pass
 
@@ -97,7 +100,7 @@ class Channel:
         header = self._read_exact(4)
         size = int.from_bytes(header, "big")
         if size > MAX_FRAME:
-            raise ProtocolError("frame too large: %d" % size)
+            raise ProtocolError(f"frame too large: {size}")
         obj = json.loads(self._read_exact(size).decode("utf-8"))
         if not isinstance(obj, dict):
             raise ProtocolError("frame is not an object")
@@ -140,9 +143,9 @@ def open_virtio(name, wait_seconds=10.0):
                 return Channel(fd, fd)
             except OSError as exc:
                 if time.monotonic() > deadline:
-                    raise ProtocolError("cannot open %s: %s" % (path, exc)) from exc
+                    raise ProtocolError(f"cannot open {path}: {exc}") from exc
         if time.monotonic() > deadline:
-            raise ProtocolError("virtio port %r did not appear within %.0fs" % (name, wait_seconds))
+            raise ProtocolError(f"virtio port {name!r} did not appear within {wait_seconds:.0f}s")
         time.sleep(0.002)
 
 
@@ -171,11 +174,11 @@ def b64(data):
 
 def unb64(value, field):
     if not isinstance(value, str):
-        raise OpError("bad_request", "%s must be a base64 string" % field)
+        raise OpError("bad_request", f"{field} must be a base64 string")
     try:
         return binascii.a2b_base64(value.encode("ascii"), strict_mode=True)
     except (ValueError, binascii.Error) as exc:
-        raise OpError("bad_request", "%s: invalid base64" % field) from exc
+        raise OpError("bad_request", f"{field}: invalid base64") from exc
 
 
 def is_root():
@@ -198,12 +201,13 @@ def set_subreaper_and_undumpable():
         return  # skip the costly ctypes import
     global CAPSET
     import ctypes
+
     libc = ctypes.CDLL(None, use_errno=True)
     if subreaper:
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     if is_root():
         if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-            raise ProtocolError("prctl(PR_SET_DUMPABLE, 0) failed: errno %d" % ctypes.get_errno())
+            raise ProtocolError(f"prctl(PR_SET_DUMPABLE, 0) failed: errno {ctypes.get_errno()}")
         # Built here, called in a forked child (which may not import): an all-zero capset.
         header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, self
         data = (ctypes.c_uint32 * 6)()
@@ -213,11 +217,11 @@ def set_subreaper_and_undumpable():
 def proc_stat(pid):
     """(ppid, pgid, sid, state) from /proc/PID/stat, or None if gone."""
     try:
-        with open("/proc/%d/stat" % pid, "rb") as fh:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
             raw = fh.read().decode("ascii", "replace")
     except OSError:
         return None
-    rest = raw[raw.rfind(")") + 2:].split()
+    rest = raw[raw.rfind(")") + 2 :].split()
     return int(rest[1]), int(rest[2]), int(rest[3]), rest[0]
 
 
@@ -251,8 +255,11 @@ def kill_group(sid, preexisting):
             os.killpg(sid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        targets = [pid for pid, st in children_of_me()
-                   if st[3] != "Z" and (st[1] == sid or st[2] == sid or pid not in preexisting)]
+        targets = [
+            pid
+            for pid, st in children_of_me()
+            if st[3] != "Z" and (st[1] == sid or st[2] == sid or pid not in preexisting)
+        ]
         for pid in targets:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -271,7 +278,7 @@ def worker_pids():
         if not name.isdigit():
             continue
         try:
-            with open("/proc/%s/status" % name, "rb") as fh:
+            with open(f"/proc/{name}/status", "rb") as fh:
                 for line in fh:
                     if line.startswith(b"Uid:"):
                         uids = [int(u) for u in line.split()[1:3]]
@@ -303,7 +310,7 @@ def kill_all():
         if not targets:
             return len(killed)
         if time.monotonic() > deadline:
-            raise OpError("kill_failed", "%d processes survived SIGKILL" % len(targets))
+            raise OpError("kill_failed", f"{len(targets)} processes survived SIGKILL")
         time.sleep(0.005)
 
 
@@ -316,10 +323,15 @@ class Agent:
         self.workdir = workdir
 
     def serve(self):
-        self.channel.write_frame({
-            "type": "hello", "protocol": PROTOCOL_VERSION, "workdir": self.workdir,
-            "pid": os.getpid(), "uid": os.getuid(),
-        })
+        self.channel.write_frame(
+            {
+                "type": "hello",
+                "protocol": PROTOCOL_VERSION,
+                "workdir": self.workdir,
+                "pid": os.getpid(),
+                "uid": os.getuid(),
+            }
+        )
         while True:
             try:
                 req = self.channel.read_frame()
@@ -330,21 +342,29 @@ class Agent:
                 raise ProtocolError("request without a string id")
             op = req.get("op")
             handler = {
-                "exec": self.op_exec, "put": self.op_put, "get": self.op_get,
-                "reseed": self.op_reseed, "ping": self.op_ping, "kill_all": self.op_kill_all,
+                "exec": self.op_exec,
+                "put": self.op_put,
+                "get": self.op_get,
+                "reseed": self.op_reseed,
+                "ping": self.op_ping,
+                "kill_all": self.op_kill_all,
                 "shutdown": self.op_shutdown,
             }.get(op)
             try:
                 if handler is None:
-                    raise OpError("bad_request", "unknown op %r" % (op,))
+                    raise OpError("bad_request", f"unknown op {op!r}")
                 result = handler(req)
                 resp = {"id": rid, "ok": True}
                 resp.update(result)
             except OpError as exc:
                 resp = {"id": rid, "ok": False, "kind": exc.kind, "error": exc.message}
             except OSError as exc:
-                resp = {"id": rid, "ok": False, "kind": "os_error",
-                        "error": "%s: %s" % (errno.errorcode.get(exc.errno, "?"), exc.strerror)}
+                resp = {
+                    "id": rid,
+                    "ok": False,
+                    "kind": "os_error",
+                    "error": f"{errno.errorcode.get(exc.errno or 0, '?')}: {exc.strerror}",
+                }
             self.channel.write_frame(resp)
             reap_zombies()
             if op == "shutdown" and resp.get("ok"):
@@ -367,8 +387,9 @@ class Agent:
         env = dict(BASE_ENV)
         extra = req.get("env") or {}
         if not isinstance(extra, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) and k and "=" not in k
-                for k, v in extra.items()):
+            isinstance(k, str) and isinstance(v, str) and k and "=" not in k
+            for k, v in extra.items()
+        ):
             raise OpError("bad_request", "env must map names to strings")
         env.update(extra)
         cwd = resolve(req.get("cwd") or self.workdir, self.workdir)
@@ -391,12 +412,13 @@ class Agent:
             os.makedirs(parent, exist_ok=True)
             if is_root():
                 os.chown(parent, WORKER_UID, WORKER_GID)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     mode & 0o777)
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode & 0o777
+        )
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fchmod(fd, mode)
             if is_root():
                 os.fchown(fd, WORKER_UID, WORKER_GID)
@@ -413,10 +435,9 @@ class Agent:
         try:
             st = os.fstat(fd)
             if not (st.st_mode & 0o170000) == 0o100000:
-                raise OpError("not_a_file", "%s is not a regular file" % path)
+                raise OpError("not_a_file", f"{path} is not a regular file")
             if st.st_size > limit:
-                raise OpError("too_large", "%s is %d bytes, over the %d limit"
-                              % (path, st.st_size, limit))
+                raise OpError("too_large", f"{path} is {st.st_size} bytes, over the {limit} limit")
             chunks = []
             total = 0
             while True:
@@ -426,7 +447,7 @@ class Agent:
                 chunks.append(chunk)
                 total += len(chunk)
                 if total > limit:
-                    raise OpError("too_large", "%s grew over the %d limit" % (path, limit))
+                    raise OpError("too_large", f"{path} grew over the {limit} limit")
         finally:
             os.close(fd)
         return {"data": b64(b"".join(chunks))}
@@ -442,6 +463,7 @@ class Agent:
             # RNDADDENTROPY credits the bytes, so a restored snapshot stops sharing RNG state.
             import fcntl
             import struct
+
             RNDADDENTROPY = 0x40085203
             buf = struct.pack("ii", len(data) * 8, len(data)) + data
             try:
@@ -472,6 +494,7 @@ class Agent:
             os.sync()
             try:
                 import ctypes
+
                 libc = ctypes.CDLL(None, use_errno=True)
                 libc.reboot(0x4321FEDC)  # RB_POWER_OFF
             except (OSError, AttributeError):
@@ -479,7 +502,8 @@ class Agent:
 
 
 RLIMIT_AS_BYTES = None  # set by --max-memory-mib
-resource = None  # imported in the parent only when needed: a forked child must not import
+# imported in the parent only when needed: a forked child must not import
+resource: types.ModuleType | None = None
 MAX_FD = 4096
 
 
@@ -515,7 +539,7 @@ def _spawn(path, argv, env, cwd):
             os.closerange(3, fail_w)
             os.closerange(fail_w + 1, MAX_FD)
             signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-            if RLIMIT_AS_BYTES:
+            if RLIMIT_AS_BYTES and resource is not None:
                 resource.setrlimit(resource.RLIMIT_AS, (RLIMIT_AS_BYTES, RLIMIT_AS_BYTES))
             _demote()
             stage = "chdir"
@@ -524,12 +548,12 @@ def _spawn(path, argv, env, cwd):
             os.execve(path, argv, env)  # nothing here may import: the child may not read /usr
         except OSError as exc:
             try:
-                os.write(fail_w, ("%s:%d" % (stage, exc.errno or 0)).encode())
+                os.write(fail_w, (f"{stage}:{exc.errno or 0}").encode())
             except OSError:
                 pass
         except BaseException as exc:  # noqa: BLE001 - nothing may escape a forked child
             try:
-                os.write(fail_w, ("%s:0:%r" % (stage, exc)).encode()[:500])
+                os.write(fail_w, (f"{stage}:0:{exc!r}").encode()[:500])
             except OSError:
                 pass
         finally:
@@ -547,7 +571,7 @@ def _spawn(path, argv, env, cwd):
         for fd in (in_w, out_r, err_r):
             os.close(fd)
         os.waitpid(pid, 0)
-        stage, code, detail = (failure.decode(errors="replace").split(":", 2) + ["", ""])[:3]
+        stage, code, detail = ([*failure.decode(errors="replace").split(":", 2), "", ""])[:3]
         raise _SpawnError(stage, int(code or 0), detail)
     return pid, in_w, out_r, err_r
 
@@ -565,24 +589,28 @@ def _spawn_fast(path, argv, env, cwd):
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    actions = [(os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1),
-               (os.POSIX_SPAWN_DUP2, err_w, 2)]
+    actions = [
+        (os.POSIX_SPAWN_DUP2, in_r, 0),
+        (os.POSIX_SPAWN_DUP2, out_w, 1),
+        (os.POSIX_SPAWN_DUP2, err_w, 2),
+    ]
     old_limit = None
     try:
-        if RLIMIT_AS_BYTES:
+        if RLIMIT_AS_BYTES and resource is not None:
             old_limit = resource.getrlimit(resource.RLIMIT_AS)
             soft = RLIMIT_AS_BYTES
             if old_limit[1] != resource.RLIM_INFINITY:
                 soft = min(soft, old_limit[1])
             resource.setrlimit(resource.RLIMIT_AS, (soft, old_limit[1]))
-        pid = os.posix_spawn(path, argv, env, file_actions=actions, setsid=True,
-                             setsigdef=(signal.SIGPIPE,))
+        pid = os.posix_spawn(
+            path, argv, env, file_actions=actions, setsid=True, setsigdef=(signal.SIGPIPE,)
+        )
     except OSError as exc:
         for fd in (in_w, out_r, err_r):
             os.close(fd)
         raise _SpawnError("exec", exc.errno or 0) from None
     finally:
-        if old_limit is not None:
+        if old_limit is not None and resource is not None:
             resource.setrlimit(resource.RLIMIT_AS, old_limit)
         for fd in (in_r, out_w, err_w):
             os.close(fd)
@@ -627,22 +655,31 @@ def run_command(argv, stdin, env, cwd, timeout, cap):
     preexisting = {pid for pid, _st in children_of_me()}
     path = _which(argv[0], env)
     if path is None:
-        return _result(127, b"", ("%s: command not found\n" % argv[0]).encode(), False, False,
-                       started)
+        return _result(
+            127, b"", (f"{argv[0]}: command not found\n").encode(), False, False, started
+        )
     try:
         spawn = _spawn if is_root() else _spawn_fast
         pid, wfd, ofd, efd = spawn(path, argv, env, cwd)
     except _SpawnError as exc:
         if exc.stage == "chdir":
-            raise OpError("bad_cwd", "cwd %s: %s" % (cwd, os.strerror(exc.errno))) from None
+            raise OpError("bad_cwd", f"cwd {cwd}: {os.strerror(exc.errno)}") from None
         if exc.stage == "exec" and exc.errno in (errno.ENOENT, errno.ENOTDIR):
-            return _result(127, b"", ("%s: command not found\n" % argv[0]).encode(), False,
-                           False, started)
+            return _result(
+                127, b"", (f"{argv[0]}: command not found\n").encode(), False, False, started
+            )
         if exc.stage == "exec":
-            return _result(126, b"", ("%s: %s\n" % (argv[0], os.strerror(exc.errno))).encode(),
-                           False, False, started)
-        raise OpError("spawn_failed", "%s: %s" % (exc.stage, exc.detail or os.strerror(exc.errno))
-                      ) from None
+            return _result(
+                126,
+                b"",
+                (f"{argv[0]}: {os.strerror(exc.errno)}\n").encode(),
+                False,
+                False,
+                started,
+            )
+        raise OpError(
+            "spawn_failed", f"{exc.stage}: {exc.detail or os.strerror(exc.errno)}"
+        ) from None
     out = {ofd: bytearray(), efd: bytearray()}
     readers = [ofd, efd]
     for fd in (ofd, efd, wfd):
@@ -684,30 +721,29 @@ def run_command(argv, stdin, env, cwd, timeout, cap):
                 buf += chunk[:room]
             if len(chunk) > room:
                 truncated = True
-    status = None
-    if not timed_out:
-        # The pipes closed; the command may still be running (it closed its fds): wait for it.
-        status = _wait_exit(pid, deadline)
-        timed_out = status is None
-    if timed_out:
+    # The pipes closed; the command may still be running (it closed its fds): wait for it.
+    status = None if timed_out else _wait_exit(pid, deadline)
+    if status is None:
+        timed_out = True
         kill_group(pid, preexisting)
         _, status = os.waitpid(pid, 0)
-    for fd in writers + [ofd, efd]:
+    for fd in [*writers, ofd, efd]:
         try:
             os.close(fd)
         except OSError:
             pass
-    if os.WIFSIGNALED(status):
-        code = 128 + os.WTERMSIG(status)  # shell convention: killed by signal N -> 128+N
-    else:
-        code = os.WEXITSTATUS(status)
+    # shell convention: killed by signal N -> 128+N
+    code = 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
     return _result(code, bytes(out[ofd]), bytes(out[efd]), truncated, timed_out, started)
 
 
 def _result(code, stdout, stderr, truncated, timed_out, started):
     return {
-        "exit_code": code, "stdout": b64(stdout), "stderr": b64(stderr),
-        "truncated": truncated, "timed_out": timed_out,
+        "exit_code": code,
+        "stdout": b64(stdout),
+        "stderr": b64(stderr),
+        "truncated": truncated,
+        "timed_out": timed_out,
         "duration_ms": int((time.monotonic() - started) * 1000),
     }
 
@@ -751,12 +787,14 @@ def parse_args(argv):
             i += 1
         elif a == "--max-memory-mib" and i + 1 < len(argv) and argv[i + 1].isdigit():
             import resource as _resource
+
             resource = _resource
             RLIMIT_AS_BYTES = int(argv[i + 1]) << 20
             i += 2
         else:
-            raise SystemExit("usage: agent.py [--channel stdio|virtio:<port-name>] "
-                             "[--max-memory-mib N]")
+            raise SystemExit(
+                "usage: agent.py [--channel stdio|virtio:<port-name>] [--max-memory-mib N]"
+            )
     return channel
 
 
@@ -770,13 +808,13 @@ def main(argv):
     elif channel_spec.startswith("virtio:") and len(channel_spec) > 7:
         channel = open_virtio(channel_spec[7:])
     else:
-        raise SystemExit("unknown channel %r" % channel_spec)
+        raise SystemExit(f"unknown channel {channel_spec!r}")
     os.umask(0o022)
     workdir = make_workdir()
     try:
         return Agent(channel, workdir).serve()
     except ProtocolError as exc:
-        log("protocol error: %s" % exc)
+        log(f"protocol error: {exc}")
         return 2
 
 

@@ -1,0 +1,38 @@
+"""What the broker needs from a run, and nothing more.
+
+The broker sees a run only through :class:`BrokerContext`: its policy, its event log, a charge
+for one web request, the time it has left, and its org's stored connections. ``AgentRun``
+implements it (in ``ephemeral.agent``); tests use a small in-memory one. The broker never
+imports the agent, so the two can change (and be tested) apart.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from ephemeral.policy import Policy
+    from ephemeral.store.connections import StoredConnection
+
+
+class BrokerContext(Protocol):
+    @property
+    def policy(self) -> Policy: ...
+
+    async def emit(self, type_: str, data: dict[str, Any]) -> None:
+        """Append an event to the run (redacted as the run's policy says)."""
+        ...
+
+    async def charge_web(self, seq: int) -> int:
+        """Charge the run's ``seq``-th web request inside its budget *before* it is sent; the
+        price. Raises the run's own stop (reason ``budget_exhausted``) when it does not fit:
+        the broker lets it propagate, so the run ends."""
+        ...
+
+    def time_left(self) -> float:
+        """Seconds until the run's deadline (wall clock or compute budget, whichever is first)."""
+        ...
+
+    async def get_connection(self, name: str) -> StoredConnection:
+        """The run's org's stored connection ``name``; raises errors.NotFound."""
+        ...
