@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ephemeral import prefect_setup
+from ephemeral.flows.executor import executor_for
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
 
@@ -87,7 +88,7 @@ def instrument(runtime: Any, timers: Timers) -> None:
 async def sequential(settings: Settings, runs: int) -> dict[str, list[float]]:
     from ephemeral.service import Runtime
 
-    runtime = await Runtime.start(settings)
+    runtime = await Runtime.start(settings, executor=executor_for(settings))
     out: dict[str, list[float]] = {"wall": [], "sandbox": [], "model": [], "orchestration": []}
     try:
         org = await runtime.local_org()
@@ -115,7 +116,7 @@ async def sequential(settings: Settings, runs: int) -> dict[str, list[float]]:
 async def concurrent(settings: Settings, n: int) -> tuple[float, list[Any]]:
     from ephemeral.service import Runtime
 
-    runtime = await Runtime.start(settings)
+    runtime = await Runtime.start(settings, executor=executor_for(settings))
     try:
         org = await runtime.local_org()
         rows = [

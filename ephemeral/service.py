@@ -1,7 +1,9 @@
 """The runtime of one host process: admission, execution, cancellation, live events, recovery.
 
 The CLI, the API server and the Prefect flows all go through one :class:`Runtime`. It owns the
-store, the price book, the sandbox pools and the set of runs executing in this process.
+store, the price book, the sandbox pools and the set of runs executing in this process. How a
+run is carried out once it has a slot is its :class:`~ephemeral.executor.Executor`, chosen by
+the entry point (plain steps by default; the Prefect flow executor lives in ``ephemeral.flows``).
 """
 
 from __future__ import annotations
@@ -9,16 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 
 from ephemeral import errors
 from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps, drive
 from ephemeral.broker import Broker
 from ephemeral.events import Event
+from ephemeral.executor import Executor, PlainExecutor
 from ephemeral.ids import new_run_id, utcnow
 from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus, TerminationReason, compute_charge
 from ephemeral.owner import is_alive, this_process
@@ -32,13 +34,10 @@ from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
 
 log = logging.getLogger("ephemeral.service")
-T = TypeVar("T")
 
 EVENT_POLL_SECONDS = 0.1
 WATCHDOG_SECONDS = 5.0  # how often the watchdog looks for runs that nothing is finishing
 WATCHDOG_GRACE_SECONDS = 60.0  # past a run's time limit before the watchdog steps in
-FLOW_START_ATTEMPTS = 4  # tries to start a run's Prefect flow before the run fails
-FLOW_START_BACKOFF_SECONDS = 1.0
 ISOLATION_LEVELS = ("microvm-kvm", "microvm-tcg", "gvisor", "namespaces")
 LOCAL_ORG = "local"
 LOCAL_ORG_CREDIT_MICROS = 100_000_000  # $100 of play money for the embedded CLI
@@ -54,39 +53,18 @@ def current() -> Runtime | None:
         return None
 
 
-class FlowLoop:
-    """An event loop in its own thread, where Prefect flows run.
-
-    Prefect's flow engine does blocking work on the loop that awaits it (creating an SSL
-    context per client, reading result storage: 0.4-1.1 s per step measured under load), so a
-    server must not run flows on the loop that answers HTTP. The inner runtime living here has
-    its own store engine and warm pool: asyncio resources belong to the loop that made them.
-    """
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._serve, name="ephemeral-flows", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    async def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            self.loop.close()
-
-
 class Runtime:
-    def __init__(self, settings: Settings, store: Store, price_book: PriceBook) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        price_book: PriceBook,
+        executor: Executor | None = None,
+    ) -> None:
         self.settings = settings
         self.store = store
         self.price_book = price_book
+        self.executor: Executor = executor if executor is not None else PlainExecutor()
         self.owner = this_process()
         self._running: dict[str, asyncio.Task[RunRow]] = {}
         self._agents: dict[str, AgentRun] = {}
@@ -94,17 +72,12 @@ class Runtime:
         self._pools: dict[str, Any] = {}
         self._zdr_outputs: dict[str, str] = {}
         self._zdr_prompts: dict[str, str] = {}
-        self._granted: set[str] = set()  # holds a slot; its flow has not built the run yet
-        self._flow_started: dict[str, asyncio.Event] = {}
-        # Creating a Prefect flow run is a burst of writes to Prefect's database; one at a time
-        # keeps the embedded SQLite server from answering 503 under load (docs/deploy.md).
-        self._flow_starts = asyncio.Semaphore(1)
+        self._granted: set[str] = set()  # holds a slot; its executor has not built the run yet
+        self._building: dict[str, asyncio.Event] = {}
         self._admitting = 0
         self._run_seconds = 5.0  # moving average of a run's execution, for Retry-After
         self._suspects: set[str] = set()
         self._watchdog: asyncio.Task[None] | None = None
-        self._flow_loop: FlowLoop | None = None
-        self._inner: Runtime | None = None
 
     # lifecycle -----------------------------------------------------------------------------
     @classmethod
@@ -112,29 +85,24 @@ class Runtime:
         cls,
         settings: Settings,
         *,
+        executor: Executor | None = None,
         warm_pool: bool = False,
         recover: bool = True,
-        separate_flow_loop: bool = False,
         watchdog: bool = True,
     ) -> Runtime:
         """Open the store, finish runs orphaned by a crash, start the warm pool and the watchdog.
 
-        ``separate_flow_loop`` (servers, with Prefect on) executes runs on a :class:`FlowLoop`
-        so this loop stays free for admission and streaming.
+        ``executor`` carries out each run (default: :class:`~ephemeral.executor.PlainExecutor`).
+        Servers that run Prefect flows use :func:`ephemeral.flowloop.start_bridged` instead, so
+        this loop stays free for admission and streaming.
         """
         settings.state_dir.mkdir(parents=True, exist_ok=True)
         store = await Store.open(settings.db_url)
-        runtime = cls(settings, store, PriceBook.load(settings))
+        runtime = cls(settings, store, PriceBook.load(settings), executor)
         _by_loop[asyncio.get_running_loop()] = runtime
         if recover:
             await runtime.recover()
-        if separate_flow_loop and settings.use_prefect:
-            runtime._flow_loop = FlowLoop()
-            runtime._inner = await runtime._flow_loop.call(
-                # The outer runtime watches: it owns the task of every run it launched.
-                cls.start(settings, warm_pool=warm_pool, recover=False, watchdog=False)
-            )
-        elif warm_pool and settings.pool_size > 0:
+        if warm_pool and settings.pool_size > 0:
             await runtime._start_pool()
         if watchdog:
             runtime._watchdog = asyncio.create_task(runtime._watch(), name="run-watchdog")
@@ -150,9 +118,7 @@ class Runtime:
         for task in list(self._running.values()):
             with contextlib.suppress(BaseException):
                 await task
-        if self._inner is not None and self._flow_loop is not None:
-            await self._flow_loop.call(self._inner.close())
-            self._flow_loop.stop()
+        await self.executor.close()
         for pool in self._pools.values():
             await pool.close()
         await self.store.close()
@@ -220,7 +186,7 @@ class Runtime:
             owner=self.owner,
         )
         if not replayed and policy.zero_data_retention:
-            (self._inner or self)._zdr_prompts[row.id] = request.prompt
+            self.keep_prompt(row.id, request.prompt)
         return row, replayed
 
     async def submit(self, org_id: str, request: RunRequest, **kw: Any) -> tuple[RunRow, bool]:
@@ -247,6 +213,10 @@ class Runtime:
             self._admitting -= 1
         return row, replayed
 
+    def keep_prompt(self, run_id: str, prompt: str) -> None:
+        """Hold a zero-data-retention prompt in memory for the runtime that will build the run."""
+        self._zdr_prompts[run_id] = prompt
+
     def launch(self, run_id: str) -> asyncio.Task[RunRow]:
         task = asyncio.get_running_loop().create_task(self.execute(run_id), name=run_id)
         self._running[run_id] = task
@@ -261,9 +231,15 @@ class Runtime:
         """The run holds an execution slot here and no agent was built for it yet."""
         return run_id in self._granted
 
+    def build_signal(self, run_id: str) -> asyncio.Event:
+        """An event set when :meth:`build` begins for the run: its executor learns that the
+        run's body has started (before that, starting it again repeats nothing)."""
+        event = self._building[run_id] = asyncio.Event()
+        return event
+
     async def build(self, run_id: str) -> AgentRun:
         self._granted.discard(run_id)
-        started = self._flow_started.get(run_id)
+        started = self._building.get(run_id)
         if started is not None:
             started.set()
         row = await self.store.get_run(run_id)
@@ -303,27 +279,19 @@ class Runtime:
         """Run to the end in this process and return the settled row.
 
         The run waits ``queued`` for an execution slot holding nothing but its reservation; the
-        slot grant marks it ``provisioning`` and starts its clock (``started_at``); the sandbox
-        is attached only when its flow body provisions. Whatever goes wrong on this path, the
-        run is settled before this returns (or, if even that fails, by the watchdog).
+        executor's :meth:`grant` marks it ``provisioning`` and starts its clock (``started_at``);
+        the sandbox is attached only when its body provisions. Whatever goes wrong on this path,
+        the run is settled before this returns (or, if even that fails, by the watchdog).
         """
         task = asyncio.current_task()
         if task is not None:
             self._running.setdefault(run_id, task)  # so cancel() and the watchdog can reach it
         t0 = time.monotonic()
         try:
-            if self._inner is not None and self._flow_loop is not None:
-                await self._flow_loop.call(self._inner.execute(run_id))
-                return await self.store.get_run(run_id)
             async with self._slots:
                 t0 = time.monotonic()
-                if self.settings.use_prefect:
-                    await self._run_flow(run_id)
-                    return await self.store.get_run(run_id)
-                if not await self._grant(run_id):
-                    return await self.store.get_run(run_id)
-                agent = await self.build(run_id)
-                return await self.run_agent(agent)
+                await self.executor.execute(self, run_id)
+            return await self.store.get_run(run_id)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure must end the run, never leave it open
@@ -332,11 +300,11 @@ class Runtime:
         finally:
             self._run_seconds = 0.9 * self._run_seconds + 0.1 * (time.monotonic() - t0)
             self._granted.discard(run_id)
-            self._flow_started.pop(run_id, None)
+            self._building.pop(run_id, None)
             if task is not None and self._running.get(run_id) is task:
                 del self._running[run_id]
 
-    async def _grant(self, run_id: str) -> bool:
+    async def grant(self, run_id: str) -> bool:
         """The run got a slot: from now on its time counts. False if it no longer waits."""
         try:
             await self.store.transition(
@@ -349,48 +317,6 @@ class Runtime:
             return False
         self._granted.add(run_id)
         return True
-
-    async def _run_flow(self, run_id: str) -> None:
-        """Start the run's Prefect flow, retrying while its body has not begun.
-
-        Flow starts are serialised; the run stays ``queued`` until its turn to start, and only
-        then is its slot granted (so waiting for the start lock is queue time, not run time).
-        Until the flow body builds the run nothing has happened that a retry could repeat
-        (no sandbox, no step), so Prefect API errors there are retried; once it has begun, the
-        flow's own ``drive`` settles the run whatever happens.
-        """
-        from flows.agent_run import agent_run
-
-        for attempt in range(1, FLOW_START_ATTEMPTS + 1):
-            started = self._flow_started[run_id] = asyncio.Event()
-            runner: asyncio.Task[str] | None = None
-            try:
-                async with self._flow_starts:
-                    if attempt == 1 and not await self._grant(run_id):
-                        return
-                    runner = asyncio.create_task(agent_run(run_id), name=f"flow-{run_id}")
-                    waiter = asyncio.create_task(started.wait())
-                    await asyncio.wait({runner, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                    waiter.cancel()
-                await runner
-                return
-            except asyncio.CancelledError:
-                if runner is not None:
-                    runner.cancel()
-                    with contextlib.suppress(BaseException):
-                        await runner
-                raise
-            except Exception as exc:
-                if started.is_set() or attempt == FLOW_START_ATTEMPTS:
-                    raise
-                log.warning(
-                    "run %s: starting its flow failed (attempt %d of %d): %s",
-                    run_id,
-                    attempt,
-                    FLOW_START_ATTEMPTS,
-                    _brief(exc),
-                )
-                await asyncio.sleep(FLOW_START_BACKOFF_SECONDS * 2 ** (attempt - 1))
 
     async def _fail(self, run_id: str, exc: BaseException) -> None:
         """An exception escaped the execution path: end the run ``infra_error`` with the reason."""
@@ -411,7 +337,7 @@ class Runtime:
         steps: Steps = PLAIN_STEPS,
         record: Callable[[str], Awaitable[None]] | None = None,
     ) -> RunRow:
-        """Drive one built run; the Prefect flow calls this with its task-wrapped steps."""
+        """Drive one built run; the ``agent-run`` flow calls this with its task-wrapped steps."""
         self._agents[agent.run_id] = agent
         try:
             row = await drive(agent, steps)
@@ -429,23 +355,13 @@ class Runtime:
 
     def take_zdr_output(self, run_id: str) -> str | None:
         """A zero-data-retention run's output is delivered once, then forgotten."""
-        output = self._zdr_outputs.pop(run_id, None)
-        if output is None and self._inner is not None:
-            output = self._inner.take_zdr_output(run_id)
-        return output
+        return self._zdr_outputs.pop(run_id, None)
 
     # control -------------------------------------------------------------------------------
     async def cancel(self, run_id: str, org_id: str | None = None) -> RunRow:
         row = await self.store.get_run(run_id, org_id)
         if row.status in TERMINAL_STATUSES:
             return row
-        if self._inner is not None and self._flow_loop is not None:
-            await self._flow_loop.call(self._inner.cancel(run_id, org_id))
-            outer = self._running.get(run_id)
-            if outer is not None:
-                with contextlib.suppress(BaseException):
-                    await outer
-            return await self.store.get_run(run_id)
         agent = self._agents.get(run_id)
         task = self._running.get(run_id)
         if agent is not None:
@@ -534,11 +450,6 @@ class Runtime:
         return finished
 
     async def _stop(self, run_id: str, task: asyncio.Task[RunRow]) -> None:
-        if self._inner is not None and self._flow_loop is not None:
-            inner = self._inner
-            inner_task = await self._flow_loop.call(_task_of(inner, run_id))
-            if inner_task is not None:
-                self._flow_loop.loop.call_soon_threadsafe(inner_task.cancel)
         task.cancel()
         with contextlib.suppress(BaseException):
             async with asyncio.timeout(30):
@@ -668,10 +579,6 @@ def _ms_between(a: str, b: str) -> int:
     ta = datetime.fromisoformat(a.replace("Z", "+00:00"))
     tb = datetime.fromisoformat(b.replace("Z", "+00:00"))
     return max(0, int((tb - ta).total_seconds() * 1000))
-
-
-async def _task_of(runtime: Runtime, run_id: str) -> asyncio.Task[RunRow] | None:
-    return runtime._running.get(run_id)
 
 
 def _aware(at: datetime) -> datetime:

@@ -15,10 +15,10 @@ from prefect.utilities.annotations import quote
 from ephemeral.agent import Steps
 from ephemeral.service import Runtime, current
 from ephemeral.settings import Settings
-from tasks.budget import reserve_budget, settle
-from tasks.record import record
-from tasks.sandbox import provision_sandbox, teardown
-from tasks.steps import model_step, shell_step
+from ephemeral.tasks.budget import reserve_budget, settle
+from ephemeral.tasks.record import record
+from ephemeral.tasks.sandbox import provision_sandbox, teardown
+from ephemeral.tasks.steps import model_step, shell_step
 
 T = TypeVar("T")
 

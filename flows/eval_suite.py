@@ -12,9 +12,9 @@ from typing import Any
 from prefect import flow
 
 from ephemeral import evals
+from ephemeral.flows.recipe_run import run_and_publish
 from ephemeral.service import current
 from ephemeral.settings import Settings
-from flows.recipe_run import run_and_publish
 
 
 @flow(name="eval-suite", persist_result=False, log_prints=False)

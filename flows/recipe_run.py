@@ -15,6 +15,7 @@ from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
 from ephemeral import evals
+from ephemeral.flows.executor import executor_for
 from ephemeral.service import Runtime, current
 from ephemeral.settings import Settings
 
@@ -24,7 +25,9 @@ async def flow_runtime() -> tuple[Runtime, bool]:
     runtime = current()
     if runtime is not None:
         return runtime, False
-    return await Runtime.start(Settings.load(), recover=False), True
+    settings = Settings.load()
+    # Each of the recipe's runs is then an ``agent-run`` subflow (when use_prefect is on).
+    return await Runtime.start(settings, executor=executor_for(settings), recover=False), True
 
 
 def _artifact_key(prefix: str, name: str) -> str:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from prefect import task
 
 from ephemeral.agent import AgentRun
-from tasks._common import TASK_OPTIONS
+from ephemeral.tasks._common import TASK_OPTIONS
 
 if TYPE_CHECKING:
     from ephemeral.service import Runtime

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from prefect import task
 
-from tasks._common import TASK_OPTIONS
+from ephemeral.tasks._common import TASK_OPTIONS
 
 if TYPE_CHECKING:
     from ephemeral.service import Runtime

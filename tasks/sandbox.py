@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 
 from ephemeral.agent import AgentRun
-from tasks._common import TASK_OPTIONS
+from ephemeral.tasks._common import TASK_OPTIONS
 
 
 @task(name="provision_sandbox", **TASK_OPTIONS)

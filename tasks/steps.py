@@ -6,7 +6,7 @@ from prefect import task
 
 from ephemeral.agent import AgentRun
 from ephemeral.providers.base import ModelReply, ToolCall
-from tasks._common import TASK_OPTIONS
+from ephemeral.tasks._common import TASK_OPTIONS
 
 
 @task(name="model_step", **TASK_OPTIONS)

@@ -49,6 +49,19 @@ def start_prefect_server() -> None:
     SubprocessASGIServer().start()
 
 
+async def start_runtime(settings: Settings, *, warm_pool: bool) -> Runtime:
+    """The server's runtime. With Prefect on, runs are ``agent-run`` flows executed on a second
+    event loop (:mod:`ephemeral.flowloop`), so this one stays free for HTTP."""
+    from ephemeral.flows.executor import PrefectExecutor
+
+    if not settings.use_prefect:
+        return await Runtime.start(settings, warm_pool=warm_pool, recover=True)
+    from ephemeral.flowloop import start_bridged
+
+    await asyncio.to_thread(start_prefect_server)
+    return await start_bridged(settings, PrefectExecutor(), warm_pool=warm_pool, recover=True)
+
+
 def create_app(
     settings: Settings, runtime: Runtime | None = None, *, warm_pool: bool = True
 ) -> FastAPI:
@@ -58,11 +71,7 @@ def create_app(
             app.state.runtime = runtime
             yield
             return
-        if settings.use_prefect:
-            await asyncio.to_thread(start_prefect_server)
-        own = await Runtime.start(
-            settings, warm_pool=warm_pool, recover=True, separate_flow_loop=True
-        )
+        own = await start_runtime(settings, warm_pool=warm_pool)
         app.state.runtime = own
         try:
             yield

@@ -31,6 +31,7 @@ async def _run(
     settings: Settings, evaluation: evals.Evaluation, source: Path, console: Console
 ) -> evals.Report:
     from ephemeral import evals
+    from ephemeral.flows.executor import executor_for
     from ephemeral.service import Runtime
 
     total = len(evals.plan(evaluation, settings))  # a bad recipe fails here, before any run
@@ -50,11 +51,11 @@ async def _run(
             if p.last is not None:
                 bar.console.print(_line(p, p.last), markup=False, highlight=False)
 
-        runtime = await Runtime.start(settings)
+        runtime = await Runtime.start(settings, executor=executor_for(settings))
         try:
             with evals.watch(evaluation.suite_run_id, observe):
                 if settings.use_prefect:
-                    from flows.eval_suite import eval_suite
+                    from ephemeral.flows.eval_suite import eval_suite
 
                     await eval_suite(
                         suite=str(evals.resolve_path(str(source), settings).resolve()),

@@ -37,10 +37,11 @@ def print_event(ev: Any, index: int) -> None:
 async def _run_local(
     settings: Settings, requests: list[tuple[RunRequest, dict[str, Any]]], as_json: bool
 ) -> int:
+    from ephemeral.flows.executor import executor_for
     from ephemeral.runview import run_object
     from ephemeral.service import Runtime
 
-    runtime = await Runtime.start(settings)
+    runtime = await Runtime.start(settings, executor=executor_for(settings))
     worst = 0
     try:
         org_id = await runtime.local_org()

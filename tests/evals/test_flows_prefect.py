@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from ephemeral.flows.executor import executor_for
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.evals.conftest import write_cassette
@@ -26,8 +27,8 @@ async def test_eval_suite_and_recipe_run_flows(tmp_path: Path) -> None:
         FlowRunFilterName,
     )
 
-    from flows.eval_suite import eval_suite
-    from flows.recipe_run import recipe_run
+    from ephemeral.flows.eval_suite import eval_suite
+    from ephemeral.flows.recipe_run import recipe_run
 
     cassettes = tmp_path / "cassettes"
     model = write_cassette(cassettes, "evalflow", [f"echo {CANARY}"], f"said {CANARY}")
@@ -54,7 +55,7 @@ async def test_eval_suite_and_recipe_run_flows(tmp_path: Path) -> None:
         f"name: flows\nrecipes: [{recipe}]\ngates: {{min_pass_rate: 0}}\n",
         name="suite.yaml",
     )
-    runtime = await Runtime.start(settings)
+    runtime = await Runtime.start(settings, executor=executor_for(settings))
     try:
         first = await eval_suite(suite=str(suite))
         second = await recipe_run(recipe=str(recipe), compare=first["suite_run_id"])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ephemeral.flows.executor import executor_for
 from ephemeral.policy import RunRequest
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
@@ -34,7 +35,7 @@ async def test_sample_runs_as_a_prefect_flow(
 
     canary = "CANARY-prefect-91b2"
     model = make_cassette("zdr-prefect", [turn(f"echo {canary}"), turn(final=f"{canary} done")])
-    runtime = await Runtime.start(prefect_settings)
+    runtime = await Runtime.start(prefect_settings, executor=executor_for(prefect_settings))
     try:
         org = await runtime.local_org()
         sample, _ = await runtime.admit(

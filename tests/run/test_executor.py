@@ -1,0 +1,101 @@
+"""The executor seam: the runtime carries a run out through whatever executor it was handed,
+and keeps failure settlement, cancellation and the zero-data-retention hand-off for all of them
+(the flow-loop bridge included)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from ephemeral.executor import PlainExecutor
+from ephemeral.flowloop import LoopBridgedRuntime, start_bridged
+from ephemeral.policy import RunRequest
+from ephemeral.service import Runtime
+from ephemeral.settings import Settings
+from tests.run.conftest import turn
+
+
+class Counting(PlainExecutor):
+    def __init__(self) -> None:
+        self.executed: list[str] = []
+        self.closed = 0
+
+    async def execute(self, runtime: Runtime, run_id: str) -> None:
+        self.executed.append(run_id)
+        await super().execute(runtime, run_id)
+
+    async def close(self) -> None:
+        self.closed += 1
+
+
+class Broken:
+    async def execute(self, runtime: Runtime, run_id: str) -> None:
+        raise RuntimeError("no way to start this run")
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_an_executor_that_fails_leaves_the_run_settled(run_settings: Settings) -> None:
+    runtime = await Runtime.start(run_settings, executor=Broken())
+    try:
+        org = await runtime.local_org()
+        row, _ = await runtime.admit(org, RunRequest(prompt="p", model="replay/sandbox-proof"))
+        row = await runtime.execute(row.id)
+        events = [e.type for e in await runtime.store.list_events(row.id)]
+        balance = await runtime.store.get_org(org)
+    finally:
+        await runtime.close()
+    assert row.termination_reason == "infra_error"
+    assert "RuntimeError: no way to start this run" in (row.termination_detail or "")
+    assert row.settled and events[-1] == "run.settled"
+    assert balance.reserved_micros == 0
+
+
+@pytest.mark.sandbox
+async def test_the_runtime_uses_the_executor_it_was_handed(
+    run_settings: Settings, make_cassette: Callable[..., str]
+) -> None:
+    model = make_cassette("exec-seam", [turn("echo seam"), turn(final="seam done")])
+    executor = Counting()
+    runtime = await Runtime.start(run_settings, executor=executor)
+    try:
+        org = await runtime.local_org()
+        row, _ = await runtime.admit(org, RunRequest(prompt="p", model=model))
+        row = await runtime.execute(row.id)
+    finally:
+        await runtime.close()
+    assert row.status == "succeeded", row.termination_detail
+    assert executor.executed == [row.id]
+    assert executor.closed == 1
+
+
+@pytest.mark.sandbox
+async def test_the_flow_loop_bridge_executes_cancels_and_hands_out_zdr_output(
+    run_settings: Settings, make_cassette: Callable[..., str]
+) -> None:
+    canary = "CANARY-bridge-4c1e"
+    model = make_cassette("bridge-zdr", [turn(f"echo {canary}"), turn(final=f"{canary} done")])
+    runtime = await start_bridged(run_settings, PlainExecutor())
+    assert isinstance(runtime, LoopBridgedRuntime)
+    inner = runtime.bridge.inner
+    try:
+        org = await runtime.local_org()
+        zdr, _ = await runtime.admit(
+            org, RunRequest(prompt=f"p {canary}", model=model, zero_data_retention=True)
+        )
+        idle, _ = await runtime.admit(org, RunRequest(prompt="never runs", model=model))
+        zdr = await runtime.launch(zdr.id)
+        first = runtime.take_zdr_output(zdr.id)
+        second = runtime.take_zdr_output(zdr.id)
+        cancelled = await runtime.cancel(idle.id)
+        settled = await runtime.wait(idle.id, timeout=30)
+    finally:
+        await runtime.close()
+    assert zdr.status == "succeeded", zdr.termination_detail
+    assert zdr.output is None  # never stored
+    assert first is not None and canary in first and second is None
+    assert cancelled.status == "cancelled" and settled.settled
+    assert inner.store is not runtime.store  # the inner runtime has its own engine, on its loop
+    assert not runtime.bridge.flow_loop._thread.is_alive()
