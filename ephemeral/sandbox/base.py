@@ -15,6 +15,18 @@ from pydantic import BaseModel, ConfigDict, Field
 STRENGTH_ORDER: tuple[str, ...] = ("microvm-kvm", "gvisor", "namespaces")
 ALL_ISOLATIONS: tuple[str, ...] = ("microvm-kvm", "microvm-tcg", "gvisor", "namespaces")
 
+# What the guest agent (the sandbox's root) keeps, on every level: demote commands to the
+# worker (SETUID, SETGID), kill them (KILL), and put/get files the worker owns or made
+# unreadable (DAC_OVERRIDE, CHOWN, FOWNER). Commands keep none.
+AGENT_CAPS = [
+    "CAP_SETUID",
+    "CAP_SETGID",
+    "CAP_KILL",
+    "CAP_DAC_OVERRIDE",
+    "CAP_CHOWN",
+    "CAP_FOWNER",
+]
+
 
 class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

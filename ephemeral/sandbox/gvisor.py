@@ -11,7 +11,8 @@ because all state lives in that private root.
 
 Identities: the agent runs as gVisor's sandboxed root (uid 0 inside the Sentry's own user
 namespace: never host root; the Sentry itself runs as an unprivileged host user) with only
-:data:`AGENT_CAPS`, and makes itself non-dumpable; commands run as uid 1000 with no capabilities.
+:data:`~ephemeral.sandbox.base.AGENT_CAPS`, and makes itself non-dumpable; commands run as
+uid 1000 with no capabilities.
 A command therefore cannot open the agent's channel through ``/proc/1/fd``, ptrace it, or
 signal it, and so cannot forge its own result.
 
@@ -29,7 +30,7 @@ from typing import Any
 
 from ephemeral import errors
 from ephemeral.sandbox import cgroups, handles
-from ephemeral.sandbox.base import Limits, Sandbox
+from ephemeral.sandbox.base import AGENT_CAPS, Limits, Sandbox
 from ephemeral.sandbox.probe import runtime_version
 from ephemeral.sandbox.process import ProcessDriver, ProcessSandbox, new_handle
 
@@ -41,16 +42,6 @@ SENTRY_MEMORY_MIB = 160
 SENTRY_PIDS = 256
 HOST_PIDS_PER_GUEST_PROCESS = 12
 SMALL_TMPFS = 16 << 20
-# What the root agent needs: demote commands to the worker (SETUID, SETGID), kill them (KILL),
-# and put/get files the worker owns or made unreadable (DAC_OVERRIDE, CHOWN, FOWNER).
-AGENT_CAPS = [
-    "CAP_SETUID",
-    "CAP_SETGID",
-    "CAP_KILL",
-    "CAP_DAC_OVERRIDE",
-    "CAP_CHOWN",
-    "CAP_FOWNER",
-]
 
 
 def _tmpfs(dest: str, size: int) -> dict[str, Any]:

@@ -11,7 +11,7 @@ Identities. The launcher (host root) gives each sandbox a user namespace mapping
 of those uids is host root or a real host user). Inside it:
 
 - the guest agent is root *of that namespace* (host uid ``base``), with only the capabilities it
-  needs (:data:`AGENT_CAPS`), non-dumpable, as pid 1 of its pid namespace;
+  needs (:data:`~ephemeral.sandbox.base.AGENT_CAPS`), non-dumpable, as pid 1 of its pid namespace;
 - every command runs as uid/gid 1000 (host ``base+1000``), with no capabilities, no fds but
   0-2, and no-new-privileges, so it can neither signal, ptrace nor read ``/proc/1/fd`` or
   ``/proc/1/mem`` of the agent, nor forge its replies;
@@ -53,7 +53,7 @@ from pathlib import Path
 
 from ephemeral import errors
 from ephemeral.sandbox import cgroups, handles, seccomp
-from ephemeral.sandbox.base import Limits, Sandbox
+from ephemeral.sandbox.base import AGENT_CAPS, Limits, Sandbox
 from ephemeral.sandbox.process import ProcessDriver, ProcessSandbox, new_handle
 from ephemeral.settings import Settings
 
@@ -69,14 +69,6 @@ SLOTS_DIR = RUN_DIR / "uid-slots"
 SLOT_BASE = 1 << 30
 SLOT_SIZE = 1 << 16
 SLOTS = 4096
-AGENT_CAPS = [
-    "CAP_SETUID",
-    "CAP_SETGID",
-    "CAP_KILL",
-    "CAP_DAC_OVERRIDE",
-    "CAP_CHOWN",
-    "CAP_FOWNER",
-]
 # Docker's masked /proc paths that exist here read empty; these read per-sandbox values.
 MASKED = ("/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug")
 PRIVILEGED_LABEL = "namespaces-privileged"
