@@ -7,23 +7,18 @@ that once failed the records writer and cost the run its Parquet files.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
 from ephemeral import service
 from ephemeral.policy import RunRequest
 from ephemeral.records import Records
-from ephemeral.sandbox import handles
 from ephemeral.sandbox.base import Limits, Sandbox
-from ephemeral.sandbox.process import ProcessSandbox, new_handle
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.run.conftest import turn
-
-HOSTILE = Path(__file__).parents[1] / "sandbox" / "hostile_agent.py"
+from tests.sandbox.hostile import start_hostile
 
 
 class HostileDriver:
@@ -37,20 +32,7 @@ class HostileDriver:
         return None
 
     async def create(self, *, owner: str, limits: Limits) -> Sandbox:
-        handle = new_handle(self.isolation, owner)
-        hfile = handles.write(self.settings.sandboxes_dir, handle)
-        sbx = ProcessSandbox(
-            sandbox_id=handle.id,
-            isolation=self.isolation,
-            image="hostile",
-            handle=handle,
-            handle_file=hfile,
-            cgroups=None,
-            limits=limits,
-            runtime="hostile_agent.py",
-        )
-        await sbx._start([sys.executable, str(HOSTILE), self.mode])
-        return sbx
+        return await start_hostile(self.settings, self.mode, owner=owner, limits=limits)
 
 
 async def test_absurd_guest_numbers_never_cost_the_records(

@@ -10,19 +10,15 @@ sandbox's exec must still answer. Shares are measured, not timed: process CPU ti
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from ephemeral.sandbox import handles
-from ephemeral.sandbox.base import Limits
-from ephemeral.sandbox.process import STDERR_KEEP, ProcessSandbox, new_handle
+from ephemeral.sandbox.process import STDERR_KEEP, ProcessSandbox
 from ephemeral.settings import Settings
 from tests.sandbox.conftest import Factory
+from tests.sandbox.hostile import start_hostile
 
-HOSTILE = Path(__file__).with_name("hostile_agent.py")
 WINDOW_SECONDS = 3.0
 MAX_CORE_SHARE = 0.20
 
@@ -35,19 +31,7 @@ async def host_cpu_share(seconds: float) -> float:
 
 
 async def hostile_flooder(settings: Settings) -> ProcessSandbox:
-    handle = new_handle("fake", "test")
-    sbx = ProcessSandbox(
-        sandbox_id=handle.id,
-        isolation="fake",
-        image="hostile",
-        handle=handle,
-        handle_file=handles.write(settings.sandboxes_dir, handle),
-        cgroups=None,
-        limits=Limits(),
-        runtime="hostile_agent.py",
-    )
-    await sbx._start([sys.executable, str(HOSTILE), "flood_stderr"])
-    return sbx
+    return await start_hostile(settings, "flood_stderr")
 
 
 @pytest.mark.timeout(60)
