@@ -56,6 +56,9 @@ bench: setup
 	$(PY) bench/run.py
 	$(PY) bench/api.py
 	$(PY) bench/records.py
+	$(PY) bench/seccomp.py
+	$(PY) bench/side_channels.py
+	$(PY) bench/soak.py --runs 100 --levels 16,64
 
 lint: venv
 	$(VENV)/bin/ruff check .
