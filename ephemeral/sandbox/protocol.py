@@ -10,8 +10,8 @@ the sandbox that somehow reached the channel could neither guess the id of the r
 nor replay an old reply, and the host takes no frame but the reply to the request it just sent
 (anything else breaks the client; the sandbox is destroyed). Ops: ``exec``, ``put``, ``get``,
 ``reseed``, ``ping``, ``kill_all`` (SIGKILL every process of the worker uid and every command
-session, and report how many; an eval's verify step calls it first so nothing the agent under
-test left running can touch the verdict) and ``shutdown``.
+session, and report how many; for a grader that must run before anything the agent under test
+left running can touch the verdict) and ``shutdown``.
 
 Everything the agent sends is hostile: frames are size-capped before they are read, nesting is
 capped while they are parsed, they are parsed into strict models whose every field is bounded
