@@ -320,12 +320,12 @@ class Runtime:
 
     async def _fail(self, run_id: str, exc: BaseException) -> None:
         """An exception escaped the execution path: end the run ``infra_error`` with the reason."""
-        log.error("run %s: execution failed: %s", run_id, _brief(exc), exc_info=exc)
+        log.error("run %s: execution failed: %s", run_id, brief_error(exc), exc_info=exc)
         try:
             row = await self.store.get_run(run_id)
             if row.status not in TERMINAL_STATUSES or not row.settled:
                 await self._abandon(
-                    run_id, TerminationReason.INFRA_ERROR, f"execution failed: {_brief(exc)}"
+                    run_id, TerminationReason.INFRA_ERROR, f"execution failed: {brief_error(exc)}"
                 )
         except Exception:
             # The store itself is failing; the watchdog retries once this task is gone.
@@ -545,7 +545,7 @@ class Runtime:
     # introspection -------------------------------------------------------------------------
     async def isolation_info(self) -> dict[str, Any]:
         """What this host offers (probed by really starting one) and what ``auto`` picks."""
-        from ephemeral.sandbox.probe import runtime_path, runtime_version
+        from ephemeral.sandbox.probe import level_report
 
         levels: dict[str, dict[str, Any]] = {}
         for level in ISOLATION_LEVELS:
@@ -553,15 +553,7 @@ class Runtime:
                 reason = await get_driver(level, self.settings).probe()
             except errors.EphemeralError as exc:
                 reason = exc.detail
-            runtime = await asyncio.to_thread(
-                runtime_version, level, runtime_path(level, self.settings)
-            )
-            levels[level] = {
-                "available": reason is None,
-                "reason": reason,
-                "runtime": runtime,
-                "privileged": level == "namespaces" and self.settings.namespaces_privileged,
-            }
+            levels[level] = await asyncio.to_thread(level_report, level, reason, self.settings)
         try:
             auto: str | None = await resolve_isolation("auto", self.settings)
         except errors.IsolationUnavailable:
@@ -585,7 +577,7 @@ def _aware(at: datetime) -> datetime:
     return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
-def _brief(exc: BaseException) -> str:
+def brief_error(exc: BaseException) -> str:
     """The exception's type and first line, bounded: it lands in the run's termination detail."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__

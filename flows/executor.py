@@ -12,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ephemeral.executor import Executor, PlainExecutor
-from ephemeral.service import _brief
+from ephemeral.service import brief_error
 
 if TYPE_CHECKING:
     from ephemeral.service import Runtime
@@ -81,6 +81,6 @@ class PrefectExecutor:
                     run_id,
                     attempt,
                     FLOW_START_ATTEMPTS,
-                    _brief(exc),
+                    brief_error(exc),
                 )
                 await asyncio.sleep(FLOW_START_BACKOFF_SECONDS * 2 ** (attempt - 1))

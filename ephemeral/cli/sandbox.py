@@ -165,23 +165,14 @@ def isolation_cmd(
             return offered, None, exc.detail
 
     offered, auto, why = _run(go)
-    from ephemeral.sandbox.probe import runtime_path, runtime_version
+    from ephemeral.sandbox.probe import level_report
 
-    runtimes = {k: runtime_version(k, runtime_path(k, settings)) for k in offered}
+    reports = {k: level_report(k, v, settings) for k, v in offered.items()}
     if as_json:
         typer.echo(
             json.dumps(
                 {
-                    "levels": [
-                        {
-                            "isolation": k,
-                            "available": v is None,
-                            "reason": v,
-                            "runtime": runtimes[k],
-                            "privileged": k == "namespaces" and settings.namespaces_privileged,
-                        }
-                        for k, v in offered.items()
-                    ],
+                    "levels": [{"isolation": k, **report} for k, report in reports.items()],
                     "auto": auto,
                     "auto_error": why,
                 },
@@ -194,9 +185,9 @@ def isolation_cmd(
         note = "" if reason is None else f"  ({reason})"
         if iso == "microvm-tcg" and reason is None:
             note = "  (only when asked for: emulation is not a security boundary)"
-        if iso == "namespaces" and settings.namespaces_privileged:
+        if reports[iso]["privileged"]:
             note += "  (PRIVILEGED: agent is host root, runs say namespaces-privileged)"
-        typer.echo(f"{mark} {iso:<12} [{runtimes[iso]}]{note}")
+        typer.echo(f"{mark} {iso:<12} [{reports[iso]['runtime']}]{note}")
     typer.echo(f"auto -> {auto}" if auto else f"auto -> nothing: {why}")
 
 

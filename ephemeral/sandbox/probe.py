@@ -80,6 +80,17 @@ def runtime_version(isolation: str, path: str | None = None) -> str:
     return version
 
 
+def level_report(isolation: str, reason: str | None, settings: Settings) -> dict[str, object]:
+    """One level as ``ephemeral isolation`` and ``GET /v1/isolation`` show it, given its probe's
+    verdict (``reason`` None: it runs here)."""
+    return {
+        "available": reason is None,
+        "reason": reason,
+        "runtime": runtime_version(isolation, runtime_path(isolation, settings)),
+        "privileged": isolation == "namespaces" and settings.namespaces_privileged,
+    }
+
+
 async def cached_probe(
     driver: SandboxDriver, settings: Settings, *, fresh: bool = False
 ) -> str | None:
