@@ -4,6 +4,7 @@ destroys every sandbox at teardown and attaches the runtime's log to a failing t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -43,8 +44,18 @@ def _availability_of(isolation: str, settings: Settings) -> str | None:
         if isolation.startswith("microvm") and not registry.microvm_available():
             _availability[isolation] = "ephemeral.sandbox.microvm is not installed"
         else:
-            _availability[isolation] = asyncio.run(registry.probe_level(isolation, settings))
+            _availability[isolation] = _run_probe(isolation, settings)
     return _availability[isolation]
+
+
+def _run_probe(isolation: str, settings: Settings) -> str | None:
+    """Probe with a loop of its own: async tests ask too, from inside their running loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(registry.probe_level(isolation, settings))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, registry.probe_level(isolation, settings)).result()
 
 
 @pytest.fixture(params=DRIVERS)

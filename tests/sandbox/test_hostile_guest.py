@@ -20,6 +20,7 @@ from ephemeral.sandbox import handles, namespaces, process, registry
 from ephemeral.sandbox.base import Limits, Sandbox
 from ephemeral.sandbox.process import ProcessSandbox, new_handle
 from ephemeral.settings import Settings
+from tests.drivers import unavailable
 from tests.sandbox.conftest import Factory, _availability_of
 
 pytestmark = pytest.mark.sandbox
@@ -145,7 +146,7 @@ async def test_the_host_is_masked(make_sandbox: Factory) -> None:
 def _namespaces(settings: Settings) -> namespaces.NamespacesDriver:
     why = _availability_of("namespaces", settings)
     if why is not None:
-        pytest.skip(f"namespaces cannot run here: {why}")
+        unavailable(f"namespaces cannot run here: {why}", "namespaces")
     driver = registry.get_driver("namespaces", settings)
     assert isinstance(driver, namespaces.NamespacesDriver)
     return driver
@@ -251,7 +252,7 @@ async def test_inotify_does_not_see_other_tenants(sandbox_settings: Settings, ot
     for iso in ("namespaces", other):
         why = _availability_of(iso, sandbox_settings)
         if why is not None:
-            pytest.skip(f"{iso} cannot run here: {why}")
+            unavailable(f"{iso} cannot run here: {why}", iso)
     watcher = await registry.get_driver("namespaces", sandbox_settings).create(
         owner="test", limits=Limits()
     )

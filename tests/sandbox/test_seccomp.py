@@ -20,6 +20,7 @@ import pytest
 from ephemeral.sandbox import registry
 from ephemeral.sandbox.base import Limits, Sandbox
 from ephemeral.settings import Settings
+from tests.drivers import unavailable
 
 # x86_64 numbers; every call is made with arguments that would succeed (or fail with another
 # errno than EPERM/ENOSYS) if the filter let it through.
@@ -132,7 +133,7 @@ int main(void) {
 async def sbx(sandbox_settings: Settings, rootfs: Path) -> AsyncIterator[Sandbox]:
     why = await registry.probe_level("namespaces", sandbox_settings)
     if why is not None:
-        pytest.skip(f"namespaces cannot run here: {why}")
+        unavailable(f"namespaces cannot run here: {why}", "namespaces")
     made = await registry.get_driver("namespaces", sandbox_settings).create(
         owner="test", limits=Limits()
     )
