@@ -32,6 +32,7 @@ $(VENV)/.installed: pyproject.toml
 # The sandbox image is cached by the hash of its definition: a second build takes seconds.
 image: venv
 	$(EPH) images build
+	$(EPH) images build python-dev
 
 prefect-template: venv
 	$(PY) -c "from ephemeral.prefect_setup import ensure_template; from ephemeral.settings import Settings; print(ensure_template(Settings.load()))"

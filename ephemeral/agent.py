@@ -44,6 +44,7 @@ MAX_TOKENS = 2048
 MIN_USEFUL_TOKENS = 64
 MAX_COMMAND_CHARS = 16_384
 STEP_OUTPUT_CAP = 64 * 1024  # bytes of stdout/stderr kept per shell step
+VERIFY_OUTPUT_CAP = 16 * 1024  # bytes of stdout/stderr kept per setup or verify command
 TOOL_RESULT_CHARS = 16_000  # what goes back to the model per tool result
 SHELL_TOOL = ToolSpec(
     name="shell",
@@ -76,8 +77,15 @@ class AgentRun:
     max_turns: int = 20
     isolation: str = "auto"
     image: str = "default"
+    image_hash: str | None = None
+    # From the image definition: every command of the run (setup, the agent's, verify) runs
+    # with this environment, in this directory (relative to scratch; None: scratch itself).
+    command_env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
     budget: RunBudget = field(init=False)
-    deadline: float = field(init=False)  # monotonic
+    deadline: float = field(init=False)  # monotonic: the run's whole time limit
+    agent_deadline: float = field(init=False)  # the agent's part: the deadline less verify's
+    verify_results: list[dict[str, Any]] = field(default_factory=list)
     sandbox: Sandbox | None = None
     messages: list[Message] = field(default_factory=list)
     turns: list[dict[str, Any]] = field(default_factory=list)  # recorded model turns
@@ -97,6 +105,7 @@ class AgentRun:
             reserved_micros=self.row.reserved_micros, compute_micros_per_second=float(rate)
         )
         self.deadline = time.monotonic() + self.policy.timeout_seconds
+        self.agent_deadline = self.deadline - self.policy.verify_reserve_seconds()
 
     @property
     def run_id(self) -> str:
@@ -113,7 +122,7 @@ class AgentRun:
         )
 
     def time_left(self) -> float:
-        limit = self.deadline
+        limit = self.agent_deadline
         compute = self.budget.compute_deadline()
         if compute is not None:
             limit = min(limit, compute)
@@ -142,9 +151,13 @@ class AgentRun:
         left = self.time_left()
         if left <= 0:
             compute = self.budget.compute_deadline()
-            if compute is not None and compute < self.deadline:
+            if compute is not None and compute < self.agent_deadline:
                 raise StopRun(Reason.BUDGET_EXHAUSTED, "compute used up the remaining budget")
-            raise StopRun(Reason.TIMEOUT, f"time limit of {self.policy.timeout_seconds} s reached")
+            reserved = self.policy.verify_reserve_seconds()
+            kept = f" ({reserved} s of it kept for verify)" if reserved else ""
+            raise StopRun(
+                Reason.TIMEOUT, f"time limit of {self.policy.timeout_seconds} s reached{kept}"
+            )
         return left
 
     # steps -------------------------------------------------------------------------------
@@ -172,6 +185,7 @@ class AgentRun:
         ready = {
             "isolation": sandbox.isolation,
             "image": sandbox.image,
+            "image_hash": self.image_hash,
             "boot_ms": boot_ms,
             "queue_wait_ms": _ms(self.row.created_at, started_at),
             "runtime": sandbox.runtime,
@@ -184,6 +198,8 @@ class AgentRun:
             isolation=sandbox.isolation,
             runtime=sandbox.runtime,
             sandbox_id=sandbox.id,
+            image=sandbox.image,
+            image_hash=self.image_hash,
         )
         for f in self.policy.files:
             await sandbox.put_file(f.path, f.data())
@@ -323,7 +339,13 @@ class AgentRun:
         assert self.sandbox is not None
         timeout = max(0.1, min(float(self.policy.timeout_seconds), self.time_left()))
         try:
-            res = await self.sandbox.exec(command, timeout=timeout, max_output=STEP_OUTPUT_CAP)
+            res = await self.sandbox.exec(
+                command,
+                timeout=timeout,
+                max_output=STEP_OUTPUT_CAP,
+                env=self.command_env or None,
+                cwd=self.workdir,
+            )
         except errors.SandboxError as exc:
             raise StopRun(Reason.SANDBOX_ERROR, exc.detail) from exc
         await self.emit(
@@ -346,6 +368,96 @@ class AgentRun:
         if len(text) > TOOL_RESULT_CHARS:
             text = text[:TOOL_RESULT_CHARS] + "\n…(truncated)"
         return text
+
+    async def setup(self) -> None:
+        """The request's setup commands, before the first model call; the model never sees
+        their output. The first that fails (non-zero, or killed at the deadline) ends the run
+        ``setup_failed``. They share the agent's time and compute budget."""
+        assert self.sandbox is not None
+        if self.workdir:
+            await self._exec_recorded(
+                "setup.executed",
+                f"mkdir -p -- '{self.workdir}'",
+                self.time_left(),
+                in_workdir=False,
+            )
+        for i, command in enumerate(self.policy.setup):
+            left = self._check_time()
+            res = await self._exec_recorded("setup.executed", command, left)
+            if res["exit_code"] != 0:
+                why = (
+                    "was killed at its deadline"
+                    if res["timed_out"]
+                    else (f"exited {res['exit_code']}")
+                )
+                tail = "" if self.zdr else f": {_tail(res['stderr'] or res['stdout'])}"
+                raise StopRun(Reason.SETUP_FAILED, f"setup[{i}] {why}{tail}")
+
+    async def verify(self) -> None:
+        """The request's verify commands after the agent's final answer (or its time ran out).
+
+        Every process the agent left is killed first, so the grader sees the files, not a
+        still-running agent. Each command gets what is left of the run's whole time limit (the
+        slice kept for verify) and of the compute budget; results are ``verify.executed``
+        events and ``verify_results``, for the checks and the records.
+        """
+        if self.sandbox is None or not self.policy.verify:
+            return
+        kill_all = getattr(self.sandbox, "kill_all", None)
+        if kill_all is not None:
+            try:
+                await kill_all()
+            except errors.SandboxError as exc:
+                log.warning("run %s: kill_all before verify failed: %s", self.run_id, exc)
+        for command in self.policy.verify:
+            limit = self.deadline
+            compute = self.budget.compute_deadline()
+            if compute is not None:
+                limit = min(limit, compute)
+            left = limit - time.monotonic()
+            if left <= 0 or self.cancelled.is_set():
+                why = "cancelled" if self.cancelled.is_set() else "no time or budget left"
+                result = {
+                    "command": command,
+                    "exit_code": None,
+                    "stdout": "",
+                    "stderr": "",
+                    "duration_ms": 0,
+                    "truncated": False,
+                    "timed_out": False,
+                    "skipped": why,
+                }
+                self.verify_results.append(result)
+                await self.emit("verify.executed", result)
+                continue
+            res = await self._exec_recorded("verify.executed", command, left)
+            self.verify_results.append(res)
+
+    async def _exec_recorded(
+        self, event: str, command: str, timeout: float, *, in_workdir: bool = True
+    ) -> dict[str, Any]:
+        assert self.sandbox is not None
+        try:
+            res = await self.sandbox.exec(
+                command,
+                timeout=max(0.1, timeout),
+                max_output=VERIFY_OUTPUT_CAP,
+                env=self.command_env or None,
+                cwd=self.workdir if in_workdir else None,
+            )
+        except errors.SandboxError as exc:
+            raise StopRun(Reason.SANDBOX_ERROR, exc.detail) from exc
+        data: dict[str, Any] = {
+            "command": command,
+            "exit_code": None if res.timed_out else res.exit_code,
+            "stdout": res.stdout,
+            "stderr": res.stderr,
+            "duration_ms": res.duration_ms,
+            "truncated": res.truncated,
+            "timed_out": res.timed_out,
+        }
+        await self.emit(event, data)
+        return data
 
     async def _maybe_warn(self) -> None:
         if self.budget.should_warn():
@@ -403,6 +515,11 @@ class AgentRun:
         return row
 
 
+def _tail(text: str, limit: int = 300) -> str:
+    text = text.strip().replace("\n", " | ")
+    return text if len(text) <= limit else "…" + text[-limit:]
+
+
 def _ms(a: datetime, b: datetime) -> int:
     """Milliseconds from ``a`` to ``b`` (naive times, as SQLite returns them, are UTC)."""
     a, b = (t if t.tzinfo is not None else t.replace(tzinfo=UTC) for t in (a, b))
@@ -444,8 +561,9 @@ def _reason_for(exc: BaseException) -> tuple[Reason, str]:
 async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
     """Run the whole loop. The sandbox is destroyed and the money settled whatever happens."""
     try:
-        async with asyncio.timeout(max(0.0, run.deadline - time.monotonic()) + 5.0):
+        async with asyncio.timeout(max(0.0, run.agent_deadline - time.monotonic()) + 5.0):
             await steps.provision(run)
+            await run.setup()
             while True:
                 reply = await steps.model_step(run)
                 if reply is None:
@@ -463,6 +581,15 @@ async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
             log.exception("run %s failed", run.run_id)
         if run.output is None and run.messages and run.messages[-1].role == "assistant":
             run.output = run.messages[-1].content
+    if run.reason in (Reason.COMPLETED, Reason.TIMEOUT):
+        # An agent that used all its time is still graded: verify has its own slice.
+        try:
+            async with asyncio.timeout(max(0.0, run.deadline - time.monotonic()) + 5.0):
+                await run.verify()
+        except StopRun as exc:
+            run.reason, run.detail = exc.reason, exc.detail
+        except TimeoutError:
+            log.warning("run %s: verify outlived the run's time limit", run.run_id)
     return await _finish(run, steps)
 
 

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict
 # type -> the keys its data carries. Docs and tests are checked against this table.
 EVENT_TYPES: dict[str, tuple[str, ...]] = {
     "run.queued": ("reserved_micros",),
-    "sandbox.ready": ("isolation", "image", "boot_ms", "runtime"),
+    "sandbox.ready": ("isolation", "image", "boot_ms", "runtime", "image_hash"),
     "worker.started": ("shell", "web", "connections", "files"),
     "model.called": ("model", "input_tokens", "output_tokens", "cost_micros", "latency_ms"),
     "shell.executed": ("command", "exit_code", "stdout", "stderr", "duration_ms", "truncated"),
@@ -17,6 +17,8 @@ EVENT_TYPES: dict[str, tuple[str, ...]] = {
     "web.denied": ("method", "url", "reason", "cost_micros"),
     "connection.requested": ("name", "method", "path", "status"),
     "connection.denied": ("name", "method", "path", "reason"),
+    "setup.executed": ("command", "exit_code", "stdout", "stderr", "duration_ms", "timed_out"),
+    "verify.executed": ("command", "exit_code", "stdout", "stderr", "duration_ms", "timed_out"),
     "budget.warning": ("spent_micros", "remaining_micros"),
     "sandbox.destroyed": ("lifetime_ms",),
     "run.succeeded": ("model_calls", "tokens", "reason"),

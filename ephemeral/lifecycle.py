@@ -33,6 +33,7 @@ class TerminationReason(StrEnum):
     MODEL_ERROR = "model_error"
     SANDBOX_ERROR = "sandbox_error"
     INFRA_ERROR = "infra_error"
+    SETUP_FAILED = "setup_failed"  # a setup command of the request failed before the first turn
 
 
 OPEN_STATUSES: frozenset[RunStatus] = frozenset(
@@ -49,6 +50,7 @@ STATUS_FOR_REASON: dict[TerminationReason, RunStatus] = {
     TerminationReason.MODEL_ERROR: RunStatus.FAILED,
     TerminationReason.SANDBOX_ERROR: RunStatus.FAILED,
     TerminationReason.INFRA_ERROR: RunStatus.FAILED,
+    TerminationReason.SETUP_FAILED: RunStatus.FAILED,
 }
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from typing import NoReturn
+from typing import Annotated, NoReturn
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -28,6 +29,9 @@ MAX_FILES_BYTES = 8 << 20  # 8 MiB in total
 MAX_FILES = 64
 MAX_PROMPT_CHARS = 100_000
 MAX_COST_MICROS = 100_000_000  # $100 per run
+MAX_STEP_COMMANDS = 32  # setup / verify commands per run
+MAX_STEP_COMMAND_CHARS = 16_384
+IMAGE_PATTERN = r"^[a-z0-9][a-z0-9-]{0,40}$"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _HTTP_METHODS = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
 
@@ -90,6 +94,19 @@ class Connection(_Strict):
         return v
 
 
+def _command(v: str) -> str:
+    if "\x00" in v:
+        raise ValueError("must not contain NUL")
+    if not v.strip():
+        raise ValueError("must not be blank")
+    return v
+
+
+Command = Annotated[
+    str, Field(min_length=1, max_length=MAX_STEP_COMMAND_CHARS), AfterValidator(_command)
+]
+
+
 class _Prompt(_Strict):
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     model: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9_.-]*/[A-Za-z0-9_.:/-]+$")
@@ -104,6 +121,33 @@ class Policy(_Strict):
     timeout_seconds: int = Field(default=120, ge=1, le=3600)
     max_cost_micros: int = Field(default=40_000, ge=1, le=MAX_COST_MICROS)
     isolation: Isolation = "auto"
+    # A built image by name (GET /v1/images); None: the server's default image.
+    image: str | None = Field(default=None, pattern=IMAGE_PATTERN)
+    # Commands run as worker in the scratch directory: setup before the first model call (its
+    # output never reaches the model), verify after the final answer, in a reserved slice of
+    # timeout_seconds (verify_timeout_seconds; default a quarter of it, at most 60 s).
+    setup: list[Command] = Field(default_factory=list, max_length=MAX_STEP_COMMANDS)
+    verify: list[Command] = Field(default_factory=list, max_length=MAX_STEP_COMMANDS)
+    verify_timeout_seconds: int | None = Field(default=None, ge=1, le=3600)
+
+    def verify_reserve_seconds(self) -> int:
+        """The slice of the time limit kept for verify (0 without verify commands)."""
+        if not self.verify:
+            return 0
+        if self.verify_timeout_seconds is not None:
+            return self.verify_timeout_seconds
+        return max(1, min(60, self.timeout_seconds // 4))
+
+    @model_validator(mode="after")
+    def _verify_slice(self) -> Policy:
+        if self.verify and self.verify_reserve_seconds() >= self.timeout_seconds:
+            _fail(
+                ("verify_timeout_seconds",),
+                self.verify_timeout_seconds,
+                f"must be less than timeout_seconds ({self.timeout_seconds}): the agent needs "
+                "part of the time limit",
+            )
+        return self
 
     @model_validator(mode="after")
     def _files_total(self) -> Policy:

@@ -24,10 +24,10 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, NamedTuple, NoReturn
+from typing import Annotated, Any, NamedTuple, NoReturn, TypeVar
 
 import yaml
 from jinja2 import StrictUndefined, TemplateSyntaxError
@@ -44,7 +44,7 @@ from pydantic import (
 )
 
 from ephemeral.checks import CHECK_KINDS, Check, ShellCondition
-from ephemeral.errors import RecipeError, UnknownModel
+from ephemeral.errors import InvalidRequest, RecipeError, UnknownModel
 from ephemeral.policy import MAX_PROMPT_CHARS, Connection, FileSpec, Policy
 from ephemeral.settings import Settings
 
@@ -331,7 +331,7 @@ _SCHEMAS: tuple[type[BaseModel], ...] = (
 _KNOWN_FIELDS = sorted({name for model in _SCHEMAS for name in model.model_fields} | {"budget"})
 
 
-def _schema_problems(exc: ValidationError) -> list[_Problem]:
+def _schema_problems(exc: ValidationError, known: Sequence[str] = _KNOWN_FIELDS) -> list[_Problem]:
     problems = []
     for err in exc.errors(include_url=False):
         loc: Loc = tuple(p for p in err["loc"] if p != "[key]")
@@ -344,7 +344,7 @@ def _schema_problems(exc: ValidationError) -> list[_Problem]:
             if loc == ("budget",):
                 msg = "budget and budget_micros are the same cap: give one"
             else:
-                close = difflib.get_close_matches(name, _KNOWN_FIELDS, n=1)
+                close = difflib.get_close_matches(name, known, n=1)
                 msg = "unknown field" + (f" (did you mean {close[0]!r}?)" if close else "")
         elif kind == "missing":
             msg = "required"
@@ -352,6 +352,42 @@ def _schema_problems(exc: ValidationError) -> list[_Problem]:
             msg = msg.removeprefix("Value error, ")
         problems.append(_Problem(loc, msg))
     return problems
+
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+Extra = Callable[[Any], list[tuple[Loc, str]]]
+
+
+def load_yaml_model(
+    path: Path,
+    model: type[ModelT],
+    *,
+    label: str | None = None,
+    extra: Extra | None = None,
+    error: type[InvalidRequest] = RecipeError,
+) -> ModelT:
+    """Any YAML file validated by ``model``, with the recipes' errors (file, line, field).
+
+    ``extra(obj)`` returns further problems as ``(location, message)`` once the schema passed;
+    image definitions use this for checks that need the file system.
+    """
+    data, source, dups = _read(path, label or str(path))
+    known = sorted(model.model_fields)
+    try:
+        obj = model.model_validate(data)
+    except ValidationError as exc:
+        problems = dups + _schema_problems(exc, known)
+    else:
+        problems = dups + [_Problem(loc, msg) for loc, msg in (extra(obj) if extra else [])]
+    if problems:
+        found = sorted((_error(source, p) for p in problems), key=lambda e: e["line"])
+        first = found[0]
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise error(
+            f"{first['file']}:{first['line']}: {first['field']}: {first['message']}{more}",
+            errors=found,
+        )
+    return obj
 
 
 # --------------------------------------------------------------------------- prompts

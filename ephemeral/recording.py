@@ -20,6 +20,25 @@ def _dt(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
+VERIFY_KEEP = ("command", "exit_code", "stdout", "stderr", "duration_ms", "timed_out", "skipped")
+
+
+def _verify_column(events: list[Event], zdr: bool) -> str | None:
+    """The run's verify results as JSON text (None when it had no verify step)."""
+    found = [
+        {k: ev.data.get(k) for k in VERIFY_KEEP if k in ev.data}
+        for ev in events
+        if ev.type == "verify.executed"
+    ]
+    if not found:
+        return None
+    if zdr:  # the events are redacted already; keep the figures only
+        found = [
+            {k: v for k, v in f.items() if k not in ("command", "stdout", "stderr")} for f in found
+        ]
+    return json.dumps(found)
+
+
 def build_records(
     row: Any, events: list[Event]
 ) -> tuple[RunRecord, list[StepRecord], list[EventRecord]]:
@@ -60,6 +79,9 @@ def build_records(
         duration_ms=duration,
         checks=json.dumps(labels["checks"]) if "checks" in labels else None,
         host=socket.gethostname(),
+        image=getattr(row, "image", None),
+        image_hash=getattr(row, "image_hash", None),
+        verify=_verify_column(events, zdr),
     )
     steps: list[StepRecord] = []
     for ev in events:

@@ -38,6 +38,8 @@ def run_object(row: Any, base_url: str | None = None) -> dict[str, Any]:
         "policy": row.policy,
         "isolation": row.isolation,
         "runtime": row.runtime,
+        "image": getattr(row, "image", None),
+        "image_hash": getattr(row, "image_hash", None),
         "termination": (
             {"reason": row.termination_reason, "detail": row.termination_detail}
             if row.termination_reason

@@ -28,6 +28,7 @@ from ephemeral.policy import Policy, RunRequest
 from ephemeral.pricing import PriceBook
 from ephemeral.providers.registry import provider_for
 from ephemeral.recording import record_run
+from ephemeral.sandbox import images
 from ephemeral.sandbox.base import Limits, Sandbox
 from ephemeral.sandbox.registry import get_driver, resolve_isolation
 from ephemeral.settings import Settings
@@ -69,7 +70,7 @@ class Runtime:
         self._running: dict[str, asyncio.Task[RunRow]] = {}
         self._agents: dict[str, AgentRun] = {}
         self._slots = asyncio.Semaphore(settings.max_concurrent_runs)
-        self._pools: dict[str, Any] = {}
+        self._pools: dict[tuple[str, str], Any] = {}  # (isolation, image) -> WarmPool
         self._zdr_outputs: dict[str, str] = {}
         self._zdr_prompts: dict[str, str] = {}
         self._granted: set[str] = set()  # holds a slot; its executor has not built the run yet
@@ -134,7 +135,9 @@ class Runtime:
             get_driver(isolation, self.settings), self.settings.pool_size, self.default_limits(120)
         )
         await pool.start()
-        self._pools[isolation] = pool
+        # Per image: the pool holds sandboxes of the default image; a run naming another image
+        # starts its sandbox cold (bench/images.py measures what that costs).
+        self._pools[(isolation, self.settings.image)] = pool
 
     # admission -----------------------------------------------------------------------------
     async def local_org(self) -> str:
@@ -167,6 +170,8 @@ class Runtime:
                 f"connections[{i}].name",
                 f"this org has no connection named {missing[0]!r} (ephemeral connections add)",
             )
+        if policy.image is not None:
+            images.require_built(self.settings, policy.image)  # 422 naming `image`
         try:
             await resolve_isolation(policy.isolation, self.settings)
         except errors.IsolationUnavailable as exc:
@@ -252,6 +257,8 @@ class Runtime:
                 )
             row = row.model_copy(update={"prompt": prompt})
         provider, provider_model = provider_for(row.model, self.settings)
+        image = policy.image or self.settings.image
+        built = images.built_image(self.settings, image)
         return AgentRun(
             store=self.store,
             row=row,
@@ -263,17 +270,24 @@ class Runtime:
             acquire_sandbox=lambda owner, limits: self._acquire(policy, owner, limits),
             limits=self.default_limits(policy.timeout_seconds),
             max_turns=self.settings.max_turns,
-            image=self.settings.image,
+            image=image,
+            image_hash=built.hash if built else None,
+            command_env=dict(built.env) if built else {},
+            workdir=built.workdir if built else None,
             broker=Broker(self.settings),
         )
 
     async def _acquire(self, policy: Policy, owner: str, limits: Limits) -> Sandbox:
         isolation = await resolve_isolation(policy.isolation, self.settings)
-        pool = self._pools.get(isolation)
+        image = policy.image or self.settings.image
+        pool = self._pools.get((isolation, image))
         if pool is not None:
             sandbox: Sandbox = await pool.acquire(owner)
             return sandbox
-        return await get_driver(isolation, self.settings).create(owner=owner, limits=limits)
+        settings = self.settings
+        if image != settings.image:
+            settings = settings.model_copy(update={"image": image})
+        return await get_driver(isolation, settings).create(owner=owner, limits=limits)
 
     async def execute(self, run_id: str) -> RunRow:
         """Run to the end in this process and return the settled row.
@@ -543,6 +557,25 @@ class Runtime:
         await self.record(run_id)
 
     # introspection -------------------------------------------------------------------------
+    def images(self) -> list[dict[str, Any]]:
+        """The current build of every image built here (name, hash, size, built_at)."""
+        from ephemeral.ids import rfc3339
+
+        out = []
+        for info in images.list_images(self.settings):
+            if info.current:
+                meta = images.built_image(self.settings, info.name)
+                out.append(
+                    {
+                        "name": info.name,
+                        "hash": info.hash,
+                        "size_bytes": info.size_bytes,
+                        "built_at": rfc3339(datetime.fromtimestamp(info.built_at, UTC)),
+                        "base": meta.base if meta else None,
+                    }
+                )
+        return sorted(out, key=lambda i: i["name"])
+
     async def isolation_info(self) -> dict[str, Any]:
         """What this host offers (probed by really starting one) and what ``auto`` picks."""
         from ephemeral.sandbox.probe import level_report

@@ -17,6 +17,7 @@ from ephemeral.api.schemas import (
     PROBLEM_CONTENT,
     EventObject,
     Health,
+    ImageList,
     IsolationInfo,
     RunObject,
     RunPage,
@@ -238,3 +239,9 @@ async def isolation(request: Request, who: Auth, runtime: Rt) -> dict[str, Any]:
         cache["info"] = await runtime.isolation_info()
     info: dict[str, Any] = cache["info"]
     return info
+
+
+@v1.get("/images", response_model=ImageList, responses=problems(401), tags=["meta"])
+async def list_images(who: Auth, runtime: Rt) -> dict[str, Any]:
+    """The images this server has built: what a run's ``image`` may name."""
+    return {"images": await asyncio.to_thread(runtime.images), "default": runtime.settings.image}

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from ephemeral.lifecycle import RunStatus
+from ephemeral.lifecycle import RunStatus, TerminationReason
 
 
 class ProblemItem(BaseModel):
@@ -27,7 +27,7 @@ class Problem(BaseModel):
 
 
 class Termination(BaseModel):
-    reason: str
+    reason: TerminationReason
     detail: str | None = None
 
 
@@ -65,6 +65,8 @@ class RunObject(BaseModel):
     model: str
     policy: dict[str, Any]
     isolation: str | None
+    image: str | None = None
+    image_hash: str | None = None
     # the sandbox runtime's version line, measured by the host ("runsc version 0.0~20221219.0")
     runtime: str | None = None
     termination: Termination | None
@@ -104,6 +106,19 @@ class IsolationInfo(BaseModel):
     available: list[str]
     auto: str | None
     levels: dict[str, IsolationLevel]
+
+
+class ImageObject(BaseModel):
+    name: str
+    hash: str  # sha256 of the definition (and its base's hash)
+    size_bytes: int
+    built_at: str  # RFC 3339
+    base: str | None = None
+
+
+class ImageList(BaseModel):
+    images: list[ImageObject]
+    default: str  # what a run that names no image gets
 
 
 class Health(BaseModel):

@@ -103,6 +103,9 @@ def register(app: typer.Typer) -> None:
             str, typer.Option(help="auto, gvisor, namespaces, microvm, microvm-tcg.")
         ] = "auto",
         zero_data_retention: Annotated[bool, typer.Option("--zero-data-retention")] = False,
+        image: Annotated[
+            str | None, typer.Option(help="A built image (ephemeral images list); default image.")
+        ] = None,
         as_json: Annotated[
             bool, typer.Option("--json", help="Print the run object as JSON.")
         ] = False,
@@ -136,6 +139,7 @@ def register(app: typer.Typer) -> None:
                                 "max_cost_micros": parse_usd(budget, field="--budget"),
                                 "isolation": isolation,
                                 "zero_data_retention": zero_data_retention,
+                                "image": image,
                             }
                         ),
                         {},

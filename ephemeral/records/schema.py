@@ -86,6 +86,9 @@ class RunRecord(_Record):
     duration_ms: int | None
     checks: str | None = None  # JSON text
     host: str
+    image: str | None = None  # the image's name and definition hash (sandbox.ready)
+    image_hash: str | None = None
+    verify: str | None = None  # JSON text: [{command, exit_code, duration_ms, timed_out, ...}]
 
     @field_validator("created_at", "started_at", "ended_at")
     @classmethod

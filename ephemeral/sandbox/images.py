@@ -1,15 +1,19 @@
 """Guest images: build, cache, list and remove.
 
 An image is declared by a directory ``sandbox_images/<name>/`` (``image.yaml`` + the guest
-agent + optional extra build steps). Its identity is the sha256 of every file in that directory,
-so the cache key changes exactly when the definition does. Layout under the image cache::
+agent + optional extra build steps). Its identity is the sha256 of every file in that directory
+and, for an image with ``base: OTHER``, of OTHER's identity, so the cache key changes exactly
+when the definition (or a base's) does. Layout under the image cache::
 
-    base/<base-hash>/rootfs        mmdebstrap output (packages + user), the slow part (~2 min)
-    <name>-<hash>/rootfs           base copy + guest agent: what every driver runs
+    base/<layer-hash>/rootfs       mmdebstrap output (packages + user), the slow part (~2 min)
+    <name>-<hash>/rootfs           layer copy + guest agent + pip, files, build steps
     <name>-<hash>/image.json       written last: its presence means the image is complete
     <name>-<hash>/<step>/          output of the extra build step ``<defdir>/<step>/build-step``
 
-The base layer is keyed only by what mmdebstrap sees, so editing the agent rebuilds in seconds.
+The mmdebstrap layer is keyed only by what mmdebstrap sees (the root's release and user, the
+packages of every image in the chain), so editing the agent, pip, files or build steps
+rebuilds in seconds. A derived image gets its own layer with its chain's packages, then the
+chain's definitions are applied root first: the base's pip, files and build steps, then its own.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ephemeral import errors
 from ephemeral.sandbox.microvm_image import build_with_image
@@ -57,16 +63,68 @@ class PreloadSpec(BaseModel):
     path: str = Field(pattern=r"^/[A-Za-z0-9._/-]+\.so$")
 
 
+class FileCopy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    source: str = Field(min_length=1)  # relative to the definition directory; a file or a tree
+    path: str = Field(pattern=r"^/[A-Za-z0-9._/+@-]+$")
+    mode: str | None = Field(default=None, pattern=r"^0?[0-7]{3,4}$")
+
+
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+_INHERITED = ("suite", "variant", "exclude_paths", "user", "agent", "preload")
+
+
 class ImageDefinition(BaseModel):
+    """``image.yaml``. A root image gives suite, variant, packages, user and agent; an image
+    with ``base:`` inherits those and adds its own packages, pip requirements, files, env,
+    workdir and build steps (applied after the base's own)."""
+
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,40}$")
-    suite: str = Field(pattern=r"^[a-z]+$")
-    variant: str = Field(pattern=r"^(extract|custom|essential|apt|required|minbase|buildd)$")
-    packages: list[str] = Field(min_length=1)
+    base: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9-]{0,40}$")
+    suite: str | None = Field(default=None, pattern=r"^[a-z]+$")
+    variant: str | None = Field(
+        default=None, pattern=r"^(extract|custom|essential|apt|required|minbase|buildd)$"
+    )
+    packages: list[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9+.:=~-]{0,99}$")]] = []
     exclude_paths: list[str] = []
-    user: UserSpec
-    agent: AgentSpec
+    user: UserSpec | None = None
+    agent: AgentSpec | None = None
     preload: list[PreloadSpec] = []
+    # installed by the host's pip into the image's python (wheels only, no code runs)
+    pip: list[Annotated[str, Field(min_length=1, max_length=500)]] = []
+    files: list[FileCopy] = []
+    env: dict[Annotated[str, Field(pattern=_ENV_NAME)], Annotated[str, Field(max_length=4096)]] = {}
+    # where commands run: a path relative to the run's scratch directory, made at start
+    workdir: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._+@-][A-Za-z0-9._/+@-]{0,199}$")
+    # shell steps run at build time inside the rootfs as root, with no network
+    build: list[Annotated[str, Field(min_length=1, max_length=16_384)]] = []
+
+    @field_validator("workdir")
+    @classmethod
+    def _plain(cls, v: str | None) -> str | None:
+        if v is not None and any(p in ("", ".", "..") for p in v.rstrip("/").split("/")):
+            raise ValueError("must be a plain path inside the scratch directory")
+        return v
+
+    def layering_problems(self) -> list[tuple[tuple[str | int, ...], str]]:
+        """A root image declares its release, user and agent; a derived one inherits them."""
+        if self.base is None:
+            missing = [f for f in ("suite", "variant", "user", "agent") if getattr(self, f) is None]
+            out: list[tuple[tuple[str | int, ...], str]] = [
+                ((f,), "required in an image without base:") for f in missing
+            ]
+            if not self.packages:
+                out.append((("packages",), "required in an image without base:"))
+            return out
+        out = [
+            ((f,), f"inherited from base {self.base!r}; give it there")
+            for f in _INHERITED
+            if f in self.model_fields_set
+        ]
+        if self.base == self.name:
+            out.append((("base",), "an image cannot be its own base"))
+        return out
 
 
 class ImageInfo(BaseModel):
@@ -87,16 +145,46 @@ def definition_dir(settings: Settings, name: str) -> Path:
 
 
 def load_definition(defdir: Path) -> ImageDefinition:
-    path = defdir / "image.yaml"
-    try:
-        raw = yaml.safe_load(path.read_text())
-        return ImageDefinition.model_validate(raw)
-    except (OSError, yaml.YAMLError) as exc:
-        raise errors.InvalidRequest(f"{path}: {exc}") from exc
-    except ValidationError as exc:
-        errs = [{"field": ".".join(map(str, e["loc"])), "message": e["msg"]} for e in exc.errors()]
-        detail = "; ".join(f"{e['field']}: {e['message']}" for e in errs)
-        raise errors.InvalidRequest(f"{path}: {detail}", errors=errs) from exc
+    """Parse and check ``image.yaml``; errors name the file, the line and the field."""
+    from ephemeral.recipes import load_yaml_model
+
+    def on_disk(d: ImageDefinition) -> list[tuple[tuple[str | int, ...], str]]:
+        problems = d.layering_problems()
+        if d.name != defdir.name:
+            problems.append((("name",), f"must be the directory's name {defdir.name!r}"))
+        if d.base is not None and not (defdir.parent / d.base / "image.yaml").is_file():
+            problems.append((("base",), f"no image definition {defdir.parent / d.base}"))
+        for i, f in enumerate(d.files):
+            src = (defdir / f.source).resolve()
+            if not src.is_relative_to(defdir.resolve()):
+                problems.append((("files", i, "source"), "must stay inside the definition"))
+            elif not src.exists():
+                problems.append((("files", i, "source"), f"no such file {src}"))
+        for i, req in enumerate(d.pip):
+            if req.startswith("-") and not req.startswith(("--no-deps",)):
+                problems.append((("pip", i), "pip options are not allowed, only requirements"))
+        return problems
+
+    return load_yaml_model(
+        defdir / "image.yaml", ImageDefinition, extra=on_disk, error=errors.InvalidRequest
+    )
+
+
+def chain(defdir: Path) -> list[tuple[Path, ImageDefinition]]:
+    """The definition and its bases, root first (``base:`` names a sibling directory)."""
+    out: list[tuple[Path, ImageDefinition]] = []
+    seen: set[str] = set()
+    d: Path | None = defdir
+    while d is not None:
+        if d.name in seen:
+            raise errors.InvalidRequest.field(
+                "base", f"{defdir / 'image.yaml'}: base images form a cycle through {d.name!r}"
+            )
+        seen.add(d.name)
+        definition = load_definition(d)
+        out.append((d, definition))
+        d = d.parent / definition.base if definition.base else None
+    return out[::-1]
 
 
 def _definition_files(defdir: Path) -> Iterator[Path]:
@@ -110,7 +198,11 @@ BUILDER_VERSION = 3
 
 
 def definition_hash(defdir: Path) -> str:
+    """sha256 of every file of the definition and, for a derived image, of its base's hash."""
     h = hashlib.sha256(f"builder-{BUILDER_VERSION}\n".encode())
+    base = _base_name(defdir)
+    if base is not None:
+        h.update(f"base {definition_hash(defdir.parent / base)}\n".encode())
     for p in _definition_files(defdir):
         rel = p.relative_to(defdir).as_posix().encode()
         h.update(len(rel).to_bytes(4, "big") + rel)
@@ -120,9 +212,30 @@ def definition_hash(defdir: Path) -> str:
     return h.hexdigest()
 
 
-def _base_hash(d: ImageDefinition) -> str:
-    keyed = d.model_dump(include={"suite", "variant", "packages", "exclude_paths", "user"})
-    return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
+def _base_name(defdir: Path) -> str | None:
+    # Read without validation: hashing must not need a valid definition (the build checks it),
+    # and a definition whose base names itself must not recurse forever.
+    try:
+        raw = yaml.safe_load((defdir / "image.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    base = raw.get("base") if isinstance(raw, dict) else None
+    if not isinstance(base, str) or base == defdir.name or "/" in base or base.startswith("."):
+        return None
+    return base
+
+
+def _layer_spec(defs: list[ImageDefinition]) -> dict[str, Any]:
+    """What mmdebstrap sees for a chain: the root's release and user, every layer's packages."""
+    root = defs[0]
+    packages = list(dict.fromkeys(p for d in defs for p in d.packages))
+    spec = root.model_dump(include={"suite", "variant", "packages", "exclude_paths", "user"})
+    spec["packages"] = packages
+    return spec
+
+
+def _base_hash(spec: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
 def image_dir(settings: Settings, name: str = "default") -> Path:
@@ -136,43 +249,60 @@ def built_rootfs(settings: Settings, name: str = "default") -> Path | None:
     return d / "rootfs" if (d / _MARKER).is_file() else None
 
 
-async def _run(argv: list[str], what: str) -> None:
+async def _run(
+    argv: list[str],
+    what: str,
+    *,
+    timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+) -> None:
     proc = await asyncio.create_subprocess_exec(
         *argv,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
     )
-    out, _ = await proc.communicate()
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        await proc.wait()
+        raise errors.SandboxError(f"image build: {what} timed out after {timeout:.0f}s") from None
     if proc.returncode != 0:
         tail = out.decode(errors="replace")[-4000:]
         raise errors.SandboxError(f"image build: {what} failed (exit {proc.returncode}):\n{tail}")
 
 
-def _mmdebstrap_argv(d: ImageDefinition, target: Path) -> list[str]:
-    u = d.user
+def _mmdebstrap_argv(spec: dict[str, Any], target: Path) -> list[str]:
+    u = spec["user"]
     argv = [
         "mmdebstrap",
         "--mode=root",
-        f"--variant={d.variant}",
+        f"--variant={spec['variant']}",
         '--aptopt=APT::Install-Recommends "false"',
-        "--include=" + ",".join(d.packages),
+        "--include=" + ",".join(spec["packages"]),
     ]
-    argv += [f"--dpkgopt=path-exclude={p}" for p in d.exclude_paths]
+    argv += [f"--dpkgopt=path-exclude={p}" for p in spec["exclude_paths"]]
     argv += [
-        f'--customize-hook=chroot "$1" groupadd -g {u.gid} {u.name}',
-        f'--customize-hook=chroot "$1" useradd -m -u {u.uid} -g {u.gid} -s /bin/sh {u.name}',
+        f'--customize-hook=chroot "$1" groupadd -g {u["gid"]} {u["name"]}',
+        f'--customize-hook=chroot "$1" useradd -m -u {u["uid"]} -g {u["gid"]} -s /bin/sh '
+        f"{u['name']}",
         # apt lists and caches are dead weight in a sandbox that never installs anything
         '--customize-hook=rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*',
         # no mirror argument: mmdebstrap uses the host's default Debian mirror
-        d.suite,
+        spec["suite"],
         str(target),
     ]
     return argv
 
 
-async def _ensure_base(settings: Settings, d: ImageDefinition) -> Path:
-    base = settings.image_cache_dir / "base" / _base_hash(d)[:16]
+async def _ensure_base(settings: Settings, spec: dict[str, Any]) -> Path:
+    base = settings.image_cache_dir / "base" / _base_hash(spec)[:16]
     rootfs = base / "rootfs"
     if (base / "done").is_file():
         return rootfs
@@ -181,7 +311,7 @@ async def _ensure_base(settings: Settings, d: ImageDefinition) -> Path:
     if base.exists():
         shutil.rmtree(base)
     base.mkdir(parents=True)
-    await _run(_mmdebstrap_argv(d, rootfs), "mmdebstrap")
+    await _run(_mmdebstrap_argv(spec, rootfs), "mmdebstrap")
     (base / "done").write_text(str(time.time()))
     return rootfs
 
@@ -238,33 +368,152 @@ def _build_steps(defdir: Path) -> list[Path]:
     return sorted(defdir.glob(f"*/{_BUILD_STEP}"))
 
 
-async def _assemble(defdir: Path, d: ImageDefinition, base: Path, out: Path) -> None:
+BUILD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+BUILD_STEP_TIMEOUT_S = 900.0
+PIP_TIMEOUT_S = 900.0
+
+
+def image_python(rootfs: Path) -> str:
+    """``3.11`` for a rootfs whose python3 is 3.11: what pip installs for."""
+    found = sorted(
+        p.name.removeprefix("python")
+        for p in (rootfs / "usr" / "bin").glob("python3.*")
+        if p.name.removeprefix("python3.").isdigit()
+    )
+    if not found:
+        raise errors.SandboxError("image build: pip: the image has no python3 (add it to packages)")
+    return found[-1]
+
+
+async def _pip_install(defdir: Path, d: ImageDefinition, rootfs: Path) -> None:
+    """The host's pip installs wheels into the image's dist-packages; nothing of the
+    requirement runs on the host (wheels only) and nothing is fetched from inside a sandbox."""
+    if not d.pip:
+        return
+    version = image_python(rootfs)
+    target = rootfs / "usr" / "local" / "lib" / f"python{version}" / "dist-packages"
+    target.mkdir(parents=True, exist_ok=True)
+    reqs = [
+        str(defdir / r) if r.startswith("./") else r for r in d.pip
+    ]  # a wheel shipped with the definition
+    argv = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--no-warn-script-location",
+        "--only-binary=:all:",
+        f"--python-version={version}",
+        "--implementation=cp",
+        "--upgrade",
+        f"--target={target}",
+        *reqs,
+    ]
+    if all(r.startswith("./") for r in d.pip):
+        argv.insert(4, "--no-index")  # only wheels shipped with the definition: no registry
+    await _run(argv, f"pip install into the image (python {version})", timeout=PIP_TIMEOUT_S)
+
+
+def _copy_files(defdir: Path, d: ImageDefinition, rootfs: Path) -> None:
+    for f in d.files:
+        src = (defdir / f.source).resolve()
+        dst = rootfs / f.path.lstrip("/")
+        if not dst.resolve().is_relative_to(rootfs.resolve()):
+            raise errors.InvalidRequest.field("files", f"{f.path} leaves the image's root")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+        else:
+            shutil.copy2(src, dst)
+        if f.mode is not None:
+            dst.chmod(int(f.mode, 8))
+
+
+async def _run_build_steps(d: ImageDefinition, env: dict[str, str], rootfs: Path) -> None:
+    """Each step runs as root in the rootfs, in a new network namespace: no network at all."""
+    if not d.build:
+        return
+    if shutil.which("unshare") is None:
+        raise errors.SandboxError("image build: build steps need unshare (util-linux)")
+    step_env = {
+        "PATH": BUILD_PATH,
+        "HOME": "/root",
+        "LANG": "C.UTF-8",
+        "DEBIAN_FRONTEND": "noninteractive",
+        **env,
+    }
+    for i, step in enumerate(d.build):
+        argv = ["unshare", "--net", "chroot", str(rootfs), "/bin/sh", "-ec", step]
+        await _run(
+            argv, f"{d.name}: build[{i}]", timeout=BUILD_STEP_TIMEOUT_S, env=step_env, cwd="/"
+        )
+
+
+async def _assemble(
+    layers: list[tuple[Path, ImageDefinition]], base: Path, out: Path
+) -> dict[str, Any]:
+    """Copy the mmdebstrap layer, then apply every definition in the chain, root first.
+
+    Returns what the image's runs need to know (agent path, user, env, workdir)."""
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    await _run(["cp", "-a", "--reflink=auto", str(base), str(tmp / "rootfs")], "copy base rootfs")
+    rootfs = tmp / "rootfs"
+    await _run(["cp", "-a", "--reflink=auto", str(base), str(rootfs)], "copy base rootfs")
     # mmdebstrap copies the build host's name: every sandbox says `sandbox` instead
-    (tmp / "rootfs" / "etc" / "hostname").write_text("sandbox\n")
-    agent_dst = tmp / "rootfs" / d.agent.path.lstrip("/")
+    (rootfs / "etc" / "hostname").write_text("sandbox\n")
+    root_dir, root = layers[0]
+    assert root.agent is not None and root.user is not None  # checked by the model
+    agent_dst = rootfs / root.agent.path.lstrip("/")
     agent_dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(defdir / d.agent.source, agent_dst)
+    shutil.copyfile(root_dir / root.agent.source, agent_dst)
     agent_dst.chmod(0o755)
-    await _precompile_agent(tmp / "rootfs", d.agent.path)
-    await _compile_preloads(defdir, d, tmp / "rootfs")
+    await _precompile_agent(rootfs, root.agent.path)
+    await _compile_preloads(root_dir, root, rootfs)
+    env: dict[str, str] = {}
+    workdir: str | None = None
+    for defdir, d in layers:
+        env.update(d.env)
+        workdir = d.workdir or workdir
+        await _pip_install(defdir, d, rootfs)
+        _copy_files(defdir, d, rootfs)
+        await _run_build_steps(d, env, rootfs)
+    defdir = layers[-1][0]
     for step in _build_steps(defdir):
         if os.access(step, os.X_OK):
             step_out = tmp / step.parent.name
             step_out.mkdir(exist_ok=True)
-            await _run([str(step), str(tmp / "rootfs"), str(step_out)], f"build step {step}")
+            await _run([str(step), str(rootfs), str(step_out)], f"build step {step}")
     shutil.rmtree(out, ignore_errors=True)
     os.rename(tmp, out)
+    return {
+        "agent_path": root.agent.path,
+        "user": root.user.model_dump(),
+        "env": env,
+        "workdir": workdir,
+        "python": _python_or_none(out / "rootfs"),
+    }
+
+
+def _python_or_none(rootfs: Path) -> str | None:
+    try:
+        return image_python(rootfs)
+    except errors.SandboxError:
+        return None
 
 
 async def ensure_image(settings: Settings, name: str = "default") -> Path:
-    """The rootfs path of image ``name``, building it first if this definition is not cached."""
+    """The rootfs path of image ``name``, building it first if this definition is not cached.
+
+    A derived image (``base:``) is built from one mmdebstrap layer holding every package of
+    its chain, then each definition of the chain is applied, root first; its hash covers its
+    base's hash, so a changed base rebuilds it.
+    """
     defdir = definition_dir(settings, name)
-    d = load_definition(defdir)
+    layers = chain(defdir)
     digest = definition_hash(defdir)
     out = settings.image_cache_dir / f"{name}-{digest[:16]}"
     if (out / _MARKER).is_file():
@@ -274,14 +523,18 @@ async def ensure_image(settings: Settings, name: str = "default") -> Path:
     async with _AsyncFileLock(lock):
         if (out / _MARKER).is_file():
             return out / "rootfs"
-        base = await _ensure_base(settings, d)
-        await _assemble(defdir, d, base, out)
+        spec = _layer_spec([d for _, d in layers])
+        base = await _ensure_base(settings, spec)
+        info = await _assemble(layers, base, out)
+        base_name = layers[-1][1].base
         meta = {
             "name": name,
             "hash": digest,
             "built_at": time.time(),
-            "agent_path": d.agent.path,
-            "user": d.user.model_dump(),
+            **info,
+            "base": base_name,
+            "base_hash": definition_hash(defdir.parent / base_name) if base_name else None,
+            "size_bytes": await asyncio.to_thread(_du, out),
         }
         (out / _MARKER).write_text(json.dumps(meta, indent=1))
         # microVM hook (owned by microvm_image.py): kernel, initramfs and ext4 of this rootfs
@@ -316,7 +569,73 @@ def _du(path: Path) -> int:
     return total
 
 
-def list_images(settings: Settings) -> list[ImageInfo]:
+class ImageConfig(BaseModel):
+    """What a run takes from its built image: identity, and how its commands run."""
+
+    name: str
+    hash: str
+    rootfs: Path
+    agent_path: str = "/opt/ephemeral/agent.py"
+    env: dict[str, str] = {}
+    workdir: str | None = None
+    base: str | None = None
+
+
+def built_image(settings: Settings, name: str) -> ImageConfig | None:
+    """The current build of image ``name``, or None when it is not built (never builds)."""
+    try:
+        d = image_dir(settings, name)
+    except errors.InvalidRequest:
+        return None
+    try:
+        meta = json.loads((d / _MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return ImageConfig(
+        name=name,
+        hash=str(meta.get("hash", "")),
+        rootfs=d / "rootfs",
+        agent_path=str(meta.get("agent_path") or "/opt/ephemeral/agent.py"),
+        env=dict(meta.get("env") or {}),
+        workdir=meta.get("workdir"),
+        base=meta.get("base"),
+    )
+
+
+def available(settings: Settings) -> list[str]:
+    """Names of the images whose current definition is built here (what a run may name)."""
+    return sorted({i.name for i in list_images(settings, sizes=False) if i.current})
+
+
+def require_built(settings: Settings, name: str, field: str = "image") -> ImageConfig:
+    """The built image, or a 422 naming ``field`` that lists what this server has built."""
+    found = built_image(settings, name)
+    if found is None:
+        names = ", ".join(available(settings)) or "none"
+        raise errors.InvalidRequest.field(
+            field,
+            f"image {name!r} is not built on this server (available: {names}; "
+            "build one with `ephemeral images build NAME`)",
+        )
+    return found
+
+
+def microvm_definition_dir(settings: Settings, name: str) -> Path:
+    """The ``microvm/`` boot definition of an image: its own, or the nearest base's."""
+    d = settings.images_dir / name
+    seen: set[str] = set()
+    while d.name not in seen:
+        seen.add(d.name)
+        if (d / "microvm").is_dir():
+            return d / "microvm"
+        base = _base_name(d)
+        if base is None:
+            break
+        d = d.parent / base
+    return settings.images_dir / name / "microvm"
+
+
+def list_images(settings: Settings, *, sizes: bool = True) -> list[ImageInfo]:
     out: list[ImageInfo] = []
     cache = settings.image_cache_dir
     if not cache.is_dir():
@@ -338,7 +657,11 @@ def list_images(settings: Settings) -> list[ImageInfo]:
                 path=marker.parent,
                 rootfs=marker.parent / "rootfs",
                 built_at=float(meta.get("built_at", 0)),
-                size_bytes=_du(marker.parent),
+                size_bytes=(
+                    int(meta["size_bytes"])
+                    if isinstance(meta.get("size_bytes"), int)
+                    else (_du(marker.parent) if sizes else 0)
+                ),
                 current=current,
             )
         )

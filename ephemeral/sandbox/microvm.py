@@ -217,8 +217,8 @@ class MicroVMDriver:
         if self._artifacts is None:
             name = self.settings.image
             rootfs = await images.ensure_image(self.settings, name)
-            defn = images.load_definition(images.definition_dir(self.settings, name))
-            self._agent_path = defn.agent.path
+            built = images.built_image(self.settings, name)
+            self._agent_path = built.agent_path if built else self._agent_path
             image_hash = images.image_dir(self.settings, name).name.rsplit("-", 1)[-1]
             memo_key = (str(self.settings.image_cache_dir), name, image_hash)
             art = _ARTIFACTS.get(memo_key)

@@ -62,7 +62,11 @@ def microvm_cache(settings: Settings) -> Path:
 
 
 def definition_dir(settings: Settings, image: str) -> Path:
-    return settings.images_dir / image / "microvm"
+    """The image's ``microvm/`` boot definition, or its nearest base's (a derived image such as
+    python-dev boots the same way as the image it is built on)."""
+    from ephemeral.sandbox.images import microvm_definition_dir  # images imports this module
+
+    return microvm_definition_dir(settings, image)
 
 
 def _run(argv: list[str], *, timeout: float, cwd: Path | None = None) -> str:

@@ -191,12 +191,9 @@ class ProcessDriver:
     async def _image(self) -> str:
         if self._rootfs is None:
             root = await images.ensure_image(self.settings, self.settings.image)
-            self._agent_path = images.agent_exec_path(
-                root,
-                images.load_definition(
-                    images.definition_dir(self.settings, self.settings.image)
-                ).agent.path,
-            )
+            built = images.built_image(self.settings, self.settings.image)
+            agent = built.agent_path if built else "/opt/ephemeral/agent.py"
+            self._agent_path = images.agent_exec_path(root, agent)
             self._rootfs = str(root)
         return self._rootfs
 

@@ -57,6 +57,8 @@ class RunRow(_Row):
     isolation: str | None = None
     runtime: str | None = None
     sandbox_id: str | None = None
+    image: str | None = None
+    image_hash: str | None = None
     created_at: datetime
     started_at: datetime | None = None
     ended_at: datetime | None = None

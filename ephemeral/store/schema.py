@@ -92,6 +92,9 @@ runs = sa.Table(
     # the sandbox runtime's version line ("runsc version 0.0~20221219.0"), host-measured
     sa.Column("runtime", sa.String(200), nullable=True),
     sa.Column("sandbox_id", sa.String(200), nullable=True),
+    # the image the sandbox ran (name) and its definition's hash, set when the sandbox is ready
+    sa.Column("image", sa.String(64), nullable=True),
+    sa.Column("image_hash", sa.String(64), nullable=True),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("started_at", UTCDateTime, nullable=True),
     sa.Column("ended_at", UTCDateTime, nullable=True),

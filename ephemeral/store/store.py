@@ -60,6 +60,8 @@ _TEXT_FIELDS = (
     "isolation",
     "runtime",
     "sandbox_id",
+    "image",
+    "image_hash",
     "termination_detail",
     "output",
     "owner",

@@ -39,6 +39,10 @@ REQUEST_FIELDS: dict[str, set[str]] = {
     "isolation": {"string"},
     "files": {"array"},
     "connections": {"array"},
+    "image": {"string", "null"},
+    "setup": {"array"},
+    "verify": {"array"},
+    "verify_timeout_seconds": {"integer", "null"},
 }
 FILE_FIELDS = {"path": {"string"}, "content_base64": {"string"}}
 CONNECTION_FIELDS = {"name": {"string"}, "methods": {"array"}, "paths": {"array"}}

@@ -64,6 +64,10 @@ def test_product_page_sample() -> None:
         "timeout_seconds": 120,
         "max_cost_micros": 40000,
         "isolation": "auto",
+        "image": None,
+        "setup": [],
+        "verify": [],
+        "verify_timeout_seconds": None,
     }
 
 

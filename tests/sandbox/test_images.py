@@ -61,3 +61,140 @@ def test_missing_definition_is_a_clear_error(tmp_path: Path) -> None:
     settings = Settings.load(state_dir=tmp_path, images_dir=tmp_path)
     with pytest.raises(errors.InvalidRequest, match="image"):
         images.definition_dir(settings, "nope")
+
+
+# ---------------------------------------------------------------- derived images (base:)
+
+DERIVED = """\
+name: child
+base: default
+packages: [make]
+pip: [./wheels/tinyevalpkg-0.1-py3-none-any.whl]
+files:
+  - {source: data/hello.txt, path: /opt/child/hello.txt}
+env: {CHILD_MARK: "yes"}
+workdir: project
+build:
+  - echo built > /opt/child/built.txt
+"""
+
+
+def _derived(defs: Path, text: str = DERIVED) -> Path:
+    d = defs / "child"
+    (d / "data").mkdir(parents=True)
+    (d / "data" / "hello.txt").write_text("hello from the definition\n")
+    (d / "image.yaml").write_text(text)
+    return d
+
+
+def test_a_derived_definition_inherits_and_adds(defs: Path) -> None:
+    d = _derived(defs)
+    (d / "wheels").mkdir()
+    (d / "wheels" / "tinyevalpkg-0.1-py3-none-any.whl").write_bytes(b"")
+    layers = images.chain(d)
+    assert [x.name for _, x in layers] == ["default", "child"]
+    spec = images._layer_spec([x for _, x in layers])
+    assert spec["packages"][-1] == "make" and spec["suite"] == "bookworm"
+
+
+def test_the_hash_covers_the_base_hash(defs: Path) -> None:
+    d = _derived(defs)
+    first = images.definition_hash(d)
+    agent = defs / "default" / "guest" / "agent.py"
+    agent.write_text(agent.read_text() + "\n# changed\n")
+    assert images.definition_hash(d) != first  # a changed base rebuilds the child
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "line"),
+    [
+        (DERIVED.replace("packages: [make]", "pakages: [make]"), "pakages", 3),
+        (DERIVED.replace("workdir: project", "workdir: ../up"), "workdir", 8),
+        (DERIVED.replace("env: {CHILD_MARK", "env: {1BAD"), "env.1BAD", 7),
+        (DERIVED + "user: {name: x, uid: 5, gid: 5}\n", "user", 11),
+        (DERIVED.replace("data/hello.txt", "data/missing.txt"), "files[0].source", 6),
+        (DERIVED.replace("base: default", "base: nothing-here"), "base", 2),
+        (DERIVED.replace("  - echo built > /opt/child/built.txt", "  - {x: 1}"), "build[0]", 10),
+    ],
+)
+def test_a_bad_definition_names_file_line_and_field(
+    defs: Path, text: str, field: str, line: int
+) -> None:
+    d = _derived(defs, text)
+    with pytest.raises(errors.InvalidRequest) as exc:
+        images.load_definition(d)
+    first = (exc.value.errors or [])[0]
+    assert first["file"] == str(d / "image.yaml")
+    assert first["field"] == field, exc.value.errors
+    assert first["line"] == line, exc.value.errors
+    assert exc.value.detail.startswith(f"{d / 'image.yaml'}:{line}: {field}")
+
+
+def _wheel(path: Path) -> None:
+    """A one-module wheel written by hand (pip installs it without building anything)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {
+        "tinyevalpkg/__init__.py": b"VALUE = 42\n",
+        "tinyevalpkg-0.1.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinyevalpkg\n"
+        b"Version: 0.1\n",
+        "tinyevalpkg-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\n"
+        b"Root-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = ""
+    for name, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record += f"{name},sha256={digest},{len(data)}\n"
+    record += "tinyevalpkg-0.1.dist-info/RECORD,,\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+        z.writestr("tinyevalpkg-0.1.dist-info/RECORD", record)
+
+
+NO_NET = (
+    'python3 -c "import socket; s = socket.socket(); '
+    "print(s.connect_ex(('127.0.0.1', 9)))\" > /opt/child/net.txt"
+)
+
+
+@pytest.mark.sandbox
+async def test_a_derived_image_builds_pip_files_env_and_offline_steps(
+    defs: Path, tmp_path: Path
+) -> None:
+    """Built for real on the default image's cached mmdebstrap layer (no extra packages), then
+    started in a namespaces sandbox: what each field put in is there."""
+    from ephemeral.sandbox.base import Limits
+    from ephemeral.sandbox.namespaces import NamespacesDriver
+    from tests.drivers import unavailable
+
+    text = DERIVED.replace("packages: [make]\n", "") + f"  - {NO_NET}\n"
+    d = _derived(defs, text)
+    _wheel(d / "wheels" / "tinyevalpkg-0.1-py3-none-any.whl")
+    settings = Settings.load(state_dir=tmp_path / "state", images_dir=defs)
+    if images.built_rootfs(settings, "default") is None:
+        unavailable("image default not built (make setup)")
+    try:
+        await images.ensure_image(settings, "child")
+        built = images.built_image(settings, "child")
+        assert built is not None and built.base == "default"
+        assert built.env == {"CHILD_MARK": "yes"} and built.workdir == "project"
+        assert built.hash == images.definition_hash(d)
+        driver = NamespacesDriver(settings.model_copy(update={"image": "child"}))
+        if why := await driver.probe():
+            unavailable(f"namespaces: {why}", "namespaces")
+        async with await driver.create(owner="test-images", limits=Limits()) as sbx:
+            res = await sbx.exec(
+                "python3 -c 'import tinyevalpkg; print(tinyevalpkg.VALUE)'; "
+                "cat /opt/child/hello.txt /opt/child/built.txt /opt/child/net.txt",
+                timeout=30,
+            )
+        assert res.exit_code == 0, res.stderr
+        lines = res.stdout.splitlines()
+        assert lines[:3] == ["42", "hello from the definition", "built"]
+        assert lines[3] == "101"  # ENETUNREACH: the build step had no network, not even lo
+    finally:
+        images.remove_images(settings, "child")
