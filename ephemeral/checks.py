@@ -8,6 +8,7 @@ A check is a one-key mapping in a recipe's ``checks:`` list (DESIGN §5)::
     - max_cost_micros: 10000
     - max_duration_seconds: 60
     - status: succeeded
+    - verify: {exit_code: 0}                     # the run's verify commands (see below)
 
 Each variant judges a finished run from the run object (DESIGN §3) and its events (DESIGN §4)
 and says why, naming what it saw, so a failing eval can be read without opening the run.
@@ -222,6 +223,75 @@ class ShellCheck(_Check):
         return want is None or (isinstance(stdout, str) and want in stdout)
 
 
+class VerifyCondition(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    command_matches: str | None = Field(default=None, min_length=1)
+    exit_code: int | None = Field(default=None, ge=0, le=255)
+    stdout_contains: str | None = Field(default=None, min_length=1)
+
+    @field_validator("command_matches")
+    @classmethod
+    def _valid(cls, v: str | None) -> str | None:
+        return None if v is None else _regex(v)
+
+
+class VerifyCheck(_Check):
+    """The run's verify commands (``verify.executed``): every one that matches must have the
+    exit code and the stdout wanted (each condition optional). A grader that did not run, or
+    was skipped, fails the check."""
+
+    verify: VerifyCondition
+
+    def label(self) -> str:
+        parts = []
+        if self.verify.command_matches is not None:
+            parts.append(f"command_matches /{_short(self.verify.command_matches, 40)}/")
+        if self.verify.exit_code is not None:
+            parts.append(f"exit code {self.verify.exit_code}")
+        if self.verify.stdout_contains is not None:
+            parts.append(f"stdout_contains {_short(self.verify.stdout_contains, 30)!r}")
+        return "verify: " + (", ".join(parts) or "ran")
+
+    def judge(self, run: Run, events: Events) -> tuple[bool, str]:
+        results = [
+            data
+            for e in events
+            if e.get("type") == "verify.executed" and isinstance(data := e.get("data"), Mapping)
+        ]
+        if not results:
+            return False, "no verify command ran"
+        want = self.verify
+        if want.command_matches is not None:
+            if not all(isinstance(d.get("command"), str) for d in results):
+                return False, "verify commands were not recorded (zero data retention)"
+            pattern = _compile(want.command_matches)
+            results = [d for d in results if pattern.search(d["command"])]
+            if not results:
+                return False, f"no verify command matched /{_short(want.command_matches, 40)}/"
+        for d in results:
+            name = _short(d["command"]) if isinstance(d.get("command"), str) else "verify"
+            if d.get("skipped"):
+                return False, f"{name!r} did not run: {d['skipped']}"
+            code = d.get("exit_code")
+            if want.exit_code is not None and (
+                not isinstance(code, int) or isinstance(code, bool) or code != want.exit_code
+            ):
+                seen = "killed at its deadline" if d.get("timed_out") else f"exit code {code}"
+                return False, f"{name!r}: {seen}, wanted {want.exit_code}"
+            if want.stdout_contains is not None:
+                stdout = d.get("stdout")
+                if not isinstance(stdout, str):
+                    return False, f"{name!r}: stdout not recorded (zero data retention)"
+                if want.stdout_contains not in stdout:
+                    return False, (
+                        f"{name!r}: stdout lacks {_short(want.stdout_contains, 30)!r} "
+                        f"(saw {_short(stdout)!r})"
+                    )
+        ran = len(results)
+        return True, f"{ran} verify command{'s' if ran != 1 else ''} as wanted"
+
+
 class MaxCost(_Check):
     max_cost_micros: int = Field(ge=0)
 
@@ -290,6 +360,7 @@ CHECK_KINDS: dict[str, type[_Check]] = {
     "max_cost_micros": MaxCost,
     "max_duration_seconds": MaxDuration,
     "status": StatusIs,
+    "verify": VerifyCheck,
 }
 
 
@@ -309,7 +380,8 @@ Check = Annotated[
     | Annotated[ShellCheck, Tag("shell")]
     | Annotated[MaxCost, Tag("max_cost_micros")]
     | Annotated[MaxDuration, Tag("max_duration_seconds")]
-    | Annotated[StatusIs, Tag("status")],
+    | Annotated[StatusIs, Tag("status")]
+    | Annotated[VerifyCheck, Tag("verify")],
     Discriminator(
         _kind,
         custom_error_type="check_kind",

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +33,7 @@ from ephemeral import errors
 from ephemeral.checks import CheckResult, evaluate
 from ephemeral.ids import new_id
 from ephemeral.money import usd
-from ephemeral.recipes import PlannedRun, Recipe, expand, validate_recipe
+from ephemeral.recipes import PlannedRun, Recipe, expand, iter_planned, validate_recipe
 
 if TYPE_CHECKING:
     from ephemeral.records import Records
@@ -137,7 +137,7 @@ Start = Callable[[PlannedRun], Awaitable[RunResult]]
 
 
 async def run_planned(
-    planned: Sequence[PlannedRun],
+    planned: Iterable[PlannedRun],
     caps_for: Callable[[PlannedRun], Sequence[Cap]],
     start: Start,
     *,
@@ -146,11 +146,12 @@ async def run_planned(
 ) -> list[RunResult]:
     """Run the plan in order, at most ``concurrency`` at a time, never passing any cap.
 
-    ``start`` runs one planned run to the end. Results come back in plan order.
+    ``start`` runs one planned run to the end. Results come back in plan order. The plan is
+    consumed as runs start, so a streamed plan is never held whole.
     """
     if concurrency < 1:
         raise errors.InvalidRequest.field("concurrency", "must be at least 1")
-    results: list[RunResult | None] = [None] * len(planned)
+    results: dict[int, RunResult] = {}
     changed = asyncio.Condition()
     in_flight = 0
     tasks: list[asyncio.Task[None]] = []
@@ -202,12 +203,13 @@ async def run_planned(
                 cap.committed += amount
             in_flight += 1
         tasks.append(asyncio.create_task(one(i, p, caps, amount)))
+        tasks = [t for t in tasks if not t.done()]  # finished ones: nothing left to hold
     try:
         await asyncio.gather(*tasks)
     finally:
         for t in tasks:
             t.cancel()
-    return [r for r in results if r is not None]
+    return [results[i] for i in sorted(results)]
 
 
 # --------------------------------------------------------------------------- one run
@@ -472,11 +474,25 @@ class Evaluation:
 
 def plan(evaluation: Evaluation, settings: Settings) -> list[tuple[PlannedRun, Recipe]]:
     """Every run of every recipe, in suite order; a bad recipe stops everything before a run."""
-    out: list[tuple[PlannedRun, Recipe]] = []
     for recipe in evaluation.recipes:
         validate_recipe(recipe, settings)
+    out: list[tuple[PlannedRun, Recipe]] = []
+    for recipe in evaluation.recipes:
         out.extend((p, recipe) for p in expand(recipe, default_model=settings.default_model))
     return out
+
+
+def iter_plan(evaluation: Evaluation, settings: Settings) -> Iterator[PlannedRun]:
+    """:func:`plan` streamed: the recipes were test-rendered when loaded, so this only renders
+    each run as it is about to start (a 100,000-row dataset is never held whole)."""
+    for recipe in evaluation.recipes:
+        validate_recipe(recipe, settings)
+    for recipe in evaluation.recipes:
+        yield from iter_planned(recipe, default_model=settings.default_model)
+
+
+def planned_count(evaluation: Evaluation) -> int:
+    return sum(r.run_count() for r in evaluation.recipes)
 
 
 async def run_evaluation(runtime: Runtime, evaluation: Evaluation) -> Report:
@@ -486,13 +502,15 @@ async def run_evaluation(runtime: Runtime, evaluation: Evaluation) -> Report:
     previous = None
     if evaluation.compare_with:  # read first: a bad id should fail before money is spent
         previous = load_previous(Records(runtime.settings.records_dir), evaluation.compare_with)
-    planned = plan(evaluation, runtime.settings)
+    for recipe in evaluation.recipes:  # before anything runs: an unknown model stops it all
+        validate_recipe(recipe, runtime.settings)
+    planned = iter_plan(evaluation, runtime.settings)
     recipe_of = {r.name: r for r in evaluation.recipes}
     suite_cap = Cap(f"suite {evaluation.name}", evaluation.budget_micros)
     caps = {
         r.name: [suite_cap, Cap(f"recipe {r.name}", r.budget_micros)] for r in evaluation.recipes
     }
-    progress = Progress(total=len(planned))
+    progress = Progress(total=planned_count(evaluation))
 
     def on_result(result: RunResult) -> None:
         progress.done += 1
@@ -506,7 +524,7 @@ async def run_evaluation(runtime: Runtime, evaluation: Evaluation) -> Report:
     org_id = await runtime.local_org()
     t0 = time.monotonic()
     results = await run_planned(
-        [p for p, _ in planned],
+        planned,
         lambda p: caps[p.recipe],
         lambda p: execute_planned(runtime, org_id, p, recipe_of[p.recipe], evaluation.suite_run_id),
         concurrency=evaluation.concurrency,

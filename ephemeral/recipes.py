@@ -17,6 +17,7 @@ the values of its matrix cell and ``repeat_index`` (0-based).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import difflib
 import itertools
@@ -43,13 +44,29 @@ from pydantic import (
     ValidationError,
 )
 
-from ephemeral.checks import CHECK_KINDS, Check, ShellCondition
+from ephemeral import datasets
+from ephemeral.checks import CHECK_KINDS, Check, ShellCondition, VerifyCondition
 from ephemeral.errors import InvalidRequest, RecipeError, UnknownModel
-from ephemeral.policy import MAX_PROMPT_CHARS, Connection, FileSpec, Policy
+from ephemeral.policy import (
+    IMAGE_PATTERN,
+    MAX_FILES,
+    MAX_FILES_BYTES,
+    MAX_PROMPT_CHARS,
+    MAX_STEP_COMMAND_CHARS,
+    MAX_STEP_COMMANDS,
+    Connection,
+    FileSpec,
+    Policy,
+)
+from ephemeral.policy import (
+    MAX_FILE_BYTES as MAX_RUN_FILE_BYTES,
+)
 from ephemeral.settings import Settings
 
 MAX_FILE_BYTES = 1 << 20
-MAX_PLANNED_RUNS = 1_000
+# Planning streams (iter_planned), so this is a sanity bound, not a memory one: the recipe and
+# suite budgets are the real caps on what runs.
+MAX_PLANNED_RUNS = 1_000_000
 MAX_NODES = 100_000  # YAML values after alias expansion
 MAX_DEPTH = 64
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
@@ -90,6 +107,10 @@ class Recipe(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     description: str = Field(default="", max_length=2_000)
     model: str | None = Field(default=None, pattern=MODEL_PATTERN)
+    # an axis: every cell runs on each model (the template variable `model`)
+    models: list[Annotated[str, Field(pattern=MODEL_PATTERN)]] = Field(
+        default_factory=list, max_length=64
+    )
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     vars: dict[str, Any] = Field(default_factory=dict)
     matrix: dict[str, Annotated[list[Any], Field(min_length=1)]] = Field(default_factory=dict)
@@ -97,8 +118,33 @@ class Recipe(_Strict):
     policy: Policy = Field(default_factory=Policy)
     budget_micros: Budget = _budget_field()
     checks: list[Check] = Field(default_factory=list)
+    # The run's environment (see docs/recipes.md): a built image, commands around the agent
+    # (Jinja templates like the prompt) and files put into scratch before setup.
+    image: str | None = Field(default=None, pattern=IMAGE_PATTERN)
+    setup: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list, max_length=MAX_STEP_COMMANDS
+    )
+    verify: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list, max_length=MAX_STEP_COMMANDS
+    )
+    verify_timeout_seconds: int | None = Field(default=None, ge=1, le=3600)
+    files_from: str | None = Field(default=None, min_length=1, max_length=1_000)
+    # Rows of a file as cells (relative to the recipe; .jsonl, .csv or .parquet, read by DuckDB)
+    dataset: str | None = Field(default=None, min_length=1, max_length=1_000)
+    dataset_filter: str | None = Field(default=None, min_length=1, max_length=2_000)
+    dataset_sample: datasets.Sample | None = None
+    dataset_limit: int | None = Field(default=None, ge=1)
 
     _source: _Source | None = PrivateAttr(default=None)
+    _run_policy: Policy | None = PrivateAttr(default=None)
+    _selection: datasets.Selection | None = PrivateAttr(default=None)
+    _row_count: int | None = PrivateAttr(default=None)
+
+    @property
+    def run_policy(self) -> Policy:
+        """``policy`` with the recipe's image, verify slice, files_from files and (unrendered)
+        setup/verify: what every run starts from."""
+        return self._run_policy if self._run_policy is not None else self.policy
 
     @property
     def source_file(self) -> str | None:
@@ -112,8 +158,42 @@ class Recipe(_Strict):
             for combo in itertools.product(*(self.matrix[k] for k in keys))
         ]
 
+    def iter_cells(self) -> Iterator[dict[str, Any]]:
+        """Every cell, streamed: dataset rows slowest, then the matrix, then ``models``.
+
+        A cell is the template variables of one run (before ``repeat``): a dataset row's
+        columns, the matrix values and, with ``models:``, ``model``."""
+        for _, cell in self.iter_numbered_cells():
+            yield cell
+
+    def iter_numbered_cells(self) -> Iterator[tuple[int | None, dict[str, Any]]]:
+        """:meth:`iter_cells` with each cell's dataset row number (None without a dataset)."""
+        matrix = self.cells()
+        models: list[str | None] = list(self.models) if self.models else [None]
+        for number, row in self._rows():
+            for combo in matrix:
+                for m in models:
+                    cell = {**row, **combo}
+                    if m is not None:
+                        cell["model"] = m
+                    yield number, cell
+
+    def _rows(self) -> Iterator[tuple[int | None, dict[str, Any]]]:
+        if self._selection is None:
+            yield None, {}
+        else:
+            yield from datasets.iter_rows(self._selection)
+
+    def row_count(self) -> int:
+        if self._selection is None:
+            return 1
+        if self._row_count is None:
+            self._row_count = datasets.count(self._selection)
+        return self._row_count
+
     def run_count(self) -> int:
-        return math.prod(len(v) for v in self.matrix.values()) * self.repeat
+        cells = math.prod(len(v) for v in self.matrix.values()) * max(1, len(self.models))
+        return self.row_count() * cells * self.repeat
 
 
 class PlannedRun(BaseModel):
@@ -326,6 +406,7 @@ _SCHEMAS: tuple[type[BaseModel], ...] = (
     FileSpec,
     Connection,
     ShellCondition,
+    VerifyCondition,
     *CHECK_KINDS.values(),
 )
 _KNOWN_FIELDS = sorted({name for model in _SCHEMAS for name in model.model_fields} | {"budget"})
@@ -433,6 +514,16 @@ def _names_problems(recipe: Recipe) -> list[_Problem]:
             problems.append(_Problem(("matrix", key), _NOT_IDENT))
         elif key in recipe.vars:
             problems.append(_Problem(("matrix", key), "also defined in vars; rename one"))
+    if recipe.models:
+        if recipe.model is not None:
+            problems.append(_Problem(("models",), "give model or models, not both"))
+        if len(set(recipe.models)) != len(recipe.models):
+            problems.append(_Problem(("models",), "lists a model twice"))
+        for where in ("vars", "matrix"):
+            if "model" in getattr(recipe, where):
+                problems.append(
+                    _Problem((where, "model"), "`model` is the models axis's variable; rename it")
+                )
     if recipe.run_count() > MAX_PLANNED_RUNS:
         problems.append(
             _Problem(
@@ -451,55 +542,220 @@ def _names_problems(recipe: Recipe) -> list[_Problem]:
     return problems
 
 
-Rendered = tuple[dict[str, Any], int, str]  # cell, repeat_index, prompt
+class Rendered(NamedTuple):
+    cell: dict[str, Any]
+    repeat_index: int
+    prompt: str
+    setup: list[str]
+    verify: list[str]
 
 
-def _render_all(recipe: Recipe) -> tuple[list[Rendered], list[_Problem]]:
-    """Render the prompt for every cell and repeat; report each distinct failure once."""
-    try:
-        template = _ENV.from_string(recipe.prompt)
-    except TemplateSyntaxError as exc:
-        return [], [_Problem(("prompt",), f"template syntax: {exc.message}", exc.lineno)]
-    rendered: list[Rendered] = []
-    problems: dict[str, _Problem] = {}
-    for cell in recipe.cells():
-        where = f" (cell {json.dumps(cell, default=str)})" if cell else ""
+class _RenderProblem(Exception):
+    def __init__(self, problem: _Problem) -> None:
+        self.problem = problem
+
+
+class _Renderer:
+    """The recipe's templates (prompt, setup, verify), compiled once, rendered per cell."""
+
+    def __init__(self, recipe: Recipe) -> None:
+        self.recipe = recipe
+        self.problems: list[_Problem] = []
+        self.prompt = self._compile(("prompt",), recipe.prompt)
+        self.setup = [self._compile(("setup", i), t) for i, t in enumerate(recipe.setup)]
+        self.verify = [self._compile(("verify", i), t) for i, t in enumerate(recipe.verify)]
+
+    def _compile(self, loc: Loc, text: str) -> Any:
+        try:
+            return _ENV.from_string(text)
+        except TemplateSyntaxError as exc:
+            line = exc.lineno if loc == ("prompt",) else None
+            self.problems.append(_Problem(loc, f"template syntax: {exc.message}", line))
+            return None
+
+    def render(self, cell: dict[str, Any], i: int, row: int | None = None) -> Rendered:
+        context = {**self.recipe.vars, **cell, "repeat_index": i}
+        if row is not None:
+            where = f" (dataset {self.recipe.dataset} row {row})"
+        else:
+            where = f" (cell {json.dumps(cell, default=str)})" if cell else ""
+        text = self._one(("prompt",), self.prompt, context, where)
+        if not text.strip():
+            raise _RenderProblem(_Problem(("prompt",), "renders to an empty prompt" + where))
+        if len(text) > MAX_PROMPT_CHARS:
+            raise _RenderProblem(
+                _Problem(("prompt",), f"renders to more than {MAX_PROMPT_CHARS} characters" + where)
+            )
+        setup = [self._command(("setup", n), t, context, where) for n, t in enumerate(self.setup)]
+        verify = [
+            self._command(("verify", n), t, context, where) for n, t in enumerate(self.verify)
+        ]
+        return Rendered(cell, i, text, setup, verify)
+
+    def _one(self, loc: Loc, template: Any, context: dict[str, Any], where: str) -> str:
+        try:
+            return str(template.render(context))
+        except Exception as exc:  # noqa: BLE001 - any failure of an author's template is a recipe error
+            msg = f"template: {exc or type(exc).__name__}"
+            line = _template_lineno(exc) if loc == ("prompt",) else None
+            raise _RenderProblem(_Problem(loc, msg + where, line)) from None
+
+    def _command(self, loc: Loc, template: Any, context: dict[str, Any], where: str) -> str:
+        text = self._one(loc, template, context, where)
+        if not text.strip() or "\x00" in text or len(text) > MAX_STEP_COMMAND_CHARS:
+            raise _RenderProblem(
+                _Problem(
+                    loc,
+                    f"renders to an empty command, a NUL or more than {MAX_STEP_COMMAND_CHARS} "
+                    "characters" + where,
+                )
+            )
+        return text
+
+
+MAX_REPORTED = 20  # distinct render problems listed at most; the rest are counted
+
+
+def iter_rendered(recipe: Recipe) -> Iterator[Rendered | _Problem]:
+    """Every cell and repeat, rendered in plan order; a cell that fails yields its problem."""
+    renderer = _Renderer(recipe)
+    if renderer.problems:
+        yield from renderer.problems
+        return
+    for row, cell in recipe.iter_numbered_cells():
         for i in range(recipe.repeat):
             try:
-                text = template.render({**recipe.vars, **cell, "repeat_index": i})
-            except Exception as exc:  # noqa: BLE001 - any failure of an author's template is a recipe error
-                msg = f"template: {exc or type(exc).__name__}"
-                problems.setdefault(msg, _Problem(("prompt",), msg + where, _template_lineno(exc)))
-                continue
-            if not text.strip():
-                msg = "renders to an empty prompt"
-            elif len(text) > MAX_PROMPT_CHARS:
-                msg = f"renders to more than {MAX_PROMPT_CHARS} characters"
-            else:
-                rendered.append((cell, i, text))
-                continue
-            problems.setdefault(msg, _Problem(("prompt",), msg + where))
-    return rendered, list(problems.values())
+                yield renderer.render(cell, i, row)
+            except _RenderProblem as exc:
+                yield exc.problem
 
 
-def _recipe_problems(recipe: Recipe) -> tuple[list[Rendered], list[_Problem]]:
+def _render_problems(recipe: Recipe) -> list[_Problem]:
+    """Render every run once without keeping it; each distinct failure is reported once."""
+    problems: dict[str, _Problem] = {}
+    for item in iter_rendered(recipe):
+        if isinstance(item, _Problem):
+            key = item.message.split(" (cell ")[0].split(" (dataset ")[0]
+            if key not in problems and len(problems) < MAX_REPORTED:
+                problems[key] = item
+    return list(problems.values())
+
+
+def _recipe_problems(recipe: Recipe) -> list[_Problem]:
     names = _names_problems(recipe)
     if recipe.run_count() > MAX_PLANNED_RUNS:
-        return [], names  # rendering that many cells is the problem itself
-    rendered, problems = _render_all(recipe)
-    return rendered, names + problems
+        return names  # rendering that many cells is the problem itself
+    return names + _render_problems(recipe)
 
 
 # --------------------------------------------------------------------------- public API
 
 
-def _build_recipe(data: Any, source: _Source, dups: list[_Problem]) -> Recipe:
+def _read_files_from(recipe: Recipe, base_dir: Path | None) -> tuple[list[FileSpec], str | None]:
+    """The tree under ``files_from`` (relative to the recipe file) as the run's files."""
+    if recipe.files_from is None:
+        return [], None
+    if base_dir is None:
+        return [], "needs the recipe's file to be relative to"
+    root = (base_dir / recipe.files_from).resolve()
+    if not root.is_dir():
+        return [], f"no directory {root}"
+    out: list[FileSpec] = []
+    total = 0
+    for path in sorted(root.rglob("*")):
+        if "__pycache__" in path.parts or path.suffix == ".pyc" or path.is_dir():
+            continue
+        rel = path.relative_to(root).as_posix()
+        if path.is_symlink() or not path.is_file():
+            return [], f"{rel}: only regular files (no symlinks or devices)"
+        size = path.stat().st_size
+        total += size
+        if size > MAX_RUN_FILE_BYTES:
+            return [], f"{rel}: {size} bytes, more than a run's {MAX_RUN_FILE_BYTES} per file"
+        if total > MAX_FILES_BYTES or len(out) >= MAX_FILES:
+            return [], f"more than a run's {MAX_FILES} files or {MAX_FILES_BYTES} bytes"
+        out.append(FileSpec(path=rel, content_base64=base64.b64encode(path.read_bytes()).decode()))
+    return out, None
+
+
+_ENVIRONMENT = ("image", "setup", "verify", "verify_timeout_seconds")
+_DATASET_FIELDS = ("dataset_filter", "dataset_sample", "dataset_limit")
+
+
+def _dataset_problems(recipe: Recipe, base_dir: Path | None) -> list[_Problem]:
+    """Resolve the dataset, check its filter, its columns and count its rows (DuckDB)."""
+    if recipe.dataset is None:
+        return [
+            _Problem((name,), "needs dataset:")
+            for name in _DATASET_FIELDS
+            if getattr(recipe, name) is not None
+        ]
+    if base_dir is None:
+        return [_Problem(("dataset",), "needs the recipe's file to be relative to")]
+    selection = datasets.Selection(
+        path=(base_dir / recipe.dataset).resolve(),
+        filter=recipe.dataset_filter,
+        limit=recipe.dataset_limit,
+        sample=recipe.dataset_sample,
+    )
+    try:
+        names = datasets.columns(selection)
+        recipe._selection = selection
+        recipe._row_count = datasets.count(selection)
+    except InvalidRequest as exc:
+        first = (exc.errors or [{"field": "dataset", "message": exc.detail}])[0]
+        return [_Problem((first["field"],), first["message"])]
+    taken = (
+        set(recipe.vars) | set(recipe.matrix) | _RESERVED | ({"model"} if recipe.models else set())
+    )
+    problems = [_Problem(("dataset",), why) for why in datasets.bad_columns(names, taken)]
+    if recipe._row_count == 0:
+        problems.append(_Problem(("dataset",), f"{selection.path}: no rows selected"))
+    return problems
+
+
+def _environment_problems(recipe: Recipe, base_dir: Path | None) -> list[_Problem]:
+    """Build the policy every run starts from (image, verify slice, files_from) and check it."""
+    problems = [
+        _Problem(("policy", name), "give it at the top level of the recipe, not in policy")
+        for name in _ENVIRONMENT
+        if name in recipe.policy.model_fields_set
+    ]
+    files, why = _read_files_from(recipe, base_dir)
+    if why is not None:
+        problems.append(_Problem(("files_from",), why))
+    if problems:
+        return problems
+    merged = {
+        **recipe.policy.model_dump(),
+        "files": [*recipe.policy.model_dump()["files"], *(f.model_dump() for f in files)],
+        **{name: getattr(recipe, name) for name in _ENVIRONMENT},
+    }
+    try:
+        recipe._run_policy = Policy.model_validate(merged)
+    except ValidationError as exc:
+        for p in _schema_problems(exc):
+            head = p.loc[0] if p.loc else ""
+            loc: Loc = (
+                ("files_from",)
+                if head == "files" and files
+                else (p.loc if head in _ENVIRONMENT else ("policy", *p.loc))
+            )
+            problems.append(p._replace(loc=loc))
+    return problems
+
+
+def _build_recipe(
+    data: Any, source: _Source, dups: list[_Problem], base_dir: Path | None = None
+) -> Recipe:
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         _fail(source, dups + _schema_problems(exc))
     recipe._source = source
-    _check(source, dups + _recipe_problems(recipe)[1])
+    _check(source, dups + _environment_problems(recipe, base_dir))
+    _check(source, _dataset_problems(recipe, base_dir))
+    _check(source, _recipe_problems(recipe))
     return recipe
 
 
@@ -507,7 +763,7 @@ def load_recipe(path: str | os.PathLike[str], *, label: str | None = None) -> Re
     """Load, validate and test-render a recipe; raise :class:`RecipeError` listing every problem."""
     p = Path(path)
     data, source, dups = _read(p, label or str(p))
-    return _build_recipe(data, source, dups)
+    return _build_recipe(data, source, dups, p.parent)
 
 
 def load_suite(path: str | os.PathLike[str], *, label: str | None = None) -> Suite:
@@ -574,25 +830,39 @@ def load_any(path: str | os.PathLike[str]) -> Recipe | Suite:
     data, source, dups = _read(p, str(p))
     if "recipes" in data and "prompt" not in data:
         return _build_suite(p, data, source, dups)
-    return _build_recipe(data, source, dups)
+    return _build_recipe(data, source, dups, p.parent)
+
+
+def iter_planned(recipe: Recipe, *, default_model: str) -> Iterator[PlannedRun]:
+    """Every run of the recipe, one at a time, in plan order (see :meth:`Recipe.iter_cells`).
+
+    Streams: nothing but the current run is held, so a 100,000-row dataset plans in constant
+    memory. The recipe was test-rendered at load; a row that fails now stops the plan.
+    """
+    source = recipe._source or _Source(file=f"<recipe {recipe.name}>")
+    model = recipe.model or default_model
+    base = recipe.run_policy
+    templated = bool(recipe.setup or recipe.verify)
+    for item in iter_rendered(recipe):
+        if isinstance(item, _Problem):
+            _fail(source, [item])
+        policy = base
+        if templated:
+            policy = base.model_copy(update={"setup": item.setup, "verify": item.verify})
+        yield PlannedRun(
+            recipe=recipe.name,
+            prompt=item.prompt,
+            model=str(item.cell.get("model", model)) if recipe.models else model,
+            policy=policy,
+            cell=item.cell,
+            repeat_index=item.repeat_index,
+        )
 
 
 def expand(recipe: Recipe, *, default_model: str) -> list[PlannedRun]:
     """Every run of the recipe: matrix keys in file order, values in order, then repeats."""
-    rendered, problems = _recipe_problems(recipe)
-    _check(recipe._source or _Source(file=f"<recipe {recipe.name}>"), problems)
-    model = recipe.model or default_model
-    return [
-        PlannedRun(
-            recipe=recipe.name,
-            prompt=text,
-            model=model,
-            policy=recipe.policy,
-            cell=cell,
-            repeat_index=i,
-        )
-        for cell, i, text in rendered
-    ]
+    _check(recipe._source or _Source(file=f"<recipe {recipe.name}>"), _recipe_problems(recipe))
+    return list(iter_planned(recipe, default_model=default_model))
 
 
 def worst_case_micros(planned: list[PlannedRun]) -> int:
@@ -611,11 +881,19 @@ def validate_recipe(recipe: Recipe, settings: Settings) -> None:
         if exc.name == "ephemeral.pricing":
             return
         raise
+    book = PriceBook.load(settings)
+    source = recipe._source or _Source(file=f"<recipe {recipe.name}>")
+    for i, model in enumerate(recipe.models):
+        try:
+            book.check_model(model)
+        except UnknownModel as exc:
+            _fail(source, [_Problem(("models", i), exc.detail)])
+    if recipe.models:
+        return
     model = recipe.model or settings.default_model
     try:
-        PriceBook.load(settings).check_model(model)
+        book.check_model(model)
     except UnknownModel as exc:
-        source = recipe._source or _Source(file=f"<recipe {recipe.name}>")
         why = "" if recipe.model else " (the default model: the recipe names none)"
         _fail(source, [_Problem(("model",), f"{exc.detail}{why}")])
 

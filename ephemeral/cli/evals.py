@@ -34,7 +34,9 @@ async def _run(
     from ephemeral.flows.executor import executor_for
     from ephemeral.service import Runtime
 
-    total = len(evals.plan(evaluation, settings))  # a bad recipe fails here, before any run
+    for recipe in evaluation.recipes:  # a bad recipe fails here, before any run
+        evals.validate_recipe(recipe, settings)
+    total = evals.planned_count(evaluation)
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),

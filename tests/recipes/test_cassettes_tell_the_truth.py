@@ -83,3 +83,64 @@ async def test_recorded_answer_holds_in_a_real_sandbox(name: str, tmp_path: Path
     assert judged, "a replay recipe should check what its commands did"
     failures = [r for r in evaluate(judged, run, events) if not r.passed]
     assert not failures, (failures, [e["data"] for e in events])
+
+
+EVAL_RECIPES = ["fix-the-test"]
+
+
+@pytest.mark.parametrize("name", EVAL_RECIPES)
+def test_eval_cassette_shape(name: str) -> None:
+    turns = _cassette(name)["turns"]
+    assert turns[-1]["message"]["content"] and not turns[-1]["message"].get("tool_calls")
+    assert all(t["message"]["tool_calls"] for t in turns[:-1])
+
+
+@pytest.mark.parametrize("name", EVAL_RECIPES)
+async def test_eval_cassette_holds_for_every_dataset_row(name: str, tmp_path: Path) -> None:
+    """For each planned run (each dataset row): files_from, setup, the recorded commands and
+    verify in a real sandbox of the recipe's image; then every check but those that need a
+    settled run is judged against what really happened."""
+    ns = pytest.importorskip("ephemeral.sandbox.namespaces", reason="no namespaces driver")
+    from ephemeral.recipes import expand
+    from ephemeral.sandbox import images
+    from ephemeral.sandbox.base import Limits
+
+    recipe = load_recipe(REPO / "recipes" / "evals" / f"{name}.yaml")
+    assert recipe.model == f"replay/{name}" and recipe.image
+    settings = Settings.load(state_dir=tmp_path / "state").model_copy(
+        update={"image": recipe.image}
+    )
+    built = images.built_image(settings, recipe.image)
+    if built is None:
+        unavailable(f"image {recipe.image} not built (make setup)", "namespaces")
+    driver = ns.NamespacesDriver(settings)
+    if why := await driver.probe():
+        unavailable(f"namespaces sandbox unavailable: {why}", "namespaces")
+    cassette = _cassette(name)
+    planned = expand(recipe, default_model="unused/model")
+    assert len(planned) == 3
+    for run in planned:
+        events: list[dict[str, Any]] = []
+
+        def record(kind: str, command: str, result: Any, events: list = events) -> None:
+            data = {"command": command, **result.model_dump()}
+            events.append({"seq": len(events) + 1, "type": kind, "data": data})
+
+        async with await driver.create(owner=f"test-{name}", limits=Limits()) as sbx:
+            for spec in run.policy.files:
+                await sbx.put_file(f"{sbx.workdir}/{spec.path}", spec.data())
+            for command in run.policy.setup:
+                res = await sbx.exec(command, cwd=sbx.workdir, env=built.env, timeout=60)
+                assert res.exit_code == 0, (run.cell, command, res)
+            for turn in cassette["turns"]:
+                for call in turn["message"].get("tool_calls") or []:
+                    command = call["arguments"]["command"]
+                    res = await sbx.exec(command, cwd=sbx.workdir, env=built.env, timeout=60)
+                    record("shell.executed", command, res)
+            for command in run.policy.verify:
+                res = await sbx.exec(command, cwd=sbx.workdir, env=built.env, timeout=60)
+                record("verify.executed", command, res)
+        out = {"status": "succeeded", "output": cassette["turns"][-1]["message"]["content"]}
+        judged = [c for c in recipe.checks if not isinstance(c, MaxCost | MaxDuration | StatusIs)]
+        failures = [r for r in evaluate(judged, out, events) if not r.passed]
+        assert not failures, (run.cell, failures, [e["data"] for e in events])

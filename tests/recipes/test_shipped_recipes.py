@@ -19,6 +19,7 @@ from ephemeral.settings import Settings
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = [
     *sorted((REPO / "recipes").glob("*.yaml")),
+    *sorted((REPO / "recipes/evals").glob("*.yaml")),
     *sorted((REPO / "recipes/suites").glob("*.yaml")),
 ]
 

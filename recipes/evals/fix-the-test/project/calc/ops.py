@@ -1,0 +1,13 @@
+"""Arithmetic for the calc package."""
+
+
+def add(a, b):
+    return a + b
+
+
+def sub(a, b):
+    return a - b
+
+
+def mul(a, b):
+    return a * b
