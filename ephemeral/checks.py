@@ -9,6 +9,7 @@ A check is a one-key mapping in a recipe's ``checks:`` list (DESIGN §5)::
     - max_duration_seconds: 60
     - status: succeeded
     - verify: {exit_code: 0}                     # the run's verify commands (see below)
+    - output_json_schema: {type: object, required: [answer]}   # output (or its ```json block)
 
 Each variant judges a finished run from the run object (DESIGN §3) and its events (DESIGN §4)
 and says why, naming what it saw, so a failing eval can be read without opening the run.
@@ -17,6 +18,8 @@ A malformed or incomplete run never raises here: the check fails with the reason
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -292,6 +295,69 @@ class VerifyCheck(_Check):
         return True, f"{ran} verify command{'s' if ran != 1 else ''} as wanted"
 
 
+_FENCE = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n```", re.DOTALL)
+
+
+def _json_of(text: str) -> tuple[Any, str] | None:
+    """The output as JSON: the whole of it, or else its first fenced code block."""
+    try:
+        return json.loads(text), "the output"
+    except ValueError:
+        pass
+    m = _FENCE.search(text)
+    if m is not None:
+        try:
+            return json.loads(m.group(1)), "the output's first code block"
+        except ValueError:
+            return None
+    return None
+
+
+class OutputJsonSchema(_Check):
+    """The output (or its first fenced code block) is JSON valid against a JSON Schema."""
+
+    output_json_schema: dict[str, Any]
+
+    @field_validator("output_json_schema")
+    @classmethod
+    def _valid(cls, v: dict[str, Any]) -> dict[str, Any]:
+        import jsonschema
+
+        try:
+            jsonschema.validators.validator_for(v).check_schema(v)
+        except jsonschema.SchemaError as exc:
+            raise ValueError(f"not a valid JSON Schema: {exc.message}") from None
+        return v
+
+    def label(self) -> str:
+        title = self.output_json_schema.get("title")
+        if isinstance(title, str):
+            return f"output_json_schema: {_short(title, 40)}"
+        digest = hashlib.sha256(
+            json.dumps(self.output_json_schema, sort_keys=True).encode()
+        ).hexdigest()
+        return f"output_json_schema: {digest[:8]}"
+
+    def judge(self, run: Run, events: Events) -> tuple[bool, str]:
+        import jsonschema
+
+        out = _output(run)
+        if out is None:
+            return False, "the run has no output"
+        found = _json_of(out.strip())
+        if found is None:
+            return False, f"the output is not JSON ({len(out)} chars, starts {_short(out)!r})"
+        value, where = found
+        validator = jsonschema.validators.validator_for(self.output_json_schema)(
+            self.output_json_schema
+        )
+        error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+        if error is not None:
+            at = "/".join(str(p) for p in error.absolute_path) or "(root)"
+            return False, f"{where} fails the schema at {at}: {_short(error.message, 120)}"
+        return True, f"{where} is valid against the schema"
+
+
 class MaxCost(_Check):
     max_cost_micros: int = Field(ge=0)
 
@@ -361,6 +427,7 @@ CHECK_KINDS: dict[str, type[_Check]] = {
     "max_duration_seconds": MaxDuration,
     "status": StatusIs,
     "verify": VerifyCheck,
+    "output_json_schema": OutputJsonSchema,
 }
 
 
@@ -381,7 +448,8 @@ Check = Annotated[
     | Annotated[MaxCost, Tag("max_cost_micros")]
     | Annotated[MaxDuration, Tag("max_duration_seconds")]
     | Annotated[StatusIs, Tag("status")]
-    | Annotated[VerifyCheck, Tag("verify")],
+    | Annotated[VerifyCheck, Tag("verify")]
+    | Annotated[OutputJsonSchema, Tag("output_json_schema")],
     Discriminator(
         _kind,
         custom_error_type="check_kind",

@@ -286,7 +286,8 @@ class CheckStat(BaseModel):
 
 
 class RecipeStat(BaseModel):
-    recipe: str
+    recipe: str  # the recipe's name; with a models axis "name [model]"
+    model: str | None = None  # set for a recipe with a models axis
     planned: int
     ran: int
     passed: int
@@ -346,9 +347,18 @@ class Report(BaseModel):
 
 
 def recipe_stats(recipes: Sequence[Recipe], results: Sequence[RunResult]) -> list[RecipeStat]:
+    """One row per recipe; a recipe with a ``models:`` axis gets one row per model
+    (``recipe [model]``), so the pass table and the gate compare the models."""
     stats = []
+    groups: list[tuple[Recipe, str | None]] = []
     for recipe in recipes:
-        mine = [r for r in results if r.recipe == recipe.name]
+        groups += [(recipe, m) for m in recipe.models] if recipe.models else [(recipe, None)]
+    for recipe, model in groups:
+        mine = [
+            r
+            for r in results
+            if r.recipe == recipe.name and (model is None or r.cell.get("model") == model)
+        ]
         ran = [r for r in mine if r.run_id is not None]
         labels = [c.label() for c in recipe.checks]
         checks = [
@@ -361,7 +371,8 @@ def recipe_stats(recipes: Sequence[Recipe], results: Sequence[RunResult]) -> lis
         ]
         stats.append(
             RecipeStat(
-                recipe=recipe.name,
+                recipe=recipe.name if model is None else f"{recipe.name} [{model}]",
+                model=model,
                 planned=len(mine),
                 ran=len(ran),
                 passed=sum(1 for r in mine if r.passed),

@@ -61,10 +61,34 @@ def redact_checks(checks: str | None) -> str | None:
     return json.dumps(kept, sort_keys=True)
 
 
+VERIFY_CONTENT = ("command", "stdout", "stderr")
+
+
+def redact_verify(verify: str | None) -> str | None:
+    """Verify results keep exit codes, durations and skips; commands and output go."""
+    if verify is None:
+        return None
+    try:
+        parsed = json.loads(verify)
+    except ValueError:
+        return None
+    if not isinstance(parsed, list):
+        return None
+    kept = [
+        {k: v for k, v in item.items() if k not in VERIFY_CONTENT}
+        if isinstance(item, dict)
+        else item
+        for item in parsed
+    ]
+    return json.dumps(kept, sort_keys=True)
+
+
 __all__ = [
     "CONTENT_KEYS",
     "REMOVED_REASON",
+    "VERIFY_CONTENT",
     "event_data_has_content",
     "redact_checks",
     "redact_event_data",
+    "redact_verify",
 ]

@@ -26,7 +26,12 @@ from ephemeral.records.compaction import (
     read_files,
     rewrite_compacted,
 )
-from ephemeral.records.redact import REMOVED_REASON, redact_checks, redact_event_data
+from ephemeral.records.redact import (
+    REMOVED_REASON,
+    redact_checks,
+    redact_event_data,
+    redact_verify,
+)
 from ephemeral.records.schema import COMPACTED_NAME, CONTENT_COLUMNS, columns
 from ephemeral.records.writer import _cursor
 
@@ -35,7 +40,8 @@ _KEY = {"runs": ("run_id",), "steps": ("run_id", "seq"), "events": ("run_id", "s
 # A cheap SQL filter for rows that may still hold content; Python decides for each candidate.
 _CANDIDATE = {
     "runs": "prompt IS NOT NULL OR output IS NOT NULL OR "
-    f"replace(checks, '\"reason\": \"{REMOVED_REASON}\"', '') LIKE '%\"reason\"%'",
+    f"replace(checks, '\"reason\": \"{REMOVED_REASON}\"', '') LIKE '%\"reason\"%' OR "
+    "verify LIKE '%\"command\"%'",
     "steps": "command IS NOT NULL OR stdout IS NOT NULL OR stderr IS NOT NULL",
     "events": " OR ".join(f"data LIKE '%\"{key}\"%'" for key in sorted(CONTENT_KEYS)),
 }
@@ -43,7 +49,13 @@ _CANDIDATE = {
 
 def _purged(kind: str, row: dict[str, Any]) -> dict[str, Any]:
     if kind == "runs":
-        return {**row, "prompt": None, "output": None, "checks": redact_checks(row["checks"])}
+        return {
+            **row,
+            "prompt": None,
+            "output": None,
+            "checks": redact_checks(row["checks"]),
+            "verify": redact_verify(row["verify"]),
+        }
     if kind == "steps":
         return {**row, "command": None, "stdout": None, "stderr": None}
     return {**row, "data": redact_event_data(row["data"])}
@@ -55,7 +67,7 @@ def _purge_compacted(
     compacted = directory / COMPACTED_NAME
     if not compacted.exists():
         return 0
-    content = CONTENT_COLUMNS[kind] + (("checks",) if kind == "runs" else ())
+    content = CONTENT_COLUMNS[kind] + (("checks", "verify") if kind == "runs" else ())
     keys = _KEY[kind]
     source = f"({read_files(kind, [compacted])})"
     cur = con.execute(

@@ -22,7 +22,7 @@ from typing import Any
 import duckdb
 
 from ephemeral.errors import InvalidRequest
-from ephemeral.records.redact import redact_checks, redact_event_data
+from ephemeral.records.redact import redact_checks, redact_event_data, redact_verify
 from ephemeral.records.schema import (
     EventRecord,
     RunRecord,
@@ -126,7 +126,12 @@ def _enforce_zdr(
     run: RunRecord, steps: list[StepRecord], events: list[EventRecord]
 ) -> tuple[RunRecord, list[StepRecord], list[EventRecord]]:
     run = run.model_copy(
-        update={"prompt": None, "output": None, "checks": redact_checks(run.checks)}
+        update={
+            "prompt": None,
+            "output": None,
+            "checks": redact_checks(run.checks),
+            "verify": redact_verify(run.verify),
+        }
     )
     steps = [s.model_copy(update={"command": None, "stdout": None, "stderr": None}) for s in steps]
     events = [e.model_copy(update={"data": redact_event_data(e.data)}) for e in events]

@@ -222,3 +222,59 @@ def test_b64_of_files_from_round_trips(tmp_path: Path) -> None:
     recipe = load_recipe(write(tmp_path, BASE.replace("{{ function }}", "x") + "files_from: d\n"))
     [f] = recipe.run_policy.files
     assert base64.b64decode(f.content_base64) == bytes(range(256))
+
+
+# ---------------------------------------------------------------- output_json_schema
+
+
+def test_output_json_schema_validates_the_output_or_its_code_block(tmp_path: Path) -> None:
+    text = BASE.replace("{{ function }}", "it") + (
+        "checks:\n"
+        "  - output_json_schema:\n"
+        "      title: answer\n"
+        "      type: object\n"
+        "      required: [answer]\n"
+        "      properties: {answer: {type: integer}}\n"
+    )
+    [check] = load_recipe(write(tmp_path, text)).checks
+    assert check.label() == "output_json_schema: answer"
+
+    def judge(output: str | None) -> tuple[bool, str]:
+        [r] = evaluate([check], {"output": output}, [])
+        return r.passed, r.reason
+
+    assert judge('{"answer": 42}') == (True, "the output is valid against the schema")
+    fenced = 'Here it is:\n```json\n{"answer": 7}\n```\n'
+    assert judge(fenced) == (True, "the output's first code block is valid against the schema")
+    ok, why = judge('{"answer": "42"}')
+    assert not ok and why.startswith("the output fails the schema at answer: '42' is not of")
+    ok, why = judge("{}")
+    assert not ok and "'answer' is a required property" in why
+    assert judge("no json here")[1].startswith("the output is not JSON")
+    assert judge(None) == (False, "the run has no output")
+
+
+def test_an_invalid_json_schema_is_a_recipe_error(tmp_path: Path) -> None:
+    text = BASE.replace("{{ function }}", "it") + (
+        "checks:\n  - output_json_schema: {type: not-a-type}\n"
+    )
+    [err] = recipe_errors(write(tmp_path, text))
+    assert err["field"] == "checks[0].output_json_schema" and err["line"] == 6
+    assert "not a valid JSON Schema" in err["message"]
+
+
+def test_the_pass_table_has_one_row_per_model(tmp_path: Path) -> None:
+    from ephemeral.evals import RunResult, gate_failures, recipe_stats
+
+    text = BASE.replace("model: x/y\n", "").replace("{{ function }}", "it")
+    recipe = load_recipe(write(tmp_path, text + "models: [p/one, p/two]\n"))
+    results = [
+        RunResult(pair_key=f"k{i}", recipe="env", cell={"model": m}, run_id=f"r{i}", status=s)
+        for i, (m, s) in enumerate([("p/one", "succeeded"), ("p/two", "failed")])
+    ]
+    stats = recipe_stats([recipe], results)
+    assert [(s.recipe, s.model, s.passed, s.planned) for s in stats] == [
+        ("env [p/one]", "p/one", 1, 1),
+        ("env [p/two]", "p/two", 0, 1),
+    ]
+    assert gate_failures(stats, 1.0) == ["env [p/two]: pass rate 0% (0/1) below min_pass_rate 100%"]

@@ -69,3 +69,31 @@ def test_purge_validates_retention(tmp_path: Path) -> None:
         Records(tmp_path).purge_content(retention_days=-1)
     assert err.value.errors == [{"field": "retention_days", "message": "must be 0 or more"}]
     assert Records(tmp_path).purge_content(retention_days=0, now=NOW) == 0
+
+
+def test_purge_and_zdr_keep_verify_exit_codes_but_not_their_output(tmp_path: Path) -> None:
+    canary = f"CANARY{secrets.token_hex(8)}"
+    verify = json.dumps(
+        [
+            {
+                "command": f"echo {canary}",
+                "exit_code": 0,
+                "stdout": canary,
+                "stderr": "",
+                "duration_ms": 5,
+                "timed_out": False,
+            }
+        ]
+    )
+    old, steps, events = make_run(days_ago=45, content=canary)
+    write_run(tmp_path, old.model_copy(update={"verify": verify}), steps, events)
+    zdr, steps, events = make_run(days_ago=0, content=canary)
+    zdr = zdr.model_copy(update={"verify": verify, "zero_data_retention": True})
+    write_run(tmp_path, zdr, steps, events)
+    records = Records(tmp_path)
+    assert records.purge_content(30, now=NOW) > 0
+    assert all(canary.encode() not in p.read_bytes() for p in tmp_path.rglob("*.parquet"))
+    _, rows = records.query("SELECT verify FROM runs")
+    assert [json.loads(v) for (v,) in rows] == [
+        [{"duration_ms": 5, "exit_code": 0, "timed_out": False}]
+    ] * 2
