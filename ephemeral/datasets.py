@@ -79,6 +79,7 @@ def _open(sel: Selection) -> duckdb.DuckDBPyConnection:
     try:
         # one thread: file order and a seeded sample are then the same on every run
         con.execute("SET threads = 1")
+        con.execute("SET enable_progress_bar = false")  # it would draw on the CLI's stderr
         source = reader.format(path=_literal(str(sel.path)))
         con.execute(f"CREATE TABLE ds AS SELECT row_number() OVER () AS {_ROW}, * FROM {source}")
         con.execute("SET enable_external_access = false")
