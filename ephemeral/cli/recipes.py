@@ -48,6 +48,12 @@ def _policy_summary(p: Policy) -> str:
         f"cap {usd(p.max_cost_micros)}",
         f"isolation {p.isolation}",
     ]
+    if p.image is not None:
+        parts.append(f"image {p.image}")
+    if p.setup:
+        parts.append(f"setup {len(p.setup)} command(s)")
+    if p.verify:
+        parts.append(f"verify {len(p.verify)} command(s) in {p.verify_reserve_seconds()} s")
     return " · ".join(parts)
 
 

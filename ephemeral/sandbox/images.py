@@ -161,8 +161,12 @@ def load_definition(defdir: Path) -> ImageDefinition:
             elif not src.exists():
                 problems.append((("files", i, "source"), f"no such file {src}"))
         for i, req in enumerate(d.pip):
-            if req.startswith("-") and not req.startswith(("--no-deps",)):
+            if req.startswith("-"):
                 problems.append((("pip", i), "pip options are not allowed, only requirements"))
+            elif req.startswith("./"):
+                wheel = (defdir / req).resolve()
+                if not wheel.is_relative_to(defdir.resolve()) or not wheel.is_file():
+                    problems.append((("pip", i), f"no wheel {wheel} inside the definition"))
         return problems
 
     return load_yaml_model(
@@ -197,12 +201,17 @@ def _definition_files(defdir: Path) -> Iterator[Path]:
 BUILDER_VERSION = 3
 
 
-def definition_hash(defdir: Path) -> str:
+def definition_hash(defdir: Path, _seen: frozenset[str] = frozenset()) -> str:
     """sha256 of every file of the definition and, for a derived image, of its base's hash."""
+    if defdir.name in _seen:
+        raise errors.InvalidRequest.field(
+            "base", f"{defdir / 'image.yaml'}: base images form a cycle through {defdir.name!r}"
+        )
     h = hashlib.sha256(f"builder-{BUILDER_VERSION}\n".encode())
     base = _base_name(defdir)
     if base is not None:
-        h.update(f"base {definition_hash(defdir.parent / base)}\n".encode())
+        parent = definition_hash(defdir.parent / base, _seen | {defdir.name})
+        h.update(f"base {parent}\n".encode())
     for p in _definition_files(defdir):
         rel = p.relative_to(defdir).as_posix().encode()
         h.update(len(rel).to_bytes(4, "big") + rel)

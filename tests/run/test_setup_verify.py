@@ -158,3 +158,29 @@ async def test_an_image_this_server_has_not_built_is_refused_naming_image(
         await runtime.admit(org, bad)
     assert exc.value.errors and exc.value.errors[0]["field"] == "image"
     assert "'nope' is not built" in exc.value.detail and "default" in exc.value.detail
+
+
+async def test_the_warm_pool_serves_only_its_own_image(
+    run_settings: Settings, make_cassette: Callable[..., str], python_dev: images.ImageConfig
+) -> None:
+    model = make_cassette(
+        "sv-pool", [turn("cat /etc/os-release >/dev/null; which git || true"), turn(final="done")]
+    )
+    settings = run_settings.model_copy(update={"pool_size": 1})
+    runtime = await Runtime.start(settings, warm_pool=True)
+    try:
+        [pool] = runtime._pools.values()
+        await pool.wait_ready(60)
+        got = {}
+        for image in ("python-dev", None):
+            row, events = await run_to_end(
+                runtime, request(model, image=image, isolation="auto", verify=[])
+            )
+            assert row.status == "succeeded", row.termination_detail
+            ready = next(e.data for e in events if e.type == "sandbox.ready")
+            shell = next(e.data for e in events if e.type == "shell.executed")
+            got[image] = (ready["image"], shell["stdout"].strip())
+        assert got["python-dev"] == ("python-dev", "/usr/bin/git")
+        assert got[None] == ("default", "")  # the pooled default image has no git
+    finally:
+        await runtime.close()

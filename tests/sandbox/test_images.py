@@ -83,14 +83,14 @@ def _derived(defs: Path, text: str = DERIVED) -> Path:
     d = defs / "child"
     (d / "data").mkdir(parents=True)
     (d / "data" / "hello.txt").write_text("hello from the definition\n")
+    (d / "wheels").mkdir()
+    (d / "wheels" / "tinyevalpkg-0.1-py3-none-any.whl").write_bytes(b"")  # _wheel() fills it
     (d / "image.yaml").write_text(text)
     return d
 
 
 def test_a_derived_definition_inherits_and_adds(defs: Path) -> None:
     d = _derived(defs)
-    (d / "wheels").mkdir()
-    (d / "wheels" / "tinyevalpkg-0.1-py3-none-any.whl").write_bytes(b"")
     layers = images.chain(d)
     assert [x.name for _, x in layers] == ["default", "child"]
     spec = images._layer_spec([x for _, x in layers])
@@ -198,3 +198,13 @@ async def test_a_derived_image_builds_pip_files_env_and_offline_steps(
         assert lines[3] == "101"  # ENETUNREACH: the build step had no network, not even lo
     finally:
         images.remove_images(settings, "child")
+
+
+def test_a_cycle_of_bases_is_an_error_not_a_hang(defs: Path) -> None:
+    for name, base in (("a", "b"), ("b", "a")):
+        (defs / name).mkdir()
+        (defs / name / "image.yaml").write_text(f"name: {name}\nbase: {base}\n")
+    with pytest.raises(errors.InvalidRequest, match="cycle"):
+        images.definition_hash(defs / "a")
+    with pytest.raises(errors.InvalidRequest, match="cycle"):
+        images.chain(defs / "a")
