@@ -686,6 +686,11 @@ def remove_images(
         if info.name == name and (all_versions or not info.current):
             shutil.rmtree(info.path)
             removed.append(info.path)
+            # the microVM's disk of this build (microvm_image names it <name>-<hash16>.ext4)
+            ext4 = settings.image_cache_dir / "microvm" / "rootfs" / f"{info.path.name}.ext4"
+            if ext4.is_file():
+                ext4.unlink()
+                removed.append(ext4)
     if include_base and (settings.image_cache_dir / "base").is_dir():
         base = settings.image_cache_dir / "base"
         shutil.rmtree(base)

@@ -8,7 +8,9 @@ sandbox, and an agent that used all its time is still graded.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +20,7 @@ from ephemeral.records import Records
 from ephemeral.runview import run_object
 from ephemeral.sandbox import images
 from ephemeral.service import Runtime
-from ephemeral.settings import Settings
+from ephemeral.settings import REPO_ROOT, Settings
 from tests.drivers import unavailable
 from tests.run.conftest import turn
 from tests.run.test_agent_run import assert_settled, run_to_end, types
@@ -184,3 +186,43 @@ async def test_the_warm_pool_serves_only_its_own_image(
         assert got[None] == ("default", "")  # the pooled default image has no git
     finally:
         await runtime.close()
+
+
+async def test_an_images_env_and_workdir_apply_to_every_command_of_a_run(
+    tmp_path: Path, cassettes: Path, make_cassette: Callable[..., str]
+) -> None:
+    """A derived image (built here on default's cached layer) with env and workdir: setup, the
+    agent's shell and verify all run in scratch/<workdir> with that environment."""
+    defs = tmp_path / "images"
+    shutil.copytree(REPO_ROOT / "sandbox_images" / "default", defs / "default")
+    (defs / "wd").mkdir()
+    (defs / "wd" / "image.yaml").write_text(
+        "name: wd\nbase: default\nenv: {WD_MARK: here}\nworkdir: work/dir\n"
+    )
+    settings = Settings.load(
+        state_dir=tmp_path / "state", cassettes_dir=cassettes, images_dir=defs, use_prefect=False
+    )
+    if images.built_rootfs(settings, "default") is None:
+        unavailable("image default not built (make setup)")
+    await images.ensure_image(settings, "wd")
+    model = make_cassette("sv-wd", [turn("pwd; echo $WD_MARK; cat from-setup"), turn(final="ok")])
+    runtime = await Runtime.start(settings)
+    try:
+        row, events = await run_to_end(
+            runtime,
+            request(
+                model,
+                image="wd",
+                setup=["echo set > from-setup"],
+                verify=['test "$(basename "$PWD")" = dir && test "$WD_MARK" = here'],
+            ),
+        )
+    finally:
+        await runtime.close()
+        images.remove_images(settings, "wd")
+    assert row.status == "succeeded", row.termination_detail
+    shell = next(e.data for e in events if e.type == "shell.executed")
+    pwd, mark, setup_out = shell["stdout"].splitlines()
+    assert pwd.startswith("/tmp/ephemeral-run-") and pwd.endswith("/scratch/work/dir")
+    assert (mark, setup_out) == ("here", "set")
+    assert [e.data["exit_code"] for e in events if e.type == "verify.executed"] == [0]
