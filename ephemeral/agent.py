@@ -590,6 +590,13 @@ async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
             run.reason, run.detail = exc.reason, exc.detail
         except TimeoutError:
             log.warning("run %s: verify outlived the run's time limit", run.run_id)
+        except asyncio.CancelledError:
+            run.reason, run.detail = Reason.CANCELLED, "cancelled by request (during verify)"
+            await _finish(run, steps)
+            raise
+        except Exception:  # a broken grader must not leave the run open
+            log.exception("run %s: verify failed", run.run_id)
+            run.reason, run.detail = Reason.INFRA_ERROR, "verify failed: internal error"
     return await _finish(run, steps)
 
 

@@ -7,6 +7,7 @@ sandbox, and an agent that used all its time is still graded.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from collections.abc import Callable
@@ -226,3 +227,24 @@ async def test_an_images_env_and_workdir_apply_to_every_command_of_a_run(
     assert pwd.startswith("/tmp/ephemeral-run-") and pwd.endswith("/scratch/work/dir")
     assert (mark, setup_out) == ("here", "set")
     assert [e.data["exit_code"] for e in events if e.type == "verify.executed"] == [0]
+
+
+async def test_a_cancel_during_verify_still_destroys_the_sandbox_and_settles(
+    runtime: Runtime, make_cassette: Callable[..., str], python_dev: images.ImageConfig
+) -> None:
+    model = make_cassette("sv-cancel", [turn(final="done")])
+    org = await runtime.local_org()
+    row, _ = await runtime.admit(org, request(model, verify=["sleep 1000"]))
+    task = runtime.launch(row.id)
+    async for ev in runtime.events(row.id, follow=True):
+        if ev.type == "model.called":
+            break
+    await asyncio.sleep(1.0)  # verify's sleep is running now
+    cancelled = await runtime.cancel(row.id)
+    assert cancelled.status == "cancelled"
+    assert cancelled.termination_detail == "cancelled by request (during verify)"
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    events = await runtime.store.list_events(row.id)
+    assert_settled(await runtime.store.get_run(row.id), events)
+    assert "sandbox.destroyed" in types(events)
