@@ -94,7 +94,19 @@ def permission_rows(policy: dict[str, Any], retention_days: int) -> list[tuple[s
         ("Budget", f"{usd(policy.get('max_cost_micros'))}, hard cap"),
         ("Time limit", f"{policy.get('timeout_seconds')} seconds"),
         ("Isolation", str(policy.get("isolation", "auto"))),
+        *_environment_rows(policy),
     ]
+
+
+def _environment_rows(policy: dict[str, Any]) -> list[tuple[str, str]]:
+    """The image and the setup/verify commands, when the run names them."""
+    rows = []
+    if policy.get("image"):
+        rows.append(("Image", str(policy["image"])))
+    setup, verify = policy.get("setup") or [], policy.get("verify") or []
+    if setup or verify:
+        rows.append(("Setup / verify", f"{len(setup)} / {len(verify)} commands"))
+    return rows
 
 
 def money_line(run: dict[str, Any]) -> str | None:
