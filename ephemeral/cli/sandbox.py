@@ -63,16 +63,26 @@ def exec_cmd(
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Print isolation and timings.")
     ] = False,
+    image: Annotated[
+        str | None, typer.Option(help="A built image (ephemeral images list); default image.")
+    ] = None,
 ) -> None:
     """Run one command in a fresh sandbox, print its output and exit with its code."""
     settings = Settings.load()
+    env: dict[str, str] = {}
+    if image is not None:
+        try:
+            env = images.require_built(settings, image, field="--image").env
+        except errors.EphemeralError as exc:
+            raise fail(exc) from exc
+        settings = settings.model_copy(update={"image": image})
     stdin = b"" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer.read()
 
     async def go() -> int:
         t0 = time.monotonic()
         sbx = await _open(settings, isolation, "cli")
         try:
-            res = await sbx.exec(_command(command), stdin=stdin, timeout=timeout)
+            res = await sbx.exec(_command(command), stdin=stdin, timeout=timeout, env=env or None)
         finally:
             await sbx.destroy()
         sys.stdout.write(res.stdout)
