@@ -31,6 +31,7 @@ from ephemeral.retry import call_with_retries
 
 if TYPE_CHECKING:
     from ephemeral.broker import Broker
+    from ephemeral.broker.egress import Egress
     from ephemeral.pricing import PriceBook
     from ephemeral.providers.base import Provider
     from ephemeral.sandbox.base import Limits, Sandbox
@@ -88,6 +89,8 @@ class AgentRun:
     detail: str | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     broker: Broker | None = None  # serves web_fetch / connection_call (ephemeral.broker)
+    egress: Egress | None = None  # the sandbox's proxy, when web or connections are granted
+    egress_env: dict[str, str] = field(default_factory=dict)  # proxy variables for commands
 
     def __post_init__(self) -> None:
         rate = self.price_book.compute_micros(
@@ -133,12 +136,55 @@ class AgentRun:
         self.budget.charged["web_micros"] += price
         return price
 
+    async def charge_web_bytes(self, key: str, micros: int) -> int:
+        if not self.budget.fits(micros):
+            raise StopRun(Reason.BUDGET_EXHAUSTED, "egress traffic used up the budget")
+        try:
+            await self.store.charge(self.run_id, "web", micros, key=f"{self.run_id}:{key}")
+        except errors.BudgetExhausted as exc:
+            raise StopRun(Reason.BUDGET_EXHAUSTED, "egress traffic used up the budget") from exc
+        self.budget.charged["web_micros"] += micros
+        return micros
+
+    def _check_egress(self) -> None:
+        """A stop the egress proxy hit (budget out, broker failure) ends the run here."""
+        if self.egress is not None:
+            if self.egress.stopped is not None:
+                raise self.egress.stopped
+            if self.egress.failed is not None:
+                raise StopRun(Reason.INFRA_ERROR, f"the egress broker failed: {self.egress.failed}")
+
+    async def _start_egress(self, sandbox: Sandbox) -> None:
+        """The forwarder inside and the proxy outside, only when web or connections are on."""
+        if self.broker is None or not self.broker.wants_egress(self.policy):
+            return
+        start = getattr(sandbox, "start_egress", None)
+        if start is None:  # a sandbox without a guest channel (the fake): no egress at all
+            return
+        from ephemeral.broker.egress import WINDOW
+
+        egress = self.broker.egress(self, mib_micros=self.price_book.web_mib_micros())
+        stop = getattr(sandbox, "stop_egress", None)
+        egress.cut_all = stop
+        try:
+            await start(
+                egress.handle,
+                port=self.broker.settings.egress_port,
+                max_streams=self.broker.settings.egress_max_streams,
+                window=WINDOW,
+            )
+        except errors.SandboxError as exc:
+            raise StopRun(Reason.SANDBOX_ERROR, f"egress did not start: {exc.detail}") from exc
+        self.egress = egress
+        self.egress_env = self.broker.egress_env()
+
     async def get_connection(self, name: str) -> StoredConnection:
         return await self.store.get_connection(self.row.org_id, name)
 
     def _check_time(self) -> float:
         if self.cancelled.is_set():
             raise StopRun(Reason.CANCELLED, "cancelled by request")
+        self._check_egress()
         left = self.time_left()
         if left <= 0:
             compute = self.budget.compute_deadline()
@@ -187,11 +233,12 @@ class AgentRun:
         )
         for f in self.policy.files:
             await sandbox.put_file(f.path, f.data())
+        await self._start_egress(sandbox)
         await self.emit(
             "worker.started",
             {
                 "shell": self.policy.shell,
-                "web": self.policy.web,
+                "web": self.policy.web_shown(),
                 "connections": [c.name for c in self.policy.connections],
                 "files": [f.path for f in self.policy.files],
             },
@@ -211,9 +258,31 @@ class AgentRun:
         if hosted:  # the broker's tools run on the host: the sandbox itself has no network
             shell = f"{tools} and " if self.policy.shell else ""
             tools = f"{shell}{', '.join(hosted)} (run by the host; the sandbox has no network)"
+        egress = ""
+        if self.egress_env:
+            egress = (
+                " Commands in the sandbox reach the outside only through the host's HTTP proxy "
+                "(http_proxy/https_proxy are set; curl, pip and git use them)"
+            )
+            allow = self.policy.web_allow
+            if allow:
+                egress += f", for these hosts only: {', '.join(allow)}"
+            elif not self.policy.web_on:
+                egress += ", for the connections below only"
+            egress += "."
+            if self.policy.connections:
+                names = ", ".join(
+                    f"{c.name} ({'/'.join(c.methods)} {', '.join(c.paths)})"
+                    for c in self.policy.connections
+                )
+                egress += (
+                    " Your code calls a connection as plain HTTP at "
+                    "http://NAME.connections.internal/PATH (the host adds the credentials and "
+                    f"the TLS; never send any yourself). Connections: {names}."
+                )
         return (
             "You are an agent working inside a disposable sandbox. You have "
-            f"{tools}. Web access is {'on' if self.policy.web else 'off'}. "
+            f"{tools}. Web access is {'on' if self.policy.web_on else 'off'}.{egress} "
             f"Your budget is {self.budget.reserved_micros} micro-dollars and your time limit is "
             f"{self.policy.timeout_seconds} seconds; both are hard caps. "
             "Answer in Markdown when done."
@@ -323,7 +392,9 @@ class AgentRun:
         assert self.sandbox is not None
         timeout = max(0.1, min(float(self.policy.timeout_seconds), self.time_left()))
         try:
-            res = await self.sandbox.exec(command, timeout=timeout, max_output=STEP_OUTPUT_CAP)
+            res = await self.sandbox.exec(
+                command, timeout=timeout, max_output=STEP_OUTPUT_CAP, env=self.egress_env or None
+            )
         except errors.SandboxError as exc:
             raise StopRun(Reason.SANDBOX_ERROR, exc.detail) from exc
         await self.emit(
@@ -338,6 +409,7 @@ class AgentRun:
             },
         )
         await self._maybe_warn()
+        self._check_egress()
         if res.timed_out:
             self._check_time()  # the run's own deadline may be what stopped it
         text = f"exit_code: {res.exit_code}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"

@@ -90,13 +90,56 @@ class Connection(_Strict):
         return v
 
 
+_HOST_PATTERN = re.compile(
+    r"^(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+)
+MAX_WEB_ALLOW = 256
+
+
+class WebAllow(_Strict):
+    """``web: {"allow": [...]}``: web on, but only to these host names. A pattern is a host
+    name, or ``*.`` and a domain for its subdomains (never the domain itself); matching is
+    anchored and case-insensitive. IP literals never match."""
+
+    allow: list[str] = Field(min_length=1, max_length=MAX_WEB_ALLOW)
+
+    @field_validator("allow")
+    @classmethod
+    def _patterns(cls, v: list[str]) -> list[str]:
+        out = []
+        for pattern in v:
+            low = pattern.lower()
+            bare = low.removeprefix("*.")
+            if (
+                len(low) > 253
+                or not _HOST_PATTERN.match(low)
+                or "." not in bare
+                or bare.replace(".", "").isdigit()  # an IP address is not a host name
+            ):
+                raise ValueError(
+                    f"{pattern!r} is not a host name or '*.' + a domain (e.g. '*.example.org')"
+                )
+            out.append(low)
+        return out
+
+    def allows(self, host: str) -> bool:
+        name = host.lower().rstrip(".")
+        for pattern in self.allow:
+            if pattern.startswith("*."):
+                if name.endswith(pattern[1:]) and len(name) > len(pattern) - 1:
+                    return True
+            elif name == pattern:
+                return True
+        return False
+
+
 class _Prompt(_Strict):
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     model: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9_.-]*/[A-Za-z0-9_.:/-]+$")
 
 
 class Policy(_Strict):
-    web: bool = False
+    web: bool | WebAllow = False
     shell: bool = True
     files: list[FileSpec] = Field(default_factory=list, max_length=MAX_FILES)
     connections: list[Connection] = Field(default_factory=list)
@@ -104,6 +147,19 @@ class Policy(_Strict):
     timeout_seconds: int = Field(default=120, ge=1, le=3600)
     max_cost_micros: int = Field(default=40_000, ge=1, le=MAX_COST_MICROS)
     isolation: Isolation = "auto"
+
+    @property
+    def web_on(self) -> bool:
+        return self.web is not False
+
+    @property
+    def web_allow(self) -> list[str] | None:
+        """The host patterns web is limited to, or None when it is not limited."""
+        return list(self.web.allow) if isinstance(self.web, WebAllow) else None
+
+    def web_shown(self) -> bool | dict[str, list[str]]:
+        """``web`` as JSON (for events and pages)."""
+        return self.web if isinstance(self.web, bool) else {"allow": list(self.web.allow)}
 
     @model_validator(mode="after")
     def _files_total(self) -> Policy:
