@@ -25,19 +25,17 @@ from ephemeral.agent import AgentRun
 from ephemeral.sandbox.base import ExecResult
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
-from tests.broker.conftest import (  # noqa: F401  (fixtures)
-    Upstream,
-    _handler,
-    broker_settings,
-    build_run,
-    runtime,
-    upstream,
-)
+from tests.broker import conftest as _broker
+from tests.broker.conftest import Upstream, _handler, build_run
 from tests.drivers import unavailable
 from tests.run.conftest import make_cassette  # noqa: F401  (a fixture)
 from tests.sandbox.conftest import _availability_of
 
 ISOLATIONS = ["namespaces", "gvisor"]
+# the broker tests' fixtures: a runtime whose broker may reach 127.0.0.1, and an HTTP upstream
+broker_settings = _broker.broker_settings
+runtime = _broker.runtime
+upstream = _broker.upstream
 
 
 @dataclass
