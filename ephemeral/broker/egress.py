@@ -522,19 +522,18 @@ class _Meter:
         self.cost = 0
 
     async def take(self, n: int, *, out: bool) -> None:
+        """Pay for ``n`` more bytes before they move (StopRun when they do not fit)."""
+        while not self.free and self.bytes_in + self.bytes_out + n > self.paid:
+            price = await self.egress.ctx.charge_web_bytes(
+                f"egress:{self.sid}:{self.blocks + 1}", self.egress.mib_micros
+            )
+            self.blocks += 1
+            self.cost += price
+            self.paid += MIB
         if out:
             self.bytes_out += n
         else:
             self.bytes_in += n
-        if self.free:
-            return
-        while self.bytes_in + self.bytes_out > self.paid:
-            self.blocks += 1
-            price = await self.egress.ctx.charge_web_bytes(
-                f"egress:{self.sid}:{self.blocks}", self.egress.mib_micros
-            )
-            self.cost += price
-            self.paid += MIB
 
 
 def _host_of(head: Head) -> str | None:
