@@ -30,7 +30,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
@@ -43,7 +43,6 @@ from ephemeral.policy import WebAllow
 
 if TYPE_CHECKING:
     from ephemeral.broker.context import BrokerContext
-    from ephemeral.sandbox.streams import GuestStream
 
 HEAD_CAP = 16 * 1024  # a request head larger than this is refused
 MAX_HEADERS = 100
@@ -75,6 +74,18 @@ _TOKEN = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}$")
 _METHOD = re.compile(r"^[A-Z]{1,16}$")
 
 ChargeRequest = Callable[[], Awaitable[int]]
+
+
+class GuestStream(Protocol):
+    """One connection made inside the sandbox (``ephemeral.sandbox.streams.GuestStream``)."""
+
+    sid: int
+    eof: bool  # the sandbox side shut its sending half
+    closed: bool
+
+    async def read(self, n: int = ...) -> bytes: ...
+
+    async def write(self, data: bytes) -> None: ...
 
 
 class _Refusal(Exception):
