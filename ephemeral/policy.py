@@ -113,7 +113,7 @@ class WebAllow(_Strict):
             if (
                 len(low) > 253
                 or not _HOST_PATTERN.match(low)
-                or "." not in bare
+                or (low.startswith("*.") and "." not in bare)  # not a whole TLD
                 or bare.replace(".", "").isdigit()  # an IP address is not a host name
             ):
                 raise ValueError(

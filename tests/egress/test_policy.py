@@ -67,3 +67,28 @@ def test_the_pages_show_the_allow_list() -> None:
         data={"shell": True, "web": {"allow": ["pypi.example"]}, "connections": [], "files": []},
     )
     assert "web on (only pypi.example)" in describe(event)[1]
+
+
+def test_zero_data_retention_keeps_only_sizes_of_proxy_events() -> None:
+    from ephemeral.events import redact_for_zdr
+
+    event = {
+        "method": "GET",
+        "host": "site.test",
+        "port": 80,
+        "path": "/a/b",
+        "status": 200,
+        "bytes_in": 10,
+        "bytes_out": 5,
+        "cost_micros": 1100,
+    }
+    assert redact_for_zdr(event) == {
+        "method": "GET",
+        "host_bytes": 9,
+        "port": 80,
+        "path_bytes": 4,
+        "status": 200,
+        "bytes_in": 10,
+        "bytes_out": 5,
+        "cost_micros": 1100,
+    }
