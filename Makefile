@@ -58,6 +58,7 @@ bench: setup
 	$(PY) bench/records.py
 	$(PY) bench/seccomp.py
 	$(PY) bench/side_channels.py
+	$(PY) bench/broker.py
 	$(PY) bench/soak.py --runs 100 --levels 16,64
 
 lint: venv

@@ -163,7 +163,11 @@ class AgentRun:
             return
         from ephemeral.broker.egress import WINDOW
 
-        egress = self.broker.egress(self, mib_micros=self.price_book.web_mib_micros())
+        egress = self.broker.egress(
+            self,
+            request_micros=self.price_book.web_request_micros(),
+            mib_micros=self.price_book.web_mib_micros(),
+        )
         stop = getattr(sandbox, "stop_egress", None)
         egress.cut_all = stop
         try:

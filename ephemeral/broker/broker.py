@@ -33,11 +33,12 @@ class Broker:
         """Whether a run gets the egress proxy in its sandbox: only with web or connections."""
         return policy.web_on or bool(policy.connections)
 
-    def egress(self, ctx: BrokerContext, *, mib_micros: int) -> Egress:
+    def egress(self, ctx: BrokerContext, *, request_micros: int, mib_micros: int) -> Egress:
         """The run's egress proxy (``ephemeral.broker.egress``), charging through ``ctx``."""
         return Egress(
             ctx,
-            charge_request=lambda: self._charge_web(ctx),
+            next_seq=self._next_seq,
+            request_micros=request_micros,
             sealer=self.sealer,
             allow_private=self.allow_private,
             max_bytes=self.settings.egress_max_bytes,
@@ -95,5 +96,9 @@ class Broker:
 
     async def _charge_web(self, ctx: BrokerContext) -> int:
         """Charge one request inside the run's budget *before* it is sent."""
+        return await ctx.charge_web(self._next_seq())
+
+    def _next_seq(self) -> int:
+        """The run's next web charge number (web_fetch and the proxy share the sequence)."""
         self._web_requests += 1
-        return await ctx.charge_web(self._web_requests)
+        return self._web_requests

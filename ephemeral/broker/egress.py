@@ -46,8 +46,8 @@ if TYPE_CHECKING:
 
 HEAD_CAP = 16 * 1024  # a request head larger than this is refused
 MAX_HEADERS = 100
-CHUNK = 32 * 1024
-WINDOW = 256 * 1024  # per-stream flow-control window, both ways
+CHUNK = 128 * 1024
+WINDOW = 1 << 20  # per-stream flow-control window, both ways
 MIB = 1 << 20
 CONNECT_SECONDS = 10.0
 CONNECTION_BODY_CAP = 8 * MIB  # a connection response is read whole (to redact it), up to this
@@ -73,7 +73,7 @@ _CREDENTIAL_NAME = re.compile(
 _TOKEN = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}$")
 _METHOD = re.compile(r"^[A-Z]{1,16}$")
 
-ChargeRequest = Callable[[], Awaitable[int]]
+NextSeq = Callable[[], int]
 
 
 class GuestStream(Protocol):
@@ -86,6 +86,8 @@ class GuestStream(Protocol):
     async def read(self, n: int = ...) -> bytes: ...
 
     async def write(self, data: bytes) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 class _Refusal(Exception):
@@ -154,7 +156,8 @@ class Egress:
         self,
         ctx: BrokerContext,
         *,
-        charge_request: ChargeRequest,
+        next_seq: NextSeq,
+        request_micros: int,
         sealer: Sealer,
         allow_private: bool,
         max_bytes: int,
@@ -162,7 +165,8 @@ class Egress:
         mib_micros: int,
     ) -> None:
         self.ctx = ctx
-        self.charge_request = charge_request
+        self.next_seq = next_seq
+        self.request_micros = request_micros
         self.sealer = sealer
         self.allow_private = allow_private
         self.max_bytes = max_bytes
@@ -248,7 +252,7 @@ class Egress:
         event.update(status=None, bytes_in=0, bytes_out=0)
         cut: str | None = None
         try:
-            meter.cost += await self._charge_request()
+            await meter.open()
             try:
                 async with asyncio.timeout(CONNECT_SECONDS):
                     up_r, up_w = await asyncio.open_connection(
@@ -285,6 +289,8 @@ class Egress:
         except (ConnectionError, OSError, TimeoutError):
             pass
         finally:
+            # The client's wait ends with the stream, not with the bookkeeping.
+            await stream.close()
             event.update(bytes_in=meter.bytes_in, bytes_out=meter.bytes_out, cost_micros=meter.cost)
             if cut:
                 event["cut"] = cut
@@ -315,9 +321,6 @@ class Egress:
             raise _Refusal(400, exc.reason) from None
         event.update(host=url.host, port=url.port or 80, path=url.path[:1024])
         return url, url.path
-
-    async def _charge_request(self) -> int:
-        return await self.charge_request()
 
     async def _request_body(self, stream: GuestStream, head: Head) -> bytes:
         """The request body, by Content-Length (chunked request bodies are refused), so nothing
@@ -522,15 +525,23 @@ class Egress:
 class _Meter:
     """Counts a stream's bytes and charges ``web.per_mib_micros`` a MiB before it is used."""
 
-    def __init__(self, egress: Egress, sid: int, *, free: bool = False) -> None:
+    def __init__(self, egress: Egress, sid: int) -> None:
         self.egress = egress
         self.sid = sid
-        self.free = free or egress.mib_micros == 0
+        self.free = egress.mib_micros == 0
         self.bytes_in = 0
         self.bytes_out = 0
         self.paid = 0
         self.blocks = 0
         self.cost = 0
+
+    async def open(self) -> None:
+        """Charge the request or tunnel and its first MiB, in one charge, before dialling."""
+        micros = self.egress.request_micros + (0 if self.free else self.egress.mib_micros)
+        key = f"web:{self.egress.next_seq()}"
+        self.cost += await self.egress.ctx.charge_web_bytes(key, micros)
+        if not self.free:
+            self.blocks, self.paid = 1, MIB
 
     async def take(self, n: int, *, out: bool) -> None:
         """Pay for ``n`` more bytes before they move (StopRun when they do not fit)."""

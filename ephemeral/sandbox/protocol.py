@@ -211,7 +211,7 @@ class EgressReply(_Frame):
 
 # ---- egress stream frames (agent -> host); see ephemeral.sandbox.streams
 
-STREAM_CHUNK = 32 * 1024  # raw bytes per data frame, both ways
+STREAM_CHUNK = 128 * 1024  # raw bytes per data frame, both ways
 MAX_STREAM_ID = 1 << 31
 
 

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ephemeral.sandbox.streams")
 
-STREAM_FRAME_CAP = 64 * 1024  # encoded size of the largest honest stream frame
+STREAM_FRAME_CAP = 256 * 1024  # encoded size of the largest honest stream frame
 BODY_SECONDS = 30.0  # a frame whose header arrived must be complete by then
 
 Accept = Callable[["GuestStream"], Awaitable[None]]
