@@ -12,6 +12,7 @@ own cap, the run's wall-clock deadline and the moment compute would exhaust the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -91,6 +92,8 @@ class AgentRun:
     broker: Broker | None = None  # serves web_fetch / connection_call (ephemeral.broker)
     egress: Egress | None = None  # the sandbox's proxy, when web or connections are granted
     egress_env: dict[str, str] = field(default_factory=dict)  # proxy variables for commands
+    _ledger_writes: set[asyncio.Task[None]] = field(default_factory=set)
+    _ledger_error: str | None = None
 
     def __post_init__(self) -> None:
         rate = self.price_book.compute_micros(
@@ -137,14 +140,28 @@ class AgentRun:
         return price
 
     async def charge_web_bytes(self, key: str, micros: int) -> int:
+        # The run's budget decides here, synchronously: it holds the same reservation as the
+        # ledger, less compute accrued, so it is the stricter of the two. The ledger row is
+        # written beside the request (a SQLite commit would double a proxied request's
+        # latency); teardown and settlement wait for every such write first.
         if not self.budget.fits(micros):
             raise StopRun(Reason.BUDGET_EXHAUSTED, "egress traffic used up the budget")
-        try:
-            await self.store.charge(self.run_id, "web", micros, key=f"{self.run_id}:{key}")
-        except errors.BudgetExhausted as exc:
-            raise StopRun(Reason.BUDGET_EXHAUSTED, "egress traffic used up the budget") from exc
         self.budget.charged["web_micros"] += micros
+        task = asyncio.create_task(self._write_charge(f"{self.run_id}:{key}", micros))
+        self._ledger_writes.add(task)
+        task.add_done_callback(self._ledger_writes.discard)
         return micros
+
+    async def _write_charge(self, key: str, micros: int) -> None:
+        try:
+            await self.store.charge(self.run_id, "web", micros, key=key)
+        except Exception as exc:  # noqa: BLE001 - recorded; the run stops at its next step
+            log.error("run %s: an egress charge was not written: %s", self.run_id, exc)
+            self._ledger_error = type(exc).__name__
+
+    async def _flush_charges(self) -> None:
+        while self._ledger_writes:
+            await asyncio.gather(*list(self._ledger_writes), return_exceptions=True)
 
     def _check_egress(self) -> None:
         """A stop the egress proxy hit (budget out, broker failure) ends the run here."""
@@ -153,6 +170,8 @@ class AgentRun:
                 raise self.egress.stopped
             if self.egress.failed is not None:
                 raise StopRun(Reason.INFRA_ERROR, f"the egress broker failed: {self.egress.failed}")
+        if self._ledger_error is not None:
+            raise StopRun(Reason.INFRA_ERROR, f"a web charge was not written: {self._ledger_error}")
 
     async def _start_egress(self, sandbox: Sandbox) -> None:
         """The forwarder inside and the proxy outside, only when web or connections are on."""
@@ -438,10 +457,14 @@ class AgentRun:
         if self.sandbox is None:
             return
         sandbox, self.sandbox = self.sandbox, None
+        if self.egress is not None and self.egress.cut_all is not None:
+            with contextlib.suppress(errors.SandboxError, ConnectionError):
+                await self.egress.cut_all()  # no stream outlives the run's bookkeeping
         try:
             await sandbox.destroy()
         finally:
             self.budget.sandbox_stopped = time.monotonic()
+            await self._flush_charges()
             compute = compute_charge(
                 micros_per_second=self.budget.compute_micros_per_second,
                 seconds=self.budget.sandbox_seconds(),
@@ -462,6 +485,7 @@ class AgentRun:
 
     async def settle(self) -> RunRow:
         """End the run and settle its money, one store transaction (:meth:`Store.close_run`)."""
+        await self._flush_charges()
         row, _ = await self.store.close_run(
             self.run_id,
             reason=self.reason or Reason.INFRA_ERROR,

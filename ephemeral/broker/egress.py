@@ -180,7 +180,7 @@ class Egress:
     # -- one stream -------------------------------------------------------------------------
     async def handle(self, stream: GuestStream) -> None:
         if self.stopped is not None or self.failed is not None:
-            return
+            return  # egress is closed: the stream is closed unanswered
         try:
             await self._handle(stream)
         except ConnectionError:
@@ -190,7 +190,7 @@ class Egress:
         except Exception as exc:
             # The broker itself failed: fail closed. Every stream is cut, no new one is
             # served, and the run ends at its next step.
-            self.failed = type(exc).__name__
+            self.failed = self.failed or type(exc).__name__
             if self.cut_all is not None:
                 await self.cut_all()
             raise
@@ -288,6 +288,11 @@ class Egress:
             await self._stop(exc)
         except (ConnectionError, OSError, TimeoutError):
             pass
+        except Exception as exc:
+            # The broker itself failed: mark it before the stream closes, so the connection
+            # the client makes next is already refused.
+            self.failed = self.failed or type(exc).__name__
+            raise
         finally:
             # The client's wait ends with the stream, not with the bookkeeping.
             await stream.close()
@@ -389,7 +394,9 @@ class Egress:
 
         async def watchdog() -> None:
             while True:
-                await asyncio.sleep(min(1.0, self.idle_seconds / 4))
+                await asyncio.sleep(min(0.2, self.idle_seconds / 4))
+                if stream.closed:
+                    raise _Cut("closed by the sandbox or the host")
                 if time.monotonic() - last[0] > self.idle_seconds:
                     raise _Cut(f"idle for {self.idle_seconds:g} s")
 

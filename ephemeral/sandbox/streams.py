@@ -268,11 +268,17 @@ class StreamMux:
         """Fail closed: cut every open stream, and close each new one as it opens."""
         self.refusing = True
         me = asyncio.current_task()
-        for task in list(self._tasks):
-            if task is not me:  # the broker's own stream may be what asks
-                task.cancel()
+        others = [t for t in self._tasks if t is not me]  # the broker's own stream may ask
         for stream in list(self.streams.values()):
             await stream.close()
+        if others:
+            # Each handler sees its stream closed and ends, recording what it moved before the
+            # run's books close; one that does not is cancelled.
+            _, late = await asyncio.wait(others, timeout=2.0)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late, timeout=2.0)
 
     async def aclose(self) -> None:
         self.refusing = True
