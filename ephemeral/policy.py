@@ -9,10 +9,11 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from typing import NoReturn
+from typing import Annotated, NoReturn
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -133,13 +134,32 @@ class WebAllow(_Strict):
         return False
 
 
+def _web_value(value: object) -> object:
+    """``web`` is a JSON boolean or ``{"allow": [...]}``; every error names the field ``web``."""
+    if isinstance(value, bool | WebAllow):
+        return value
+    if isinstance(value, dict):
+        try:
+            return WebAllow.model_validate(value)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "web"
+            message = str(first["msg"]).removeprefix("Value error, ")
+            raise PydanticCustomError(
+                "value_error",
+                'must be true, false or {"allow": [host patterns]}; {where}: {message}',
+                {"where": where, "message": message},
+            ) from None
+    raise PydanticCustomError("bool_type", "Input should be a valid boolean")
+
+
 class _Prompt(_Strict):
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     model: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9_.-]*/[A-Za-z0-9_.:/-]+$")
 
 
 class Policy(_Strict):
-    web: bool | WebAllow = False
+    web: Annotated[bool | WebAllow, BeforeValidator(_web_value)] = False
     shell: bool = True
     files: list[FileSpec] = Field(default_factory=list, max_length=MAX_FILES)
     connections: list[Connection] = Field(default_factory=list)

@@ -31,7 +31,7 @@ from tests.drivers import unavailable
 from tests.run.conftest import make_cassette  # noqa: F401  (a fixture)
 from tests.sandbox.conftest import _availability_of
 
-ISOLATIONS = ["namespaces", "gvisor"]
+ISOLATIONS = ["namespaces", "gvisor", pytest.param("microvm-tcg", marks=pytest.mark.slow)]
 # the broker tests' fixtures: a runtime whose broker may reach 127.0.0.1, and an HTTP upstream
 broker_settings = _broker.broker_settings
 runtime = _broker.runtime
