@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from ephemeral.agent import AgentRun
+from ephemeral.broker import Broker
 from ephemeral.sandbox.base import ExecResult
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
@@ -165,10 +166,17 @@ def host_listeners() -> Iterator[Listeners]:
 
 
 @contextlib.asynccontextmanager
-async def provisioned(runtime: Runtime, isolation: str, **policy: Any) -> AsyncIterator[AgentRun]:
+async def provisioned(
+    runtime: Runtime, isolation: str, broker: Broker | None = None, **policy: Any
+) -> AsyncIterator[AgentRun]:
     """A run provisioned in a real sandbox (shell on); torn down and settled at the end."""
     policy.setdefault("shell", True)
     agent = await build_run(runtime, isolation=isolation, **policy)
+    if broker is not None:
+        agent.broker = broker
+    task = asyncio.current_task()
+    assert task is not None
+    runtime._running[agent.run_id] = task  # this test executes the run (not the watchdog)
     try:
         await agent.provision()
         yield agent

@@ -202,13 +202,8 @@ async def test_private_addresses_are_refused_without_the_test_setting(
     names.set("site.test", "127.0.0.1")
     names.set("lan.test", "10.1.2.3")
     names.set("cgnat.test", "100.64.0.1")
-    agent_broker = Broker(runtime.settings.model_copy(update={"broker_allow_private_hosts": False}))
-    from tests.broker.conftest import build_run
-
-    agent = await build_run(runtime, isolation=isolation, web=True, shell=True)
-    agent.broker = agent_broker
-    try:
-        await agent.provision()
+    strict = Broker(runtime.settings.model_copy(update={"broker_allow_private_hosts": False}))
+    async with provisioned(runtime, isolation, broker=strict, web=True) as agent:
         for url in (
             f"http://site.test:{upstream.port}/text",
             "http://lan.test/",
@@ -221,12 +216,6 @@ async def test_private_addresses_are_refused_without_the_test_setting(
             assert "resolves to a" in res.stdout and "address" in res.stdout, (url, res)
         tunnel = await sh(agent, f"curl -sS -m 10 -k https://site.test:{upstream.port}/")
         assert tunnel.exit_code != 0
-    finally:
-        await agent.teardown()
-        from ephemeral.lifecycle import TerminationReason
-
-        agent.reason = TerminationReason.COMPLETED
-        await agent.settle()
     assert upstream.seen == []
     reasons = [e.data["reason"] for e in await events_of(agent, "web.denied")]
     assert len(reasons) == 7 and all(("loopback" in r or "private" in r) for r in reasons), reasons
