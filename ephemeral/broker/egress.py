@@ -220,6 +220,8 @@ class Egress:
                     raise _Cut("closed before a request")
                 self._count(len(data))
                 buf += data
+        if buf.index(b"\r\n\r\n") > HEAD_CAP:
+            raise _Refusal(400, f"request head larger than {HEAD_CAP} bytes")
         return parse_head(bytes(buf))
 
     def _count(self, n: int) -> None:
@@ -325,17 +327,13 @@ class Egress:
         except Refused as exc:
             raise _Refusal(400, exc.reason) from None
         event.update(host=url.host, port=url.port or 80, path=url.path[:1024])
+        _body_length(head)  # framing is checked before anything is resolved or charged
         return url, url.path
 
     async def _request_body(self, stream: GuestStream, head: Head) -> bytes:
         """The request body, by Content-Length (chunked request bodies are refused), so nothing
         the guest sends after it reaches the upstream unchecked."""
-        if head.header("transfer-encoding") is not None:
-            raise _Refusal(411, "chunked request bodies are not supported; send Content-Length")
-        raw = head.header("content-length") or "0"
-        if not raw.isdigit() or len(raw) > 12:
-            raise _Refusal(400, "bad Content-Length")
-        want = int(raw)
+        want = _body_length(head)
         body = bytearray(head.rest[:want])
         while len(body) < want:
             async with asyncio.timeout(self.idle_seconds):
@@ -563,6 +561,19 @@ class _Meter:
             self.bytes_out += n
         else:
             self.bytes_in += n
+
+
+def _body_length(head: Head) -> int:
+    """The request body's length by Content-Length; chunked or ambiguous framing is refused."""
+    if head.header("transfer-encoding") is not None:
+        raise _Refusal(411, "chunked request bodies are not supported; send Content-Length")
+    lengths = {v.strip() for k, v in head.headers if k.lower() == "content-length"}
+    if len(lengths) > 1:
+        raise _Refusal(400, "conflicting Content-Length headers")
+    raw = head.header("content-length") or "0"
+    if not raw.isdigit() or len(raw) > 12:
+        raise _Refusal(400, "bad Content-Length")
+    return int(raw)
 
 
 def _host_of(head: Head) -> str | None:

@@ -219,3 +219,56 @@ async def test_private_addresses_are_refused_without_the_test_setting(
     assert upstream.seen == []
     reasons = [e.data["reason"] for e in await events_of(agent, "web.denied")]
     assert len(reasons) == 7 and all(("loopback" in r or "private" in r) for r in reasons), reasons
+
+
+RAW = r"""
+import socket, sys
+def ask(data):
+    s = socket.create_connection(("127.0.0.1", 3128))
+    s.sendall(data)
+    out = b""
+    while True:
+        b = s.recv(65536)
+        if not b:
+            break
+        out += b
+    print(out.split(b"\r\n", 1)[0].decode(), "|", out.rsplit(b"\r\n\r\n", 1)[-1].decode().strip())
+port = sys.argv[1]
+u = f"http://site.test:{port}"
+ask(b"GET /text HTTP/1.1\r\nHost: site.test\r\n\r\n")
+ask(f"POST {u}/echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n".encode())
+ask(f"POST {u}/echo HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab".encode())
+ask(b"GET http://site.test/ HTTP/1.1\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n")
+ask(b"GET http://site.test/ HTTP/2.0\r\n\r\n")
+ask(b"GET ftp://site.test/ HTTP/1.1\r\n\r\n")
+ask(f"GET http://user:pw@site.test:{port}/text HTTP/1.1\r\n\r\n".encode())
+smuggled = b"GET http://other.test/ HTTP/1.1\r\n\r\n"
+ask(f"POST {u}/echo HTTP/1.1\r\nContent-Length: 2\r\n\r\nab".encode() + smuggled)
+"""
+
+
+async def test_malformed_and_smuggled_requests_are_refused(
+    runtime: Runtime, upstream: Upstream, names: Names, isolation: str
+) -> None:
+    names.set("site.test", "127.0.0.1")
+    async with provisioned(runtime, isolation, web=True) as agent:
+        assert agent.sandbox is not None
+        await agent.sandbox.put_file("raw.py", RAW.encode())
+        res = await sh(agent, f"python3 raw.py {upstream.port}")
+        lines = res.stdout.splitlines()
+    assert lines[0].startswith("HTTP/1.1 400 Bad Request | send plain HTTP as an absolute-form")
+    assert lines[1] == (
+        "HTTP/1.1 411 Length Required | chunked request bodies are not supported; "
+        "send Content-Length"
+    )
+    assert lines[2] == "HTTP/1.1 400 Bad Request | conflicting Content-Length headers"
+    assert lines[3] == "HTTP/1.1 400 Bad Request | request head larger than 16384 bytes"
+    assert lines[4] == "HTTP/1.1 400 Bad Request | not an HTTP/1.x request line"
+    assert lines[5].startswith("HTTP/1.1 400 Bad Request | send plain HTTP as an absolute-form")
+    assert lines[6] == (
+        "HTTP/1.1 400 Bad Request | credentials in the url (user:password@) are not allowed"
+    )
+    # the body by its Content-Length, then the stream ends: the pipelined request never leaves
+    assert lines[7].startswith("HTTP/1.1 200 OK")
+    assert [(s.method, s.path, s.body) for s in upstream.seen] == [("POST", "/echo", b"ab")]
+    assert names.lookups == {"site.test": 1}
