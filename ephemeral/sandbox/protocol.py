@@ -213,6 +213,13 @@ class EgressReply(_Frame):
 
 STREAM_CHUNK = 128 * 1024  # raw bytes per data frame, both ways
 MAX_STREAM_ID = 1 << 31
+# A binary data frame: a length word with this bit set, then a 4-byte stream number and the
+# bytes (no base64, no JSON); either side may send data so once egress is on.
+BINARY = 1 << 31
+
+
+def encode_data(sid: int, data: bytes) -> bytes:
+    return ((len(data) + 4) | BINARY).to_bytes(HEADER_BYTES, "big") + sid.to_bytes(4, "big") + data
 
 
 class StreamFrame(_Frame):

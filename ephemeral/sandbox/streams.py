@@ -89,7 +89,7 @@ class GuestStream:
             piece = bytes(view[: min(room, p.STREAM_CHUNK)])
             view = view[len(piece) :]
             self.unacked_out += len(piece)
-            await self.mux.send({"s": self.sid, "t": "data", "d": p.b64encode(piece)})
+            await self.mux.send_data(self.sid, piece)
 
     async def close(self) -> None:
         """Close the connection inside (idempotent)."""
@@ -158,6 +158,11 @@ class StreamMux:
             raise ConnectionError("the guest channel is closed")
         await self._write(p.encode_frame(frame))
 
+    async def send_data(self, sid: int, data: bytes) -> None:
+        if self._failed is not None:
+            raise ConnectionError("the guest channel is closed")
+        await self._write(p.encode_data(sid, data))
+
     async def _write(self, data: bytes) -> None:
         async with self._write_lock:
             try:
@@ -173,6 +178,14 @@ class StreamMux:
                 try:
                     header = await self._reader.readexactly(p.HEADER_BYTES)
                     size = int.from_bytes(header, "big")
+                    if size & p.BINARY:
+                        size &= ~p.BINARY
+                        if not 4 < size <= p.STREAM_CHUNK + 4:
+                            raise errors.SandboxError(f"guest sent a {size}-byte data frame")
+                        async with asyncio.timeout(BODY_SECONDS):
+                            body = await self._reader.readexactly(size)
+                        await self._on_data(int.from_bytes(body[:4], "big"), body[4:])
+                        continue
                     cap = STREAM_FRAME_CAP
                     if self._pending is not None:
                         cap = max(cap, self._pending[1])
@@ -224,14 +237,11 @@ class StreamMux:
                 raise errors.SandboxError(f"guest sent a frame for stream {f.s} it never opened")
             return  # crossed our close
         if f.t == "data":
-            if f.d is None or stream.eof:
-                raise errors.SandboxError(f"guest sent data on stream {f.s} after its end")
-            data = p.b64decode(f.d, field="stream data", max_bytes=p.STREAM_CHUNK)
-            if not data or stream.unacked_in + len(data) > self.window:
-                raise errors.SandboxError(f"guest overran the window of stream {f.s}")
-            stream.unacked_in += len(data)
-            stream._buf += data
-            stream._ready.set()
+            if f.d is None:
+                raise errors.SandboxError(f"guest sent a data frame without data on stream {f.s}")
+            await self._on_data(
+                f.s, p.b64decode(f.d, field="stream data", max_bytes=p.STREAM_CHUNK)
+            )
         elif f.t == "ack":
             if f.n is None or f.n > stream.unacked_out:
                 raise errors.SandboxError(f"guest acknowledged bytes never sent on stream {f.s}")
@@ -242,6 +252,20 @@ class StreamMux:
             stream._ready.set()
         else:  # close
             await stream.close()
+
+    async def _on_data(self, sid: int, data: bytes) -> None:
+        stream = self.streams.get(sid)
+        if stream is None:
+            if not 1 <= sid < self.next_sid:
+                raise errors.SandboxError(f"guest sent data for stream {sid} it never opened")
+            return  # crossed our close
+        if stream.eof:
+            raise errors.SandboxError(f"guest sent data on stream {sid} after its end")
+        if not data or stream.unacked_in + len(data) > self.window:
+            raise errors.SandboxError(f"guest overran the window of stream {sid}")
+        stream.unacked_in += len(data)
+        stream._buf += data
+        stream._ready.set()
 
     async def _serve(self, stream: GuestStream) -> None:
         try:

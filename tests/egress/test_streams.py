@@ -29,10 +29,16 @@ class Wire:
         await asyncio.sleep(0)
 
     def frames(self) -> list[dict[str, Any]]:
+        """JSON frames as they are; a binary data frame as {"s", "t": "bin", "raw"}."""
         out, buf = [], bytes(self.data)
         while buf:
             n = int.from_bytes(buf[:4], "big")
-            out.append(json.loads(buf[4 : 4 + n]))
+            if n & p.BINARY:
+                n &= ~p.BINARY
+                sid = int.from_bytes(buf[4:8], "big")
+                out.append({"s": sid, "t": "bin", "raw": buf[8 : 4 + n]})
+            else:
+                out.append(json.loads(buf[4 : 4 + n]))
             buf = buf[4 + n :]
         return out
 
@@ -44,6 +50,11 @@ def frame(obj: dict[str, Any]) -> bytes:
 
 def data(sid: int, raw: bytes) -> bytes:
     return frame({"s": sid, "t": "data", "d": base64.b64encode(raw).decode()})
+
+
+def binary(sid: int, raw: bytes, size: int | None = None) -> bytes:
+    n = len(raw) + 4 if size is None else size
+    return (n | p.BINARY).to_bytes(4, "big") + sid.to_bytes(4, "big") + raw
 
 
 async def started(
@@ -86,10 +97,15 @@ async def test_honest_streams_flow_within_the_windows() -> None:
     await asyncio.sleep(0.01)
     (stream,) = accepted
     assert await stream.read() == b"GET / HTTP/1.1\r\n\r\n"
+    reader.feed_data(binary(1, b"more") + binary(1, b" bytes"))
+    await asyncio.sleep(0.01)
+    assert await stream.read() == b"more bytes"
+    acks = [f["n"] for f in wire.frames() if f.get("t") == "ack"]
+    assert acks == [18, 10]
     writer = asyncio.create_task(stream.write(b"x" * 1500))  # more than one window
     await asyncio.sleep(0.01)
-    sent = [f for f in wire.frames() if f.get("t") == "data"]
-    assert sum(len(base64.b64decode(f["d"])) for f in sent) == 1024 and not writer.done()
+    sent = [f for f in wire.frames() if f.get("t") == "bin"]
+    assert sum(len(f["raw"]) for f in sent) == 1024 and not writer.done()
     reader.feed_data(frame({"s": 1, "t": "ack", "n": 1024}))
     await asyncio.wait_for(writer, 1)
     # a reply still finds its request while streams are open
@@ -134,6 +150,15 @@ async def test_honest_streams_flow_within_the_windows() -> None:
         ([frame({"id": "0" * 32, "ok": True})], "not in flight"),
         ([(STREAM_FRAME_CAP + 1).to_bytes(4, "big")], "frame (cap"),
         ([frame({"s": 1, "t": "open"}), frame({"s": 1, "t": "data", "d": "!!"})], "base64"),
+        ([binary(1, b"x")], "never opened"),
+        ([frame({"s": 1, "t": "open"}), binary(0, b"x")], "stream 0 it never opened"),
+        ([frame({"s": 1, "t": "open"}), binary(1, b"")], "4-byte data frame"),
+        ([frame({"s": 1, "t": "open"}), binary(1, b"x" * 1025)], "overran the window"),
+        ([(p.BINARY | (p.STREAM_CHUNK + 5)).to_bytes(4, "big")], "data frame"),
+        (
+            [frame({"s": 1, "t": "open"}), frame({"s": 1, "t": "eof"}), binary(1, b"x")],
+            "after its end",
+        ),
     ],
 )
 async def test_a_lying_guest_breaks_the_client(chunks: list[bytes], why: str) -> None:

@@ -770,6 +770,7 @@ def _result(code, stdout, stderr, truncated, timed_out, started):
 
 
 STREAM_CHUNK = 128 * 1024  # raw bytes per stream data frame (the host caps them too)
+BINARY = 1 << 31  # the length word of a binary data frame has this bit set
 
 
 class Forwarder:
@@ -789,7 +790,10 @@ class Forwarder:
             |  {"s": N, "t": "ack", "n": K}     K bytes from the host were written out
       host  -> {"s": N, "t": "data", "d": B64} | {"s": N, "t": "close"}
             |  {"s": N, "t": "ack", "n": K}     K bytes the agent sent were consumed
-    Each side sends at most `window` bytes not yet acknowledged, per stream.
+    Data travels in binary frames too (no base64, no JSON): a 4-byte length with the high bit
+    set (BINARY), then a 4-byte stream number and the bytes. The agent sends its data so, and
+    takes either form from the host. Each side sends at most `window` bytes not yet
+    acknowledged, per stream.
     """
 
     def __init__(self, channel, port, max_streams, window):
@@ -832,11 +836,46 @@ class Forwarder:
         with self.lock:
             self.inner.write_frame(obj)
 
+    def write_data(self, sid, data):
+        """One binary data frame, written whole under the channel's lock."""
+        head = ((len(data) + 4) | BINARY).to_bytes(4, "big") + sid.to_bytes(4, "big")
+        view = memoryview(head + data)
+        with self.lock:
+            while view:
+                try:
+                    n = os.write(self.inner.wfd, view)
+                except BlockingIOError:
+                    select.select([], [self.inner.wfd], [], 1.0)
+                    continue
+                except InterruptedError:
+                    continue
+                view = view[n:]
+
+    def _next_frame(self):
+        """A JSON frame as a dict, or (sid, bytes) for a binary data frame."""
+        header = int.from_bytes(self.inner._read_exact(4), "big")
+        if header & BINARY:
+            size = header & ~BINARY
+            if not 4 <= size <= STREAM_CHUNK + 4:
+                raise ProtocolError(f"binary frame of {size} bytes")
+            body = self.inner._read_exact(size)
+            return int.from_bytes(body[:4], "big"), body[4:]
+        if header > MAX_FRAME:
+            raise ProtocolError(f"frame too large: {header}")
+        obj = json.loads(self.inner._read_exact(header).decode("utf-8"))
+        if not isinstance(obj, dict):
+            raise ProtocolError("frame is not an object")
+        return obj
+
     def _read_channel(self):
         try:
             while True:
-                frame = self.inner.read_frame()
-                if "s" in frame and "id" not in frame:
+                frame = self._next_frame()
+                if isinstance(frame, tuple):
+                    stream = self.streams.get(frame[0])
+                    if stream is not None:
+                        stream.outq.put(frame[1])
+                elif "s" in frame and "id" not in frame:
                     self._from_host(frame)
                 else:
                     self.requests.put(frame)
@@ -929,7 +968,10 @@ class _Stream:
                 return
             with self.cond:
                 self.unacked += len(data)
-            self._send({"s": self.sid, "t": "data", "d": b64(data)})
+            try:
+                self.fwd.write_data(self.sid, data)
+            except Exception:  # noqa: BLE001
+                self.abort()
 
     def _downstream(self):
         """host -> connection; acknowledges what was written."""
