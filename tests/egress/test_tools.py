@@ -75,6 +75,7 @@ async def test_pip_install_from_a_local_index(
             res = await sh(
                 agent,
                 "python3 -m venv /tmp/v && PIP_NO_INDEX=0 /tmp/v/bin/pip install -q "
+                "--trusted-host pkgs.test "
                 f"--index-url http://pkgs.test:{port}/simple/ {PACKAGE} && "
                 "/tmp/v/bin/python -c 'import ephemeral_egress_probe as m; print(m.ANSWER)'",
                 timeout=120,
