@@ -90,6 +90,7 @@ def test_pip_recipe_end_to_end(tmp_path: Path) -> None:
     state = tmp_path / "state"
     need_python_dev(Settings.load(state_dir=state))
     probe = socket.socket()
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
     try:
         probe.bind(("127.0.0.1", RECIPE_PORT))
     except OSError:
