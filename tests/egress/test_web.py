@@ -12,7 +12,7 @@ import pytest
 from ephemeral.broker import Broker
 from ephemeral.runview import fold_events
 from ephemeral.service import Runtime
-from tests.broker.conftest import Upstream, events_of
+from tests.broker.conftest import BIG, Upstream, events_of
 from tests.egress.conftest import Listeners, Names, Tls, provisioned, sh
 
 pytestmark = [pytest.mark.sandbox]
@@ -272,3 +272,73 @@ async def test_malformed_and_smuggled_requests_are_refused(
     assert lines[7].startswith("HTTP/1.1 200 OK")
     assert [(s.method, s.path, s.body) for s in upstream.seen] == [("POST", "/echo", b"ab")]
     assert names.lookups == {"site.test": 1}
+
+
+LIMITS = r"""
+import socket, sys, time
+port = int(sys.argv[1])
+def dial():
+    s = socket.create_connection(("127.0.0.1", 3128))
+    s.settimeout(5)
+    return s
+def closed(s):
+    try:
+        return s.recv(1) == b""
+    except socket.timeout:
+        return False
+    except OSError:
+        return True
+# three connections at once, cap 2: the third is closed inside, unanswered
+a, b, c = dial(), dial(), dial()
+t = time.monotonic()
+print("third closed", closed(c), round(time.monotonic() - t, 1) < 2)
+# an idle tunnel is cut after the idle time
+a.sendall(f"CONNECT site.test:{port} HTTP/1.1\r\n\r\n".encode())
+print("tunnel", a.recv(100).split(b"\r\n")[0].decode())
+t = time.monotonic()
+print("idle cut", closed(a), 0.5 < time.monotonic() - t < 4)
+b.close()
+# bytes past the run's cap are never delivered
+d = dial()
+d.sendall(f"GET http://site.test:{port}/big HTTP/1.1\r\n\r\n".encode())
+got = 0
+while True:
+    try:
+        chunk = d.recv(65536)
+    except OSError:
+        break
+    if not chunk:
+        break
+    got += len(chunk)
+print("big got", got)
+"""
+
+
+async def test_stream_cap_idle_cut_and_byte_cap(
+    runtime: Runtime, upstream: Upstream, names: Names, isolation: str
+) -> None:
+    names.set("site.test", "127.0.0.1")
+    limited = Broker(
+        runtime.settings.model_copy(
+            update={
+                "egress_max_streams": 2,
+                "egress_idle_seconds": 1.0,
+                "egress_max_bytes": 100_000,
+            }
+        )
+    )
+    async with provisioned(runtime, isolation, broker=limited, web=True) as agent:
+        assert agent.sandbox is not None
+        await agent.sandbox.put_file("limits.py", LIMITS.encode())
+        res = await sh(agent, f"python3 limits.py {upstream.port}", timeout=60)
+        lines = res.stdout.splitlines()
+    assert lines[0] == "third closed True True", res
+    assert lines[1] == "tunnel HTTP/1.1 200 Connection established"
+    assert lines[2] == "idle cut True True"
+    got = int(lines[3].removeprefix("big got "))
+    assert got < 100_000 < BIG
+    requested = [e.data for e in await events_of(agent, "web.requested")]
+    assert [r["method"] for r in requested] == ["CONNECT", "GET"]
+    assert requested[0]["cut"] == "idle for 1 s"
+    assert requested[1]["cut"] == "the run's egress byte cap (100000 bytes) is used up"
+    assert requested[1]["bytes_in"] == got
