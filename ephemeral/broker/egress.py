@@ -233,7 +233,7 @@ class Egress:
     async def _web(self, stream: GuestStream, head: Head) -> None:
         event: dict[str, Any] = {"method": head.method, "host": "", "port": 0}
         try:
-            target, path = self._web_target(head, event)
+            target = self._web_target(head, event)
             policy = self.ctx.policy
             if not policy.web_on:
                 raise _Refusal(403, "web access is off in this run's policy")
@@ -270,7 +270,7 @@ class Egress:
                     await stream.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
                     first = head.rest
                 else:
-                    first = _forward_head(head, target, path)
+                    first = _forward_head(head, target)
                     body = await self._request_body(stream, head)
                     first += body
                     head.rest = b""
@@ -303,7 +303,9 @@ class Egress:
                 event["cut"] = cut
             await self.ctx.emit("web.requested", event)
 
-    def _web_target(self, head: Head, event: dict[str, Any]) -> tuple[httpx.URL, str]:
+    def _web_target(self, head: Head, event: dict[str, Any]) -> httpx.URL:
+        """The URL a request or tunnel asks for (recorded into ``event``); _Refusal(400) when
+        it is not one the proxy serves."""
         if head.method == "CONNECT":
             host, sep, port = head.target.rpartition(":")
             host = host.strip("[]")
@@ -315,7 +317,7 @@ class Egress:
                 url = parse_url(f"https://{_bracket(host)}:{port}/")
             except Refused as exc:
                 raise _Refusal(400, exc.reason) from None
-            return url, ""
+            return url
         if not head.target.lower().startswith("http://"):
             raise _Refusal(
                 400,
@@ -328,7 +330,7 @@ class Egress:
             raise _Refusal(400, exc.reason) from None
         event.update(host=url.host, port=url.port or 80, path=url.path[:1024])
         _body_length(head)  # framing is checked before anything is resolved or charged
-        return url, url.path
+        return url
 
     async def _request_body(self, stream: GuestStream, head: Head) -> bytes:
         """The request body, by Content-Length (chunked request bodies are refused), so nothing
@@ -596,7 +598,7 @@ def _bracket(host: str) -> str:
     return host
 
 
-def _forward_head(head: Head, url: httpx.URL, path: str) -> bytes:
+def _forward_head(head: Head, url: httpx.URL) -> bytes:
     target = url.raw_path.decode("ascii") or "/"
     lines = [f"{head.method} {target} HTTP/1.1", f"Host: {url.netloc.decode('ascii')}"]
     dropped = set(HOP_BY_HOP)
