@@ -342,3 +342,20 @@ async def test_stream_cap_idle_cut_and_byte_cap(
     assert requested[0]["cut"] == "idle for 1 s"
     assert requested[1]["cut"] == "the run's egress byte cap (100000 bytes) is used up"
     assert requested[1]["bytes_in"] == got
+
+
+async def test_zero_data_retention_keeps_only_sizes(
+    runtime: Runtime, upstream: Upstream, names: Names, isolation: str
+) -> None:
+    names.set("site.test", "127.0.0.1")
+    async with provisioned(runtime, isolation, web=True, zero_data_retention=True) as agent:
+        ok = await sh(agent, f"curl -sS -m 10 http://site.test:{upstream.port}/text")
+        assert ok.stdout == "hello from upstream"
+        await sh(agent, "curl -sS -m 10 http://169.254.169.254/x")
+    events = await events_of(agent, "web.requested", "web.denied")
+    assert [e.type for e in events] == ["web.requested", "web.denied"]
+    requested, denied = (e.data for e in events)
+    assert "host" not in requested and "path" not in requested
+    assert requested["host_bytes"] == len("site.test") and requested["path_bytes"] == 5
+    assert requested["bytes_in"] > 0 and requested["status"] == 200
+    assert denied["host_bytes"] == len("169.254.169.254") and "host" not in denied
