@@ -60,6 +60,7 @@ bench: setup
 	$(PY) bench/seccomp.py
 	$(PY) bench/side_channels.py
 	$(PY) bench/images.py
+	$(PY) bench/broker.py
 	$(PY) bench/soak.py --runs 100 --levels 16,64
 
 lint: venv

@@ -1,14 +1,20 @@
 """What the broker adds to one outbound request: a ``web_fetch`` / ``connection_call`` through a
 built run (checks, resolve, charge in SQLite, event append) vs a bare httpx GET to the same
-local server. Prints percentiles; asserts nothing.
+local server; then the egress proxy from inside a real sandbox (namespaces, gvisor) vs the
+same client code run directly on the host: HTTP round trip, CONNECT tunnel setup, and MiB/s
+through a tunnel. Prints percentiles and ratios; asserts nothing.
 
-    .venv/bin/python bench/broker.py [--n 200]
+    .venv/bin/python bench/broker.py [--n 200] [--egress-n 200] [--mib 64] [--levels ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
+import socketserver
+import subprocess
 import tempfile
 import threading
 import time
@@ -18,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from ephemeral.broker import Sealer
+from ephemeral.lifecycle import TerminationReason as Reason
 from ephemeral.policy import RunRequest
 from ephemeral.providers.base import ToolCall
 from ephemeral.service import Runtime
@@ -96,7 +103,176 @@ async def main(n: int) -> None:
             server.shutdown()
 
 
+# The same client code runs inside the sandbox (through the proxy) and on the host (direct).
+CLIENT = r"""
+import json, socket, sys, time
+mode, host = sys.argv[1], sys.argv[2]
+port, blob_port, n, mib = (int(a) for a in sys.argv[3:7])
+PROXY = ("127.0.0.1", int(sys.argv[7])) if len(sys.argv) > 7 else None
+
+def dial(target_port):
+    if mode == "proxy":
+        s = socket.create_connection(PROXY)
+    else:
+        s = socket.create_connection((host, target_port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+def read_all(s):
+    out = bytearray()
+    while True:
+        b = s.recv(1 << 16)
+        if not b:
+            return bytes(out)
+        out += b
+
+def http_once():
+    s = dial(port)
+    target = f"http://{host}:{port}/text" if mode == "proxy" else "/text"
+    s.sendall(f"GET {target} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
+    body = read_all(s)
+    s.close()
+    assert b" 200 " in body[:20], body[:80]
+
+def connect_once(target_port):
+    t = time.perf_counter()
+    s = dial(target_port)
+    if mode == "proxy":
+        name = f"{host}:{target_port}"
+        s.sendall(f"CONNECT {name} HTTP/1.1\r\nHost: {name}\r\n\r\n".encode())
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += s.recv(1024)
+        assert b" 200 " in got[:20], got
+    return s, (time.perf_counter() - t) * 1000
+
+http_ms = []
+for _ in range(n):
+    t = time.perf_counter()
+    http_once()
+    http_ms.append((time.perf_counter() - t) * 1000)
+connect_ms = []
+for _ in range(n):
+    s, ms = connect_once(port)
+    connect_ms.append(ms)
+    s.close()
+s, _ = connect_once(blob_port)
+t = time.perf_counter()
+got = len(read_all(s))
+seconds = time.perf_counter() - t
+print(json.dumps({"http_ms": http_ms, "connect_ms": connect_ms, "bytes": got, "seconds": seconds}))
+"""
+
+
+def _blob_server(size: int) -> tuple[socketserver.ThreadingTCPServer, int]:
+    class Blob(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            chunk = b"\0" * (1 << 16)
+            sent = 0
+            with contextlib.suppress(OSError):
+                while sent < size:
+                    self.request.sendall(chunk)
+                    sent += len(chunk)
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Blob)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, server.server_address[1]
+
+
+def show_pair(label: str, direct: list[float], proxied: list[float]) -> None:
+    show(f"{label} direct", direct)
+    show(f"{label} via proxy", proxied)
+    print(
+        f"{'':<22} added p50={pct(proxied, 50) - pct(direct, 50):6.2f} ms  "
+        f"p99={pct(proxied, 99) - pct(direct, 99):6.2f} ms  "
+        f"(direct p99={pct(direct, 99):.2f}, proxy p99={pct(proxied, 99):.2f})"
+    )
+
+
+async def egress(levels: list[str], n: int, mib: int) -> None:
+    from ephemeral.sandbox import registry
+
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 512  # the direct CONNECT loop opens sockets faster than it serves
+
+    up = Upstream()
+    server = Server(("127.0.0.1", 0), _handler(up))
+    up.port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    blob, blob_port = _blob_server(mib << 20)
+    args = ["127.0.0.1", str(up.port), str(blob_port), str(n), str(mib)]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            script = Path(tmp) / "client.py"
+            script.write_text(CLIENT)
+            host = subprocess.run(
+                ["python3", str(script), "direct", *args],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            direct = json.loads(host.stdout)
+            settings = Settings.load(
+                state_dir=Path(tmp) / "state", use_prefect=False, broker_allow_private_hosts=True
+            )
+            runtime = await Runtime.start(settings)
+            try:
+                for level in levels:
+                    why = await registry.probe_level(level, settings)
+                    if why is not None:
+                        print(f"\n== egress on {level}: skipped ({why})")
+                        continue
+                    request = RunRequest(
+                        prompt="bench",
+                        model="replay/sandbox-proof",
+                        web=True,
+                        shell=True,
+                        isolation=level,
+                        max_cost_micros=5_000_000,
+                        timeout_seconds=3600,
+                    )
+                    row, _ = await runtime.admit(await runtime.local_org(), request)
+                    agent = await runtime.build(row.id)
+                    await agent.provision()
+                    try:
+                        assert agent.sandbox is not None
+                        await agent.sandbox.put_file("client.py", CLIENT.encode())
+                        res = await agent.sandbox.exec(
+                            ["python3", "client.py", "proxy", *args, str(settings.egress_port)],
+                            timeout=600,
+                            max_output=1 << 20,
+                        )
+                        if res.exit_code != 0:
+                            print(f"\n== egress on {level}: client failed: {res.stderr[-500:]}")
+                            continue
+                        proxied = json.loads(res.stdout)
+                    finally:
+                        await agent.teardown()
+                        agent.reason = agent.reason or Reason.COMPLETED
+                        await agent.settle()
+                    print(f"\n== egress on {level} (n={n}, {mib} MiB through one tunnel)")
+                    show_pair("HTTP round trip", direct["http_ms"], proxied["http_ms"])
+                    show_pair("CONNECT setup", direct["connect_ms"], proxied["connect_ms"])
+                    d = direct["bytes"] / (1 << 20) / direct["seconds"]
+                    p = proxied["bytes"] / (1 << 20) / proxied["seconds"]
+                    print(
+                        f"throughput             direct={d:8.1f} MiB/s  via proxy={p:8.1f} MiB/s  "
+                        f"direct/proxy={d / p:5.2f}x"
+                    )
+            finally:
+                await runtime.close()
+    finally:
+        server.shutdown()
+        blob.shutdown()
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=200)
-    asyncio.run(main(parser.parse_args().n))
+    parser.add_argument("--egress-n", type=int, default=200)
+    parser.add_argument("--mib", type=int, default=64)
+    parser.add_argument("--levels", default="namespaces,gvisor")
+    ns = parser.parse_args()
+    asyncio.run(main(ns.n))
+    asyncio.run(egress(ns.levels.split(","), ns.egress_n, ns.mib))

@@ -12,6 +12,7 @@ own cap, the run's wall-clock deadline and the moment compute would exhaust the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -31,6 +32,7 @@ from ephemeral.retry import call_with_retries
 
 if TYPE_CHECKING:
     from ephemeral.broker import Broker
+    from ephemeral.broker.egress import Egress
     from ephemeral.pricing import PriceBook
     from ephemeral.providers.base import Provider
     from ephemeral.sandbox.base import Limits, Sandbox
@@ -96,6 +98,10 @@ class AgentRun:
     detail: str | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     broker: Broker | None = None  # serves web_fetch / connection_call (ephemeral.broker)
+    egress: Egress | None = None  # the sandbox's proxy, when web or connections are granted
+    egress_env: dict[str, str] = field(default_factory=dict)  # proxy variables for commands
+    _ledger_writes: set[asyncio.Task[None]] = field(default_factory=set)
+    _ledger_error: str | None = None
 
     def __post_init__(self) -> None:
         rate = self.price_book.compute_micros(
@@ -142,12 +148,75 @@ class AgentRun:
         self.budget.charged["web_micros"] += price
         return price
 
+    async def charge_web_bytes(self, key: str, micros: int) -> int:
+        # The run's budget decides here, synchronously: it holds the same reservation as the
+        # ledger, less compute accrued, so it is the stricter of the two. The ledger row is
+        # written beside the request (a SQLite commit would double a proxied request's
+        # latency); teardown and settlement wait for every such write first.
+        if not self.budget.fits(micros):
+            raise StopRun(Reason.BUDGET_EXHAUSTED, "egress traffic used up the budget")
+        self.budget.charged["web_micros"] += micros
+        task = asyncio.create_task(self._write_charge(f"{self.run_id}:{key}", micros))
+        self._ledger_writes.add(task)
+        task.add_done_callback(self._ledger_writes.discard)
+        return micros
+
+    async def _write_charge(self, key: str, micros: int) -> None:
+        try:
+            await self.store.charge(self.run_id, "web", micros, key=key)
+        except Exception as exc:  # noqa: BLE001 - recorded; the run stops at its next step
+            log.error("run %s: an egress charge was not written: %s", self.run_id, exc)
+            self._ledger_error = type(exc).__name__
+
+    async def _flush_charges(self) -> None:
+        while self._ledger_writes:
+            await asyncio.gather(*list(self._ledger_writes), return_exceptions=True)
+
+    def _check_egress(self) -> None:
+        """A stop the egress proxy hit (budget out, broker failure) ends the run here."""
+        if self.egress is not None:
+            if self.egress.stopped is not None:
+                raise self.egress.stopped
+            if self.egress.failed is not None:
+                raise StopRun(Reason.INFRA_ERROR, f"the egress broker failed: {self.egress.failed}")
+        if self._ledger_error is not None:
+            raise StopRun(Reason.INFRA_ERROR, f"a web charge was not written: {self._ledger_error}")
+
+    async def _start_egress(self, sandbox: Sandbox) -> None:
+        """The forwarder inside and the proxy outside, only when web or connections are on."""
+        if self.broker is None or not self.broker.wants_egress(self.policy):
+            return
+        start = getattr(sandbox, "start_egress", None)
+        if start is None:  # a sandbox without a guest channel (the fake): no egress at all
+            return
+        from ephemeral.broker.egress import WINDOW
+
+        egress = self.broker.egress(
+            self,
+            request_micros=self.price_book.web_request_micros(),
+            mib_micros=self.price_book.web_mib_micros(),
+        )
+        stop = getattr(sandbox, "stop_egress", None)
+        egress.cut_all = stop
+        try:
+            await start(
+                egress.handle,
+                port=self.broker.settings.egress_port,
+                max_streams=self.broker.settings.egress_max_streams,
+                window=WINDOW,
+            )
+        except errors.SandboxError as exc:
+            raise StopRun(Reason.SANDBOX_ERROR, f"egress did not start: {exc.detail}") from exc
+        self.egress = egress
+        self.egress_env = self.broker.egress_env()
+
     async def get_connection(self, name: str) -> StoredConnection:
         return await self.store.get_connection(self.row.org_id, name)
 
     def _check_time(self) -> float:
         if self.cancelled.is_set():
             raise StopRun(Reason.CANCELLED, "cancelled by request")
+        self._check_egress()
         left = self.time_left()
         if left <= 0:
             compute = self.budget.compute_deadline()
@@ -203,11 +272,12 @@ class AgentRun:
         )
         for f in self.policy.files:
             await sandbox.put_file(f.path, f.data())
+        await self._start_egress(sandbox)
         await self.emit(
             "worker.started",
             {
                 "shell": self.policy.shell,
-                "web": self.policy.web,
+                "web": self.policy.web_shown(),
                 "connections": [c.name for c in self.policy.connections],
                 "files": [f.path for f in self.policy.files],
             },
@@ -227,9 +297,31 @@ class AgentRun:
         if hosted:  # the broker's tools run on the host: the sandbox itself has no network
             shell = f"{tools} and " if self.policy.shell else ""
             tools = f"{shell}{', '.join(hosted)} (run by the host; the sandbox has no network)"
+        egress = ""
+        if self.egress_env:
+            egress = (
+                " Commands in the sandbox reach the outside only through the host's HTTP proxy "
+                "(http_proxy/https_proxy are set; curl, pip and git use them)"
+            )
+            allow = self.policy.web_allow
+            if allow:
+                egress += f", for these hosts only: {', '.join(allow)}"
+            elif not self.policy.web_on:
+                egress += ", for the connections below only"
+            egress += "."
+            if self.policy.connections:
+                names = ", ".join(
+                    f"{c.name} ({'/'.join(c.methods)} {', '.join(c.paths)})"
+                    for c in self.policy.connections
+                )
+                egress += (
+                    " Your code calls a connection as plain HTTP at "
+                    "http://NAME.connections.internal/PATH (the host adds the credentials and "
+                    f"the TLS; never send any yourself). Connections: {names}."
+                )
         return (
             "You are an agent working inside a disposable sandbox. You have "
-            f"{tools}. Web access is {'on' if self.policy.web else 'off'}. "
+            f"{tools}. Web access is {'on' if self.policy.web_on else 'off'}.{egress} "
             f"Your budget is {self.budget.reserved_micros} micro-dollars and your time limit is "
             f"{self.policy.timeout_seconds} seconds; both are hard caps. "
             "Answer in Markdown when done."
@@ -343,7 +435,7 @@ class AgentRun:
                 command,
                 timeout=timeout,
                 max_output=STEP_OUTPUT_CAP,
-                env=self.command_env or None,
+                env=self.exec_env() or None,
                 cwd=self.workdir,
             )
         except errors.SandboxError as exc:
@@ -360,6 +452,7 @@ class AgentRun:
             },
         )
         await self._maybe_warn()
+        self._check_egress()
         if res.timed_out:
             self._check_time()  # the run's own deadline may be what stopped it
         text = f"exit_code: {res.exit_code}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
@@ -433,6 +526,11 @@ class AgentRun:
             res = await self._exec_recorded("verify.executed", command, left)
             self.verify_results.append(res)
 
+    def exec_env(self) -> dict[str, str]:
+        """The environment of every command run for the agent: the image's, then the egress
+        proxy's. Setup and verify get the proxy too: they run under the same grant."""
+        return {**self.command_env, **self.egress_env}
+
     async def _exec_recorded(
         self, event: str, command: str, timeout: float, *, in_workdir: bool = True
     ) -> dict[str, Any]:
@@ -442,7 +540,7 @@ class AgentRun:
                 command,
                 timeout=max(0.1, timeout),
                 max_output=VERIFY_OUTPUT_CAP,
-                env=self.command_env or None,
+                env=self.exec_env() or None,
                 cwd=self.workdir if in_workdir else None,
             )
         except errors.SandboxError as exc:
@@ -474,10 +572,14 @@ class AgentRun:
         if self.sandbox is None:
             return
         sandbox, self.sandbox = self.sandbox, None
+        if self.egress is not None and self.egress.cut_all is not None:
+            with contextlib.suppress(errors.SandboxError, ConnectionError):
+                await self.egress.cut_all()  # no stream outlives the run's bookkeeping
         try:
             await sandbox.destroy()
         finally:
             self.budget.sandbox_stopped = time.monotonic()
+            await self._flush_charges()
             compute = compute_charge(
                 micros_per_second=self.budget.compute_micros_per_second,
                 seconds=self.budget.sandbox_seconds(),
@@ -498,6 +600,7 @@ class AgentRun:
 
     async def settle(self) -> RunRow:
         """End the run and settle its money, one store transaction (:meth:`Store.close_run`)."""
+        await self._flush_charges()
         row, _ = await self.store.close_run(
             self.run_id,
             reason=self.reason or Reason.INFRA_ERROR,

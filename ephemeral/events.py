@@ -39,7 +39,9 @@ TERMINAL_EVENT_FOR_STATUS = {
 }
 
 # Keys whose values are content: dropped from stored events under zero_data_retention.
-CONTENT_KEYS = frozenset({"command", "stdout", "stderr", "url", "path", "markdown", "files"})
+CONTENT_KEYS = frozenset(
+    {"command", "stdout", "stderr", "url", "path", "markdown", "files", "host"}
+)
 
 
 class Event(BaseModel):

@@ -14,6 +14,7 @@ from typing import Annotated, NoReturn
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -106,6 +107,67 @@ Command = Annotated[
     str, Field(min_length=1, max_length=MAX_STEP_COMMAND_CHARS), AfterValidator(_command)
 ]
 
+_HOST_PATTERN = re.compile(
+    r"^(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+)
+MAX_WEB_ALLOW = 256
+
+
+class WebAllow(_Strict):
+    """``web: {"allow": [...]}``: web on, but only to these host names. A pattern is a host
+    name, or ``*.`` and a domain for its subdomains (never the domain itself); matching is
+    anchored and case-insensitive. IP literals never match."""
+
+    allow: list[str] = Field(min_length=1, max_length=MAX_WEB_ALLOW)
+
+    @field_validator("allow")
+    @classmethod
+    def _patterns(cls, v: list[str]) -> list[str]:
+        out = []
+        for pattern in v:
+            low = pattern.lower()
+            bare = low.removeprefix("*.")
+            if (
+                len(low) > 253
+                or not _HOST_PATTERN.match(low)
+                or (low.startswith("*.") and "." not in bare)  # not a whole TLD
+                or bare.replace(".", "").isdigit()  # an IP address is not a host name
+            ):
+                raise ValueError(
+                    f"{pattern!r} is not a host name or '*.' + a domain (e.g. '*.example.org')"
+                )
+            out.append(low)
+        return out
+
+    def allows(self, host: str) -> bool:
+        name = host.lower().rstrip(".")
+        for pattern in self.allow:
+            if pattern.startswith("*."):
+                if name.endswith(pattern[1:]) and len(name) > len(pattern) - 1:
+                    return True
+            elif name == pattern:
+                return True
+        return False
+
+
+def _web_value(value: object) -> object:
+    """``web`` is a JSON boolean or ``{"allow": [...]}``; every error names the field ``web``."""
+    if isinstance(value, bool | WebAllow):
+        return value
+    if isinstance(value, dict):
+        try:
+            return WebAllow.model_validate(value)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "web"
+            message = str(first["msg"]).removeprefix("Value error, ")
+            raise PydanticCustomError(
+                "value_error",
+                'must be true, false or {"allow": [host patterns]}; {where}: {message}',
+                {"where": where, "message": message},
+            ) from None
+    raise PydanticCustomError("bool_type", "Input should be a valid boolean")
+
 
 class _Prompt(_Strict):
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
@@ -113,7 +175,7 @@ class _Prompt(_Strict):
 
 
 class Policy(_Strict):
-    web: bool = False
+    web: Annotated[bool | WebAllow, BeforeValidator(_web_value)] = False
     shell: bool = True
     files: list[FileSpec] = Field(default_factory=list, max_length=MAX_FILES)
     connections: list[Connection] = Field(default_factory=list)
@@ -148,6 +210,19 @@ class Policy(_Strict):
                 "part of the time limit",
             )
         return self
+
+    @property
+    def web_on(self) -> bool:
+        return self.web is not False
+
+    @property
+    def web_allow(self) -> list[str] | None:
+        """The host patterns web is limited to, or None when it is not limited."""
+        return list(self.web.allow) if isinstance(self.web, WebAllow) else None
+
+    def web_shown(self) -> bool | dict[str, list[str]]:
+        """``web`` as JSON (for events and pages)."""
+        return self.web if isinstance(self.web, bool) else {"allow": list(self.web.allow)}
 
     @model_validator(mode="after")
     def _files_total(self) -> Policy:

@@ -70,6 +70,7 @@ class _ModelEntry(BaseModel):
 class _Web(BaseModel):
     model_config = ConfigDict(extra="forbid")
     per_request_micros: int = Field(ge=0)
+    per_mib_micros: int = Field(default=0, ge=0)
 
 
 class _Compute(BaseModel):
@@ -90,6 +91,7 @@ class _BookFile(BaseModel):
 class _WebPatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
     per_request_micros: int | None = Field(default=None, ge=0)
+    per_mib_micros: int | None = Field(default=None, ge=0)
 
 
 class _ComputePatch(BaseModel):
@@ -279,6 +281,10 @@ class PriceBook:
 
     def web_request_micros(self) -> int:
         return self._web.per_request_micros
+
+    def web_mib_micros(self) -> int:
+        """One MiB (either way) through the egress proxy."""
+        return self._web.per_mib_micros
 
     def compute_micros(self, *, vcpu_seconds: float, gib_seconds: float) -> int:
         total = _exact(vcpu_seconds, "vcpu_seconds") * self._compute.per_vcpu_second_micros

@@ -70,6 +70,32 @@ class Settings(BaseSettings):
         description="Let `web_fetch` and connections reach loopback and private addresses "
         "(link-local/metadata stays refused). For tests and internal APIs; unsafe in production.",
     )
+    egress_port: int = Field(
+        default=3128,
+        ge=1024,
+        le=65535,
+        description="The port of the egress forwarder on 127.0.0.1 inside a sandbox whose run "
+        "has `web` or connections (the commands' `http_proxy`).",
+    )
+    egress_max_streams: int = Field(
+        default=16,
+        ge=1,
+        le=256,
+        description="Connections through the egress proxy open at once per run; more are "
+        "refused inside the sandbox.",
+    )
+    egress_max_bytes: int = Field(
+        default=1 << 30,
+        ge=1024,
+        description="Bytes (both ways) one run may move through the egress proxy; past it, "
+        "streams are cut and new ones refused.",
+    )
+    egress_idle_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="An egress stream with no bytes either way for this long is closed.",
+    )
 
     # providers: keys never leave the host process
     openai_api_key: SecretStr | None = Field(

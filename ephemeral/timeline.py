@@ -28,7 +28,12 @@ def describe(event: Event | dict[str, Any]) -> tuple[str, str]:
     if t == "worker.started":
         parts = [
             f"shell {'on' if d.get('shell') else 'off'}",
-            f"web {'on' if d.get('web') else 'off'}",
+            f"web {'on' if d.get('web') else 'off'}"
+            + (
+                f" (only {', '.join(d['web'].get('allow') or [])})"
+                if isinstance(d.get("web"), dict)
+                else ""
+            ),
         ]
         if d.get("connections"):
             parts.append("connections " + ", ".join(d["connections"]))

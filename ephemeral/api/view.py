@@ -84,7 +84,7 @@ def permission_rows(policy: dict[str, Any], retention_days: int) -> list[tuple[s
     zdr = policy.get("zero_data_retention")
     return [
         ("Connections", conn_text),
-        ("Web", "on" if policy.get("web") else "off"),
+        ("Web", web_text(policy.get("web"))),
         ("Shell", "on, inside a sealed machine" if policy.get("shell") else "off"),
         ("Files", file_text),
         (
@@ -107,6 +107,12 @@ def _environment_rows(policy: dict[str, Any]) -> list[tuple[str, str]]:
     if setup or verify:
         rows.append(("Setup / verify", f"{len(setup)} / {len(verify)} commands"))
     return rows
+
+def web_text(web: object) -> str:
+    """``web`` for the permissions table: off, on, or on for the allow list's hosts only."""
+    if isinstance(web, dict):
+        return "on, only to " + ", ".join(str(h) for h in web.get("allow") or [])
+    return "on" if web else "off"
 
 
 def money_line(run: dict[str, Any]) -> str | None:
@@ -147,7 +153,8 @@ def request_json(prompt: str, policy: dict[str, Any], model: str | None = None) 
     body: dict[str, Any] = {"prompt": prompt}
     if model:
         body["model"] = model
-    body["web"] = bool(policy.get("web"))
+    web = policy.get("web")
+    body["web"] = web if isinstance(web, dict) else bool(web)
     body["shell"] = bool(policy.get("shell", True))
     for key in ("files", "connections"):
         if policy.get(key):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ephemeral.broker import connections, web
 from ephemeral.broker.context import BrokerContext
+from ephemeral.broker.egress import Egress
 from ephemeral.broker.secrets import Sealer
 from ephemeral.broker.ssrf import public_url
 from ephemeral.broker.tools import CONNECTION_CALL, NAMES, WEB_FETCH, tools_for
@@ -26,6 +27,37 @@ class Broker:
         self.allow_private = settings.broker_allow_private_hosts
         self.sealer = sealer or Sealer.for_settings(settings)
         self._web_requests = 0
+        self.settings = settings
+
+    def wants_egress(self, policy: Policy) -> bool:
+        """Whether a run gets the egress proxy in its sandbox: only with web or connections."""
+        return policy.web_on or bool(policy.connections)
+
+    def egress(self, ctx: BrokerContext, *, request_micros: int, mib_micros: int) -> Egress:
+        """The run's egress proxy (``ephemeral.broker.egress``), charging through ``ctx``."""
+        return Egress(
+            ctx,
+            next_seq=self._next_seq,
+            request_micros=request_micros,
+            sealer=self.sealer,
+            allow_private=self.allow_private,
+            max_bytes=self.settings.egress_max_bytes,
+            idle_seconds=self.settings.egress_idle_seconds,
+            mib_micros=mib_micros,
+        )
+
+    def egress_env(self) -> dict[str, str]:
+        """The proxy variables for the run's commands."""
+        proxy = f"http://127.0.0.1:{self.settings.egress_port}"
+        local = "localhost,127.0.0.1,::1"
+        return {
+            "http_proxy": proxy,
+            "https_proxy": proxy,
+            "HTTP_PROXY": proxy,
+            "HTTPS_PROXY": proxy,
+            "no_proxy": local,
+            "NO_PROXY": local,
+        }
 
     def tools(self, policy: Policy) -> list[ToolSpec]:
         return tools_for(policy)
@@ -38,7 +70,7 @@ class Broker:
         if call.arguments_invalid:
             return f"error: the arguments of `{call.name}` are not a JSON object"
         if call.name == WEB_FETCH:
-            if not ctx.policy.web:
+            if not ctx.policy.web_on:
                 raw = call.arguments.get("url")
                 await ctx.emit(
                     "web.denied",
@@ -64,5 +96,9 @@ class Broker:
 
     async def _charge_web(self, ctx: BrokerContext) -> int:
         """Charge one request inside the run's budget *before* it is sent."""
+        return await ctx.charge_web(self._next_seq())
+
+    def _next_seq(self) -> int:
+        """The run's next web charge number (web_fetch and the proxy share the sequence)."""
         self._web_requests += 1
-        return await ctx.charge_web(self._web_requests)
+        return self._web_requests

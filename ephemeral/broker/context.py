@@ -29,6 +29,11 @@ class BrokerContext(Protocol):
         the broker lets it propagate, so the run ends."""
         ...
 
+    async def charge_web_bytes(self, key: str, micros: int) -> int:
+        """Charge ``micros`` for bytes through the egress proxy, inside the budget, before they
+        move; ``key`` is unique within the run. Raises the run's stop like ``charge_web``."""
+        ...
+
     def time_left(self) -> float:
         """Seconds until the run's deadline (wall clock or compute budget, whichever is first)."""
         ...

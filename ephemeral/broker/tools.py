@@ -58,7 +58,7 @@ def connection_tool(policy: Policy) -> ToolSpec:
 
 def tools_for(policy: Policy) -> list[ToolSpec]:
     specs: list[ToolSpec] = []
-    if policy.web:
+    if policy.web_on:
         specs.append(WEB_FETCH_TOOL)
     if policy.connections:
         specs.append(connection_tool(policy))

@@ -15,6 +15,7 @@ import httpx
 
 from ephemeral.broker import outbound
 from ephemeral.broker.ssrf import Refused, parse_url, public_url, resolve
+from ephemeral.policy import WebAllow
 
 if TYPE_CHECKING:
     from ephemeral.broker.context import BrokerContext
@@ -59,6 +60,9 @@ async def fetch(
     deadline = loop.time() + max(0.1, min(REQUEST_SECONDS, ctx.time_left()))
     hops = 0
     while True:
+        allow = ctx.policy.web
+        if isinstance(allow, WebAllow) and not allow.allows(url.host):
+            return await deny(public_url(url), f"host {url.host!r} is not in the web allow list")
         try:
             async with asyncio.timeout_at(deadline):
                 target = await resolve(url, allow_private=allow_private)

@@ -21,6 +21,7 @@ from ephemeral import errors
 from ephemeral.sandbox import protocol as p
 from ephemeral.sandbox.base import ExecResult
 from ephemeral.sandbox.lifecycle import SandboxBase
+from ephemeral.sandbox.streams import Accept, StreamMux
 
 # Time the agent may take beyond a command's own deadline to kill it and reply.
 EXEC_GRACE_SECONDS = 5.0
@@ -53,6 +54,7 @@ class GuestClient:
         self.exec_grace = exec_grace
         self.op_timeout = op_timeout
         self.hello: p.Hello | None = None
+        self._mux: StreamMux | None = None
 
     @property
     def broken(self) -> bool:
@@ -85,10 +87,13 @@ class GuestClient:
             raise errors.SandboxError(f"{self.label}: unusable after: {self._broken.detail}")
         async with self._lock:
             try:
-                self._writer.write(p.encode_frame(req))
-                async with asyncio.timeout(timeout):
-                    await self._writer.drain()
-                obj = await p.read_frame(self._reader, timeout=timeout, max_frame=max_frame)
+                if self._mux is not None:  # egress is on: the mux reads the channel
+                    obj = await self._mux.call(req, timeout, max_frame)
+                else:
+                    self._writer.write(p.encode_frame(req))
+                    async with asyncio.timeout(timeout):
+                        await self._writer.drain()
+                    obj = await p.read_frame(self._reader, timeout=timeout, max_frame=max_frame)
                 rid = getattr(req, "id", None)
                 if obj.get("id") != rid:
                     # a stale, replayed or forged frame: never echo its content
@@ -212,6 +217,44 @@ class GuestClient:
             raise errors.SandboxError(f"kill_all: {exc.kind}: {exc.message}") from None
         return self._checked(p.KillAllReply, obj, "kill_all reply").killed
 
+    async def start_egress(
+        self, accept: Accept, *, port: int, max_streams: int, window: int
+    ) -> StreamMux:
+        """Start the guest's egress forwarder on 127.0.0.1:``port``; each connection made to it
+        inside is handed to ``accept`` as a stream (``ephemeral.sandbox.streams``)."""
+        if self._mux is not None:
+            raise errors.SandboxError(f"{self.label}: egress is already on")
+        if self._broken is not None:
+            raise errors.SandboxError(f"{self.label}: unusable after: {self._broken.detail}")
+
+        def broken(exc: errors.SandboxError) -> None:
+            if self._broken is None:
+                self._broken = exc
+
+        # The mux reads the channel before the request goes out, so a stream the guest opens
+        # as soon as it listens is already expected.
+        self._mux = StreamMux(
+            self._reader,
+            self._writer,
+            accept=accept,
+            max_streams=max_streams,
+            window=window,
+            on_broken=broken,
+        )
+        req = p.EgressRequest(id=_nonce(), port=port, max_streams=max_streams, window=window)
+        try:
+            obj = await self._call(req, self.op_timeout, 4096)
+        except _GuestRefused as exc:
+            raise errors.SandboxError(f"egress: {exc.kind}: {exc.message}") from None
+        if self._checked(p.EgressReply, obj, "egress reply").port != port:
+            raise self._lie("egress: the guest listens on another port")
+        return self._mux
+
+    async def stop_egress(self) -> None:
+        """Cut every stream and refuse new ones (the forwarder stays, answering nothing)."""
+        if self._mux is not None:
+            await self._mux.refuse_all()
+
     async def shutdown(self, timeout: float = 2.0) -> None:
         """Ask the agent to exit; best effort (the driver kills the sandbox anyway)."""
         if self._broken is not None:
@@ -297,6 +340,23 @@ class GuestBacked(SandboxBase):
         except errors.SandboxError:
             await self._on_error(client)
             raise
+
+    async def start_egress(
+        self, accept: Accept, *, port: int, max_streams: int, window: int
+    ) -> StreamMux:
+        """Start the egress forwarder inside (see GuestClient.start_egress)."""
+        client = self._guest()
+        try:
+            return await client.start_egress(
+                accept, port=port, max_streams=max_streams, window=window
+            )
+        except errors.SandboxError:
+            await self._on_error(client)
+            raise
+
+    async def stop_egress(self) -> None:
+        if self._client is not None:
+            await self._client.stop_egress()
 
     async def kill_all(self) -> int:
         """Kill every process of the worker uid in the sandbox (see GuestClient.kill_all)."""

@@ -9,9 +9,11 @@ Request ids are fresh 128-bit random nonces (32 hex digits), one per request: a 
 the sandbox that somehow reached the channel could neither guess the id of the request in flight
 nor replay an old reply, and the host takes no frame but the reply to the request it just sent
 (anything else breaks the client; the sandbox is destroyed). Ops: ``exec``, ``put``, ``get``,
-``reseed``, ``ping``, ``kill_all`` (SIGKILL every process of the worker uid and every command
-session, and report how many; for a grader that must run before anything the agent under test
-left running can touch the verdict) and ``shutdown``.
+``reseed``, ``ping``, ``egress`` (start the egress forwarder: from then on stream frames
+travel beside the replies, see ``ephemeral.sandbox.streams``), ``kill_all`` (SIGKILL every
+process of the worker uid and every command session, and report how many; for a grader that
+must run before anything the agent under test left running can touch the verdict) and
+``shutdown``.
 
 Everything the agent sends is hostile: frames are size-capped before they are read, nesting is
 capped while they are parsed, they are parsed into strict models whose every field is bounded
@@ -130,6 +132,16 @@ class ShutdownRequest(_Frame):
     op: Literal["shutdown"] = "shutdown"
 
 
+class EgressRequest(_Frame):
+    """Start the guest's egress forwarder (``ephemeral.sandbox.streams``)."""
+
+    id: Id
+    op: Literal["egress"] = "egress"
+    port: int = Field(ge=1, le=65535)
+    max_streams: int = Field(ge=1, le=256)
+    window: int = Field(ge=1, le=1 << 24)
+
+
 Request = (
     ExecRequest
     | PutRequest
@@ -189,6 +201,32 @@ class KillAllReply(_Frame):
 class EmptyReply(_Frame):
     id: Id
     ok: Literal[True]
+
+
+class EgressReply(_Frame):
+    id: Id
+    ok: Literal[True]
+    port: int = Field(ge=1, le=65535)
+
+
+# ---- egress stream frames (agent -> host); see ephemeral.sandbox.streams
+
+STREAM_CHUNK = 128 * 1024  # raw bytes per data frame, both ways
+MAX_STREAM_ID = 1 << 31
+# A binary data frame: a length word with this bit set, then a 4-byte stream number and the
+# bytes (no base64, no JSON); either side may send data so once egress is on.
+BINARY = 1 << 31
+
+
+def encode_data(sid: int, data: bytes) -> bytes:
+    return ((len(data) + 4) | BINARY).to_bytes(HEADER_BYTES, "big") + sid.to_bytes(4, "big") + data
+
+
+class StreamFrame(_Frame):
+    s: int = Field(ge=1, le=MAX_STREAM_ID)
+    t: Literal["open", "data", "eof", "close", "ack"]
+    d: Annotated[str, Field(max_length=4 * ((STREAM_CHUNK + 2) // 3))] | None = None
+    n: int | None = Field(default=None, ge=1, le=1 << 24)
 
 
 # ---- framing

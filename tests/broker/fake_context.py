@@ -45,6 +45,12 @@ class FakeContext:
         self.charges.append((seq, PRICE))
         return PRICE
 
+    async def charge_web_bytes(self, key: str, micros: int) -> int:
+        if self.charged + micros > self.budget_micros:
+            raise OutOfBudget(key)
+        self.charges.append((-1, micros))
+        return micros
+
     def time_left(self) -> float:
         return self.seconds_left
 

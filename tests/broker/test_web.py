@@ -221,3 +221,20 @@ async def test_no_broker_url_reaches_the_logs(
         )
     assert "LOGSECRET" not in caplog.text
     assert not [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))]
+
+
+async def test_the_allow_list_limits_every_hop(broker: Broker, upstream: Upstream) -> None:
+    ctx = FakeContext(Policy.model_validate({"web": {"allow": ["localhost"]}}))
+    out = await ask(broker, ctx, "web_fetch", url=f"http://LocalHost:{upstream.port}/text")
+    assert "hello from upstream" in out
+    out = await ask(broker, ctx, "web_fetch", url=f"{upstream.base}/text")
+    assert out == "error: web request refused: host '127.0.0.1' is not in the web allow list"
+    to = f"{upstream.base}/text"
+    out = await ask(
+        broker, ctx, "web_fetch", url=f"http://localhost:{upstream.port}/redirect?to={to}"
+    )
+    assert "not in the web allow list" in out
+    assert [s.path for s in upstream.seen] == ["/text", f"/redirect?to={to}"]
+    assert [e["reason"] for e in ctx.of("web.denied")] == [
+        "host '127.0.0.1' is not in the web allow list"
+    ] * 2

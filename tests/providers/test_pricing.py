@@ -23,7 +23,7 @@ LUNA = "openai/gpt-6-luna"
 
 def test_shipped_book_is_versioned_and_prices_the_sample() -> None:
     book = PriceBook.load(Settings.load())
-    assert book.version == "2026-11-01"
+    assert book.version == "2026-12-01"
     # the product page: 3 calls, 4,800 in + 414 out -> $0.00033; ~4 s of 1 vCPU + 0.5 GiB
     calls = [(1360, 61), (1510, 149), (1930, 204)]
     assert (
@@ -129,7 +129,7 @@ models:
 web: {per_request_micros: 5}
 """,
     )
-    assert book.version == "2026-11-01+acme-7"
+    assert book.version == "2026-12-01+acme-7"
     assert book.model_price(LUNA).output_per_mtok == 2
     assert book.model_price("replay/sandbox-proof").output_per_mtok == 2  # follows the alias
     assert book.model_cost("openai/llama-3.1-8b-instruct", Usage(input_tokens=10**6)) == 0
@@ -144,7 +144,7 @@ web: {per_request_micros: 5}
 def test_override_without_version_gets_a_content_hash(tmp_path: Path) -> None:
     a = _override(tmp_path, "compute: {per_vcpu_second_micros: 1}\n")
     b = _override(tmp_path, "compute: {per_vcpu_second_micros: 2}\n")
-    assert a.version.startswith("2026-11-01+sha256-")
+    assert a.version.startswith("2026-12-01+sha256-")
     assert a.version != b.version
 
 

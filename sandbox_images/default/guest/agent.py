@@ -349,6 +349,7 @@ class Agent:
                 "ping": self.op_ping,
                 "kill_all": self.op_kill_all,
                 "shutdown": self.op_shutdown,
+                "egress": self.op_egress,
             }.get(op)
             try:
                 if handler is None:
@@ -483,6 +484,23 @@ class Agent:
 
     def op_shutdown(self, req):
         return {}
+
+    def op_egress(self, req):
+        """Start the egress forwarder (see `Forwarder`); the channel becomes multiplexed."""
+        if isinstance(self.channel, Forwarder):
+            raise OpError("bad_request", "egress is already on")
+        port = req.get("port")
+        streams = req.get("max_streams")
+        window = req.get("window")
+        for name, value, top in (
+            ("port", port, 65535),
+            ("max_streams", streams, 256),
+            ("window", window, 1 << 24),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= top:
+                raise OpError("bad_request", f"{name} must be an integer in 1..{top}")
+        self.channel = Forwarder(self.channel, port, streams, window)
+        return {"port": port}
 
     def shutdown(self):
         for pid, _st in children_of_me():
@@ -746,6 +764,241 @@ def _result(code, stdout, stderr, truncated, timed_out, started):
         "timed_out": timed_out,
         "duration_ms": int((time.monotonic() - started) * 1000),
     }
+
+
+# ----------------------------------------------------------------------------- egress
+
+
+STREAM_CHUNK = 128 * 1024  # raw bytes per stream data frame (the host caps them too)
+BINARY = 1 << 31  # the length word of a binary data frame has this bit set
+
+
+class Forwarder:
+    """The egress forwarder: a TCP listener on 127.0.0.1 inside the sandbox whose connections
+    travel as streams over the agent's one channel. The sandbox has no network device; the
+    host's broker decides what each stream may reach. Started only by the `egress` op, so a
+    run without web or connections has no listener at all.
+
+    It replaces the agent's channel object: a reader thread takes every frame off the channel,
+    hands stream frames to their stream and queues requests for the (unchanged) serve loop;
+    writes are serialised by a lock. Stream frames (no "id"; the host speaks of them, and
+    checks every one it receives against the streams it knows):
+      agent -> {"s": N, "t": "open"}            a connection was accepted (N = 1, 2, 3, ...)
+            |  {"s": N, "t": "data", "d": B64}  bytes from the connection (<= STREAM_CHUNK)
+            |  {"s": N, "t": "eof"}             the connection shut its sending side
+            |  {"s": N, "t": "close"}           the connection is gone
+            |  {"s": N, "t": "ack", "n": K}     K bytes from the host were written out
+      host  -> {"s": N, "t": "data", "d": B64} | {"s": N, "t": "close"}
+            |  {"s": N, "t": "ack", "n": K}     K bytes the agent sent were consumed
+    Data travels in binary frames too (no base64, no JSON): a 4-byte length with the high bit
+    set (BINARY), then a 4-byte stream number and the bytes. The agent sends its data so, and
+    takes either form from the host. Each side sends at most `window` bytes not yet
+    acknowledged, per stream.
+    """
+
+    def __init__(self, channel, port, max_streams, window):
+        import queue
+        import socket
+        import threading
+
+        self.inner = channel
+        self.max_streams = max_streams
+        self.window = window
+        self.lock = threading.Lock()
+        self.requests: queue.Queue = queue.Queue()
+        self.streams = {}
+        self.next_sid = 1
+        self.closed = False
+        self.threading = threading
+        self.queue_mod = queue
+        for fd in {channel.rfd, channel.wfd}:
+            try:  # a pipe channel (namespaces): room for whole data frames, fewer wakeups
+                import fcntl
+
+                fcntl.fcntl(fd, 1031, 1 << 20)  # F_SETPIPE_SZ
+            except (OSError, ImportError):
+                pass
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", port))
+        self.listener.listen(64)
+        threading.Thread(target=self._read_channel, daemon=True).start()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    # the serve loop's channel interface
+    def read_frame(self):
+        item = self.requests.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def write_frame(self, obj):
+        with self.lock:
+            self.inner.write_frame(obj)
+
+    def write_data(self, sid, data):
+        """One binary data frame, written whole under the channel's lock."""
+        head = ((len(data) + 4) | BINARY).to_bytes(4, "big") + sid.to_bytes(4, "big")
+        view = memoryview(head + data)
+        with self.lock:
+            while view:
+                try:
+                    n = os.write(self.inner.wfd, view)
+                except BlockingIOError:
+                    select.select([], [self.inner.wfd], [], 1.0)
+                    continue
+                except InterruptedError:
+                    continue
+                view = view[n:]
+
+    def _next_frame(self):
+        """A JSON frame as a dict, or (sid, bytes) for a binary data frame."""
+        header = int.from_bytes(self.inner._read_exact(4), "big")
+        if header & BINARY:
+            size = header & ~BINARY
+            if not 4 <= size <= STREAM_CHUNK + 4:
+                raise ProtocolError(f"binary frame of {size} bytes")
+            body = self.inner._read_exact(size)
+            return int.from_bytes(body[:4], "big"), body[4:]
+        if header > MAX_FRAME:
+            raise ProtocolError(f"frame too large: {header}")
+        obj = json.loads(self.inner._read_exact(header).decode("utf-8"))
+        if not isinstance(obj, dict):
+            raise ProtocolError("frame is not an object")
+        return obj
+
+    def _read_channel(self):
+        try:
+            while True:
+                frame = self._next_frame()
+                if isinstance(frame, tuple):
+                    stream = self.streams.get(frame[0])
+                    if stream is not None:
+                        stream.outq.put(frame[1])
+                elif "s" in frame and "id" not in frame:
+                    self._from_host(frame)
+                else:
+                    self.requests.put(frame)
+        except BaseException as exc:  # noqa: BLE001 - EOF or a broken channel ends the agent
+            self.closed = True
+            self.requests.put(exc if isinstance(exc, (EOFError, ProtocolError)) else EOFError())
+            for stream in list(self.streams.values()):
+                stream.abort()
+
+    def _from_host(self, frame):
+        stream = self.streams.get(frame.get("s"))
+        if stream is None:
+            return  # a stream that already ended here; the host learns from our close
+        kind = frame.get("t")
+        if kind == "data":
+            try:
+                data = unb64(frame.get("d"), "d")
+            except OpError:
+                stream.abort()
+                return
+            stream.outq.put(data)
+        elif kind == "ack":
+            n = frame.get("n")
+            if isinstance(n, int) and n > 0:
+                with stream.cond:
+                    stream.unacked = max(0, stream.unacked - n)
+                    stream.cond.notify_all()
+        elif kind == "close":
+            stream.outq.put(None)
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                conn, _addr = self.listener.accept()
+            except OSError:
+                if self.closed:
+                    return
+                time.sleep(0.05)
+                continue
+            if len(self.streams) >= self.max_streams:
+                conn.close()  # over the cap: refused here, the host never hears of it
+                continue
+            sid = self.next_sid
+            self.next_sid += 1
+            stream = _Stream(self, sid, conn)
+            self.streams[sid] = stream
+            try:
+                self.write_frame({"s": sid, "t": "open"})
+            except Exception:  # noqa: BLE001 - the channel is gone; the reader ends the agent
+                stream.abort()
+                return
+            stream.start()
+
+
+class _Stream:
+    def __init__(self, fwd, sid, conn):
+        self.fwd = fwd
+        self.sid = sid
+        self.conn = conn
+        self.outq = fwd.queue_mod.Queue()
+        self.cond = fwd.threading.Condition()
+        self.unacked = 0
+        self.done = False
+
+    def start(self):
+        self.fwd.threading.Thread(target=self._upstream, daemon=True).start()
+        self.fwd.threading.Thread(target=self._downstream, daemon=True).start()
+
+    def _send(self, frame):
+        try:
+            self.fwd.write_frame(frame)
+        except Exception:  # noqa: BLE001
+            self.abort()
+
+    def _upstream(self):
+        """connection -> host, within the window."""
+        while True:
+            with self.cond:
+                while self.unacked >= self.fwd.window and not self.done:
+                    self.cond.wait(1.0)
+                if self.done:
+                    return
+            try:
+                data = self.conn.recv(STREAM_CHUNK)
+            except OSError:
+                data = None
+            if not data:
+                if not self.done:
+                    self._send({"s": self.sid, "t": "eof" if data == b"" else "close"})
+                return
+            with self.cond:
+                self.unacked += len(data)
+            try:
+                self.fwd.write_data(self.sid, data)
+            except Exception:  # noqa: BLE001
+                self.abort()
+
+    def _downstream(self):
+        """host -> connection; acknowledges what was written."""
+        import socket
+
+        while True:
+            data = self.outq.get()
+            if data is None:
+                break
+            try:
+                self.conn.sendall(data)
+            except OSError:
+                self._send({"s": self.sid, "t": "close"})
+                break
+            self._send({"s": self.sid, "t": "ack", "n": len(data)})
+        self.done = True
+        with self.cond:
+            self.cond.notify_all()
+        try:
+            self.conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.conn.close()
+        self.fwd.streams.pop(self.sid, None)
+
+    def abort(self):
+        self.outq.put(None)
 
 
 # ----------------------------------------------------------------------------- main

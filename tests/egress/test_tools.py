@@ -1,0 +1,113 @@
+"""Real tools through egress on the ``python-dev`` image (git, pip): ``git clone`` from a local
+smart-HTTP server and ``pip install`` from a local index, each with a web allow list; and the
+pip recipe end to end through ``ephemeral eval``.
+
+These need a run to name an image (the ``image`` field) and ``python-dev`` built; where either is
+missing they skip with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from ephemeral.policy import RunRequest
+from ephemeral.sandbox import images
+from ephemeral.service import Runtime
+from ephemeral.settings import Settings
+from tests.broker.conftest import events_of
+from tests.drivers import unavailable
+from tests.egress.conftest import Names, provisioned, sh
+from tests.egress.servers import PACKAGE, git_http, make_repo, package_index
+from tests.evals.conftest import REPO, cli
+
+pytestmark = [pytest.mark.sandbox]
+
+RECIPE_PORT = 38517  # fixed in recipes/evals/pip-from-allowed-index.yaml and its cassette
+
+
+def need_python_dev(settings: Settings) -> None:
+    if "image" not in RunRequest.model_fields:
+        pytest.skip("runs cannot name an image on this branch (the `image` field of issue 11)")
+    built = getattr(images, "built_image", None)
+    if built is None or built(settings, "python-dev") is None:
+        unavailable("image python-dev not built (make setup)")
+
+
+async def test_git_clone_over_smart_http(
+    runtime: Runtime, names: Names, isolation: str, tmp_path: Path
+) -> None:
+    need_python_dev(runtime.settings)
+    names.set("git.test", "127.0.0.1")
+    make_repo(tmp_path)
+    with git_http(tmp_path) as (port, seen):
+        async with provisioned(
+            runtime, isolation, image="python-dev", web={"allow": ["git.test"]}
+        ) as agent:
+            res = await sh(
+                agent,
+                f"git clone -q http://git.test:{port}/probe.git /tmp/c && cat /tmp/c/README",
+                timeout=60,
+            )
+            assert res.exit_code == 0, res.stderr
+            assert res.stdout == "cloned through the broker\n"
+            refused = await sh(agent, f"git clone -q http://other.test:{port}/probe.git /tmp/d")
+            assert refused.exit_code != 0
+    assert seen[0] == "GET /probe.git/info/refs?service=git-upload-pack"
+    assert any(s.startswith("POST /probe.git/git-upload-pack") for s in seen)
+    requested = [e.data for e in await events_of(agent, "web.requested")]
+    assert requested and all(r["host"] == "git.test" for r in requested)
+    assert all("?" not in r.get("path", "") for r in requested)  # no query string recorded
+
+
+async def test_pip_install_from_a_local_index(
+    runtime: Runtime, names: Names, isolation: str
+) -> None:
+    need_python_dev(runtime.settings)
+    names.set("pkgs.test", "127.0.0.1")
+    with package_index() as (port, seen):
+        async with provisioned(
+            runtime, isolation, image="python-dev", web={"allow": ["pkgs.test"]}
+        ) as agent:
+            res = await sh(
+                agent,
+                "python3 -m venv /tmp/v && PIP_NO_INDEX=0 /tmp/v/bin/pip install -q "
+                "--trusted-host pkgs.test "
+                f"--index-url http://pkgs.test:{port}/simple/ {PACKAGE} && "
+                "/tmp/v/bin/python -c 'import ephemeral_egress_probe as m; print(m.ANSWER)'",
+                timeout=120,
+            )
+            assert res.exit_code == 0, res.stderr
+            assert res.stdout.strip().endswith("egress-probe-ok")
+    assert seen[0].startswith(f"/simple/{PACKAGE}")
+    assert any(s.startswith("/files/") for s in seen)
+
+
+def test_pip_recipe_end_to_end(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    need_python_dev(Settings.load(state_dir=state))
+    probe = socket.socket()
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
+    try:
+        probe.bind(("127.0.0.1", RECIPE_PORT))
+    except OSError:
+        pytest.skip(f"port {RECIPE_PORT} (fixed in the recipe) is busy on this host")
+    finally:
+        probe.close()
+    with package_index(RECIPE_PORT) as (_, seen):
+        done = cli(
+            state,
+            "eval",
+            str(REPO / "recipes" / "evals" / "pip-from-allowed-index.yaml"),
+            "--no-prefect",
+            "--json",
+            EPHEMERAL_BROKER_ALLOW_PRIVATE_HOSTS="true",
+            timeout=400,
+        )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["passed"] is True, report
+    assert any(s.startswith("/files/") for s in seen)
