@@ -108,6 +108,7 @@ def _environment_rows(policy: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("Setup / verify", f"{len(setup)} / {len(verify)} commands"))
     return rows
 
+
 def web_text(web: object) -> str:
     """``web`` for the permissions table: off, on, or on for the allow list's hosts only."""
     if isinstance(web, dict):
