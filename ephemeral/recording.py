@@ -60,6 +60,7 @@ def build_records(
         duration_ms=duration,
         checks=json.dumps(labels["checks"]) if "checks" in labels else None,
         host=socket.gethostname(),
+        kind=getattr(row, "kind", None) or "run",
     )
     steps: list[StepRecord] = []
     for ev in events:

@@ -78,6 +78,9 @@ class Runtime:
         self._run_seconds = 5.0  # moving average of a run's execution, for Retry-After
         self._suspects: set[str] = set()
         self._watchdog: asyncio.Task[None] | None = None
+        from ephemeral.sessions import Sessions
+
+        self.sessions = Sessions(self)  # sandbox sessions live here (ephemeral.sessions)
 
     # lifecycle -----------------------------------------------------------------------------
     @classmethod
@@ -118,6 +121,7 @@ class Runtime:
         for task in list(self._running.values()):
             with contextlib.suppress(BaseException):
                 await task
+        await self.sessions.close()
         await self.executor.close()
         for pool in self._pools.values():
             await pool.close()
@@ -426,8 +430,8 @@ class Runtime:
         suspects: set[str] = set()
         now = utcnow()
         for row in await self.store.open_runs():
-            if row.owner != self.owner:
-                continue
+            if row.owner != self.owner or self.sessions.owns(row.id):
+                continue  # a live session has its own watchdog (ephemeral.sessions)
             task = self._running.get(row.id)
             if task is None or task.done():
                 if row.id not in self._suspects:
