@@ -55,7 +55,7 @@ MAX_FILE_BYTES = 128 << 20  # per file read or written (the sandbox's /tmp is 25
 INLINE_STDIN = 1 << 20  # larger stdin goes to a file in the sandbox first (stdin_path)
 MAX_ARGV_BYTES = 2 << 20
 EVENT_TEXT_CAP = 16 << 10  # command, stdout and stderr kept per sandbox.exec event
-DEFAULT_EXEC_TIMEOUT = 600.0
+DEFAULT_EXEC_TIMEOUT = 3600.0  # no timeout: until the session's own deadline
 # At the time limit, a command cut at the same deadline gets this long to come back killed
 # (``timed_out``) before the sandbox goes: its caller sees a timeout, not a vanished sandbox.
 DEADLINE_GRACE_SECONDS = 3.0
