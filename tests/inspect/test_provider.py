@@ -10,12 +10,12 @@ import pytest
 
 pytest.importorskip("inspect_ai", reason="the inspect extra is not installed")
 
-from inspect_ai.util._sandbox.registry import registry_find_sandboxenv  # noqa: E402
+from inspect_ai.util._sandbox.registry import registry_find_sandboxenv
 
-from ephemeral import errors  # noqa: E402
-from ephemeral.inspect_provider import EphemeralSandboxConfig, EphemeralSandboxEnvironment  # noqa: E402
-from ephemeral.inspect_provider.config import load_config  # noqa: E402
-from ephemeral.inspect_provider.provider import _file_error  # noqa: E402
+from ephemeral import errors
+from ephemeral.inspect_provider import EphemeralSandboxConfig, EphemeralSandboxEnvironment
+from ephemeral.inspect_provider.config import load_config
+from ephemeral.inspect_provider.provider import _file_error
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,9 @@ def test_config_from_yaml_object_and_dict(tmp_path: Path) -> None:
     assert (cfg.isolation, cfg.timeout_seconds, cfg.max_cost_micros) == ("namespaces", 60, 5000)
     assert load_config({"isolation": "gvisor"}).isolation == "gvisor"
     assert load_config(None) == EphemeralSandboxConfig()
-    assert EphemeralSandboxEnvironment.config_deserialize({"web": False}) == EphemeralSandboxConfig()
+    assert (
+        EphemeralSandboxEnvironment.config_deserialize({"web": False}) == EphemeralSandboxConfig()
+    )
     req = cfg.session_request()
     assert (req.isolation, req.timeout_seconds, req.max_cost_micros) == ("namespaces", 60, 5000)
 

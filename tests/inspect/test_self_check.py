@@ -1,6 +1,7 @@
 """Inspect AI's own provider conformance battery (``inspect_ai.util._sandbox.self_check``, 44
-checks in 0.3.285) against the ``ephemeral`` provider on gvisor and namespaces, and against
-Inspect's ``local`` provider for comparison. Results and reasons: docs/integrations.md.
+checks in 0.3.285) against the ``ephemeral`` provider on gvisor and namespaces in process, on
+gvisor through a real server's session API (``EPHEMERAL_URL``), and against Inspect's ``local``
+provider for comparison. Results and reasons: docs/integrations.md.
 
 The checks are Inspect's code, imported as-is; this module only supplies the ``sandbox_env``
 fixture the way Inspect's own runner does: ``task_init`` + ``sample_init`` once per provider
@@ -10,6 +11,8 @@ strict xfails, each with its reason.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from inspect_ai.util._sandbox.self_check import *  # noqa: F403
 from ephemeral.inspect_provider import EphemeralSandboxConfig, EphemeralSandboxEnvironment
 from ephemeral.sandbox.registry import probe_level
 from ephemeral.settings import Settings
+from tests.api.server import live_server
 from tests.drivers import unavailable
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.asyncio(loop_scope="module")]
@@ -36,6 +40,7 @@ READ_ONLY_ROOT = (
 # check name -> reason, per provider. Everything else must pass.
 KNOWN_FAILURES: dict[str, dict[str, str]] = {
     "gvisor": {"test_exec_as_user": READ_ONLY_ROOT},
+    "gvisor-http": {"test_exec_as_user": READ_ONLY_ROOT},
     "namespaces": {"test_exec_as_user": READ_ONLY_ROOT},
     "local": {
         # Inspect's local provider runs commands as the invoking user on the host
@@ -48,7 +53,7 @@ KNOWN_FAILURES: dict[str, dict[str, str]] = {
         "SIGTERM as returncode -15 (Python's subprocess convention), not the shell's 143",
     },
 }
-PROVIDERS = ["gvisor", "namespaces", "local"]
+PROVIDERS = ["gvisor", "namespaces", "gvisor-http", "local"]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=PROVIDERS)
@@ -64,14 +69,21 @@ async def provider_env(
         await LocalSandboxEnvironment.sample_cleanup(task, None, envs, False)
         await LocalSandboxEnvironment.task_cleanup(task, None, True)
         return
+    level = name.removesuffix("-http")
     state = tmp_path_factory.mktemp(f"state-{name}")
-    why = await probe_level(name, Settings.load(state_dir=Path(state)))
+    settings = Settings.load(state_dir=Path(state), use_prefect=False, pool_size=1)
+    why = await probe_level(level, settings)
     if why is not None:
-        unavailable(f"{name}: {why}", name)
+        unavailable(f"{level}: {why}", level)
     mp = pytest.MonkeyPatch()
+    server = contextlib.ExitStack()
     mp.setenv("EPHEMERAL_STATE_DIR", str(state))
     mp.delenv("EPHEMERAL_URL", raising=False)
-    config = EphemeralSandboxConfig(isolation=name, timeout_seconds=1800, pool_size=1)
+    if name.endswith("-http"):
+        live = server.enter_context(live_server(settings, warm_pool=True))
+        mp.setenv("EPHEMERAL_URL", live.url)
+        mp.setenv("EPHEMERAL_API_KEY", await asyncio.to_thread(live.member, "inspect"))
+    config = EphemeralSandboxConfig(isolation=level, timeout_seconds=1800, pool_size=1)
     try:
         await EphemeralSandboxEnvironment.task_init(task, config)
         envs = await EphemeralSandboxEnvironment.sample_init(task, config, {})
@@ -80,6 +92,7 @@ async def provider_env(
         await EphemeralSandboxEnvironment.task_cleanup(task, config, True)
     finally:
         mp.undo()
+        server.close()
 
 
 @pytest_asyncio.fixture(loop_scope="module")
