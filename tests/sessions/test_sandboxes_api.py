@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from ephemeral.api import create_app
+from ephemeral.api.auth import PAGE_COOKIE
 from ephemeral.service import Runtime
 from tests.api.conftest import Member, new_member
 
@@ -128,6 +129,11 @@ async def test_session_over_http(
     events = (await http.get(f"/v1/runs/{sid}/events", headers=h)).json()
     assert [e["type"] for e in events].count("sandbox.exec") == 5
     assert events[-1]["type"] == "run.settled"
+    # the session's page: its commands and their output, like a run's shell steps
+    http.cookies.set(PAGE_COOKIE, member.key)
+    page = await http.get(f"/runs/{sid}")
+    assert page.status_code == 200
+    assert "$ id -un" in page.text and "worker" in page.text and "as root" in page.text
 
 
 async def test_idempotency_and_402(
