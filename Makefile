@@ -59,6 +59,7 @@ bench: setup
 	$(PY) bench/seccomp.py
 	$(PY) bench/side_channels.py
 	$(PY) bench/soak.py --runs 100 --levels 16,64
+	$(PY) bench/inspect_sandbox.py
 
 lint: venv
 	$(VENV)/bin/ruff check .
