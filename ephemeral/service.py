@@ -275,7 +275,7 @@ class Runtime:
         isolation = await resolve_isolation(policy.isolation, self.settings)
         pool = self._pools.get(isolation)
         if pool is not None:
-            sandbox: Sandbox = await pool.acquire(owner)
+            sandbox: Sandbox = await pool.acquire(owner, limits)
             return sandbox
         return await get_driver(isolation, self.settings).create(owner=owner, limits=limits)
 

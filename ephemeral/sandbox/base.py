@@ -60,8 +60,9 @@ class Sandbox(Protocol):
         """False once destroyed (or expired), or when its runtime died."""
         ...
 
-    async def claim(self, owner: str) -> None:
-        """Hand a warm sandbox to ``owner``: re-own its handle and restart its lifetime."""
+    async def claim(self, owner: str, lifetime_seconds: float | None = None) -> None:
+        """Hand a warm sandbox to ``owner``: re-own its handle and restart its lifetime (the
+        owner's ``lifetime_seconds`` when given, else the pool's)."""
         ...
 
     async def exec(

@@ -1,7 +1,8 @@
 """Inspect AI's own provider conformance battery (``inspect_ai.util._sandbox.self_check``, 44
-checks in 0.3.285) against the ``ephemeral`` provider on gvisor and namespaces in process, on
-gvisor through a real server's session API (``EPHEMERAL_URL``), and against Inspect's ``local``
-provider for comparison. Results and reasons: docs/integrations.md.
+checks in 0.3.285) against the ``ephemeral`` provider on gvisor and namespaces in process (and
+microvm-tcg, in the slow set), on gvisor through a real server's session API
+(``EPHEMERAL_URL``), and against Inspect's ``local`` provider for comparison. Results and
+reasons: docs/integrations.md.
 
 The checks are Inspect's code, imported as-is; this module only supplies the ``sandbox_env``
 fixture the way Inspect's own runner does: ``task_init`` + ``sample_init`` once per provider
@@ -41,6 +42,7 @@ READ_ONLY_ROOT = (
 KNOWN_FAILURES: dict[str, dict[str, str]] = {
     "gvisor": {"test_exec_as_user": READ_ONLY_ROOT},
     "gvisor-http": {"test_exec_as_user": READ_ONLY_ROOT},
+    "microvm-tcg": {"test_exec_as_user": READ_ONLY_ROOT},
     "namespaces": {"test_exec_as_user": READ_ONLY_ROOT},
     "local": {
         # Inspect's local provider runs commands as the invoking user on the host
@@ -53,7 +55,14 @@ KNOWN_FAILURES: dict[str, dict[str, str]] = {
         "SIGTERM as returncode -15 (Python's subprocess convention), not the shell's 143",
     },
 }
-PROVIDERS = ["gvisor", "namespaces", "gvisor-http", "local"]
+# microvm-tcg (software emulation) is slow: in the slow set, like the other TCG tests
+PROVIDERS = [
+    "gvisor",
+    "namespaces",
+    "gvisor-http",
+    pytest.param("microvm-tcg", marks=pytest.mark.slow),
+    "local",
+]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=PROVIDERS)
