@@ -366,6 +366,8 @@ class Runtime:
         row = await self.store.get_run(run_id, org_id)
         if row.status in TERMINAL_STATUSES:
             return row
+        if row.kind == "session" and self.sessions.owns(run_id):
+            return await self.sessions.end(run_id, org_id, cancelled=True)
         agent = self._agents.get(run_id)
         task = self._running.get(run_id)
         if agent is not None:

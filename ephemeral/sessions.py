@@ -125,9 +125,11 @@ class ExecRequest(_Strict):
     @field_validator("env")
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for k in v:
+        for k, value in v.items():
             if not k or "=" in k or "\0" in k or len(k) > 255:
                 raise ValueError(f"bad variable name {k[:40]!r}")
+            if "\0" in value:
+                raise ValueError(f"{k[:40]}: a value must not contain NUL")
         return v
 
     @field_validator("stdin_base64")
@@ -416,11 +418,19 @@ class Sessions:
             raise
 
     # end -----------------------------------------------------------------------------------
-    async def end(self, session_id: str, org_id: str | None = None) -> RunRow:
-        """Destroy the sandbox and settle (idempotent: an ended session is returned as it is)."""
+    async def end(
+        self, session_id: str, org_id: str | None = None, *, cancelled: bool = False
+    ) -> RunRow:
+        """Destroy the sandbox and settle (idempotent: an ended session is returned as it is).
+
+        ``DELETE`` ends it ``succeeded``/``completed``; a cancel (``POST /v1/runs/{id}/cancel``
+        on a session) ``cancelled``."""
         live = self._live.get(session_id)
         if live is not None and (org_id is None or live.org_id == org_id):
-            await self._finish(live, TerminationReason.COMPLETED, None)
+            if cancelled:
+                await self._finish(live, TerminationReason.CANCELLED, "cancelled by request")
+            else:
+                await self._finish(live, TerminationReason.COMPLETED, None)
             return await self.store.get_run(session_id)
         row = await self.get(session_id, org_id)
         if row.status in TERMINAL_STATUSES:

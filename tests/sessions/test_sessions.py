@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from pathlib import Path
 
 import pytest
 
@@ -143,3 +144,40 @@ async def test_web_and_connections_are_refused_for_now() -> None:
     with pytest.raises(ValidationError) as info:
         SessionRequest(web=True)
     assert info.value.errors()[0]["loc"] == ("web",)
+
+
+async def test_cancel_through_the_runs_api_ends_the_session(
+    runtime: Runtime, org: str, isolation: str
+) -> None:
+    row, _ = await runtime.sessions.create(org, SessionRequest(isolation=isolation))
+    pids = list(runtime.settings.sandboxes_dir.glob("*.json"))
+    assert pids
+    done = await runtime.cancel(row.id, org)
+    assert (done.status, done.termination_reason) == ("cancelled", "cancelled")
+    assert done.settled and not runtime.sessions.owns(row.id)
+    assert list(runtime.settings.sandboxes_dir.glob("*.json")) == []
+
+
+async def test_root_is_refused_where_it_would_be_host_root(tmp_path: Path) -> None:
+    from ephemeral.sandbox.registry import probe_level
+    from ephemeral.settings import Settings
+    from tests.drivers import unavailable
+
+    settings = Settings.load(
+        state_dir=tmp_path / "state", use_prefect=False, namespaces_privileged=True
+    )
+    why = await probe_level("namespaces", settings)
+    if why is not None:
+        unavailable(f"namespaces: {why}", "namespaces")
+    runtime = await Runtime.start(settings)
+    try:
+        org = await runtime.local_org()
+        row, _ = await runtime.sessions.create(org, SessionRequest(isolation="namespaces"))
+        assert row.isolation == "namespaces-privileged"
+        with pytest.raises(errors.InvalidRequest) as info:
+            await runtime.sessions.exec(row.id, org, ExecRequest(command=["id"], user="root"))
+        assert info.value.errors is not None and info.value.errors[0]["field"] == "user"
+        res = await runtime.sessions.exec(row.id, org, ExecRequest(command=["id", "-u"]))
+        assert res.stdout == "1000\n"
+    finally:
+        await runtime.close()
