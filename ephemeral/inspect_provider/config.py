@@ -45,7 +45,12 @@ class EphemeralSandboxConfig(BaseModel):
                     "image", "this version of ephemeral has no images other than the default"
                 )
             fields["image"] = self.image
-        return SessionRequest.model_validate(fields)
+        try:
+            return SessionRequest.model_validate(fields)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(map(str, first["loc"])) or "config"
+            raise errors.InvalidRequest.field(field, first["msg"]) from None
 
 
 def load_config(config: object) -> EphemeralSandboxConfig:

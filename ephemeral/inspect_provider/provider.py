@@ -131,9 +131,13 @@ class EphemeralSandboxEnvironment(SandboxEnvironment):
         metadata: dict[str, str],
     ) -> dict[str, SandboxEnvironment]:
         cfg = _config(config)
+        try:
+            request = cfg.session_request()
+        except errors.EphemeralError as exc:
+            raise ValueError(f"ephemeral sandbox config: {exc.detail}") from exc
         backend, open_sessions = await BACKENDS.get(cfg)
         try:
-            session_id = await backend.create(cfg.session_request())
+            session_id = await backend.create(request)
         except errors.EphemeralError as exc:
             raise SandboxUnavailableError(f"ephemeral: {exc.detail}") from exc
         open_sessions.add(session_id)

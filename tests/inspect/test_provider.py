@@ -62,3 +62,9 @@ def test_file_errors_map_to_what_inspect_expects() -> None:
     assert isinstance(denied, PermissionError) and "'f'" in str(denied)
     directory = _file_error(errors.IsADirectory("/etc: is a directory"), "/etc")
     assert isinstance(directory, IsADirectoryError) and "directory" in str(directory)
+
+
+def test_web_in_the_config_is_refused_naming_the_field() -> None:
+    with pytest.raises(errors.InvalidRequest) as info:
+        EphemeralSandboxConfig(web=True).session_request()
+    assert info.value.errors is not None and info.value.errors[0]["field"] == "web"
