@@ -20,7 +20,10 @@ async def main(state_dir: str, isolation: str) -> None:
     row, _ = await runtime.sessions.create(
         org, SessionRequest(isolation=isolation, timeout_seconds=300)
     )
-    await runtime.sessions.exec(row.id, org, ExecRequest(command="sleep 1000 &"))
+    # a process left running in the sandbox (its output detached, so the exec returns at once)
+    await runtime.sessions.exec(
+        row.id, org, ExecRequest(command="sleep 1000 </dev/null >/dev/null 2>&1 &")
+    )
     print(row.id, flush=True)
     await asyncio.sleep(3600)
 

@@ -15,7 +15,7 @@ from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.run.test_crash import _alive, _sandbox_pids
 
-pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+pytestmark = pytest.mark.sandbox
 REPO = Path(__file__).resolve().parents[2]
 
 
