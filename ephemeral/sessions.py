@@ -178,14 +178,16 @@ class Sessions:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self._live: dict[str, Live] = {}
+        self._starting: set[str] = set()  # admitted, sandbox on its way
 
     @property
     def store(self) -> Any:
         return self.runtime.store
 
     def owns(self, session_id: str) -> bool:
-        """True while the session runs in this process (the runtime's watchdog leaves it)."""
-        return session_id in self._live
+        """True while the session starts or runs in this process (the runtime's watchdog
+        leaves it: a cold microVM may take longer than its two sweeps)."""
+        return session_id in self._live or session_id in self._starting
 
     # create --------------------------------------------------------------------------------
     async def create(
@@ -227,13 +229,17 @@ class Sessions:
                     "Idempotency-Key", "was used for a run, not a sandbox session"
                 )
             return row, True
-        return await self._start(row, policy), False
+        self._starting.add(row.id)
+        try:
+            return await self._start(row, policy), False
+        finally:
+            self._starting.discard(row.id)
 
     async def _start(self, row: RunRow, policy: Policy) -> RunRow:
+        # Two store commits in all (admission, then running with its two events): nobody waits
+        # on a session's provisioning, the create call itself does. A crash in between leaves
+        # it queued with its sandbox handle owned by it: recovery settles it and reaps that.
         started_at = utcnow()
-        await self.store.transition(
-            row.id, expect={RunStatus.QUEUED}, to=RunStatus.PROVISIONING, started_at=started_at
-        )
         limits = self.runtime.default_limits(policy.timeout_seconds)
         sandbox: Sandbox | None = None
         t0 = time.monotonic()
@@ -262,26 +268,23 @@ class Sessions:
                 "queue_wait_ms": 0,
                 "runtime": sandbox.runtime,
             }
+            for f in policy.files:
+                await sandbox.put_file(f.path, f.data())
+            started = {
+                "shell": policy.shell,
+                "web": policy.web,
+                "connections": [c.name for c in policy.connections],
+                "files": [f.path for f in policy.files],
+            }
             await self.store.transition(
                 row.id,
-                expect={RunStatus.PROVISIONING},
+                expect={RunStatus.QUEUED},
                 to=RunStatus.RUNNING,
-                events=[("sandbox.ready", ready)],
+                events=[("sandbox.ready", ready), ("worker.started", started)],
+                started_at=started_at,
                 isolation=sandbox.isolation,
                 runtime=sandbox.runtime,
                 sandbox_id=sandbox.id,
-            )
-            for f in policy.files:
-                await sandbox.put_file(f.path, f.data())
-            await self.store.append_event(
-                row.id,
-                "worker.started",
-                {
-                    "shell": policy.shell,
-                    "web": policy.web,
-                    "connections": [c.name for c in policy.connections],
-                    "files": [f.path for f in policy.files],
-                },
             )
             live.watchdog = asyncio.create_task(self._watch(live), name=f"session-{row.id}")
         except asyncio.CancelledError:
