@@ -207,12 +207,15 @@ class GuestClient:
             raise errors.PayloadTooLarge(f"{path}: {size} bytes, over the {max_bytes} limit")
         parts = [data]
         got = len(data)
-        while got < size:
-            window, _ = await self._get_window(path, got, min(FILE_CHUNK, size - got), user)
-            if not window:
-                break  # the file shrank while we read it
+        # A short window means the file ended (or shrank): the guest cannot keep the host
+        # asking for byte after byte, at most size / FILE_CHUNK + 1 requests are made.
+        short = len(data) < FILE_CHUNK
+        while got < size and not short:
+            want = min(FILE_CHUNK, size - got)
+            window, _ = await self._get_window(path, got, want, user)
             parts.append(window)
             got += len(window)
+            short = len(window) < want
         return b"".join(parts)[:size]
 
     async def _get(self, path: str, max_bytes: int, *, user: str | None) -> bytes:

@@ -181,3 +181,26 @@ async def test_root_is_refused_where_it_would_be_host_root(tmp_path: Path) -> No
         assert res.stdout == "1000\n"
     finally:
         await runtime.close()
+
+
+async def test_large_files_and_stdin_move_in_windows(
+    runtime: Runtime, org: str, isolation: str
+) -> None:
+    row, _ = await runtime.sessions.create(
+        org, SessionRequest(isolation=isolation, timeout_seconds=120)
+    )
+    blob = bytes(range(256)) * (80 << 12)  # 20 MiB: three 8 MiB windows
+    await runtime.sessions.write_file(row.id, org, "big.bin", blob)
+    assert await runtime.sessions.read_file(row.id, org, "big.bin") == blob
+    with pytest.raises(errors.PayloadTooLarge):
+        await runtime.sessions.read_file(row.id, org, "big.bin", max_bytes=len(blob) - 1)
+    stdin = base64.b64encode(b"x" * (3 << 20)).decode()  # past INLINE_STDIN: via a file
+    res = await runtime.sessions.exec(
+        row.id, org, ExecRequest(command=["wc", "-c"], stdin_base64=stdin)
+    )
+    assert res.stdout.strip() == str(3 << 20)
+    leftovers = await runtime.sessions.exec(
+        row.id, org, ExecRequest(command="ls -a /tmp | grep -c ephemeral-stdin || true")
+    )
+    assert leftovers.stdout.strip() == "0"
+    await runtime.sessions.end(row.id, org)
