@@ -40,7 +40,7 @@ from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus, TerminationReason,
 from ephemeral.policy import Policy, _fail, _Strict
 from ephemeral.sandbox.base import ExecResult, Sandbox
 from ephemeral.sandbox.registry import resolve_isolation
-from ephemeral.store import RunRow
+from ephemeral.store import RunRow, Store
 
 if TYPE_CHECKING:
     from ephemeral.service import Runtime
@@ -181,7 +181,7 @@ class Sessions:
         self._starting: set[str] = set()  # admitted, sandbox on its way
 
     @property
-    def store(self) -> Any:
+    def store(self) -> Store:
         return self.runtime.store
 
     def owns(self, session_id: str) -> bool:
