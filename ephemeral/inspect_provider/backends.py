@@ -7,11 +7,15 @@ them), so the provider maps one set of errors to what Inspect expects.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from ephemeral import errors
 from ephemeral.sandbox.base import ExecResult
 from ephemeral.sessions import ExecRequest, SessionRequest
 from ephemeral.settings import Settings
+
+if TYPE_CHECKING:
+    from ephemeral.service import Runtime
 
 
 class Backend(Protocol):
@@ -32,10 +36,7 @@ class LocalBackend:
     """A :class:`~ephemeral.service.Runtime` in this process (no server): the local drivers,
     a warm pool for the config's isolation, the local org's play money, records on disk."""
 
-    def __init__(self, runtime: object, org_id: str) -> None:
-        from ephemeral.service import Runtime
-
-        assert isinstance(runtime, Runtime)
+    def __init__(self, runtime: Runtime, org_id: str) -> None:
         self.runtime = runtime
         self.org_id = org_id
 
@@ -50,8 +51,6 @@ class LocalBackend:
         return cls(runtime, await runtime.local_org())
 
     async def create(self, request: SessionRequest) -> str:
-        from ephemeral import errors
-
         row, _ = await self.runtime.sessions.create(self.org_id, request)
         if row.status != "running":
             raise errors.SandboxError(
