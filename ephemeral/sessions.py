@@ -179,6 +179,7 @@ class Sessions:
         self.runtime = runtime
         self._live: dict[str, Live] = {}
         self._starting: set[str] = set()  # admitted, sandbox on its way
+        self._pool_asked = False
 
     @property
     def store(self) -> Store:
@@ -244,6 +245,7 @@ class Sessions:
         sandbox: Sandbox | None = None
         t0 = time.monotonic()
         try:
+            await self._ensure_pool()
             sandbox = await self.runtime._acquire(policy, row.id, limits)
             rate = self.runtime.price_book.compute_micros(
                 vcpu_seconds=limits.cpus, gib_seconds=limits.memory_mib / 1024
@@ -296,6 +298,15 @@ class Sessions:
             log.warning("session %s: start failed: %s", row.id, detail)
             await asyncio.shield(self._fail_start(row, sandbox, detail, reason))
         return await self.store.get_run(row.id)
+
+    async def _ensure_pool(self) -> None:
+        """A runtime started without a warm pool (the API loop of a Prefect server, whose pool
+        is on the flow loop) gets one of ``pool_size`` at its first session: later ones start
+        warm. Nothing happens when the runtime has a pool or ``pool_size`` is 0."""
+        if self._pool_asked or self.runtime._pools or self.runtime.settings.pool_size == 0:
+            return
+        self._pool_asked = True
+        await self.runtime._start_pool()
 
     async def _fail_start(
         self, row: RunRow, sandbox: Sandbox | None, detail: str, reason: str = "cancelled"

@@ -204,3 +204,27 @@ async def test_large_files_and_stdin_move_in_windows(
     )
     assert leftovers.stdout.strip() == "0"
     await runtime.sessions.end(row.id, org)
+
+
+async def test_a_runtime_without_a_pool_gets_one_at_its_first_session(
+    tmp_path: Path, isolation: str
+) -> None:
+    from ephemeral.settings import Settings
+
+    settings = Settings.load(
+        state_dir=tmp_path / "state", use_prefect=False, pool_size=1, isolation=isolation
+    )
+    runtime = await Runtime.start(settings, warm_pool=False)  # as the API loop of `serve`
+    try:
+        assert runtime._pools == {}
+        org = await runtime.local_org()
+        first, _ = await runtime.sessions.create(org, SessionRequest(isolation=isolation))
+        pool = runtime._pools[isolation]
+        await pool.wait_ready(60)
+        warm = {s.id for s in pool._ready}
+        second, _ = await runtime.sessions.create(org, SessionRequest(isolation=isolation))
+        assert second.sandbox_id in warm  # the second one came from the pool
+        for row in (first, second):
+            await runtime.sessions.end(row.id, org)
+    finally:
+        await runtime.close()
