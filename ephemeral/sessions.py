@@ -203,7 +203,8 @@ class Sessions:
         """Admit (reserve the budget) and start the sandbox; returns ``(row, replayed)``.
 
         The row is ``running`` with its sandbox ready, or already settled ``failed`` when the
-        sandbox could not start (the reservation is then refunded in full).
+        sandbox could not start (refunded in full, less the compute of a sandbox that came up
+        before the failure).
         """
         policy = request.policy()
         try:
