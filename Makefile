@@ -62,6 +62,7 @@ bench: setup
 	$(PY) bench/images.py
 	$(PY) bench/broker.py
 	$(PY) bench/soak.py --runs 100 --levels 16,64
+	$(PY) bench/inspect_sandbox.py
 
 lint: venv
 	$(VENV)/bin/ruff check .

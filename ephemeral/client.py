@@ -16,6 +16,7 @@ retry can never start a second run or reserve twice. The event stream resumes wi
 from __future__ import annotations
 
 import asyncio
+import base64
 import builtins
 import json
 import time
@@ -145,6 +146,7 @@ class Client:
             headers={"Authorization": f"Bearer {key}", "User-Agent": "ephemeral-client/1"},
         )
         self.runs = Runs(self)
+        self.sandboxes = Sandboxes(self)
 
     def __enter__(self) -> Client:
         return self
@@ -309,6 +311,7 @@ class AsyncClient:
             headers={"Authorization": f"Bearer {key}", "User-Agent": "ephemeral-client/1"},
         )
         self.runs = AsyncRuns(self)
+        self.sandboxes = AsyncSandboxes(self)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -432,3 +435,141 @@ class AsyncRuns:
             async for _ev in self.stream(run_id):
                 pass
             return await self.get(run_id)
+
+
+# -- sandbox sessions (docs/integrations.md) ----------------------------------------------------
+
+
+def _exec_body(command: list[str] | str, fields: dict[str, Any]) -> dict[str, Any]:
+    from ephemeral.sessions import ExecRequest
+
+    stdin = fields.pop("stdin", None)
+    if stdin is not None:
+        fields["stdin_base64"] = base64.b64encode(stdin).decode()
+    # validated here too, so a bad field fails before a round trip, naming the field
+    return ExecRequest.model_validate({"command": command, **fields}).model_dump(
+        mode="json", exclude_defaults=True
+    ) | {"command": command}
+
+
+class Sandboxes:
+    """``client.sandboxes``: create a session, exec, move files, end it."""
+
+    def __init__(self, client: Client) -> None:
+        self._c = client
+
+    def create(self, *, idempotency_key: str | None = None, **policy: Any) -> dict[str, Any]:
+        """Policy fields as for a run (isolation, timeout_seconds, max_cost_micros, …);
+        retried with one ``Idempotency-Key`` like ``runs.create``."""
+        headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
+        for attempt in range(MAX_ATTEMPTS):
+            response: httpx.Response | None = None
+            try:
+                response = self._c.http.post("/v1/sandboxes", json=policy, headers=headers)
+            except httpx.TransportError:
+                if attempt == MAX_ATTEMPTS - 1:
+                    raise
+            if response is not None and (
+                response.status_code not in RETRY_STATUSES or attempt == MAX_ATTEMPTS - 1
+            ):
+                raise_for_problem(response)
+                result: dict[str, Any] = response.json()
+                return result
+            time.sleep(_retry_delay(attempt, response))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def get(self, sandbox_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._c.request("GET", f"/v1/sandboxes/{sandbox_id}").json()
+        return result
+
+    def exec(self, sandbox_id: str, command: list[str] | str, **fields: Any) -> dict[str, Any]:
+        """Fields: ``stdin`` (bytes), ``stdin_path``, ``env``, ``cwd``, ``user``,
+        ``timeout_seconds``, ``max_output_bytes``. Returns ``{exit_code, stdout, stderr,
+        duration_ms, truncated, timed_out}``."""
+        body = _exec_body(command, fields)
+        timeout = httpx.Timeout(30.0, read=float(body.get("timeout_seconds", 3600)) + 30.0)
+        result: dict[str, Any] = self._c.request(
+            "POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body, timeout=timeout
+        ).json()
+        return result
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes) -> None:
+        self._c.request(
+            "PUT",
+            f"/v1/sandboxes/{sandbox_id}/files",
+            params={"path": path},
+            content=data,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+
+    def read_file(self, sandbox_id: str, path: str, max_bytes: int | None = None) -> bytes:
+        params: dict[str, Any] = {"path": path}
+        if max_bytes is not None:
+            params["max_bytes"] = max_bytes
+        return self._c.request("GET", f"/v1/sandboxes/{sandbox_id}/files", params=params).content
+
+    def delete(self, sandbox_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._c.request("DELETE", f"/v1/sandboxes/{sandbox_id}").json()
+        return result
+
+
+class AsyncSandboxes:
+    """``AsyncClient.sandboxes``: the same methods as :class:`Sandboxes`, awaited."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._c = client
+
+    async def create(self, *, idempotency_key: str | None = None, **policy: Any) -> dict[str, Any]:
+        headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
+        for attempt in range(MAX_ATTEMPTS):
+            response: httpx.Response | None = None
+            try:
+                response = await self._c.http.post("/v1/sandboxes", json=policy, headers=headers)
+            except httpx.TransportError:
+                if attempt == MAX_ATTEMPTS - 1:
+                    raise
+            if response is not None and (
+                response.status_code not in RETRY_STATUSES or attempt == MAX_ATTEMPTS - 1
+            ):
+                raise_for_problem(response)
+                result: dict[str, Any] = response.json()
+                return result
+            await asyncio.sleep(_retry_delay(attempt, response))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def get(self, sandbox_id: str) -> dict[str, Any]:
+        response = await self._c.request("GET", f"/v1/sandboxes/{sandbox_id}")
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def exec(
+        self, sandbox_id: str, command: list[str] | str, **fields: Any
+    ) -> dict[str, Any]:
+        body = _exec_body(command, fields)
+        timeout = httpx.Timeout(30.0, read=float(body.get("timeout_seconds", 3600)) + 30.0)
+        response = await self._c.request(
+            "POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body, timeout=timeout
+        )
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes) -> None:
+        await self._c.request(
+            "PUT",
+            f"/v1/sandboxes/{sandbox_id}/files",
+            params={"path": path},
+            content=data,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+
+    async def read_file(self, sandbox_id: str, path: str, max_bytes: int | None = None) -> bytes:
+        params: dict[str, Any] = {"path": path}
+        if max_bytes is not None:
+            params["max_bytes"] = max_bytes
+        response = await self._c.request("GET", f"/v1/sandboxes/{sandbox_id}/files", params=params)
+        return response.content
+
+    async def delete(self, sandbox_id: str) -> dict[str, Any]:
+        response = await self._c.request("DELETE", f"/v1/sandboxes/{sandbox_id}")
+        result: dict[str, Any] = response.json()
+        return result

@@ -5,6 +5,9 @@
     │   └── RecipeError                 422 names file, line and field
     ├── Unauthorized                    401
     ├── NotFound                        404 (also another org's object: never 403)
+    │   └── FileNotFound                404 a path inside a sandbox does not exist
+    ├── FilePermissionDenied            403 the sandbox user may not read/write that path
+    ├── IsADirectory                    409 a file operation on a directory in a sandbox
     ├── Conflict                        409
     ├── QueueFull                       429 the host's run queue is full (``Retry-After``)
     ├── PaymentRequired                 402 (balance or budget cannot cover the request)
@@ -82,6 +85,24 @@ class NotFound(EphemeralError):
     status = 404
     slug = "not-found"
     title = "Not found"
+
+
+class FileNotFound(NotFound):
+    slug = "file-not-found"
+    title = "File not found in the sandbox"
+
+
+class FilePermissionDenied(EphemeralError):
+    # 403 only for a path inside a sandbox: another org's object is still 404, never 403.
+    status = 403
+    slug = "file-permission-denied"
+    title = "Permission denied in the sandbox"
+
+
+class IsADirectory(EphemeralError):
+    status = 409
+    slug = "is-a-directory"
+    title = "Is a directory"
 
 
 class Conflict(EphemeralError):
@@ -165,6 +186,9 @@ ALL_ERRORS: tuple[type[EphemeralError], ...] = (
     NotFound,
     Conflict,
     QueueFull,
+    FileNotFound,
+    FilePermissionDenied,
+    IsADirectory,
     PaymentRequired,
     PayloadTooLarge,
     UnsupportedMediaType,

@@ -82,6 +82,7 @@ def build_records(
         image=getattr(row, "image", None),
         image_hash=getattr(row, "image_hash", None),
         verify=_verify_column(events, zdr),
+        kind=getattr(row, "kind", None) or "run",
     )
     steps: list[StepRecord] = []
     for ev in events:

@@ -79,6 +79,9 @@ class Runtime:
         self._run_seconds = 5.0  # moving average of a run's execution, for Retry-After
         self._suspects: set[str] = set()
         self._watchdog: asyncio.Task[None] | None = None
+        from ephemeral.sessions import Sessions
+
+        self.sessions = Sessions(self)  # sandbox sessions live here (ephemeral.sessions)
 
     # lifecycle -----------------------------------------------------------------------------
     @classmethod
@@ -119,6 +122,7 @@ class Runtime:
         for task in list(self._running.values()):
             with contextlib.suppress(BaseException):
                 await task
+        await self.sessions.close()
         await self.executor.close()
         for pool in self._pools.values():
             await pool.close()
@@ -282,7 +286,7 @@ class Runtime:
         image = policy.image or self.settings.image
         pool = self._pools.get((isolation, image))
         if pool is not None:
-            sandbox: Sandbox = await pool.acquire(owner)
+            sandbox: Sandbox = await pool.acquire(owner, limits)
             return sandbox
         settings = self.settings
         if image != settings.image:
@@ -376,6 +380,8 @@ class Runtime:
         row = await self.store.get_run(run_id, org_id)
         if row.status in TERMINAL_STATUSES:
             return row
+        if row.kind == "session" and self.sessions.owns(run_id):
+            return await self.sessions.end(run_id, org_id, cancelled=True)
         agent = self._agents.get(run_id)
         task = self._running.get(run_id)
         if agent is not None:
@@ -440,8 +446,8 @@ class Runtime:
         suspects: set[str] = set()
         now = utcnow()
         for row in await self.store.open_runs():
-            if row.owner != self.owner:
-                continue
+            if row.owner != self.owner or self.sessions.owns(row.id):
+                continue  # a live session has its own watchdog (ephemeral.sessions)
             task = self._running.get(row.id)
             if task is None or task.done():
                 if row.id not in self._suspects:

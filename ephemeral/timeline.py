@@ -53,6 +53,14 @@ def describe(event: Event | dict[str, Any]) -> tuple[str, str]:
         return "Shell", f"{text}  → exit {d.get('exit_code')}" + (
             " (truncated)" if d.get("truncated") else ""
         )
+    if t == "sandbox.exec":
+        cmd = d.get("command")
+        text = (
+            f"$ {_first_line(cmd)}" if cmd is not None else f"$ ({d.get('command_bytes', 0)} bytes)"
+        )
+        user = "" if d.get("user") in (None, "worker") else f" (as {d.get('user')})"
+        ending = " (timed out)" if d.get("timed_out") else ""
+        return "Exec", f"{text}{user}  → exit {d.get('exit_code')}{ending}"
     if t in ("web.requested", "web.denied"):
         verdict = d.get("status") if t == "web.requested" else f"denied: {d.get('reason')}"
         return "Web", f"{d.get('method')} {d.get('url', '')} → {verdict}"

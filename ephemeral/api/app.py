@@ -20,6 +20,7 @@ from ephemeral.api import problems
 from ephemeral.api.limits import BodyLimits
 from ephemeral.api.pages import pages
 from ephemeral.api.runs import router, v1
+from ephemeral.api.sandboxes import sandboxes
 from ephemeral.api.schemas import Problem, ProblemItem
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
@@ -95,6 +96,7 @@ def create_app(
     app.add_middleware(BodyLimits)
     app.include_router(router)
     app.include_router(v1)
+    app.include_router(sandboxes)
     app.include_router(pages)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 

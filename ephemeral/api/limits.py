@@ -13,12 +13,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ephemeral import errors
 from ephemeral.policy import MAX_FILES_BYTES, MAX_PROMPT_CHARS
+from ephemeral.sessions import MAX_FILE_BYTES as MAX_SANDBOX_FILE_BYTES
 
 # Base64 grows files by 4/3; the prompt may be 4 bytes per character in UTF-8; plus slack for
 # the other fields. Anything above cannot be a valid run request.
 MAX_API_BODY_BYTES = MAX_FILES_BYTES * 4 // 3 + MAX_PROMPT_CHARS * 4 + (256 << 10)
 MAX_FORM_BODY_BYTES = MAX_PROMPT_CHARS * 4 + (64 << 10)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def _is_sandbox_file(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 5 and parts[1:3] == ["v1", "sandboxes"] and parts[4] == "files"
 
 
 def _is_json(content_type: str) -> bool:
@@ -55,6 +61,10 @@ class BodyLimits:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         api = scope["path"].startswith("/v1/")
         limit = MAX_API_BODY_BYTES if api else MAX_FORM_BODY_BYTES
+        # PUT /v1/sandboxes/{id}/files carries the file's raw bytes (any type, up to 128 MiB).
+        raw = scope["method"] == "PUT" and _is_sandbox_file(scope["path"])
+        if raw:
+            limit = MAX_SANDBOX_FILE_BYTES
         declared = headers.get("content-length")
         has_body = "transfer-encoding" in headers or (declared not in (None, "", "0"))
         if declared is not None:
@@ -68,7 +78,7 @@ class BodyLimits:
             if size > limit:
                 await _send_problem(send, self._too_large(limit))
                 return
-        if api and has_body and not _is_json(headers.get("content-type", "")):
+        if api and not raw and has_body and not _is_json(headers.get("content-type", "")):
             await _send_problem(
                 send,
                 errors.UnsupportedMediaType(

@@ -208,7 +208,9 @@ async def delete_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> d
 async def costs(
     who: Auth,
     runtime: Rt,
-    by: Annotated[str, Query(description="model, recipe, day, org or status")] = "model",
+    by: Annotated[
+        str, Query(description="model, recipe, day, org, status or kind (run or session)")
+    ] = "model",
     since: Annotated[str, Query(max_length=16, description="window: 30d, 12h, 2w or all")] = "30d",
 ) -> dict[str, Any]:
     """Spend grouped by one dimension, over your org's recorded runs only (money in micros)."""

@@ -56,12 +56,13 @@ def timeline_row(ev: Event, t0: str | None = None) -> dict[str, Any]:
         "offset_ms": max(0, int(offset * 1000)),
         "kind": ev.type.split(".", 1)[0],
     }
-    if ev.type == "shell.executed":
+    if ev.type in ("shell.executed", "sandbox.exec"):  # a sandbox session's command reads alike
         row["command"] = d.get("command")
         row["stdout"] = d.get("stdout") or ""
         row["stderr"] = d.get("stderr") or ""
         row["exit_code"] = d.get("exit_code")
         row["duration_ms"] = d.get("duration_ms")
+        row["user"] = d.get("user")  # sandbox.exec only; None for a run's shell step
     elif ev.type == "run.output":
         row["output_html"] = markdown(d.get("markdown"))
         row["erased"] = d.get("markdown") is None

@@ -13,6 +13,7 @@ from ephemeral.cli import (
     recipes,
     runs,
     sandbox,
+    sandboxes,
     serve,
 )
 
@@ -26,6 +27,7 @@ analysis.register(app)
 serve.register(app)
 evals.register(app)
 export.register(app)
+sandboxes.register(app)
 
 
 def main() -> None:

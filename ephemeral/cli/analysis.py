@@ -148,7 +148,7 @@ def costs(
     since: str = typer.Option("30d", "--since", help="Window like 30d, 12h, 2w, or 'all'."),
     fmt: Format = typer.Option(Format.table, "--format", help="table, csv or json."),
 ) -> None:
-    """Spend grouped by model, recipe, day, org or status (USD; csv/json add raw micros).
+    """Spend grouped by model, recipe, day, org, status or kind (USD; csv/json add raw micros).
 
     With EPHEMERAL_URL set, asks that server for your org's spend instead of local records.
     """

@@ -37,6 +37,7 @@ COST_DIMENSIONS: dict[str, str] = {
     "day": "strftime(\"date\", '%Y-%m-%d')",
     "org": "org_id",
     "status": "status",
+    "kind": "coalesce(kind, 'run')",
 }
 COST_COLUMNS = [
     "key",

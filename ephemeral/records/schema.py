@@ -90,6 +90,8 @@ class RunRecord(_Record):
     image_hash: str | None = None
     verify: str | None = None  # JSON text: [{command, exit_code, duration_ms, timed_out, ...}]
 
+    kind: str = "run"  # "run" or "session" (a sandbox session, ephemeral.sessions)
+
     @field_validator("created_at", "started_at", "ended_at")
     @classmethod
     def _times(cls, v: datetime | None) -> datetime | None:
@@ -154,7 +156,10 @@ CONTENT_COLUMNS: dict[str, tuple[str, ...]] = {
 # The partition directories are named kind=…, date=…, host=…, and hive-aware readers (DuckDB,
 # Spark, pandas) let the directory value win over a column of the same name. The step's own
 # ``kind`` would be overwritten by "steps", so in the files it is called ``step_kind``.
-PHYSICAL_NAMES: dict[str, dict[str, str]] = {"steps": {"kind": "step_kind"}}
+PHYSICAL_NAMES: dict[str, dict[str, str]] = {
+    "steps": {"kind": "step_kind"},
+    "runs": {"kind": "run_kind"},
+}
 
 _SCALAR_TYPES: dict[type, str] = {
     str: "VARCHAR",

@@ -60,8 +60,9 @@ class Sandbox(Protocol):
         """False once destroyed (or expired), or when its runtime died."""
         ...
 
-    async def claim(self, owner: str) -> None:
-        """Hand a warm sandbox to ``owner``: re-own its handle and restart its lifetime."""
+    async def claim(self, owner: str, lifetime_seconds: float | None = None) -> None:
+        """Hand a warm sandbox to ``owner``: re-own its handle and restart its lifetime (the
+        owner's ``lifetime_seconds`` when given, else the pool's)."""
         ...
 
     async def exec(
@@ -73,14 +74,28 @@ class Sandbox(Protocol):
         cwd: str | None = None,
         timeout: float = 30.0,
         max_output: int = 64 * 1024,
+        user: str | None = None,
+        stdin_path: str | None = None,
     ) -> ExecResult:
-        """Run a shell string (``sh -c``) or an argv as ``worker``; never raises for a non-zero
-        exit. Raises SandboxError if the sandbox or its agent fails or lies."""
+        """Run a shell string (``sh -c``) or an argv as ``worker`` (or ``user``, a user of the
+        image; who may ask for which is the caller's decision); never raises for a non-zero
+        exit. ``stdin_path`` reads stdin from a file in the sandbox. Raises SandboxError if the
+        sandbox or its agent fails or lies."""
         ...
 
-    async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
+    async def put_file(
+        self, path: str, data: bytes, mode: int = 0o644, *, user: str | None = None
+    ) -> None:
+        """Write a file (any size; without ``user`` as root, owned by the worker; with it, as
+        that user: FilePermissionDenied/IsADirectory when it may not)."""
+        ...
 
-    async def get_file(self, path: str, max_bytes: int = 1 << 20) -> bytes: ...
+    async def get_file(
+        self, path: str, max_bytes: int = 1 << 20, *, user: str | None = None
+    ) -> bytes:
+        """Read a file: FileNotFound, FilePermissionDenied (as ``user``), IsADirectory,
+        PayloadTooLarge past ``max_bytes``."""
+        ...
 
     async def destroy(self) -> None:
         """Idempotent; afterwards no process, mount, cgroup or file of the sandbox remains."""

@@ -62,8 +62,12 @@ class FakeSandbox(SandboxBase):
         cwd: str | None = None,
         timeout: float = 30.0,
         max_output: int = 64 * 1024,
+        user: str | None = None,
+        stdin_path: str | None = None,
     ) -> ExecResult:
         self._check()
+        if stdin_path is not None:
+            stdin = await self.get_file(stdin_path, 1 << 30)
         self.commands.append(command)
         text = command if isinstance(command, str) else shlex.join(command)
         scripted = self._responses.get(text)
@@ -81,15 +85,19 @@ class FakeSandbox(SandboxBase):
             }
         )
 
-    async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+    async def put_file(
+        self, path: str, data: bytes, mode: int = 0o644, *, user: str | None = None
+    ) -> None:
         self._check()
         self.files[self._abs(path)] = bytes(data)
 
-    async def get_file(self, path: str, max_bytes: int = 1 << 20) -> bytes:
+    async def get_file(
+        self, path: str, max_bytes: int = 1 << 20, *, user: str | None = None
+    ) -> bytes:
         self._check()
         p = self._abs(path)
         if p not in self.files:
-            raise errors.NotFound(f"{path}: no such file in the sandbox")
+            raise errors.FileNotFound(f"{path}: no such file in the sandbox")
         data = self.files[p]
         if len(data) > max_bytes:
             raise errors.PayloadTooLarge(f"{path} is {len(data)} bytes, over {max_bytes}")

@@ -15,7 +15,7 @@ import secrets
 import time
 from typing import Any, Protocol
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from ephemeral import errors
 from ephemeral.sandbox import protocol as p
@@ -28,6 +28,8 @@ EXEC_GRACE_SECONDS = 5.0
 OP_TIMEOUT_SECONDS = 30.0
 # base64 + JSON envelope of an exec reply carrying two capped streams
 _ENVELOPE = 4096
+# Files larger than this move in several put/get requests of this size (a frame is <= 16 MiB).
+FILE_CHUNK = 8 << 20
 
 
 class FrameWriter(Protocol):
@@ -124,29 +126,29 @@ class GuestClient:
         cwd: str | None = None,
         timeout: float = 30.0,
         max_output: int = 64 * 1024,
+        user: str | None = None,
+        stdin_path: str | None = None,
     ) -> ExecResult:
-        if isinstance(command, str):
+        if not isinstance(command, str) and (
+            not command or not all(isinstance(a, str) for a in command)
+        ):
+            raise errors.InvalidRequest.field("command", "argv must be non-empty strings")
+        try:
             req = p.ExecRequest(
                 id=_nonce(),
-                shell=command,
+                shell=command if isinstance(command, str) else None,
+                argv=None if isinstance(command, str) else list(command),
                 timeout=timeout,
                 max_output=max_output,
                 stdin=p.b64encode(stdin),
                 env=env or {},
                 cwd=cwd,
+                user=user,
+                stdin_path=stdin_path,
             )
-        else:
-            if not command or not all(isinstance(a, str) for a in command):
-                raise errors.InvalidRequest.field("command", "argv must be non-empty strings")
-            req = p.ExecRequest(
-                id=_nonce(),
-                argv=list(command),
-                timeout=timeout,
-                max_output=max_output,
-                stdin=p.b64encode(stdin),
-                env=env or {},
-                cwd=cwd,
-            )
+        except ValidationError as exc:
+            field = ".".join(map(str, exc.errors()[0]["loc"]))
+            raise errors.InvalidRequest.field(field, exc.errors()[0]["msg"]) from None
         frame_cap = min(p.MAX_FRAME, 2 * (4 * max_output // 3 + 4) + _ENVELOPE)
         t0 = time.monotonic()
         try:
@@ -154,6 +156,8 @@ class GuestClient:
         except _GuestRefused as exc:
             if exc.kind == "bad_cwd":
                 raise errors.InvalidRequest.field("cwd", exc.message) from None
+            if exc.kind == "bad_stdin":
+                raise errors.InvalidRequest.field("stdin_path", exc.message) from None
             raise errors.SandboxError(f"guest refused exec: {exc.kind}: {exc.message}") from None
         reply = self._checked(p.ExecReply, obj, "exec reply")
         # The guest's own clock is only believed below what the host saw elapse.
@@ -169,29 +173,79 @@ class GuestClient:
             timed_out=reply.timed_out,
         )
 
-    async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        req = p.PutRequest(id=_nonce(), path=path, data=p.b64encode(data), mode=mode)
+    async def put_file(
+        self, path: str, data: bytes, mode: int = 0o644, *, user: str | None = None
+    ) -> None:
+        """Write ``data`` to ``path``; with ``user``, as that user (its permissions apply).
+
+        Larger than :data:`FILE_CHUNK`, it goes as one truncating write and appends."""
+        view = memoryview(data)
+        first = True
+        while first or view:
+            chunk, view = view[:FILE_CHUNK], view[FILE_CHUNK:]
+            await self._put(path, bytes(chunk), mode, user=user, append=None if first else True)
+            first = False
+
+    async def _put(
+        self, path: str, data: bytes, mode: int, *, user: str | None, append: bool | None
+    ) -> None:
+        req = p.PutRequest(
+            id=_nonce(), path=path, data=p.b64encode(data), mode=mode, user=user, append=append
+        )
         try:
             obj = await self._call(req, self.op_timeout, 64 * 1024)
         except _GuestRefused as exc:
-            raise errors.SandboxError(f"put {path}: {exc.kind}: {exc.message}") from None
+            raise file_error("put", path, exc.kind, exc.message) from None
         reply = self._checked(p.PutReply, obj, "put reply")
         if reply.size != len(data):
             raise self._lie(f"put {path}: guest wrote {reply.size} of {len(data)} bytes")
 
-    async def get_file(self, path: str, max_bytes: int = 1 << 20) -> bytes:
-        req = p.GetRequest(id=_nonce(), path=path, max_bytes=max_bytes)
+    async def get_file(
+        self, path: str, max_bytes: int = 1 << 20, *, user: str | None = None
+    ) -> bytes:
+        """The file at ``path`` (PayloadTooLarge past ``max_bytes``); with ``user``, read as
+        that user. Larger than :data:`FILE_CHUNK`, it comes in windows (``offset``)."""
+        if max_bytes <= FILE_CHUNK:
+            return await self._get(path, max_bytes, user=user)
+        data, size = await self._get_window(path, 0, FILE_CHUNK, user)
+        if size > max_bytes:
+            raise errors.PayloadTooLarge(f"{path}: {size} bytes, over the {max_bytes} limit")
+        parts = [data]
+        got = len(data)
+        # A short window means the file ended (or shrank): the guest cannot keep the host
+        # asking for byte after byte, at most size / FILE_CHUNK + 1 requests are made.
+        short = len(data) < FILE_CHUNK
+        while got < size and not short:
+            want = min(FILE_CHUNK, size - got)
+            window, _ = await self._get_window(path, got, want, user)
+            parts.append(window)
+            got += len(window)
+            short = len(window) < want
+        return b"".join(parts)[:size]
+
+    async def _get(self, path: str, max_bytes: int, *, user: str | None) -> bytes:
+        req = p.GetRequest(id=_nonce(), path=path, max_bytes=max_bytes, user=user)
         cap = min(p.MAX_FRAME, 4 * max_bytes // 3 + _ENVELOPE)
         try:
             obj = await self._call(req, self.op_timeout, cap)
         except _GuestRefused as exc:
-            if exc.kind == "too_large":
-                raise errors.PayloadTooLarge(f"{path}: {exc.message}") from None
-            if exc.kind in ("os_error", "not_a_file"):
-                raise errors.NotFound(f"{path}: {exc.message}") from None
-            raise errors.SandboxError(f"get {path}: {exc.kind}: {exc.message}") from None
+            raise file_error("get", path, exc.kind, exc.message) from None
         reply = self._checked(p.GetReply, obj, "get reply")
         return self._b64(reply.data, "file", max_bytes)
+
+    async def _get_window(
+        self, path: str, offset: int, length: int, user: str | None
+    ) -> tuple[bytes, int]:
+        req = p.GetRequest(id=_nonce(), path=path, max_bytes=length, user=user, offset=offset)
+        cap = min(p.MAX_FRAME, 4 * length // 3 + _ENVELOPE)
+        try:
+            obj = await self._call(req, self.op_timeout, cap)
+        except _GuestRefused as exc:
+            raise file_error("get", path, exc.kind, exc.message) from None
+        reply = self._checked(p.GetReply, obj, "get reply")
+        if reply.size is None:
+            raise self._lie(f"get {path}: the guest did not say the file's size")
+        return self._b64(reply.data, "file", length), reply.size
 
     async def reseed(self, entropy: bytes) -> bool:
         req = p.ReseedRequest(id=_nonce(), entropy=p.b64encode(entropy))
@@ -287,6 +341,44 @@ def _nonce() -> str:
     return secrets.token_hex(16)
 
 
+# errno names the agent puts first in an ``os_error`` ("EACCES: Permission denied")
+_ERRNO_ERRORS: dict[str, type[errors.EphemeralError]] = {
+    "ENOENT": errors.FileNotFound,
+    "ENOTDIR": errors.FileNotFound,
+    "EACCES": errors.FilePermissionDenied,
+    "EPERM": errors.FilePermissionDenied,
+    "EROFS": errors.FilePermissionDenied,
+    "ELOOP": errors.FilePermissionDenied,  # O_NOFOLLOW met a symlink: refused, not followed
+    "EISDIR": errors.IsADirectory,
+}
+
+
+def file_error(op: str, path: str, kind: str, message: str) -> errors.EphemeralError:
+    """The error a refused put/get is, by the agent's kind (and errno name): the guest picks
+    only which of these classes, never a status or a host path. ``path`` is the caller's."""
+    if kind == "too_large":
+        return errors.PayloadTooLarge(f"{path}: {message}")
+    if kind == "is_a_directory":
+        return errors.IsADirectory(f"{path}: is a directory")
+    if kind == "not_a_file":
+        return errors.FileNotFound(f"{path}: not a regular file")
+    if kind == "unknown_user":
+        return errors.InvalidRequest.field("user", message)
+    if kind == "os_error":
+        name = message.split(":", 1)[0]
+        cls = _ERRNO_ERRORS.get(name)
+        if cls is errors.IsADirectory:
+            return cls(f"{path}: is a directory")
+        if cls is not None:
+            return cls(f"{path}: {message}")
+        return (
+            errors.FileNotFound(f"{path}: {message}")
+            if op == "get"
+            else errors.SandboxError(f"{op} {path}: {message}")
+        )
+    return errors.SandboxError(f"{op} {path}: {kind}: {message}")
+
+
 class GuestBacked(SandboxBase):
     """The Sandbox methods that forward to a guest agent; drivers only start and tear down.
 
@@ -315,28 +407,41 @@ class GuestBacked(SandboxBase):
         cwd: str | None = None,
         timeout: float = 30.0,
         max_output: int = 64 * 1024,
+        user: str | None = None,
+        stdin_path: str | None = None,
     ) -> ExecResult:
         client = self._guest()
         try:
             return await client.exec(
-                command, stdin=stdin, env=env, cwd=cwd, timeout=timeout, max_output=max_output
+                command,
+                stdin=stdin,
+                env=env,
+                cwd=cwd,
+                timeout=timeout,
+                max_output=max_output,
+                user=user,
+                stdin_path=stdin_path,
             )
         except errors.SandboxError:
             await self._on_error(client)
             raise
 
-    async def put_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+    async def put_file(
+        self, path: str, data: bytes, mode: int = 0o644, *, user: str | None = None
+    ) -> None:
         client = self._guest()
         try:
-            await client.put_file(path, data, mode)
+            await client.put_file(path, data, mode, user=user)
         except errors.SandboxError:
             await self._on_error(client)
             raise
 
-    async def get_file(self, path: str, max_bytes: int = 1 << 20) -> bytes:
+    async def get_file(
+        self, path: str, max_bytes: int = 1 << 20, *, user: str | None = None
+    ) -> bytes:
         client = self._guest()
         try:
-            return await client.get_file(path, max_bytes)
+            return await client.get_file(path, max_bytes, user=user)
         except errors.SandboxError:
             await self._on_error(client)
             raise

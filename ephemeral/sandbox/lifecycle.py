@@ -76,9 +76,14 @@ class SandboxBase:
         await asyncio.sleep(seconds)
         await self.destroy()
 
-    async def claim(self, owner: str) -> None:
-        """Hand a warm sandbox to ``owner``: re-own its handle and restart its lifetime."""
+    async def claim(self, owner: str, lifetime_seconds: float | None = None) -> None:
+        """Hand a warm sandbox to ``owner``: re-own its handle and restart its lifetime.
+
+        ``lifetime_seconds`` is the owner's (a run or session longer than the pool's default
+        must not lose its sandbox at the pool's lifetime)."""
         self.owner = owner
+        if lifetime_seconds is not None:
+            self.limits = self.limits.model_copy(update={"lifetime_seconds": lifetime_seconds})
         if self._handle is not None and self._handle_file is not None:
             self._handle.owner = owner
             await asyncio.to_thread(handles.write, self._handle_file.parent, self._handle)

@@ -47,7 +47,8 @@ class WarmPool:
         async with asyncio.timeout(timeout):
             await self._full.wait()
 
-    async def acquire(self, owner: str) -> Sandbox:
+    async def acquire(self, owner: str, limits: Limits | None = None) -> Sandbox:
+        """A warm sandbox (its lifetime restarted as ``limits`` say), else a cold one."""
         if self._closed:
             raise errors.SandboxError("warm pool is closed")
         while self._ready:
@@ -56,10 +57,10 @@ class WarmPool:
             self._wake.set()
             if not sbx.alive:
                 continue
-            await sbx.claim(owner)
+            await sbx.claim(owner, None if limits is None else limits.lifetime_seconds)
             return sbx
         self._wake.set()
-        return await self.driver.create(owner=owner, limits=self.limits)
+        return await self.driver.create(owner=owner, limits=limits or self.limits)
 
     async def _fill_loop(self) -> None:
         backoff = 0.5

@@ -68,6 +68,8 @@ class _Frame(BaseModel):
 Path_ = Annotated[str, Field(min_length=1, max_length=4096)]
 # A request id: the host's nonce (secrets.token_hex(16)), echoed by the agent.
 Id = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+# A user of the image's /etc/passwd, by name or uid (optional field of exec, put and get).
+User = Annotated[str, Field(pattern=r"^([a-z_][a-z0-9_.-]{0,31}|[0-9]{1,10})$")]
 
 
 class Hello(_Frame):
@@ -94,6 +96,9 @@ class ExecRequest(_Frame):
     cwd: str | None = None
     timeout: float = Field(gt=0)
     max_output: int = Field(ge=0)
+    # optional (absent: run as the worker, stdin from ``stdin``)
+    user: User | None = None
+    stdin_path: Path_ | None = None
 
 
 class PutRequest(_Frame):
@@ -102,6 +107,9 @@ class PutRequest(_Frame):
     path: Path_
     data: str  # base64
     mode: int = Field(ge=0, le=0o7777)
+    # optional (absent: root writes, the worker owns; truncate)
+    user: User | None = None
+    append: bool | None = None
 
 
 class GetRequest(_Frame):
@@ -109,6 +117,9 @@ class GetRequest(_Frame):
     op: Literal["get"] = "get"
     path: Path_
     max_bytes: int = Field(ge=0)
+    # optional (absent: read as root, whole file up to max_bytes)
+    user: User | None = None
+    offset: int | None = Field(default=None, ge=0)
 
 
 class ReseedRequest(_Frame):
@@ -178,6 +189,7 @@ class GetReply(_Frame):
     id: Id
     ok: Literal[True]
     data: Annotated[str, Field(max_length=MAX_TEXT)]
+    size: int | None = Field(default=None, ge=0, le=1 << 50)  # with ``offset``: the file's size
 
 
 class PutReply(_Frame):

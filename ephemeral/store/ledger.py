@@ -130,6 +130,7 @@ async def admit(
     idempotency_key: str | None,
     body_hash: str | None,
     owner: str | None = None,
+    kind: str | None = None,
 ) -> str | None:
     """Admit a run in the caller's transaction. Returns the replayed run id, or None if new."""
     amount = check_micros("max_cost_micros", policy.get("max_cost_micros"), allow_zero=False)
@@ -159,6 +160,7 @@ async def admit(
             idempotency_key=idempotency_key,
             owner=owner,
             last_seq=1,
+            kind=kind,
         )
     )
     await conn.execute(

@@ -74,6 +74,7 @@ class RunRow(_Row):
     idempotency_key: str | None = None
     settled_at: datetime | None = None
     erased_at: datetime | None = None
+    kind: str | None = None  # "session" for a sandbox session; None is a run
 
     @property
     def settled(self) -> bool:

@@ -112,6 +112,8 @@ runs = sa.Table(
     sa.Column("erased_at", UTCDateTime, nullable=True),
     # The per-run event counter: bumping it row-locks the run, which serialises appends.
     sa.Column("last_seq", sa.Integer, nullable=False, server_default="0"),
+    # 'session' for a sandbox session (ephemeral.sessions); NULL is a run
+    sa.Column("kind", sa.String(16), nullable=True),
     sa.CheckConstraint("reserved_micros >= 0", name="runs_reserved_nonneg"),
     sa.CheckConstraint(
         "charged_micros >= 0 AND charged_micros <= reserved_micros", name="runs_charged_in_budget"

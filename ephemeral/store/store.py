@@ -319,6 +319,7 @@ class Store:
         idempotency_key: str | None = None,
         body_hash: str | None = None,
         owner: str | None = None,
+        kind: str | None = None,
     ) -> tuple[RunRow, bool]:
         """Claim the idempotency key, reserve the budget, record the run and ``run.queued``.
 
@@ -347,6 +348,7 @@ class Store:
                     idempotency_key=idempotency_key,
                     body_hash=body_hash,
                     owner=owner,
+                    kind=kind,
                 )
                 run = await self._run(conn, replayed or run_id)
         except sa.exc.IntegrityError as exc:
@@ -385,7 +387,8 @@ class Store:
             raise errors.InvalidRequest.field(
                 "status", f"must be one of {', '.join(sorted(RUN_STATUSES))}"
             )
-        query = sa.select(runs).where(runs.c.org_id == org_id)
+        # sandbox sessions (kind 'session') are listed by their own API, not as runs
+        query = sa.select(runs).where(runs.c.org_id == org_id, runs.c.kind.is_(None))
         if status is not None:
             query = query.where(runs.c.status == status)
         if cursor:

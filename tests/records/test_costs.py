@@ -58,6 +58,7 @@ def _expected(by: str, since_days: int | None) -> dict[str, tuple[int, ...]]:
             "org": org,
             "status": status,
             "day": (NOW - timedelta(days=days)).date().isoformat(),
+            "kind": "run",  # every recorded run here is a run (sessions: tests/sessions)
         }[by]
         acc = out.setdefault(key, [0] * 7)
         for i, v in enumerate((1, charged, m, w, c, 100, 10)):

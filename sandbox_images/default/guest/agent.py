@@ -18,6 +18,12 @@ It makes itself non-dumpable, so processes of the worker uid can neither ptrace 
 capabilities and only fds 0-2. `kill_all` kills every process of that uid (before a verify step).
 Run as a non-root user the agent still works, but commands then share its uid: only for tests.
 
+Optional request fields (absent = the behaviour above; sandbox sessions use them):
+  exec: "user" (a name or uid of the image's /etc/passwd; "root" keeps the agent's reduced
+        capabilities), "stdin_path" (stdin read from a sandbox file, opened as the command's user)
+  put:  "user" (write as that user: its permissions apply, it owns what is made), "append"
+  get:  "user" (read as that user), "offset" (read from there; the reply adds the file "size")
+
 Stdlib only; runs as `python3 -I -S agent.py --channel stdio|virtio:<port-name>`.
 """
 
@@ -189,6 +195,55 @@ def resolve(path, workdir):
     if not isinstance(path, str) or not path or "\0" in path:
         raise OpError("bad_request", "path must be a non-empty string")
     return path if path.startswith("/") else os.path.join(workdir, path)
+
+
+def lookup_user(name):
+    """(uid, gid, home, name) of a user of the image's /etc/passwd, by name or number; None if
+    there is none. The host decides who may be asked for; the agent only resolves."""
+    if not isinstance(name, str) or not 0 < len(name) <= 32:
+        raise OpError("bad_request", "user must be a name or uid of 1-32 characters")
+    try:
+        with open("/etc/passwd", "rb") as fh:
+            lines = fh.read(1 << 20).decode("utf-8", "replace").splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        parts = line.split(":")
+        if len(parts) < 7 or not parts[2].isdigit() or not parts[3].isdigit():
+            continue
+        if parts[0] == name or (name.isdigit() and parts[2] == name):
+            return int(parts[2]), int(parts[3]), parts[5] or "/", parts[0]
+    if name.isdigit():
+        return int(name), int(name), "/", name
+    return None
+
+
+class as_user:
+    """Do a file op with ``user``'s permissions: the effective ids switch for its duration (the
+    agent is single-threaded), which clears the effective capabilities (DAC_OVERRIDE...) until
+    they switch back. A non-root agent already is the worker."""
+
+    def __init__(self, user):
+        self.ids = None
+        if user is None or not is_root():
+            return
+        found = lookup_user(user)
+        if found is None:
+            raise OpError("unknown_user", f"unknown user {user!r}")
+        if found[0] != 0:
+            self.ids = found[:2]
+
+    def __enter__(self):
+        if self.ids is not None:
+            os.setegid(self.ids[1])
+            os.seteuid(self.ids[0])
+        return self
+
+    def __exit__(self, *exc):
+        if self.ids is not None:
+            os.seteuid(0)
+            os.setegid(0)
+        return False
 
 
 def set_subreaper_and_undumpable():
@@ -400,7 +455,25 @@ class Agent:
             raise OpError("bad_request", "timeout must be a positive number")
         if not isinstance(cap, int) or cap < 0:
             raise OpError("bad_request", "max_output must be a non-negative integer")
-        return run_command(argv, stdin, env, cwd, float(timeout), cap)
+        ids = None
+        user = req.get("user")
+        if user is not None:
+            found = lookup_user(user)
+            if found is None:
+                # like `docker exec -u`: a failed command naming the user, not a broken agent
+                msg = f"unable to find user {user}: no matching entries in passwd file\n"
+                return _result(126, b"", msg.encode(), False, False, time.monotonic())
+            uid, gid, home, name = found
+            if is_root():
+                ids = (uid, gid)
+            for key, value in (("HOME", home), ("USER", name), ("LOGNAME", name)):
+                if key not in extra:
+                    env[key] = value
+        stdin_path = req.get("stdin_path")
+        if stdin_path is not None:
+            stdin_path = resolve(stdin_path, self.workdir)
+            stdin = b""
+        return run_command(argv, stdin, env, cwd, float(timeout), cap, ids, stdin_path)
 
     def op_put(self, req):
         path = resolve(req.get("path"), self.workdir)
@@ -408,23 +481,29 @@ class Agent:
         mode = req.get("mode", 0o644)
         if not isinstance(mode, int) or not 0 <= mode <= 0o7777:
             raise OpError("bad_request", "mode must be an integer permission")
-        parent = os.path.dirname(path)
-        if not os.path.isdir(parent):
-            os.makedirs(parent, exist_ok=True)
-            if is_root():
-                os.chown(parent, WORKER_UID, WORKER_GID)
-        fd = os.open(
-            path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode & 0o777
-        )
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fchmod(fd, mode)
-            if is_root():
-                os.fchown(fd, WORKER_UID, WORKER_GID)
-        finally:
-            os.close(fd)
+        user = req.get("user")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags |= os.O_APPEND if req.get("append") is True else os.O_TRUNC
+        with as_user(user) as who:
+            chown = is_root() and user is None  # the old behaviour: root writes, worker owns
+            parent = os.path.dirname(path)
+            if not os.path.isdir(parent):
+                os.makedirs(parent, exist_ok=True)
+                if chown:
+                    os.chown(parent, WORKER_UID, WORKER_GID)
+            fd = os.open(path, flags, mode & 0o777)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                # As a user, the file is made with mode less the umask and an existing one
+                # keeps its mode (like open(2)); the old path sets it exactly.
+                if user is None or (who.ids is None and req.get("append") is not True):
+                    os.fchmod(fd, mode)
+                if chown:
+                    os.fchown(fd, WORKER_UID, WORKER_GID)
+            finally:
+                os.close(fd)
         return {"size": len(data)}
 
     def op_get(self, req):
@@ -432,13 +511,21 @@ class Agent:
         limit = req.get("max_bytes", 1 << 20)
         if not isinstance(limit, int) or limit < 0:
             raise OpError("bad_request", "max_bytes must be a non-negative integer")
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        offset = req.get("offset")
+        if offset is not None and (not isinstance(offset, int) or offset < 0):
+            raise OpError("bad_request", "offset must be a non-negative integer")
+        with as_user(req.get("user")):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             st = os.fstat(fd)
+            if (st.st_mode & 0o170000) == 0o040000:
+                raise OpError("is_a_directory", f"{path} is a directory")
             if not (st.st_mode & 0o170000) == 0o100000:
                 raise OpError("not_a_file", f"{path} is not a regular file")
-            if st.st_size > limit:
+            if offset is None and st.st_size > limit:
                 raise OpError("too_large", f"{path} is {st.st_size} bytes, over the {limit} limit")
+            if offset:
+                os.lseek(fd, offset, os.SEEK_SET)
             chunks = []
             total = 0
             while True:
@@ -448,9 +535,14 @@ class Agent:
                 chunks.append(chunk)
                 total += len(chunk)
                 if total > limit:
+                    if offset is not None:  # a window of a larger file: the host asks again
+                        chunks[-1] = chunk[: len(chunk) - (total - limit)]
+                        break
                     raise OpError("too_large", f"{path} grew over the {limit} limit")
         finally:
             os.close(fd)
+        if offset is not None:
+            return {"data": b64(b"".join(chunks)), "size": st.st_size}
         return {"data": b64(b"".join(chunks))}
 
     def op_reseed(self, req):
@@ -535,7 +627,7 @@ def _which(name, env):
     return None
 
 
-def _spawn(path, argv, env, cwd):
+def _spawn(path, argv, env, cwd, ids=None, stdin_path=None):
     """fork + exec by hand: `subprocess` alone doubles the agent's start-up time.
 
     Returns (pid, stdin_w, stdout_r, stderr_r). The child gets its own session (so a deadline
@@ -559,7 +651,12 @@ def _spawn(path, argv, env, cwd):
             signal.signal(signal.SIGPIPE, signal.SIG_DFL)
             if RLIMIT_AS_BYTES and resource is not None:
                 resource.setrlimit(resource.RLIMIT_AS, (RLIMIT_AS_BYTES, RLIMIT_AS_BYTES))
-            _demote()
+            _demote(ids)
+            if stdin_path is not None:
+                stage = "stdin"  # opened as the command's user: its permissions apply
+                sfd = os.open(stdin_path, os.O_RDONLY | os.O_NOFOLLOW)
+                os.dup2(sfd, 0)
+                os.close(sfd)
             stage = "chdir"
             os.chdir(cwd)
             stage = "exec"
@@ -594,7 +691,7 @@ def _spawn(path, argv, env, cwd):
     return pid, in_w, out_r, err_r
 
 
-def _spawn_fast(path, argv, env, cwd):
+def _spawn_fast(path, argv, env, cwd, stdin_path=None):
     """posix_spawn (a vfork inside glibc) for a non-root agent: under gVisor's ptrace platform a
     fork of the agent costs ~25 ms, a vfork ~10. It cannot change uids, so a root agent forks.
     cwd and the address-space cap are set on the agent around the call and inherited; the cap
@@ -608,7 +705,9 @@ def _spawn_fast(path, argv, env, cwd):
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     actions = [
-        (os.POSIX_SPAWN_DUP2, in_r, 0),
+        (os.POSIX_SPAWN_DUP2, in_r, 0)
+        if stdin_path is None
+        else (os.POSIX_SPAWN_OPEN, 0, stdin_path, os.O_RDONLY | os.O_NOFOLLOW, 0),
         (os.POSIX_SPAWN_DUP2, out_w, 1),
         (os.POSIX_SPAWN_DUP2, err_w, 2),
     ]
@@ -644,11 +743,18 @@ class _SpawnError(Exception):
         self.detail = detail
 
 
-def _demote():
-    if is_root():
+def _demote(ids=None):
+    """Become the worker, or ``ids`` (uid, gid). uid 0 stays the sandbox's root with the
+    agent's reduced capabilities (none are added: the bounding set is the agent's)."""
+    if ids is not None and ids[0] == 0:
         os.setgroups([])
-        os.setgid(WORKER_GID)
-        os.setuid(WORKER_UID)
+        os.setgid(ids[1])
+        return
+    if is_root():
+        uid, gid = ids if ids is not None else (WORKER_UID, WORKER_GID)
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
         # setuid cleared the permitted, effective and ambient sets; clear the inheritable too
         if CAPSET is not None and CAPSET() != 0:
             raise OSError(errno.EPERM, "capset")
@@ -667,7 +773,7 @@ def _wait_exit(pid, deadline):
         delay = min(delay * 2, 0.02)
 
 
-def run_command(argv, stdin, env, cwd, timeout, cap):
+def run_command(argv, stdin, env, cwd, timeout, cap, ids=None, stdin_path=None):
     started = time.monotonic()
     deadline = started + timeout
     preexisting = {pid for pid, _st in children_of_me()}
@@ -677,11 +783,15 @@ def run_command(argv, stdin, env, cwd, timeout, cap):
             127, b"", (f"{argv[0]}: command not found\n").encode(), False, False, started
         )
     try:
-        spawn = _spawn if is_root() else _spawn_fast
-        pid, wfd, ofd, efd = spawn(path, argv, env, cwd)
+        if is_root():
+            pid, wfd, ofd, efd = _spawn(path, argv, env, cwd, ids, stdin_path)
+        else:
+            pid, wfd, ofd, efd = _spawn_fast(path, argv, env, cwd, stdin_path)
     except _SpawnError as exc:
         if exc.stage == "chdir":
             raise OpError("bad_cwd", f"cwd {cwd}: {os.strerror(exc.errno)}") from None
+        if exc.stage == "stdin":
+            raise OpError("bad_stdin", f"stdin_path: {os.strerror(exc.errno)}") from None
         if exc.stage == "exec" and exc.errno in (errno.ENOENT, errno.ENOTDIR):
             return _result(
                 127, b"", (f"{argv[0]}: command not found\n").encode(), False, False, started

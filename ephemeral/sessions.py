@@ -1,0 +1,588 @@
+"""Sandbox sessions: a sandbox that a client drives, beside runs (which drive themselves).
+
+A session is admitted like a run (same policy fields, same money rules, same idempotency) and
+stored in the same table with ``kind = 'session'``, so the ledger, the event log, crash
+recovery and the records treat it exactly as a run:
+
+    create   validate → reserve max_cost_micros → run.queued → sandbox (warm pool) →
+             sandbox.ready → files → worker.started
+    exec     argv or shell string, stdin, env, cwd, user, timeout, output cap → sandbox.exec
+    files    put/get as the sandbox's worker (its permissions apply)
+    end      destroy → compute charged + sandbox.destroyed → run.<status> → run.settled → record
+
+A watchdog task per session ends it at its time limit (``timeout_seconds`` from its start) or
+when compute would pass what its reservation has left, whichever comes first; the sandbox's own
+lifetime (time limit + 10 s) is the backstop. A session lives in the process that created it:
+when that process dies, the next start of a runtime reaps its sandbox and settles it like an
+orphaned run (:meth:`ephemeral.service.Runtime.recover`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import logging
+import math
+import secrets
+import shlex
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field, field_validator, model_validator
+
+from ephemeral import errors
+from ephemeral.budget import RunBudget
+from ephemeral.ids import new_run_id, rfc3339, utcnow
+from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus, TerminationReason, compute_charge
+from ephemeral.policy import Policy, _fail, _Strict
+from ephemeral.sandbox.base import ExecResult, Sandbox
+from ephemeral.sandbox.registry import resolve_isolation
+from ephemeral.store import RunRow, Store
+
+if TYPE_CHECKING:
+    from ephemeral.service import Runtime
+
+log = logging.getLogger("ephemeral.sessions")
+
+KIND = "session"
+SESSION_MODEL = "(session)"  # the model column of a session: it calls no model
+MAX_EXEC_OUTPUT = 4 << 20  # per stream: two capped streams must fit one 16 MiB guest frame
+DEFAULT_EXEC_OUTPUT = 1 << 20
+MAX_FILE_BYTES = 128 << 20  # per file read or written (the sandbox's /tmp is 256 MiB)
+INLINE_STDIN = 1 << 20  # larger stdin goes to a file in the sandbox first (stdin_path)
+MAX_ARGV_BYTES = 2 << 20
+EVENT_TEXT_CAP = 16 << 10  # command, stdout and stderr kept per sandbox.exec event
+DEFAULT_EXEC_TIMEOUT = 3600.0  # no timeout: until the session's own deadline
+# At the time limit, a command cut at the same deadline gets this long to come back killed
+# (``timed_out``) before the sandbox goes: its caller sees a timeout, not a vanished sandbox.
+DEADLINE_GRACE_SECONDS = 3.0
+ROOT_NAMES = frozenset({"root", "0"})
+# Where root would be host root: namespaces run privileged (EPHEMERAL_NAMESPACES_PRIVILEGED).
+NO_ROOT_ISOLATIONS = frozenset({"namespaces-privileged"})
+
+
+class SessionRequest(Policy):
+    """The body of ``POST /v1/sandboxes``: a run's policy fields, nothing else."""
+
+    @model_validator(mode="after")
+    def _granted_here(self) -> SessionRequest:
+        # The sandbox has no network; web and connections reach it only through the egress
+        # forwarder (issue 10). Until a session can use them, granting them is refused rather
+        # than silently unusable.
+        if self.web:
+            _fail(("web",), True, "not available to sandbox sessions yet (no network inside)")
+        if self.connections:
+            _fail(("connections",), None, "not available to sandbox sessions yet")
+        return self
+
+    def policy(self) -> Policy:
+        return Policy.model_validate(self.model_dump(include=set(Policy.model_fields)))
+
+
+class ExecRequest(_Strict):
+    """One command in a session (the body of ``POST /v1/sandboxes/{id}/exec``)."""
+
+    command: list[str] | str = Field(
+        description="an argv (run directly) or a shell string (run with sh -c)"
+    )
+    stdin_base64: str = Field(default="", description="bytes for the command's stdin, base64")
+    stdin_path: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description="read stdin from this file in the sandbox instead (opened as `user`)",
+    )
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = Field(default=None, min_length=1, max_length=4096)
+    user: str | None = Field(
+        default=None,
+        pattern=r"^([a-z_][a-z0-9_.-]{0,31}|[0-9]{1,10})$",
+        description="a user of the image (name or uid); default the worker (uid 1000)",
+    )
+    timeout_seconds: float | None = Field(default=None, gt=0, le=3600)
+    max_output_bytes: int = Field(default=DEFAULT_EXEC_OUTPUT, ge=0, le=MAX_EXEC_OUTPUT)
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, v: list[str] | str) -> list[str] | str:
+        if isinstance(v, str):
+            if not v.strip():
+                raise ValueError("must not be empty")
+            if len(v.encode()) > MAX_ARGV_BYTES:
+                raise ValueError(f"longer than {MAX_ARGV_BYTES} bytes")
+            return v
+        if not v:
+            raise ValueError("an argv needs at least one element")
+        if sum(len(a.encode()) + 1 for a in v) > MAX_ARGV_BYTES:
+            raise ValueError(f"longer than {MAX_ARGV_BYTES} bytes")
+        if any("\0" in a for a in v):
+            raise ValueError("must not contain NUL")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, value in v.items():
+            if not k or "=" in k or "\0" in k or len(k) > 255:
+                raise ValueError(f"bad variable name {k[:40]!r}")
+            if "\0" in value:
+                raise ValueError(f"{k[:40]}: a value must not contain NUL")
+        return v
+
+    @field_validator("stdin_base64")
+    @classmethod
+    def _stdin(cls, v: str) -> str:
+        try:
+            base64.b64decode(v, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError("is not valid base64") from exc
+        return v
+
+    def stdin(self) -> bytes:
+        return base64.b64decode(self.stdin_base64)
+
+    def display(self) -> str:
+        return self.command if isinstance(self.command, str) else shlex.join(self.command)
+
+
+@dataclass
+class Live:
+    """A session running in this process."""
+
+    id: str
+    org_id: str
+    policy: Policy
+    sandbox: Sandbox
+    budget: RunBudget
+    deadline: float  # monotonic
+    execs: int = 0
+    watchdog: asyncio.Task[None] | None = None
+    ending: asyncio.Lock = field(default_factory=asyncio.Lock)
+    inflight: int = 0  # commands running now (their timeouts end by the deadline)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def time_left(self) -> float:
+        limit = self.deadline
+        compute = self.budget.compute_deadline()
+        if compute is not None:
+            limit = min(limit, compute)
+        return limit - time.monotonic()
+
+
+class Sessions:
+    """The sessions of one runtime (``runtime.sessions``)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self._live: dict[str, Live] = {}
+        self._starting: set[str] = set()  # admitted, sandbox on its way
+        self._pool_asked = False
+
+    @property
+    def store(self) -> Store:
+        return self.runtime.store
+
+    def owns(self, session_id: str) -> bool:
+        """True while the session starts or runs in this process (the runtime's watchdog
+        leaves it: a cold microVM may take longer than its two sweeps)."""
+        return session_id in self._live or session_id in self._starting
+
+    # create --------------------------------------------------------------------------------
+    async def create(
+        self,
+        org_id: str,
+        request: SessionRequest,
+        *,
+        idempotency_key: str | None = None,
+        body_hash: str | None = None,
+        labels: dict[str, Any] | None = None,
+    ) -> tuple[RunRow, bool]:
+        """Admit (reserve the budget) and start the sandbox; returns ``(row, replayed)``.
+
+        The row is ``running`` with its sandbox ready, or already settled ``failed`` when the
+        sandbox could not start (refunded in full, less the compute of a sandbox that came up
+        before the failure).
+        """
+        policy = request.policy()
+        try:
+            await resolve_isolation(policy.isolation, self.runtime.settings)
+        except errors.IsolationUnavailable as exc:
+            raise errors.IsolationUnavailable(
+                exc.detail, errors=[{"field": "isolation", "message": exc.detail}]
+            ) from exc
+        row, replayed = await self.store.admit_run(
+            org_id=org_id,
+            run_id=new_run_id(),
+            model=SESSION_MODEL,
+            prompt=None,
+            policy=policy.model_dump(mode="json"),
+            labels=labels,
+            idempotency_key=idempotency_key,
+            body_hash=body_hash,
+            owner=self.runtime.owner,
+            kind=KIND,
+        )
+        if replayed:
+            if row.kind != KIND:
+                raise errors.InvalidRequest.field(
+                    "Idempotency-Key", "was used for a run, not a sandbox session"
+                )
+            return row, True
+        self._starting.add(row.id)
+        try:
+            return await self._start(row, policy), False
+        finally:
+            self._starting.discard(row.id)
+
+    async def _start(self, row: RunRow, policy: Policy) -> RunRow:
+        # Two store commits in all (admission, then running with its two events): nobody waits
+        # on a session's provisioning, the create call itself does. A crash in between leaves
+        # it queued with its sandbox handle owned by it: recovery settles it and reaps that.
+        started_at = utcnow()
+        limits = self.runtime.default_limits(policy.timeout_seconds)
+        sandbox: Sandbox | None = None
+        t0 = time.monotonic()
+        try:
+            await self._ensure_pool()
+            sandbox = await self.runtime._acquire(policy, row.id, limits)
+            rate = self.runtime.price_book.compute_micros(
+                vcpu_seconds=limits.cpus, gib_seconds=limits.memory_mib / 1024
+            )
+            budget = RunBudget(
+                reserved_micros=row.reserved_micros, compute_micros_per_second=float(rate)
+            )
+            budget.sandbox_started = time.monotonic()
+            live = Live(
+                id=row.id,
+                org_id=row.org_id,
+                policy=policy,
+                sandbox=sandbox,
+                budget=budget,
+                deadline=budget.sandbox_started + policy.timeout_seconds,
+            )
+            self._live[row.id] = live
+            ready = {
+                "isolation": sandbox.isolation,
+                "image": sandbox.image,
+                "boot_ms": int((budget.sandbox_started - t0) * 1000),
+                "queue_wait_ms": 0,
+                "runtime": sandbox.runtime,
+            }
+            for f in policy.files:
+                await sandbox.put_file(f.path, f.data())
+            started = {
+                "shell": policy.shell,
+                "web": policy.web,
+                "connections": [c.name for c in policy.connections],
+                "files": [f.path for f in policy.files],
+            }
+            await self.store.transition(
+                row.id,
+                expect={RunStatus.QUEUED},
+                to=RunStatus.RUNNING,
+                events=[("sandbox.ready", ready), ("worker.started", started)],
+                started_at=started_at,
+                isolation=sandbox.isolation,
+                runtime=sandbox.runtime,
+                sandbox_id=sandbox.id,
+            )
+            live.watchdog = asyncio.create_task(self._watch(live), name=f"session-{row.id}")
+        except asyncio.CancelledError:
+            await asyncio.shield(self._fail_start(row, sandbox, "cancelled while starting"))
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed start must settle, never stay open
+            reason = "sandbox_error" if isinstance(exc, errors.EphemeralError) else "infra_error"
+            detail = exc.detail if isinstance(exc, errors.EphemeralError) else type(exc).__name__
+            log.warning("session %s: start failed: %s", row.id, detail)
+            await asyncio.shield(self._fail_start(row, sandbox, detail, reason))
+        return await self.store.get_run(row.id)
+
+    async def _ensure_pool(self) -> None:
+        """A runtime started without a warm pool (the API loop of a Prefect server, whose pool
+        is on the flow loop) gets one of ``pool_size`` at its first session: later ones start
+        warm. Nothing happens when the runtime has a pool or ``pool_size`` is 0."""
+        if self._pool_asked or self.runtime._pools or self.runtime.settings.pool_size == 0:
+            return
+        self._pool_asked = True
+        await self.runtime._start_pool()
+
+    async def _fail_start(
+        self, row: RunRow, sandbox: Sandbox | None, detail: str, reason: str = "cancelled"
+    ) -> None:
+        live = self._live.get(row.id)
+        if live is not None:
+            await self._finish(live, TerminationReason(reason), detail)
+            return
+        if sandbox is not None:
+            await sandbox.destroy()
+        await self.store.close_run(
+            row.id, reason=TerminationReason(reason), detail=detail, usage={}, output=None
+        )
+        await self.runtime.record(row.id)
+
+    # lookups -------------------------------------------------------------------------------
+    async def get(self, session_id: str, org_id: str | None = None) -> RunRow:
+        """The session's row; a run, another org's session or a missing one is NotFound."""
+        row = await self.store.get_run(session_id, org_id)
+        if row.kind != KIND:
+            raise errors.NotFound(f"sandbox {session_id} not found")
+        return row
+
+    async def _live_for(self, session_id: str, org_id: str | None) -> Live:
+        live = self._live.get(session_id)
+        if live is not None and (org_id is None or live.org_id == org_id):
+            if live.time_left() <= 0:
+                await self._end_by_limit(live)
+            else:
+                return live
+        row = await self.get(session_id, org_id)  # NotFound for another org's
+        if row.status in TERMINAL_STATUSES:
+            raise errors.Conflict(
+                f"sandbox {session_id} has ended ({row.status}: {row.termination_reason})"
+            )
+        raise errors.Conflict(f"sandbox {session_id} is served by another process")
+
+    # use -----------------------------------------------------------------------------------
+    async def exec(self, session_id: str, org_id: str | None, req: ExecRequest) -> ExecResult:
+        """Run one command; a timed-out command is killed (``timed_out``), never an error."""
+        live = await self._live_for(session_id, org_id)
+        if not live.policy.shell:
+            raise errors.InvalidRequest.field("command", "this sandbox's policy has shell: false")
+        self._check_user(live, req.user)
+        left = live.time_left()
+        timeout = min(req.timeout_seconds or DEFAULT_EXEC_TIMEOUT, max(0.05, left))
+        stdin = req.stdin()
+        stdin_path = req.stdin_path
+        spill: str | None = None
+        live.inflight += 1
+        live.idle.clear()
+        try:
+            if len(stdin) > INLINE_STDIN:
+                spill = f"/tmp/.ephemeral-stdin-{secrets.token_hex(8)}"
+                await live.sandbox.put_file(spill, stdin, 0o600, user=req.user or "worker")
+                stdin, stdin_path = b"", spill
+            res = await live.sandbox.exec(
+                req.command,
+                stdin=stdin,
+                env=req.env,
+                cwd=req.cwd,
+                timeout=timeout,
+                max_output=req.max_output_bytes,
+                user=req.user,
+                stdin_path=stdin_path,
+            )
+            if spill is not None:
+                await live.sandbox.exec(["rm", "-f", "--", spill], user=req.user, cwd="/")
+        except errors.SandboxError as exc:
+            await self._finish(live, TerminationReason.SANDBOX_ERROR, exc.detail)
+            raise
+        finally:
+            live.inflight -= 1
+            if not live.inflight:
+                live.idle.set()
+        live.execs += 1
+        await self.store.append_event(
+            live.id,
+            "sandbox.exec",
+            {
+                "command": _cap(req.display()),
+                "user": req.user or "worker",
+                "exit_code": res.exit_code,
+                "stdout": _cap(res.stdout),
+                "stderr": _cap(res.stderr),
+                "duration_ms": res.duration_ms,
+                "truncated": res.truncated,
+                "timed_out": res.timed_out,
+            },
+        )
+        return res
+
+    def _check_user(self, live: Live, user: str | None) -> None:
+        if user in ROOT_NAMES and live.sandbox.isolation in NO_ROOT_ISOLATIONS:
+            raise errors.InvalidRequest.field(
+                "user",
+                f"root is refused on {live.sandbox.isolation}: there it would be host root "
+                "(with the agent's capabilities); use gvisor, namespaces or a microVM",
+            )
+
+    async def write_file(self, session_id: str, org_id: str | None, path: str, data: bytes) -> None:
+        """Write as the worker: its permissions apply, missing directories are made."""
+        live = await self._live_for(session_id, org_id)
+        _check_path(path)
+        if len(data) > MAX_FILE_BYTES:
+            raise errors.PayloadTooLarge(f"{path}: over the {MAX_FILE_BYTES}-byte file limit")
+        try:
+            await live.sandbox.put_file(path, data, user="worker")
+        except errors.SandboxError as exc:
+            await self._finish(live, TerminationReason.SANDBOX_ERROR, exc.detail)
+            raise
+
+    async def read_file(
+        self, session_id: str, org_id: str | None, path: str, max_bytes: int = MAX_FILE_BYTES
+    ) -> bytes:
+        """Read as the worker; PayloadTooLarge past ``max_bytes`` (at most MAX_FILE_BYTES)."""
+        live = await self._live_for(session_id, org_id)
+        _check_path(path)
+        try:
+            return await live.sandbox.get_file(path, min(max_bytes, MAX_FILE_BYTES), user="worker")
+        except errors.SandboxError as exc:
+            await self._finish(live, TerminationReason.SANDBOX_ERROR, exc.detail)
+            raise
+
+    # end -----------------------------------------------------------------------------------
+    async def end(
+        self, session_id: str, org_id: str | None = None, *, cancelled: bool = False
+    ) -> RunRow:
+        """Destroy the sandbox and settle (idempotent: an ended session is returned as it is).
+
+        ``DELETE`` ends it ``succeeded``/``completed``; a cancel (``POST /v1/runs/{id}/cancel``
+        on a session) ``cancelled``."""
+        live = self._live.get(session_id)
+        if live is not None and (org_id is None or live.org_id == org_id):
+            if cancelled:
+                await self._finish(live, TerminationReason.CANCELLED, "cancelled by request")
+            else:
+                await self._finish(live, TerminationReason.COMPLETED, None)
+            return await self.store.get_run(session_id)
+        row = await self.get(session_id, org_id)
+        if row.status in TERMINAL_STATUSES:
+            return row
+        raise errors.Conflict(f"sandbox {session_id} is served by another process")
+
+    async def _watch(self, live: Live) -> None:
+        while True:
+            left = live.time_left()
+            if left <= 0:
+                break
+            await asyncio.sleep(min(left, 1.0))
+        if live.inflight:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(live.idle.wait(), DEADLINE_GRACE_SECONDS)
+        await self._end_by_limit(live)
+
+    async def _end_by_limit(self, live: Live) -> None:
+        if time.monotonic() >= live.deadline:
+            reason = TerminationReason.TIMEOUT
+            detail = f"time limit of {live.policy.timeout_seconds} s reached"
+        else:
+            reason = TerminationReason.BUDGET_EXHAUSTED
+            detail = "compute used up the remaining budget"
+        await self._finish(live, reason, detail)
+
+    async def _finish(self, live: Live, reason: TerminationReason, detail: str | None) -> None:
+        async with live.ending:
+            if self._live.get(live.id) is not live:
+                return  # already finished
+            try:
+                await asyncio.shield(self._close(live, reason, detail))
+            finally:
+                self._live.pop(live.id, None)
+                task = live.watchdog
+                if task is not None and task is not asyncio.current_task():
+                    task.cancel()
+
+    async def _close(self, live: Live, reason: TerminationReason, detail: str | None) -> None:
+        try:
+            await live.sandbox.destroy()
+        finally:
+            budget = live.budget
+            budget.sandbox_stopped = time.monotonic()
+            charged = await self.store.charged(live.id)
+            compute = compute_charge(
+                micros_per_second=budget.compute_micros_per_second,
+                seconds=budget.sandbox_seconds(),
+                reserved_micros=budget.reserved_micros,
+                other_spent_micros=sum(charged.values()) - charged.get("compute_micros", 0),
+            )
+            await self.store.charge(
+                live.id,
+                "compute",
+                compute,
+                key=f"{live.id}:compute",
+                event=("sandbox.destroyed", {"lifetime_ms": int(budget.sandbox_seconds() * 1000)}),
+            )
+            await self.store.close_run(
+                live.id,
+                reason=reason,
+                detail=detail,
+                usage={
+                    "model_calls": 0,
+                    "input_tokens": 0,
+                    "output_tokens": 0,
+                    "execs": live.execs,
+                },
+                output=None,
+            )
+            await self.runtime.record(live.id)
+
+    async def close(self) -> None:
+        """End every live session (the runtime is stopping): ``cancelled``, settled."""
+        for live in list(self._live.values()):
+            with contextlib.suppress(Exception):
+                await self._finish(live, TerminationReason.CANCELLED, "the server stopped")
+
+
+def _cap(text: str) -> str:
+    return text if len(text) <= EVENT_TEXT_CAP else text[:EVENT_TEXT_CAP] + "…"
+
+
+def _check_path(path: str) -> None:
+    if not isinstance(path, str) or not 0 < len(path) <= 4096 or "\0" in path:
+        raise errors.InvalidRequest.field("path", "must be 1-4096 characters without NUL")
+
+
+def session_object(row: RunRow, base_url: str | None = None) -> dict[str, Any]:
+    """The public sandbox session object (``GET /v1/sandboxes/{id}``)."""
+    policy = Policy.model_validate(row.policy)
+    prefix = (base_url or "").rstrip("/")
+    breakdown = row.breakdown or {}
+    expires_at = None
+    if row.started_at is not None:
+        started = row.started_at.timestamp()
+        expires_at = rfc3339(_from_ts(started + policy.timeout_seconds))
+    return {
+        "id": row.id,
+        "kind": KIND,
+        "status": row.status,
+        "created_at": _ts(row.created_at),
+        "started_at": _ts(row.started_at),
+        "ended_at": _ts(row.ended_at),
+        "expires_at": expires_at,
+        "policy": row.policy,
+        "isolation": row.isolation,
+        "runtime": row.runtime,
+        "termination": (
+            {"reason": row.termination_reason, "detail": row.termination_detail}
+            if row.termination_reason
+            else None
+        ),
+        "usage": {"execs": int((row.usage or {}).get("execs", 0))},
+        "cost": {
+            "reserved_micros": row.reserved_micros,
+            "charged_micros": row.charged_micros,
+            "refunded_micros": row.refunded_micros,
+            "breakdown": {
+                "model_micros": int(breakdown.get("model_micros", 0)),
+                "web_micros": int(breakdown.get("web_micros", 0)),
+                "compute_micros": int(breakdown.get("compute_micros", 0)),
+            },
+        },
+        "links": {
+            "self": f"{prefix}/v1/sandboxes/{row.id}",
+            "events": f"{prefix}/v1/runs/{row.id}/events",
+            "page": f"{prefix}/runs/{row.id}",
+        },
+    }
+
+
+def _ts(value: Any) -> str | None:
+    return None if value is None else rfc3339(value)
+
+
+def _from_ts(seconds: float) -> Any:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(math.floor(seconds * 1000) / 1000, UTC)

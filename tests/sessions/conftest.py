@@ -1,0 +1,43 @@
+"""Fixtures for sandbox sessions: a real runtime (SQLite, real sandboxes) and a funded org."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from ephemeral.sandbox.registry import probe_level
+from ephemeral.service import Runtime
+from ephemeral.settings import Settings
+from tests.drivers import unavailable
+
+
+@pytest.fixture(params=["gvisor", "namespaces"])
+async def isolation(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    level = str(request.param)
+    why = await probe_level(level, Settings.load(state_dir=tmp_path / "probe"))
+    if why is not None:
+        unavailable(f"{level}: {why}", level)
+    return level
+
+
+@pytest.fixture
+def session_settings(tmp_path: Path) -> Settings:
+    return Settings.load(state_dir=tmp_path / "state", use_prefect=False)
+
+
+@pytest.fixture
+async def runtime(session_settings: Settings) -> AsyncIterator[Runtime]:
+    rt = await Runtime.start(session_settings)
+    try:
+        yield rt
+    finally:
+        await rt.close()
+
+
+@pytest.fixture
+async def org(runtime: Runtime) -> str:
+    made = await runtime.store.create_org("acme")
+    await runtime.store.credit(made.id, 1_000_000, note="test")
+    return made.id

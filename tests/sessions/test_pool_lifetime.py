@@ -1,0 +1,25 @@
+"""A warm sandbox handed to a longer run or session keeps it for the owner's whole lifetime
+(before, ``claim`` restarted the pool's own lifetime: a 15-minute session lost its sandbox at
+the pool's 130 s)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ephemeral.sandbox.base import Limits
+from ephemeral.sandbox.fake import FakeDriver
+from ephemeral.sandbox.pool import WarmPool
+
+
+async def test_claim_takes_the_owners_lifetime() -> None:
+    pool = WarmPool(FakeDriver(), 2, Limits(lifetime_seconds=0.3))
+    await pool.start()
+    try:
+        await pool.wait_ready(10)
+        long = await pool.acquire("long", Limits(lifetime_seconds=30))
+        short = await pool.acquire("short")
+        await asyncio.sleep(0.6)
+        assert long.alive and not short.alive
+        await long.destroy()
+    finally:
+        await pool.close()

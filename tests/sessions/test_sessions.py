@@ -1,0 +1,230 @@
+"""Sandbox sessions in the core: admission, exec, files, limits, settlement, records."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from pathlib import Path
+
+import pytest
+
+from ephemeral import errors
+from ephemeral.records import Records
+from ephemeral.service import Runtime
+from ephemeral.sessions import ExecRequest, SessionRequest
+
+pytestmark = pytest.mark.sandbox
+
+
+def _types(events: list) -> list[str]:
+    return [e.type for e in events]
+
+
+async def test_session_lifecycle_money_and_records(
+    runtime: Runtime, org: str, isolation: str
+) -> None:
+    req = SessionRequest(isolation=isolation, timeout_seconds=60, max_cost_micros=20_000)
+    row, replayed = await runtime.sessions.create(org, req)
+    assert not replayed and row.status == "running" and row.kind == "session"
+    assert row.isolation == isolation
+    sid = row.id
+    res = await runtime.sessions.exec(sid, org, ExecRequest(command=["sh", "-c", "echo hi; id -u"]))
+    assert (res.exit_code, res.stdout) == (0, "hi\n1000\n")
+    res = await runtime.sessions.exec(
+        sid, org, ExecRequest(command="cat", stdin_base64=base64.b64encode(b"in").decode())
+    )
+    assert res.stdout == "in"
+    root = await runtime.sessions.exec(sid, org, ExecRequest(command=["id", "-u"], user="root"))
+    assert root.stdout == "0\n"
+    await runtime.sessions.write_file(sid, org, "dir/a.txt", b"data")
+    assert await runtime.sessions.read_file(sid, org, "dir/a.txt") == b"data"
+    with pytest.raises(errors.FileNotFound):
+        await runtime.sessions.read_file(sid, org, "missing")
+    with pytest.raises(errors.IsADirectory):
+        await runtime.sessions.read_file(sid, org, "/etc")
+    with pytest.raises(errors.NotFound):  # another org's session is not found
+        await runtime.sessions.exec(sid, "org_other", ExecRequest(command="true"))
+
+    ended = await runtime.sessions.end(sid, org)
+    assert ended.status == "succeeded" and ended.termination_reason == "completed"
+    assert ended.charged_micros + ended.refunded_micros == ended.reserved_micros == 20_000
+    assert ended.breakdown["compute_micros"] == ended.charged_micros > 0
+    assert (await runtime.sessions.end(sid, org)).settled_at == ended.settled_at  # idempotent
+    with pytest.raises(errors.Conflict):
+        await runtime.sessions.exec(sid, org, ExecRequest(command="true"))
+    events = await runtime.store.list_events(sid)
+    assert _types(events) == [
+        "run.queued",
+        "sandbox.ready",
+        "worker.started",
+        "sandbox.exec",
+        "sandbox.exec",
+        "sandbox.exec",
+        "sandbox.destroyed",
+        "run.succeeded",
+        "run.settled",
+    ]
+    first = events[3].data
+    assert first["command"] == "sh -c 'echo hi; id -u'" and first["stdout"] == "hi\n1000\n"
+    assert events[5].data["user"] == "root"
+    org_row = await runtime.store.get_org(org)
+    assert org_row.reserved_micros == 0
+    assert org_row.balance_micros == 1_000_000 - ended.charged_micros
+
+    records = Records(runtime.settings.records_dir)
+    try:
+        cols, rows = records.costs("kind", None)
+        by_kind = {r[0]: dict(zip(cols, r, strict=True)) for r in rows}
+        assert by_kind["session"]["runs"] == 1
+        assert by_kind["session"]["charged_micros"] == ended.charged_micros
+    finally:
+        records.close()
+    # sessions are not runs: the run list does not show them
+    listed, _ = await runtime.store.list_runs(org)
+    assert listed == []
+
+
+async def test_time_limit_ends_the_session(runtime: Runtime, org: str, isolation: str) -> None:
+    row, _ = await runtime.sessions.create(
+        org, SessionRequest(isolation=isolation, timeout_seconds=2)
+    )
+    res = await runtime.sessions.exec(row.id, org, ExecRequest(command="sleep 30"))
+    assert res.timed_out  # cut at the session's deadline
+    async with asyncio.timeout(10):
+        while not (done := await runtime.sessions.get(row.id, org)).settled:
+            await asyncio.sleep(0.1)
+    assert done.status == "timed_out"
+    assert not runtime.sessions.owns(row.id)
+    assert list(runtime.settings.sandboxes_dir.glob("*.json")) == []
+
+
+async def test_budget_cap_ends_the_session(runtime: Runtime, org: str, isolation: str) -> None:
+    limits = runtime.default_limits(60)
+    rate = runtime.price_book.compute_micros(
+        vcpu_seconds=limits.cpus, gib_seconds=limits.memory_mib / 1024
+    )
+    budget = max(1, int(rate * 1.5))  # 1.5 s of compute
+    row, _ = await runtime.sessions.create(
+        org, SessionRequest(isolation=isolation, timeout_seconds=60, max_cost_micros=budget)
+    )
+    async with asyncio.timeout(15):
+        while not (done := await runtime.sessions.get(row.id, org)).settled:
+            await asyncio.sleep(0.1)
+    assert done.status == "budget_exhausted"
+    assert done.charged_micros <= budget
+    assert done.charged_micros + done.refunded_micros == budget
+
+
+async def test_insufficient_balance_is_refused(runtime: Runtime) -> None:
+    poor = await runtime.store.create_org("poor")
+    await runtime.store.credit(poor.id, 100, note="test")
+    with pytest.raises(errors.PaymentRequired):
+        await runtime.sessions.create(poor.id, SessionRequest(max_cost_micros=1_000))
+    assert (await runtime.store.get_org(poor.id)).reserved_micros == 0
+
+
+async def test_zero_data_retention_keeps_no_content(
+    runtime: Runtime, org: str, isolation: str
+) -> None:
+    row, _ = await runtime.sessions.create(
+        org, SessionRequest(isolation=isolation, zero_data_retention=True)
+    )
+    res = await runtime.sessions.exec(row.id, org, ExecRequest(command="echo secret-output"))
+    assert res.stdout == "secret-output\n"  # delivered to the caller
+    await runtime.sessions.end(row.id, org)
+    ev = next(e for e in await runtime.store.list_events(row.id) if e.type == "sandbox.exec")
+    assert "stdout" not in ev.data and "command" not in ev.data
+    assert ev.data["stdout_bytes"] == len("secret-output\n")
+    assert "secret-output" not in str(await runtime.store.list_events(row.id))
+
+
+async def test_web_and_connections_are_refused_for_now() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as info:
+        SessionRequest(web=True)
+    assert info.value.errors()[0]["loc"] == ("web",)
+
+
+async def test_cancel_through_the_runs_api_ends_the_session(
+    runtime: Runtime, org: str, isolation: str
+) -> None:
+    row, _ = await runtime.sessions.create(org, SessionRequest(isolation=isolation))
+    pids = list(runtime.settings.sandboxes_dir.glob("*.json"))
+    assert pids
+    done = await runtime.cancel(row.id, org)
+    assert (done.status, done.termination_reason) == ("cancelled", "cancelled")
+    assert done.settled and not runtime.sessions.owns(row.id)
+    assert list(runtime.settings.sandboxes_dir.glob("*.json")) == []
+
+
+async def test_root_is_refused_where_it_would_be_host_root(tmp_path: Path) -> None:
+    from ephemeral.sandbox.registry import probe_level
+    from ephemeral.settings import Settings
+    from tests.drivers import unavailable
+
+    settings = Settings.load(
+        state_dir=tmp_path / "state", use_prefect=False, namespaces_privileged=True
+    )
+    why = await probe_level("namespaces", settings)
+    if why is not None:
+        unavailable(f"namespaces: {why}", "namespaces")
+    runtime = await Runtime.start(settings)
+    try:
+        org = await runtime.local_org()
+        row, _ = await runtime.sessions.create(org, SessionRequest(isolation="namespaces"))
+        assert row.isolation == "namespaces-privileged"
+        with pytest.raises(errors.InvalidRequest) as info:
+            await runtime.sessions.exec(row.id, org, ExecRequest(command=["id"], user="root"))
+        assert info.value.errors is not None and info.value.errors[0]["field"] == "user"
+        res = await runtime.sessions.exec(row.id, org, ExecRequest(command=["id", "-u"]))
+        assert res.stdout == "1000\n"
+    finally:
+        await runtime.close()
+
+
+async def test_large_files_and_stdin_move_in_windows(
+    runtime: Runtime, org: str, isolation: str
+) -> None:
+    row, _ = await runtime.sessions.create(
+        org, SessionRequest(isolation=isolation, timeout_seconds=120)
+    )
+    blob = bytes(range(256)) * (80 << 12)  # 20 MiB: three 8 MiB windows
+    await runtime.sessions.write_file(row.id, org, "big.bin", blob)
+    assert await runtime.sessions.read_file(row.id, org, "big.bin") == blob
+    with pytest.raises(errors.PayloadTooLarge):
+        await runtime.sessions.read_file(row.id, org, "big.bin", max_bytes=len(blob) - 1)
+    stdin = base64.b64encode(b"x" * (3 << 20)).decode()  # past INLINE_STDIN: via a file
+    res = await runtime.sessions.exec(
+        row.id, org, ExecRequest(command=["wc", "-c"], stdin_base64=stdin)
+    )
+    assert res.stdout.strip() == str(3 << 20)
+    leftovers = await runtime.sessions.exec(
+        row.id, org, ExecRequest(command="ls -a /tmp | grep -c ephemeral-stdin || true")
+    )
+    assert leftovers.stdout.strip() == "0"
+    await runtime.sessions.end(row.id, org)
+
+
+async def test_a_runtime_without_a_pool_gets_one_at_its_first_session(
+    tmp_path: Path, isolation: str
+) -> None:
+    from ephemeral.settings import Settings
+
+    settings = Settings.load(
+        state_dir=tmp_path / "state", use_prefect=False, pool_size=1, isolation=isolation
+    )
+    runtime = await Runtime.start(settings, warm_pool=False)  # as the API loop of `serve`
+    try:
+        assert runtime._pools == {}
+        org = await runtime.local_org()
+        first, _ = await runtime.sessions.create(org, SessionRequest(isolation=isolation))
+        pool = runtime._pools[isolation]
+        await pool.wait_ready(60)
+        warm = {s.id for s in pool._ready}
+        second, _ = await runtime.sessions.create(org, SessionRequest(isolation=isolation))
+        assert second.sandbox_id in warm  # the second one came from the pool
+        for row in (first, second):
+            await runtime.sessions.end(row.id, org)
+    finally:
+        await runtime.close()
