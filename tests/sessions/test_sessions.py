@@ -219,7 +219,7 @@ async def test_a_runtime_without_a_pool_gets_one_at_its_first_session(
         assert runtime._pools == {}
         org = await runtime.local_org()
         first, _ = await runtime.sessions.create(org, SessionRequest(isolation=isolation))
-        pool = runtime._pools[isolation]
+        pool = runtime._pools[(isolation, settings.image)]
         await pool.wait_ready(60)
         warm = {s.id for s in pool._ready}
         second, _ = await runtime.sessions.create(org, SessionRequest(isolation=isolation))
