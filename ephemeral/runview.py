@@ -38,6 +38,7 @@ def run_object(row: Any, base_url: str | None = None) -> dict[str, Any]:
         "policy": row.policy,
         "isolation": row.isolation,
         "runtime": row.runtime,
+        "host": getattr(row, "host", None),
         "termination": (
             {"reason": row.termination_reason, "detail": row.termination_detail}
             if row.termination_reason

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import typer
 
-from ephemeral.cli import admin, analysis, connections, evals, recipes, runs, sandbox, serve
+from ephemeral.cli import (
+    admin,
+    analysis,
+    connections,
+    evals,
+    recipes,
+    runs,
+    sandbox,
+    serve,
+    worker,
+)
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 runs.register(app)
@@ -15,6 +25,7 @@ recipes.register(app)
 analysis.register(app)
 serve.register(app)
 evals.register(app)
+worker.register(app)
 
 
 def main() -> None:

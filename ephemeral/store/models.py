@@ -72,6 +72,10 @@ class RunRow(_Row):
     idempotency_key: str | None = None
     settled_at: datetime | None = None
     erased_at: datetime | None = None
+    host: str | None = None
+    lease_renewed_at: datetime | None = None
+    lease_expires_at: datetime | None = None
+    cancel_requested_at: datetime | None = None
 
     @property
     def settled(self) -> bool:
