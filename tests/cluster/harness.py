@@ -100,9 +100,10 @@ class Cluster:
         return url
 
     def start_worker(self, host: str, *, limit: int = 4, pool: int = 1) -> None:
-        self.spawn(host, *EPHEMERAL, "worker", "--limit", str(limit), "--pool", str(pool))
         log = self.root / f"{host}.log"
-        self._wait(host, lambda: "serving execute-run" in log.read_text(errors="replace"))
+        start = log.stat().st_size if log.exists() else 0  # a restarted worker appends
+        self.spawn(host, *EPHEMERAL, "worker", "--limit", str(limit), "--pool", str(pool))
+        self._wait(host, lambda: b"serving execute-run" in log.read_bytes()[start:])
 
     def _wait(self, name: str, ready: Any, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
