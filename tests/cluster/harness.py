@@ -57,19 +57,18 @@ class Cluster:
 
     def env(self, name: str, **extra: str) -> dict[str, str]:
         state = self.state_dir(name)
-        return self.server.env(
-            EPHEMERAL_STATE_DIR=str(state),
-            EPHEMERAL_DATABASE_URL=self.db_url,
-            EPHEMERAL_RECORDS_DIR=str(self.records),
-            EPHEMERAL_SEAL_KEY_FILE=str(self.seal_key),
-            EPHEMERAL_EXECUTOR="prefect",
-            EPHEMERAL_HOST_ID=name,
-            EPHEMERAL_LEASE_SECONDS=str(self.lease_seconds),
-            EPHEMERAL_ISOLATION=self.isolation,
-            PREFECT_HOME=str(state / "prefect"),
-            **self.extra_env,
-            **extra,
-        )
+        values = {
+            "EPHEMERAL_STATE_DIR": str(state),
+            "EPHEMERAL_DATABASE_URL": self.db_url,
+            "EPHEMERAL_RECORDS_DIR": str(self.records),
+            "EPHEMERAL_SEAL_KEY_FILE": str(self.seal_key),
+            "EPHEMERAL_EXECUTOR": "prefect",
+            "EPHEMERAL_HOST_ID": name,
+            "EPHEMERAL_LEASE_SECONDS": str(self.lease_seconds),
+            "EPHEMERAL_ISOLATION": self.isolation,
+            "PREFECT_HOME": str(state / "prefect"),
+        }
+        return self.server.env(**{**values, **self.extra_env, **extra})
 
     def spawn(self, name: str, *args: str, **extra: str) -> subprocess.Popen[bytes]:
         self.state_dir(name).mkdir(parents=True, exist_ok=True)
