@@ -123,6 +123,7 @@ class Runtime:
             await runtime._start_pool()
         if watchdog:
             runtime._watchdog = asyncio.create_task(runtime._watch(), name="run-watchdog")
+            runtime._leases = asyncio.create_task(runtime._watch_runs(), name="run-leases")
         return runtime
 
     async def close(self) -> None:
@@ -593,22 +594,23 @@ class Runtime:
     # leases --------------------------------------------------------------------------------
     def hold_leases(self, lease_seconds: float) -> None:
         """Make this runtime a worker: its slot grants take a lease, renewed every third of
-        ``lease_seconds`` while the run executes here, and cancel requests that any process
-        writes to the store for its runs are acted on within ``CANCEL_POLL_SECONDS``."""
+        ``lease_seconds`` while the run executes here (by the run watcher)."""
         self.lease_seconds = lease_seconds
-        self._leases = asyncio.create_task(self._keep_leases(lease_seconds), name="run-leases")
 
-    async def _keep_leases(self, lease_seconds: float) -> None:
+    async def _watch_runs(self) -> None:
+        """Every ``CANCEL_POLL_SECONDS``: act on cancel requests that any process wrote to the
+        store for runs executing here, and (on a worker) renew their leases when due."""
         renewed = time.monotonic()
         cancelling: dict[str, asyncio.Task[RunRow]] = {}
         while True:
             await asyncio.sleep(CANCEL_POLL_SECONDS)
             try:
                 mine = list(self._running)
-                if time.monotonic() - renewed >= lease_seconds / 3:
+                lease = self.lease_seconds
+                if lease is not None and time.monotonic() - renewed >= lease / 3:
                     now = utcnow()
                     await self.store.renew_leases(
-                        mine, renewed_at=now, expires_at=now + timedelta(seconds=lease_seconds)
+                        mine, renewed_at=now, expires_at=now + timedelta(seconds=lease)
                     )
                     renewed = time.monotonic()
                 for run_id in await self.store.cancel_requested(mine):
@@ -620,7 +622,7 @@ class Runtime:
                     if task.done():
                         del cancelling[run_id]
             except Exception:
-                log.exception("leases: renewal failed")
+                log.exception("run watcher: cancel poll or lease renewal failed")
 
     async def _stop(self, run_id: str, task: asyncio.Task[RunRow]) -> None:
         task.cancel()

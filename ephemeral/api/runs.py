@@ -178,7 +178,7 @@ async def get_events(
     return JSONResponse(events)
 
 
-@v1.post("/runs/{run_id}/cancel", response_model=RunObject, responses=problems(401, 404, 409, 422))
+@v1.post("/runs/{run_id}/cancel", response_model=RunObject, responses=problems(401, 404, 422))
 async def cancel_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> dict[str, Any]:
     row = await runtime.cancel(run_id, who.org_id)
     return run_object(row, base_url(request))
