@@ -186,15 +186,24 @@ class Client:
             time.sleep(0.1)
 
 
-def first_step(client: Client, n: int) -> list[float]:
+def first_step(client: Client, n: int, phases: dict[str, list[float]]) -> list[float]:
+    """Accepted → ``worker.started`` per run; ``phases`` gets the parts (dispatch: accepted →
+    ``run.claimed`` → ``sandbox.ready`` → ``worker.started``)."""
     out = []
     for i in range(n + 1):  # run 0 warms caches up
         got = client.run()
         run, events = got["run"], got["events"]
         assert isinstance(run, dict) and isinstance(events, list)
-        started = next(e["at"] for e in events if e["type"] == "worker.started")
+        at = {e["type"]: _at(e["at"]) for e in events}
         if i:
-            out.append(_at(started) - _at(str(run["created_at"])))
+            out.append(at["worker.started"] - _at(str(run["created_at"])))
+            if "run.claimed" in at:
+                phases.setdefault("accepted -> run.claimed", []).append(
+                    at["run.claimed"] - _at(str(run["created_at"]))
+                )
+                phases.setdefault("run.claimed -> sandbox.ready", []).append(
+                    at["sandbox.ready"] - at["run.claimed"]
+                )
         time.sleep(1.5)  # the warm pool refills, as on a server that is not saturated
     return out
 
@@ -262,12 +271,13 @@ def cluster_bench(args: argparse.Namespace) -> None:
             EPHEMERAL_EXECUTOR="local",
         )
         _wait_http(f"http://127.0.0.1:{port}", local)
-        local_lat = first_step(Client(f"http://127.0.0.1:{port}", key), args.first_step)
+        phases: dict[str, list[float]] = {}
+        local_lat = first_step(Client(f"http://127.0.0.1:{port}", key), args.first_step, {})
         c.kill("local", 15)
         url = c.start_api()
         c.start_worker("w1", limit=4, pool=2)
         api = Client(url, key)
-        dispatch_lat = first_step(api, args.first_step)
+        dispatch_lat = first_step(api, args.first_step, phases)
         print(f"time to first step (accepted -> worker.started), {args.first_step} sequential runs")
         for name, lat in (
             ("local mode with Prefect", local_lat),
@@ -280,6 +290,11 @@ def cluster_bench(args: argparse.Namespace) -> None:
         print(
             f"  dispatch adds p50 {(pct(dispatch_lat, 0.5) - pct(local_lat, 0.5)) * 1000:+.0f} ms"
         )
+        for name, lat in phases.items():
+            print(
+                f"    {name:30s} p50 {pct(lat, 0.5) * 1000:6.0f} ms   "
+                f"p99 {pct(lat, 0.99) * 1000:6.0f} ms"
+            )
         if args.throughput:
             one = throughput(api, args.throughput, args.clients)
             c.start_worker("w2", limit=4, pool=2)
@@ -294,6 +309,7 @@ def cluster_bench(args: argparse.Namespace) -> None:
                 )
             ratio = float(str(two["runs_per_s"])) / float(str(one["runs_per_s"]))
             print(f"  2 workers / 1 worker = {ratio:.2f}x;  org reserved at the end: {reserved}")
+        sys.stdout.flush()
     finally:
         c.stop()
         pg.stop()
