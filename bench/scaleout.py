@@ -255,7 +255,12 @@ def cluster_bench(args: argparse.Namespace) -> None:
         raise SystemExit(reason)
     pg.start()
     root = Path(tempfile.mkdtemp(prefix="scaleout-bench-"))
-    c = Cluster(root, pg.url(pg.create_database("bench")), lease_seconds=30)
+    prefect_db = None
+    if args.prefect_db == "postgres":
+        prefect_db = pg.url(pg.create_database("prefect"))
+    c = Cluster(
+        root, pg.url(pg.create_database("bench")), lease_seconds=30, prefect_db_url=prefect_db
+    )
     try:
         c.start()
         key = c.make_key("bench", 1_000_000_000)
@@ -278,7 +283,10 @@ def cluster_bench(args: argparse.Namespace) -> None:
         c.start_worker("w1", limit=4, pool=2)
         api = Client(url, key)
         dispatch_lat = first_step(api, args.first_step, phases)
-        print(f"time to first step (accepted -> worker.started), {args.first_step} sequential runs")
+        print(
+            f"Prefect server on {args.prefect_db}; time to first step "
+            f"(accepted -> worker.started), {args.first_step} sequential runs"
+        )
         for name, lat in (
             ("local mode with Prefect", local_lat),
             ("dispatch, 1 worker", dispatch_lat),
@@ -352,6 +360,12 @@ def main() -> None:
     ap.add_argument("--first-step", type=int, default=30)
     ap.add_argument("--throughput", type=int, default=200)
     ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument(
+        "--prefect-db",
+        choices=("sqlite", "postgres"),
+        default="sqlite",
+        help="Prefect server's database (PostgreSQL: minutes of migrations first)",
+    )
     args = ap.parse_args()
     if args.mechanisms:
         mechanisms(args.n)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prefect import task
 
@@ -55,13 +55,13 @@ async def execute_run(run_id: str) -> str:
     return row.status
 
 
-async def dispatch(run_id: str) -> None:
+async def dispatch(run_id: str, client: Any = None) -> None:
     """Hand a run to the pool: one deferred task run, which one task worker picks up.
 
     ``create_run`` is the async core of ``execute_run.delay`` (``delay`` would block this
-    event loop while it waits for Prefect's API).
+    event loop while it waits for Prefect's API). ``client``: an open Prefect client to reuse.
     """
-    await execute_run.create_run(parameters={"run_id": run_id}, deferred=True)
+    await execute_run.create_run(client=client, parameters={"run_id": run_id}, deferred=True)
 
 
 async def mark_crashed(run_id: str) -> None:
@@ -88,8 +88,17 @@ class DispatchExecutor:
     then wait here until a worker settled it. The runtime's scheduler (suite concurrency and
     budgets) stays in this process; the sandboxes are on the workers."""
 
+    def __init__(self) -> None:
+        self._client: Any = None  # one Prefect client for every dispatch, opened on first use
+
     async def dispatch(self, run_id: str) -> None:
-        await dispatch(run_id)
+        if self._client is None:
+            from prefect import get_client
+
+            client = get_client()
+            await client.__aenter__()
+            self._client = client
+        await dispatch(run_id, self._client)
 
     async def execute(self, runtime: Runtime, run_id: str) -> None:
         await runtime.dispatch(run_id)
@@ -110,4 +119,6 @@ class DispatchExecutor:
                 runtime.keep_zdr_output(run_id, output)
 
     async def close(self) -> None:
-        return None
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.__aexit__(None, None, None)

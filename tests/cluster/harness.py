@@ -36,6 +36,7 @@ class Cluster:
         lease_seconds: float = 30.0,
         isolation: str = "auto",
         extra_env: dict[str, str] | None = None,
+        prefect_db_url: str | None = None,
     ) -> None:
         from ephemeral.prefect_setup import ensure_template
         from ephemeral.settings import Settings
@@ -47,7 +48,13 @@ class Cluster:
         self.extra_env = extra_env or {}
         self.records = root / "records"
         self.seal_key = root / "seal.key"
-        self.server = PrefectServer(root / "prefect", template=ensure_template(Settings.load()))
+        # Prefect on SQLite from the migrated template starts in seconds; on PostgreSQL
+        # (``prefect_db_url``) its migrations take minutes, but no write waits for a lock.
+        self.server = PrefectServer(
+            root / "prefect",
+            database_url=prefect_db_url,
+            template=None if prefect_db_url else ensure_template(Settings.load()),
+        )
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.ports: dict[str, int] = {}
 
@@ -87,7 +94,7 @@ class Cluster:
 
     def start(self) -> Cluster:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.server.start()
+        self.server.start(timeout=150 if self.server.database_url is None else 400)
         return self
 
     def start_api(self, name: str = "api", port: int | None = None) -> str:
