@@ -383,6 +383,29 @@ class Runtime:
         self._granted.add(run_id)
         return True
 
+    async def take(self, run_id: str) -> bool:
+        """A worker takes a dispatched run as soon as Prefect hands it over, before it waits
+        for a slot: the run stays ``queued`` (nothing is charged) but carries this host, this
+        process as owner and a lease, so if the worker dies while the run waits, the run is
+        settled like any other of a dead host. False if the run no longer waits."""
+        task = asyncio.current_task()
+        try:
+            await self.store.transition(
+                run_id, expect={RunStatus.QUEUED}, to=RunStatus.QUEUED, **self._claim_fields()
+            )
+        except errors.Conflict:
+            return False
+        if task is not None:
+            self._running.setdefault(run_id, task)  # its lease is renewed, cancels reach it
+        return True
+
+    async def drop(self, run_id: str, exc: BaseException) -> None:
+        """A taken run cannot execute here (no slot): end it ``infra_error``, let it go."""
+        task = self._running.get(run_id)
+        if task is asyncio.current_task():
+            del self._running[run_id]
+        await self._fail(run_id, exc)
+
     def _claim_fields(self) -> dict[str, Any]:
         """What a slot grant writes besides the status: this host, and (on a worker, whose
         runs other processes watch) this process as owner and a fresh lease."""

@@ -43,15 +43,21 @@ async def execute_run(run_id: str) -> str:
     runtime = current()
     if runtime is None:
         raise RuntimeError("execute-run runs inside `ephemeral worker` only")
+    if not await runtime.take(run_id):
+        return (await runtime.store.get_run(run_id)).status  # cancelled while it waited
     # The code that starts sandboxes takes a slot of this host's limit and of the total, and
     # strict: a missing limit fails loudly instead of limiting nothing.
-    async with concurrency(
-        [host_limit(runtime.host), TOTAL_LIMIT],
-        occupy=1,
-        strict=True,
-        timeout_seconds=SLOT_TIMEOUT_SECONDS,
-    ):
-        row = await runtime.execute(run_id)
+    try:
+        async with concurrency(
+            [host_limit(runtime.host), TOTAL_LIMIT],
+            occupy=1,
+            strict=True,
+            timeout_seconds=SLOT_TIMEOUT_SECONDS,
+        ):
+            row = await runtime.execute(run_id)
+    except Exception as exc:  # no slot (a missing limit, a timeout): the run must not wait on
+        await runtime.drop(run_id, exc)
+        raise
     return row.status
 
 
