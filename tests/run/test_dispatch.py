@@ -31,11 +31,18 @@ class ToWorker:
     def __init__(self) -> None:
         self.worker: Runtime | None = None
         self.dispatched: list[str] = []
+        self.tasks: list[asyncio.Task[None]] = []
 
     async def dispatch(self, run_id: str) -> None:
-        assert self.worker is not None
+        worker = self.worker
+        assert worker is not None
         self.dispatched.append(run_id)
-        self.worker.launch(run_id)
+
+        async def execute_run() -> None:  # what flows/dispatch.py's task does, minus Prefect
+            if await worker.take(run_id):
+                await worker.execute(run_id)
+
+        self.tasks.append(asyncio.get_running_loop().create_task(execute_run()))
 
     async def execute(self, runtime: Runtime, run_id: str) -> None:
         raise AssertionError("a dispatching runtime never executes")
@@ -171,3 +178,38 @@ async def test_an_expired_lease_is_settled_once_up_to_its_last_renewal(
 
 def _parse(at: str) -> datetime:
     return datetime.fromisoformat(at.replace("Z", "+00:00"))
+
+
+async def test_a_taken_run_waiting_on_a_dead_worker_is_refunded_in_full(
+    run_settings: Settings,
+) -> None:
+    api = await Runtime.start(run_settings, watchdog=False)
+    worker = await Runtime.start(
+        run_settings.model_copy(update={"host_id": "w9"}), recover=False, watchdog=False
+    )
+    worker.hold_leases(30)
+    try:
+        org = await api.local_org()
+        row, _ = await api.store.admit_run(
+            org_id=org,
+            run_id=new_run_id(),
+            model="replay/sandbox-proof",
+            prompt="p",
+            policy=RunRequest(prompt="p").policy().model_dump(mode="json"),
+        )
+        assert await worker.take(row.id) is True
+        taken = await api.store.get_run(row.id)
+        assert (taken.status, taken.host, taken.owner) == ("queued", "w9", worker.owner)
+        assert await worker.take(row.id) is True  # still queued: taking again is harmless
+        # the worker dies while the run waits for a slot: its lease runs out
+        await api.store.renew_leases(
+            [row.id], renewed_at=utcnow(), expires_at=utcnow() - timedelta(seconds=1)
+        )
+        assert await api.settle_expired_leases() == [row.id]
+        settled = await api.store.get_run(row.id)
+        assert await worker.grant(row.id) is False  # nothing left to start
+    finally:
+        await worker.close()
+        await api.close()
+    assert (settled.status, settled.termination_reason) == ("failed", "infra_error")
+    assert (settled.charged_micros, settled.refunded_micros) == (0, settled.reserved_micros)
