@@ -57,6 +57,8 @@ class Cluster:
         )
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.ports: dict[str, int] = {}
+        self.api_url = ""  # the API process serving now (set by its user)
+        self.api_key = ""
 
     # processes -------------------------------------------------------------------------------
     def state_dir(self, name: str) -> Path:

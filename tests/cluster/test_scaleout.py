@@ -149,8 +149,8 @@ def cluster(
     )
     try:
         c.start()
-        c.api_key = c.make_key("acme", 100_000_000)  # type: ignore[attr-defined]
-        c.api_url = c.start_api()  # type: ignore[attr-defined]
+        c.api_key = c.make_key("acme", 100_000_000)
+        c.api_url = c.start_api()
         c.start_worker("a", limit=3)
         c.start_worker("b", limit=3)
         yield c
@@ -160,7 +160,7 @@ def cluster(
 
 @pytest.fixture
 def api(cluster: Cluster) -> Api:
-    return Api(cluster.api_url, cluster.api_key)  # type: ignore[attr-defined]
+    return Api(cluster.api_url, cluster.api_key)
 
 
 def test_twenty_sample_runs_spread_over_both_hosts(cluster: Cluster, api: Api) -> None:
@@ -260,13 +260,13 @@ def test_runs_complete_when_the_api_process_dies(cluster: Cluster, api: Api) -> 
     cluster.kill("api")
     time.sleep(4)  # the runs finish on the workers while no API process exists
     url = cluster.start_api("api2")
-    again = Api(url, cluster.api_key)  # type: ignore[attr-defined]
+    again = Api(url, cluster.api_key)
     for run in runs:
         obj = again.settled(run["id"])
         assert obj["status"] == "succeeded", obj
         assert obj["output"] == "brief nap"
         assert_money(obj)
-    cluster.api_url = url  # type: ignore[attr-defined]
+    cluster.api_url = url
     wait_reserved_zero(cluster)
 
 
@@ -338,7 +338,6 @@ async def _suite_rows(db_url: str, suite_run_id: str) -> list[Any]:
 def test_zdr_output_read_once_and_nowhere_at_rest(
     cluster: Cluster, api: Api, postgres_cluster: PgCluster
 ) -> None:
-    api = Api(cluster.api_url, cluster.api_key)  # type: ignore[attr-defined]
     run = api.post(
         {
             **SAMPLE,
