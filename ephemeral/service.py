@@ -219,7 +219,7 @@ class Runtime:
         the shared key, deleted at that read or after ``zdr_ttl_seconds``."""
         from ephemeral.broker.secrets import Sealer
 
-        token = Sealer(self.settings.seal_key_path).seal({"text": text})
+        token = Sealer.for_settings(self.settings).seal({"text": text})
         expires = utcnow() + timedelta(seconds=self.settings.zdr_ttl_seconds)
         await self.store.put_sealed(run_id, kind, token, expires)
 
@@ -230,7 +230,7 @@ class Runtime:
         token = await self.store.take_sealed(run_id, kind)
         if token is None:
             return None
-        return Sealer(self.settings.seal_key_path).open(token).get("text")
+        return Sealer.for_settings(self.settings).open(token).get("text")
 
     async def submit(self, org_id: str, request: RunRequest, **kw: Any) -> tuple[RunRow, bool]:
         """Admit and start in the background (the API's path).

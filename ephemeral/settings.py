@@ -105,8 +105,9 @@ class Settings(BaseSettings):
         default=30.0,
         ge=1.0,
         le=3600.0,
-        description="A worker renews a lease on each run it executes; a run whose lease ran out "
-        "this long ago is settled `failed`/`infra_error` by any live worker or API process.",
+        description="The lease a worker holds on each run it executes, renewed every third of it; "
+        "a run whose lease expired (its host died) is settled `failed`/`infra_error` by any live "
+        "worker or API process.",
     )
     zdr_ttl_seconds: int = Field(
         default=900,
@@ -132,6 +133,12 @@ class Settings(BaseSettings):
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()
+
+    @field_validator("records_root", "seal_key_file")
+    @classmethod
+    def _absolute_if_set(cls, v: Path | None) -> Path | None:
+        # shared paths: the same on every host, never relative to a working directory
+        return None if v is None else v.expanduser().resolve()
 
     @field_validator("runsc_path")
     @classmethod
