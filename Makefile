@@ -8,7 +8,7 @@ APT_PACKAGES := bubblewrap runsc qemu-system-x86 mmdebstrap e2fsprogs busybox-st
                 chromium postgresql
 PYTEST_ARGS ?=
 
-.PHONY: setup apt venv image prefect-template demo test test-fast bench lint fmt serve serve-prefect clean
+.PHONY: setup apt venv image prefect-template demo test test-fast bench lint fmt serve serve-prefect cluster clean
 
 setup: apt venv image prefect-template
 
@@ -94,6 +94,11 @@ serve-prefect: setup
 	$(VENV)/bin/prefect --no-prompt deploy --all; \
 	$(VENV)/bin/prefect worker start --pool ephemeral-local --type process & worker=$$!; \
 	wait $$worker
+
+# Scale-out on this machine (docs/deploy.md): PostgreSQL, the Prefect server, the API with
+# EPHEMERAL_EXECUTOR=prefect and two workers (hosts a and b). Ctrl-C stops them all.
+cluster: setup
+	$(PY) -m tests.cluster.run --port $${EPHEMERAL_PORT:-8000}
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache test-artifacts

@@ -10,6 +10,7 @@ not saturated would). Runs are sequential; each uses the product page's request 
 
     accept = POST sent → 201 received (admission: auth, validation, reservation, record)
     ready  = POST sent → the run's ``sandbox.ready`` event time (server clock, same host)
+    started = POST sent → ``worker.started`` (the moment the agent can act: what a user waits for)
     settle = POST sent → ``run.settled`` seen on the SSE stream
 """
 
@@ -52,7 +53,7 @@ def pct(values: list[float], p: float) -> float:
 
 def line(name: str, values: list[float]) -> str:
     return (
-        f"{name:<7} n={len(values):<3} p50={pct(values, 50):7.1f} ms  "
+        f"{name:<8} n={len(values):<3} p50={pct(values, 50):7.1f} ms  "
         f"p90={pct(values, 90):7.1f} ms  p99={pct(values, 99):7.1f} ms  "
         f"max={max(values):7.1f} ms"
     )
@@ -97,6 +98,7 @@ async def bench(args: argparse.Namespace) -> None:
 
     accept: list[float] = []
     ready: list[float] = []
+    started: list[float] = []
     settle: list[float] = []
     boot: list[float] = []
     async with httpx.AsyncClient(
@@ -114,7 +116,7 @@ async def bench(args: argparse.Namespace) -> None:
             t_accept = time.time()
             r.raise_for_status()
             run_id = r.json()["id"]
-            ready_at = None
+            ready_at = started_at = None
             async with client.stream(
                 "GET", f"/v1/runs/{run_id}/events", headers={"Accept": "text/event-stream"}
             ) as s:
@@ -125,6 +127,8 @@ async def bench(args: argparse.Namespace) -> None:
                     if ev["type"] == "sandbox.ready":
                         ready_at = at_seconds(ev["at"])
                         boot.append(float(ev["data"].get("boot_ms") or 0))
+                    if ev["type"] == "worker.started":
+                        started_at = at_seconds(ev["at"])
                     if ev["type"] == "run.settled":
                         break
             t_settle = time.time()
@@ -134,11 +138,14 @@ async def bench(args: argparse.Namespace) -> None:
             accept.append((t_accept - t0) * 1000)
             if ready_at is not None:
                 ready.append((ready_at - t0) * 1000)
+            if started_at is not None:
+                started.append((started_at - t0) * 1000)
             settle.append((t_settle - t0) * 1000)
     mode = "Prefect flow in-process" if settings.use_prefect else "no Prefect"
     print(f"POST /v1/runs → sandbox.ready, {args.runs} sequential runs, pool={args.pool}, {mode}")
     print(line("accept", accept))
     print(line("ready", ready))
+    print(line("started", started))
     print(line("settle", settle))
     print(f"(boot_ms reported by sandbox.ready: p50={pct(boot, 50):.0f})")
     server.should_exit = True

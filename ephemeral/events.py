@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict
 # type -> the keys its data carries. Docs and tests are checked against this table.
 EVENT_TYPES: dict[str, tuple[str, ...]] = {
     "run.queued": ("reserved_micros",),
+    "run.claimed": ("host",),
     "sandbox.ready": ("isolation", "image", "boot_ms", "runtime", "image_hash"),
     "worker.started": ("shell", "web", "connections", "files"),
     "model.called": ("model", "input_tokens", "output_tokens", "cost_micros", "latency_ms"),

@@ -15,6 +15,7 @@ import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
+from ephemeral import errors
 from ephemeral.settings import Settings
 
 _DEFAULTS = {
@@ -59,6 +60,20 @@ def configure(settings: Settings) -> None:
     os.environ.setdefault("PREFECT_HOME", str(home))
     for key, value in _DEFAULTS.items():
         os.environ.setdefault(key, value)
+    if settings.executor == "prefect":
+        if not os.environ.get("PREFECT_API_URL"):
+            raise errors.InvalidRequest.field(
+                "PREFECT_API_URL",
+                "EPHEMERAL_EXECUTOR=prefect hands runs to workers through one Prefect server; "
+                "set PREFECT_API_URL to it (docs/deploy.md)",
+            )
+        # Prefect keeps a deferred task's parameters (a run id and its own context, never
+        # content) in this storage; the API and every worker must share it. The records root
+        # is shared already. A storage block (PREFECT_TASKS_SCHEDULING_DEFAULT_STORAGE_BLOCK)
+        # replaces it, e.g. a bucket.
+        os.environ.setdefault(
+            "PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(settings.records_dir / "prefect-tasks")
+        )
     if os.environ.get("PREFECT_API_URL"):
         return  # a real Prefect server: its database (and its TLS) are its own
     # The embedded server speaks plain HTTP on loopback, so no certificate is ever checked;

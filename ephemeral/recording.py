@@ -40,7 +40,7 @@ def _verify_column(events: list[Event], zdr: bool) -> str | None:
 
 
 def build_records(
-    row: Any, events: list[Event]
+    row: Any, events: list[Event], host: str | None = None
 ) -> tuple[RunRecord, list[StepRecord], list[EventRecord]]:
     policy = row.policy or {}
     zdr = bool(policy.get("zero_data_retention"))
@@ -78,7 +78,7 @@ def build_records(
         compute_micros=int(breakdown.get("compute_micros", 0)),
         duration_ms=duration,
         checks=json.dumps(labels["checks"]) if "checks" in labels else None,
-        host=socket.gethostname(),
+        host=getattr(row, "host", None) or host or socket.gethostname(),
         image=getattr(row, "image", None),
         image_hash=getattr(row, "image_hash", None),
         verify=_verify_column(events, zdr),
@@ -163,5 +163,5 @@ def build_records(
 
 
 def record_run(settings: Settings, row: Any, events: list[Event]) -> None:
-    run, steps, event_records = build_records(row, events)
+    run, steps, event_records = build_records(row, events, host=settings.host_id)
     write_run(settings.records_dir, run, steps, event_records)

@@ -40,6 +40,7 @@ def run_object(row: Any, base_url: str | None = None) -> dict[str, Any]:
         "runtime": row.runtime,
         "image": getattr(row, "image", None),
         "image_hash": getattr(row, "image_hash", None),
+        "host": getattr(row, "host", None),
         "termination": (
             {"reason": row.termination_reason, "detail": row.termination_detail}
             if row.termination_reason

@@ -12,17 +12,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import UTC, datetime
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ephemeral import errors
 from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps, drive
 from ephemeral.broker import Broker
 from ephemeral.events import Event
-from ephemeral.executor import Executor, PlainExecutor
-from ephemeral.ids import new_run_id, utcnow
-from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus, TerminationReason, compute_charge
+from ephemeral.executor import Dispatcher, Executor, PlainExecutor
+from ephemeral.ids import new_run_id, rfc3339, utcnow
+from ephemeral.lifecycle import (
+    OPEN_STATUSES,
+    TERMINAL_STATUSES,
+    RunStatus,
+    TerminationReason,
+    compute_charge,
+)
 from ephemeral.owner import is_alive, this_process
 from ephemeral.policy import Policy, RunRequest
 from ephemeral.pricing import PriceBook
@@ -37,6 +43,8 @@ from ephemeral.store import RunRow, Store
 log = logging.getLogger("ephemeral.service")
 
 EVENT_POLL_SECONDS = 0.1
+CANCEL_POLL_SECONDS = 0.5  # how often a worker looks for cancel requests on its runs
+CANCEL_WAIT_SECONDS = 5.0  # how long a cancel waits for another process to end the run
 WATCHDOG_SECONDS = 5.0  # how often the watchdog looks for runs that nothing is finishing
 WATCHDOG_GRACE_SECONDS = 60.0  # past a run's time limit before the watchdog steps in
 ISOLATION_LEVELS = ("microvm-kvm", "microvm-tcg", "gvisor", "namespaces")
@@ -82,6 +90,13 @@ class Runtime:
         from ephemeral.sessions import Sessions
 
         self.sessions = Sessions(self)  # sandbox sessions live here (ephemeral.sessions)
+        self.host = settings.host_id
+        # Scale-out (docs/deploy.md). A worker holds leases on the runs it executes; an API
+        # process with a dispatcher hands admitted runs to Prefect instead of executing them.
+        self.lease_seconds: float | None = None
+        self.dispatcher: Callable[[str], Awaitable[None]] | None = None
+        self.lease_expired_hooks: list[Callable[[str], Awaitable[None]]] = []
+        self._leases: asyncio.Task[None] | None = None
 
     # lifecycle -----------------------------------------------------------------------------
     @classmethod
@@ -103,6 +118,8 @@ class Runtime:
         settings.state_dir.mkdir(parents=True, exist_ok=True)
         store = await Store.open(settings.db_url)
         runtime = cls(settings, store, PriceBook.load(settings), executor)
+        if isinstance(executor, Dispatcher):
+            runtime.dispatcher = executor.dispatch
         _by_loop[asyncio.get_running_loop()] = runtime
         if recover:
             await runtime.recover()
@@ -110,13 +127,15 @@ class Runtime:
             await runtime._start_pool()
         if watchdog:
             runtime._watchdog = asyncio.create_task(runtime._watch(), name="run-watchdog")
+            runtime._leases = asyncio.create_task(runtime._watch_runs(), name="run-leases")
         return runtime
 
     async def close(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            with contextlib.suppress(BaseException):
-                await self._watchdog
+        for loop_task in (self._watchdog, self._leases):
+            if loop_task is not None:
+                loop_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await loop_task
         for task in list(self._running.values()):
             task.cancel()
         for task in list(self._running.values()):
@@ -186,17 +205,41 @@ class Runtime:
             org_id=org_id,
             run_id=new_run_id(),
             model=model,
-            # Under zero data retention the prompt lives only in this process's memory.
+            # Under zero data retention the prompt lives only in this process's memory (or,
+            # for a run another host executes, sealed in the store until that host takes it).
             prompt=None if policy.zero_data_retention else request.prompt,
             policy=policy.model_dump(mode="json"),
             labels=labels,
             idempotency_key=idempotency_key,
             body_hash=body_hash,
-            owner=self.owner,
+            # A dispatched run has no owner until a worker claims it: no process's death or
+            # recovery may take it for an orphan while it waits in Prefect's queue.
+            owner=None if self.dispatcher is not None else self.owner,
         )
         if not replayed and policy.zero_data_retention:
-            self.keep_prompt(row.id, request.prompt)
+            if self.dispatcher is not None:
+                await self.seal(row.id, "prompt", request.prompt)
+            else:
+                self.keep_prompt(row.id, request.prompt)
         return row, replayed
+
+    async def seal(self, run_id: str, kind: str, text: str) -> None:
+        """Keep zero-data-retention content for one reader in another process: sealed with
+        the shared key, deleted at that read or after ``zdr_ttl_seconds``."""
+        from ephemeral.broker.secrets import Sealer
+
+        token = Sealer.for_settings(self.settings).seal({"text": text})
+        expires = utcnow() + timedelta(seconds=self.settings.zdr_ttl_seconds)
+        await self.store.put_sealed(run_id, kind, token, expires)
+
+    async def unseal(self, run_id: str, kind: str) -> str | None:
+        """Take sealed content out of the store: whoever calls first gets it, once."""
+        from ephemeral.broker.secrets import Sealer
+
+        token = await self.store.take_sealed(run_id, kind)
+        if token is None:
+            return None
+        return Sealer.for_settings(self.settings).open(token).get("text")
 
     async def submit(self, org_id: str, request: RunRequest, **kw: Any) -> tuple[RunRow, bool]:
         """Admit and start in the background (the API's path).
@@ -213,6 +256,12 @@ class Runtime:
                 "execution slots; retry after the time in Retry-After",
                 retry_after=min(60.0, max(1.0, retry_after)),
             )
+        if self.dispatcher is not None:
+            # Prefect's queue holds the waiting runs; the workers' own limits bound them.
+            row, replayed = await self.admit(org_id, request, **kw)
+            if not replayed:
+                await self.dispatch(row.id)
+            return row, replayed
         self._admitting += 1
         try:
             row, replayed = await self.admit(org_id, request, **kw)
@@ -221,6 +270,18 @@ class Runtime:
         finally:
             self._admitting -= 1
         return row, replayed
+
+    async def dispatch(self, run_id: str) -> None:
+        """Hand an admitted run to the dispatcher; if that fails the run ends ``infra_error``
+        (its reservation refunded) and the error propagates."""
+        assert self.dispatcher is not None
+        try:
+            await self.dispatcher(run_id)
+        except Exception as exc:
+            await self._fail(run_id, exc)
+            raise errors.EphemeralError(
+                f"could not hand the run to a worker: {brief_error(exc)}", cause=exc
+            ) from exc
 
     def keep_prompt(self, run_id: str, prompt: str) -> None:
         """Hold a zero-data-retention prompt in memory for the runtime that will build the run."""
@@ -255,6 +316,8 @@ class Runtime:
         policy = Policy.model_validate(row.policy)
         if policy.zero_data_retention:
             prompt = self._zdr_prompts.pop(run_id, None)
+            if prompt is None:
+                prompt = await self.unseal(run_id, "prompt")
             if prompt is None:
                 raise errors.InvalidRequest(
                     "a zero-data-retention run can only execute in the process that admitted it"
@@ -330,11 +393,46 @@ class Runtime:
                 expect={RunStatus.QUEUED},
                 to=RunStatus.PROVISIONING,
                 started_at=utcnow(),
+                events=[("run.claimed", {"host": self.host})] if self.lease_seconds else (),
+                **self._claim_fields(),
             )
         except errors.Conflict:  # cancelled or abandoned while it waited
             return False
         self._granted.add(run_id)
         return True
+
+    async def take(self, run_id: str) -> bool:
+        """A worker takes a dispatched run as soon as Prefect hands it over, before it waits
+        for a slot: the run stays ``queued`` (nothing is charged) but carries this host, this
+        process as owner and a lease, so if the worker dies while the run waits, the run is
+        settled like any other of a dead host. False if the run no longer waits."""
+        task = asyncio.current_task()
+        try:
+            await self.store.transition(
+                run_id, expect={RunStatus.QUEUED}, to=RunStatus.QUEUED, **self._claim_fields()
+            )
+        except errors.Conflict:
+            return False
+        if task is not None:
+            self._running.setdefault(run_id, task)  # its lease is renewed, cancels reach it
+        return True
+
+    async def drop(self, run_id: str, exc: BaseException) -> None:
+        """A taken run cannot execute here (no slot): end it ``infra_error``, let it go."""
+        task = self._running.get(run_id)
+        if task is asyncio.current_task():
+            del self._running[run_id]
+        await self._fail(run_id, exc)
+
+    def _claim_fields(self) -> dict[str, Any]:
+        """What a slot grant writes besides the status: this host, and (on a worker, whose
+        runs other processes watch) this process as owner and a fresh lease."""
+        fields: dict[str, Any] = {"host": self.host, "owner": self.owner}
+        if self.lease_seconds is not None:
+            now = utcnow()
+            fields["lease_renewed_at"] = now
+            fields["lease_expires_at"] = now + timedelta(seconds=self.lease_seconds)
+        return fields
 
     async def _fail(self, run_id: str, exc: BaseException) -> None:
         """An exception escaped the execution path: end the run ``infra_error`` with the reason."""
@@ -362,7 +460,10 @@ class Runtime:
         finally:
             self._agents.pop(agent.run_id, None)
         if agent.zdr and agent.output is not None:
-            self._zdr_outputs[agent.run_id] = agent.output
+            if self.lease_seconds is not None:  # a worker: the reader is in another process
+                await self.seal(agent.run_id, "output", agent.output)
+            else:
+                self._zdr_outputs[agent.run_id] = agent.output
         await (record or self.record)(row.id)
         return row
 
@@ -371,9 +472,21 @@ class Runtime:
         events = await self.store.list_events(run_id)
         await asyncio.to_thread(record_run, self.settings, row, events)
 
+    def keep_zdr_output(self, run_id: str, output: str) -> None:
+        """Hold a zero-data-retention output in memory for its one reader in this process."""
+        self._zdr_outputs[run_id] = output
+
     def take_zdr_output(self, run_id: str) -> str | None:
         """A zero-data-retention run's output is delivered once, then forgotten."""
         return self._zdr_outputs.pop(run_id, None)
+
+    async def claim_zdr_output(self, row: RunRow) -> str | None:
+        """The output of a zero-data-retention run, for its first reader only: from this
+        process's memory, or sealed in the store by the worker that ran it."""
+        output = self.take_zdr_output(row.id)
+        if output is None and row.policy.get("zero_data_retention"):
+            output = await self.unseal(row.id, "output")
+        return output
 
     # control -------------------------------------------------------------------------------
     async def cancel(self, run_id: str, org_id: str | None = None) -> RunRow:
@@ -382,6 +495,8 @@ class Runtime:
             return row
         if row.kind == "session" and self.sessions.owns(run_id):
             return await self.sessions.end(run_id, org_id, cancelled=True)
+        if self.dispatcher is not None:  # its runs execute on workers, never here
+            return await self._cancel_elsewhere(row)
         agent = self._agents.get(run_id)
         task = self._running.get(run_id)
         if agent is not None:
@@ -395,10 +510,34 @@ class Runtime:
             with contextlib.suppress(BaseException):
                 await task
             await self._abandon(run_id, TerminationReason.CANCELLED, "cancelled by request")
-        elif is_alive(row.owner) is False or row.owner == self.owner:
+        elif row.owner == self.owner:
             await self._abandon(run_id, TerminationReason.CANCELLED, "cancelled by request")
         else:
-            raise errors.Conflict("the run is executing in another process; cancel it there")
+            return await self._cancel_elsewhere(row)
+        return await self.store.get_run(run_id)
+
+    async def _cancel_elsewhere(self, row: RunRow) -> RunRow:
+        """Cancel a run no task of this process executes: still waiting for a worker, it is
+        closed here; claimed by some process (any host), that process is asked through the
+        store and acts within ``CANCEL_POLL_SECONDS``; if that process is dead, here."""
+        run_id = row.id
+        if row.status == RunStatus.QUEUED:
+            try:
+                await self._abandon(
+                    run_id,
+                    TerminationReason.CANCELLED,
+                    "cancelled by request",
+                    expect={RunStatus.QUEUED},
+                )
+                return await self.store.get_run(run_id)
+            except errors.Conflict:
+                pass  # a worker claimed it meanwhile: ask that worker
+        await self.store.request_cancel(run_id)
+        row = await self.store.get_run(run_id)
+        if row.status not in TERMINAL_STATUSES and is_alive(row.owner) is False:
+            await self._abandon(run_id, TerminationReason.CANCELLED, "cancelled by request")
+        with contextlib.suppress(TimeoutError):
+            return await self.wait(run_id, timeout=CANCEL_WAIT_SECONDS)
         return await self.store.get_run(run_id)
 
     async def wait(self, run_id: str, timeout: float | None = None) -> RunRow:
@@ -467,7 +606,66 @@ class Runtime:
                 await self._abandon(row.id, TerminationReason.INFRA_ERROR, detail)
             finished.append(row.id)
         self._suspects = suspects
+        finished += await self.settle_expired_leases()
+        await self.store.purge_sealed(now)
         return finished
+
+    async def settle_expired_leases(self) -> list[str]:
+        """Settle runs whose executing host stopped renewing their lease (it died): failed,
+        ``infra_error``, compute charged up to the last renewal. Safe from many processes."""
+        finished = []
+        for row in await self.store.expired_leases(utcnow()):
+            if row.id in self._running:
+                continue  # ours and alive: the renewal is merely late
+            log.error("run %s: the lease of host %s expired", row.id, row.host)
+            try:
+                await self._abandon(
+                    row.id,
+                    TerminationReason.INFRA_ERROR,
+                    f"host {row.host} stopped renewing the run's lease (it died or lost the store)",
+                )
+            except errors.Conflict:
+                continue
+            finished.append(row.id)
+            for hook in self.lease_expired_hooks:
+                try:
+                    await hook(row.id)
+                except Exception:
+                    log.exception("run %s: a lease-expiry hook failed", row.id)
+        return finished
+
+    # leases --------------------------------------------------------------------------------
+    def hold_leases(self, lease_seconds: float) -> None:
+        """Make this runtime a worker: its slot grants take a lease, renewed every third of
+        ``lease_seconds`` while the run executes here (by the run watcher)."""
+        self.lease_seconds = lease_seconds
+
+    async def _watch_runs(self) -> None:
+        """Every ``CANCEL_POLL_SECONDS``: act on cancel requests that any process wrote to the
+        store for runs executing here, and (on a worker) renew their leases when due."""
+        renewed = time.monotonic()
+        cancelling: dict[str, asyncio.Task[RunRow]] = {}
+        while True:
+            await asyncio.sleep(CANCEL_POLL_SECONDS)
+            try:
+                mine = list(self._running)
+                lease = self.lease_seconds
+                if lease is not None and time.monotonic() - renewed >= lease / 3:
+                    now = utcnow()
+                    await self.store.renew_leases(
+                        mine, renewed_at=now, expires_at=now + timedelta(seconds=lease)
+                    )
+                    renewed = time.monotonic()
+                for run_id in await self.store.cancel_requested(mine):
+                    if run_id in self._running and run_id not in cancelling:
+                        cancelling[run_id] = asyncio.create_task(
+                            self.cancel(run_id), name=f"cancel-{run_id}"
+                        )
+                for run_id, task in list(cancelling.items()):
+                    if task.done():
+                        del cancelling[run_id]
+            except Exception:
+                log.exception("run watcher: cancel poll or lease renewal failed")
 
     async def _stop(self, run_id: str, task: asyncio.Task[RunRow]) -> None:
         task.cancel()
@@ -482,6 +680,8 @@ class Runtime:
 
         orphans: list[RunRow] = []
         for row in await self.store.open_runs():
+            if row.owner is None:
+                continue  # dispatched, waiting in Prefect's queue for a worker to claim it
             if is_alive(row.owner) is False and row.owner != self.owner:
                 orphans.append(row)
         orphan_ids = {r.id for r in orphans}
@@ -525,16 +725,30 @@ class Runtime:
         detail = "cancelled by request" if cancelled else "the run's process died"
         await self._abandon(run_id, reason, detail)
 
-    async def _abandon(self, run_id: str, reason: TerminationReason, detail: str) -> None:
-        """Close a run that has no live agent: charge compute it used, settle, record."""
+    async def _abandon(
+        self,
+        run_id: str,
+        reason: TerminationReason,
+        detail: str,
+        *,
+        expect: Collection[RunStatus] = OPEN_STATUSES,
+    ) -> None:
+        """Close a run that has no live agent: charge compute it used, settle, record.
+
+        Any number of processes may abandon the same run at once: the compute charge is
+        idempotent on its ledger key and the close is a compare-and-set, so it settles once.
+        """
         row = await self.store.get_run(run_id)
         events = await self.store.list_events(run_id)
         types = [e.type for e in events]
         if "sandbox.ready" in types and "sandbox.destroyed" not in types:
             # The agent's own clock died with it: the sandbox lived from its ready event to the
-            # last thing the run recorded.
+            # last thing the run recorded, or to the last lease renewal of its host.
             ready = next(e for e in events if e.type == "sandbox.ready")
-            lifetime = _ms_between(ready.at, events[-1].at)
+            end = events[-1].at
+            if row.lease_renewed_at is not None:
+                end = max(end, rfc3339(row.lease_renewed_at), key=_parse_at)
+            lifetime = _ms_between(ready.at, end)
             policy = Policy.model_validate(row.policy)
             limits = self.default_limits(policy.timeout_seconds)
             charged = await self.store.charged(run_id)
@@ -559,6 +773,7 @@ class Runtime:
             detail=detail,
             usage=row.usage or {},
             output=row.output,
+            expect=expect,
         )
         await self.record(run_id)
 
@@ -604,12 +819,12 @@ class Runtime:
         }
 
 
-def _ms_between(a: str, b: str) -> int:
-    from datetime import datetime
+def _parse_at(at: str) -> datetime:
+    return datetime.fromisoformat(at.replace("Z", "+00:00"))
 
-    ta = datetime.fromisoformat(a.replace("Z", "+00:00"))
-    tb = datetime.fromisoformat(b.replace("Z", "+00:00"))
-    return max(0, int((tb - ta).total_seconds() * 1000))
+
+def _ms_between(a: str, b: str) -> int:
+    return max(0, int((_parse_at(b) - _parse_at(a)).total_seconds() * 1000))
 
 
 def _aware(at: datetime) -> datetime:

@@ -6,6 +6,7 @@ each call :func:`Settings.load` (or receive a ``Settings``) and hand it on.
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Literal
 
@@ -113,10 +114,57 @@ class Settings(BaseSettings):
     openrouter_base_url: str = "https://openrouter.ai/api/v1"
     anthropic_base_url: str = "https://api.anthropic.com"
 
+    # scale-out (docs/deploy.md): where runs execute and how hosts share them
+    executor: Literal["local", "prefect"] = Field(
+        default="local",
+        description="`local`: `ephemeral serve` executes every run in its own process. `prefect`: "
+        "it admits runs and hands each to a Prefect task worker (`ephemeral worker`), so the API "
+        "process starts no sandbox; `ephemeral run`/`eval` dispatch their runs the same way.",
+    )
+    host_id: str = Field(
+        default_factory=socket.gethostname,
+        pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$",
+        description="This host's name on runs, events and records (default: the hostname). "
+        "Several workers on one machine with their own state dirs simulate several hosts.",
+    )
+    lease_seconds: float = Field(
+        default=30.0,
+        ge=1.0,
+        le=3600.0,
+        description="The lease a worker holds on each run it executes, renewed every third of it; "
+        "a run whose lease expired (its host died) is settled `failed`/`infra_error` by any live "
+        "worker or API process.",
+    )
+    zdr_ttl_seconds: int = Field(
+        default=900,
+        ge=10,
+        le=86_400,
+        description="How long a zero-data-retention prompt or output may wait, sealed in the "
+        "store, for its one reader before it is deleted unread.",
+    )
+    records_root: Path | None = Field(
+        default=None,
+        validation_alias=AliasChoices("EPHEMERAL_RECORDS_DIR", "records_root"),
+        description="The records root (`EPHEMERAL_RECORDS_DIR`), possibly shared by many hosts: "
+        "each writes its own `host=` partition. Default: `<state_dir>/records`.",
+    )
+    seal_key_file: Path | None = Field(
+        default=None,
+        description="The Fernet key sealing connection credentials and zero-data-retention "
+        "content in the store. Hosts that share one store share it. Default: "
+        "`<state_dir>/broker.key`.",
+    )
+
     @field_validator("state_dir", "cache_dir", "images_dir", "recipes_dir", "cassettes_dir")
     @classmethod
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()
+
+    @field_validator("records_root", "seal_key_file")
+    @classmethod
+    def _absolute_if_set(cls, v: Path | None) -> Path | None:
+        # shared paths: the same on every host, never relative to a working directory
+        return None if v is None else v.expanduser().resolve()
 
     @field_validator("runsc_path")
     @classmethod
@@ -137,7 +185,11 @@ class Settings(BaseSettings):
 
     @property
     def records_dir(self) -> Path:
-        return self.state_dir / "records"
+        return self.records_root or self.state_dir / "records"
+
+    @property
+    def seal_key_path(self) -> Path:
+        return self.seal_key_file or self.state_dir / "broker.key"
 
     @property
     def image_cache_dir(self) -> Path:

@@ -25,7 +25,12 @@ FLOW_START_BACKOFF_SECONDS = 1.0
 
 
 def executor_for(settings: Settings) -> Executor:
-    """The executor ``use_prefect`` asks for: the ``agent-run`` flow, or plain steps."""
+    """The executor the settings ask for: dispatch to workers (``executor=prefect``), the
+    ``agent-run`` flow in this process (``use_prefect``), or plain steps."""
+    if settings.executor == "prefect":
+        from ephemeral.flows.dispatch import DispatchExecutor
+
+        return DispatchExecutor()
     return PrefectExecutor() if settings.use_prefect else PlainExecutor()
 
 

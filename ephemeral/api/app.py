@@ -55,6 +55,13 @@ async def start_runtime(settings: Settings, *, warm_pool: bool) -> Runtime:
     event loop (:mod:`ephemeral.flowloop`), so this one stays free for HTTP."""
     from ephemeral.flows.executor import PrefectExecutor
 
+    if settings.executor == "prefect":
+        # Dispatch: this process admits, streams and cancels; workers execute. No warm pool.
+        from ephemeral.flows.dispatch import DispatchExecutor, mark_crashed
+
+        runtime = await Runtime.start(settings, executor=DispatchExecutor(), recover=True)
+        runtime.lease_expired_hooks.append(mark_crashed)
+        return runtime
     if not settings.use_prefect:
         return await Runtime.start(settings, warm_pool=warm_pool, recover=True)
     from ephemeral.flowloop import start_bridged

@@ -63,12 +63,13 @@ def base_url(request: Request) -> str:
     return str(request.base_url).rstrip("/")
 
 
-def render_run(request: Request, runtime: Runtime, row: RunRow) -> dict[str, Any]:
+async def render_run(request: Request, runtime: Runtime, row: RunRow) -> dict[str, Any]:
     obj = run_object(row, base_url(request))
     if obj["output"] is None and row.status in TERMINAL_STATUSES and row.settled:
-        # A zero-data-retention run's output is held in memory and handed out exactly once
-        # (to the first read of the settled run: `runs.wait` returns that read).
-        obj["output"] = runtime.take_zdr_output(row.id)
+        # A zero-data-retention run's output is held in memory (or sealed in the store by the
+        # worker that ran it) and handed out exactly once (to the first read of the settled
+        # run: `runs.wait` returns that read).
+        obj["output"] = await runtime.claim_zdr_output(row)
     return obj
 
 
@@ -115,9 +116,8 @@ async def create_run(
     headers = {"Location": f"/v1/runs/{row.id}"}
     if replayed:
         headers["Idempotent-Replayed"] = "true"
-    return JSONResponse(
-        render_run(request, runtime, row), status_code=200 if replayed else 201, headers=headers
-    )
+    obj = await render_run(request, runtime, row)
+    return JSONResponse(obj, status_code=200 if replayed else 201, headers=headers)
 
 
 @v1.get("/runs", response_model=RunPage, responses=problems(401, 422), summary="List runs")
@@ -138,7 +138,7 @@ async def list_runs(
 @v1.get("/runs/{run_id}", response_model=RunObject, responses=problems(401, 404, 422))
 async def get_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> dict[str, Any]:
     row = await runtime.store.get_run(run_id, who.org_id)
-    return render_run(request, runtime, row)
+    return await render_run(request, runtime, row)
 
 
 @v1.get(
@@ -179,7 +179,7 @@ async def get_events(
     return JSONResponse(events)
 
 
-@v1.post("/runs/{run_id}/cancel", response_model=RunObject, responses=problems(401, 404, 409, 422))
+@v1.post("/runs/{run_id}/cancel", response_model=RunObject, responses=problems(401, 404, 422))
 async def cancel_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> dict[str, Any]:
     row = await runtime.cancel(run_id, who.org_id)
     return run_object(row, base_url(request))
@@ -200,7 +200,7 @@ async def delete_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> d
         except TimeoutError as exc:
             raise errors.Conflict("the run is still stopping; retry the DELETE") from exc
     await runtime.store.erase_content(run_id)
-    runtime.take_zdr_output(run_id)
+    await runtime.claim_zdr_output(await runtime.store.get_run(run_id))
     return run_object(await runtime.store.get_run(run_id, who.org_id), base_url(request))
 
 

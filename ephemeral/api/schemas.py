@@ -69,6 +69,8 @@ class RunObject(BaseModel):
     image_hash: str | None = None
     # the sandbox runtime's version line, measured by the host ("runsc version 0.0~20221219.0")
     runtime: str | None = None
+    # the EPHEMERAL_HOST_ID of the host that executed (or is executing) the run
+    host: str | None = None
     termination: Termination | None
     usage: Usage
     cost: Cost

@@ -27,7 +27,7 @@ class Sealer:
 
     @classmethod
     def for_settings(cls, settings: Settings) -> Sealer:
-        return cls(settings.state_dir / KEY_FILE)
+        return cls(settings.seal_key_path)  # EPHEMERAL_SEAL_KEY_FILE, else <state_dir>/broker.key
 
     def _key(self) -> Fernet:
         if self._fernet is None:

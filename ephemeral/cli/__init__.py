@@ -15,6 +15,7 @@ from ephemeral.cli import (
     sandbox,
     sandboxes,
     serve,
+    worker,
 )
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -28,6 +29,7 @@ serve.register(app)
 evals.register(app)
 export.register(app)
 sandboxes.register(app)
+worker.register(app)
 
 
 def main() -> None:

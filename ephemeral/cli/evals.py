@@ -171,7 +171,7 @@ def register(app: typer.Typer) -> None:
                     "EPHEMERAL_URL", "eval runs suites on this host; unset it to run one here"
                 )
             evaluation = evals.evaluation_for(str(suite), settings, compare_with=compare)
-            if settings.use_prefect:
+            if settings.use_prefect or settings.executor == "prefect":
                 from ephemeral.prefect_setup import configure
 
                 configure(settings)

@@ -155,7 +155,7 @@ def register(app: typer.Typer) -> None:
             from ephemeral.cli.remote import run_remote
 
             raise typer.Exit(run_remote(settings, requests, as_json))
-        if settings.use_prefect:
+        if settings.use_prefect or settings.executor == "prefect":
             from ephemeral.prefect_setup import configure
 
             configure(settings)

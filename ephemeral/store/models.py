@@ -76,6 +76,11 @@ class RunRow(_Row):
     erased_at: datetime | None = None
     kind: str | None = None  # "session" for a sandbox session; None is a run
 
+    host: str | None = None
+    lease_renewed_at: datetime | None = None
+    lease_expires_at: datetime | None = None
+    cancel_requested_at: datetime | None = None
+
     @property
     def settled(self) -> bool:
         return self.settled_at is not None

@@ -114,6 +114,12 @@ runs = sa.Table(
     sa.Column("last_seq", sa.Integer, nullable=False, server_default="0"),
     # 'session' for a sandbox session (ephemeral.sessions); NULL is a run
     sa.Column("kind", sa.String(16), nullable=True),
+    # Scale-out (docs/deploy.md): the host executing the run, the lease it renews on it, and a
+    # cancel request any process may set for that host to act on.
+    sa.Column("host", sa.String(100), nullable=True),
+    sa.Column("lease_renewed_at", UTCDateTime, nullable=True),
+    sa.Column("lease_expires_at", UTCDateTime, nullable=True),
+    sa.Column("cancel_requested_at", UTCDateTime, nullable=True),
     sa.CheckConstraint("reserved_micros >= 0", name="runs_reserved_nonneg"),
     sa.CheckConstraint(
         "charged_micros >= 0 AND charged_micros <= reserved_micros", name="runs_charged_in_budget"
@@ -181,6 +187,18 @@ connections = sa.Table(
     sa.Column("header_names", JSONType, nullable=False),
     sa.Column("sealed_headers", sa.Text, nullable=False),
     sa.Column("created_at", UTCDateTime, nullable=False),
+)
+
+# Zero-data-retention content crossing processes (a prompt to the worker, an output to its
+# reader): a Fernet token, deleted when read or past ``expires_at``; never plaintext at rest.
+sealed_content = sa.Table(
+    "sealed_content",
+    metadata,
+    sa.Column("run_id", sa.String(40), sa.ForeignKey("runs.id"), primary_key=True),
+    sa.Column("kind", sa.String(16), primary_key=True),
+    sa.Column("sealed", sa.Text, nullable=False),
+    sa.Column("expires_at", UTCDateTime, nullable=False, index=True),
+    sa.CheckConstraint("kind IN ('prompt', 'output')", name="sealed_content_kind"),
 )
 
 

@@ -42,6 +42,7 @@ from ephemeral.store.schema import (
     run_events,
     run_transcripts,
     runs,
+    sealed_content,
     upgrade,
 )
 from ephemeral.store.schema import ledger as ledger_rows
@@ -55,8 +56,9 @@ MAX_TRANSCRIPT_BYTES = 32 << 20
 MAX_PAGE = 100
 IDEMPOTENCY_RETENTION = timedelta(hours=24)
 
-_DATETIME_FIELDS = ("started_at", "ended_at")
+_DATETIME_FIELDS = ("started_at", "ended_at", "lease_renewed_at", "lease_expires_at")
 _TEXT_FIELDS = (
+    "host",
     "isolation",
     "runtime",
     "sandbox_id",
@@ -508,6 +510,7 @@ class Store:
         usage: dict[str, Any],
         output: str | None,
         keep_output: bool = True,
+        expect: Collection[RunStatus] = OPEN_STATUSES,
     ) -> tuple[RunRow, Settlement]:
         """End an open run and settle it: one transaction, or nothing at all.
 
@@ -515,6 +518,8 @@ class Store:
         was charged, and appends ``run.<status>``, ``run.output`` (if any) and ``run.settled``.
         A run that is already terminal is left as it is, except that one a crash left
         unsettled (by an older version, which closed in several steps) is settled now.
+        ``expect`` narrows the statuses it closes from (a cancel of a ``queued`` run must not
+        close one a worker claimed meanwhile): Conflict if the run is open but not in it.
         """
         reason = TerminationReason(reason)
         status = STATUS_FOR_REASON[reason]
@@ -531,9 +536,11 @@ class Store:
         tokens = int(usage.get("input_tokens", 0)) + int(usage.get("output_tokens", 0))
         async with self._engine.begin() as conn:
             try:
-                await self._cas(conn, run_id, OPEN_STATUSES, values)
+                await self._cas(conn, run_id, expect, values)
             except errors.Conflict:
                 current = await self._run(conn, run_id)
+                if current.status in OPEN_STATUSES:
+                    raise
                 if current.settled:
                     return current, await ledger.settle(conn, run_id)
                 output = None  # closed earlier: only the settlement is missing
@@ -562,6 +569,86 @@ class Store:
                 },
             )
             return await self._run(conn, run_id), settlement
+
+    # -- scale-out: leases, cancel requests, sealed content -------------------------------------
+
+    async def renew_leases(
+        self, run_ids: Collection[str], *, renewed_at: datetime, expires_at: datetime
+    ) -> None:
+        """Extend the leases of these open runs (their executing host is alive)."""
+        if not run_ids:
+            return
+        async with self._engine.begin() as conn:
+            await conn.execute(
+                sa.update(runs)
+                .where(runs.c.id.in_(sorted(run_ids)), runs.c.status.in_(sorted(OPEN_STATUSES)))
+                .values(lease_renewed_at=renewed_at, lease_expires_at=expires_at)
+            )
+
+    async def expired_leases(self, now: datetime) -> list[RunRow]:
+        """Open runs whose executing host stopped renewing their lease before ``now``."""
+        return await self._runs_where(
+            runs.c.status.in_(sorted(OPEN_STATUSES)), runs.c.lease_expires_at < now
+        )
+
+    async def request_cancel(self, run_id: str) -> bool:
+        """Flag an open run for cancellation by the host executing it; False if it ended."""
+        async with self._engine.begin() as conn:
+            done = await conn.execute(
+                sa.update(runs)
+                .where(runs.c.id == run_id, runs.c.status.in_(sorted(OPEN_STATUSES)))
+                .values(cancel_requested_at=sa.func.coalesce(runs.c.cancel_requested_at, utcnow()))
+            )
+        return bool(done.rowcount)
+
+    async def cancel_requested(self, run_ids: Collection[str]) -> list[str]:
+        """Which of these runs some process asked to cancel."""
+        if not run_ids:
+            return []
+        async with self._reader.connect() as conn:
+            rows = await conn.execute(
+                sa.select(runs.c.id).where(
+                    runs.c.id.in_(sorted(run_ids)), runs.c.cancel_requested_at.is_not(None)
+                )
+            )
+            return [r[0] for r in rows]
+
+    async def put_sealed(self, run_id: str, kind: str, sealed: str, expires_at: datetime) -> None:
+        """Keep a sealed zero-data-retention prompt or output for its one reader."""
+        async with self._engine.begin() as conn:
+            stmt = ledger.insert(conn, sealed_content).values(
+                run_id=run_id, kind=kind, sealed=sealed, expires_at=expires_at
+            )
+            await conn.execute(
+                stmt.on_conflict_do_update(
+                    index_elements=[sealed_content.c.run_id, sealed_content.c.kind],
+                    set_={"sealed": stmt.excluded.sealed, "expires_at": stmt.excluded.expires_at},
+                )
+            )
+
+    async def take_sealed(self, run_id: str, kind: str) -> str | None:
+        """Delete and return it: of two readers in any processes, exactly one gets it."""
+        async with self._engine.begin() as conn:
+            row = (
+                await conn.execute(
+                    sa.delete(sealed_content)
+                    .where(
+                        sealed_content.c.run_id == run_id,
+                        sealed_content.c.kind == kind,
+                        sealed_content.c.expires_at >= utcnow(),
+                    )
+                    .returning(sealed_content.c.sealed)
+                )
+            ).first()
+        return None if row is None else str(row[0])
+
+    async def purge_sealed(self, now: datetime) -> int:
+        """Delete sealed content nobody read before it expired."""
+        async with self._engine.begin() as conn:
+            gone = await conn.execute(
+                sa.delete(sealed_content).where(sealed_content.c.expires_at < now)
+            )
+        return int(gone.rowcount or 0)
 
     async def open_runs(self) -> list[RunRow]:
         """Runs not yet in a terminal status (what crash recovery has to finish)."""
@@ -721,6 +808,7 @@ class Store:
                 .values(prompt=None, output=None, erased_at=utcnow())
             )
             await conn.execute(sa.delete(run_transcripts).where(run_transcripts.c.run_id == run_id))
+            await conn.execute(sa.delete(sealed_content).where(sealed_content.c.run_id == run_id))
             rows = await conn.execute(
                 sa.select(run_events.c.seq, run_events.c.data).where(run_events.c.run_id == run_id)
             )

@@ -1,0 +1,377 @@
+"""Scale-out: how fast Prefect hands a run to another process, and runs across workers.
+
+    .venv/bin/python bench/scaleout.py [--first-step 30] [--throughput 200] [--clients 16]
+    .venv/bin/python bench/scaleout.py --mechanisms [--n 20]
+
+Default: one real cluster on this machine (``tests/cluster/harness.py``: PostgreSQL 15 holding
+the store, one ``prefect server start`` on SQLite, ``ephemeral serve`` and ``ephemeral worker``
+processes, replay model ``replay/sandbox-proof``, warm pools of 2). Prints:
+
+- **time to first step**, accepted (the run's ``created_at``) → ``worker.started`` (the moment
+  the agent can act), p50 / p99 over sequential runs (a pause between runs lets warm pools
+  refill), for ``ephemeral serve`` in local mode with Prefect (``agent-run`` flow in-process,
+  against the same Prefect server) and in dispatch mode (``EPHEMERAL_EXECUTOR=prefect``, one
+  worker), in the same run;
+- **throughput**: N runs through the API from C concurrent clients, with 1 worker and with 2
+  workers (``--limit 4`` each): runs/s, failures, settle mismatches (charged + refunded ≠
+  reserved), overshoot (more runs executing at once on a host than its limit, from the runs'
+  ``started_at``/``ended_at``), and the org's reserved money at the end (must be 0).
+
+``--mechanisms`` chooses the dispatch mechanism (docs/deploy.md, "Scale-out"): one real
+``prefect server start`` (SQLite, the pre-migrated template) and, in turn, (a) a ``process``
+work-pool worker running flow runs of a deployment, and (b) a task worker
+(``prefect.task_worker.serve``) running ``task.delay()`` submissions. Each body is a no-op that
+writes the moment it starts; the figure is submit → body start, p50 / p99 over ``--n``
+sequential submissions (sequential: the latency a lone run sees, not a queue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.evals.prefect_server import PREFECT, PrefectServer  # noqa: E402
+
+EPHEMERAL_CMD = [sys.executable, "-m", "ephemeral.cli"]
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def _marks(path: Path) -> dict[int, float]:
+    if not path.exists():
+        return {}
+    out: dict[int, float] = {}
+    for line in path.read_text().splitlines():
+        i, at = line.split()
+        out[int(i)] = float(at)
+    return out
+
+
+async def _wait_mark(path: Path, i: int, timeout: float = 120) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = _marks(path).get(i)
+        if got is not None:
+            return got
+        await asyncio.sleep(0.005)
+    raise TimeoutError(f"submission {i} never started")
+
+
+def mechanisms(n: int) -> None:
+    from ephemeral.prefect_setup import ensure_template
+    from ephemeral.settings import Settings
+
+    with tempfile.TemporaryDirectory(prefix="scaleout-mech-") as tmp:
+        root = Path(tmp)
+        marks = root / "marks"
+        srv = PrefectServer(root / "prefect", template=ensure_template(Settings.load()))
+        env = {
+            "SCALEOUT_MARKS": str(marks),
+            "PREFECT_LOCAL_STORAGE_PATH": str(root / "storage"),
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "PYTHONPATH": str(REPO),
+        }
+        os.environ.update(srv.env(**env))
+        try:
+            srv.start()
+            # (a) deployment flow runs on a process pool
+            srv.prefect("work-pool", "create", "bench", "--type", "process")
+            deploy = (
+                "from prefect import flow\n"
+                f"flow.from_source(source={str(REPO)!r}, "
+                "entrypoint='bench/scaleout_targets.py:noop_flow').deploy("
+                "name='noop', work_pool_name='bench', build=False, push=False, "
+                "print_next_steps=False)"
+            )
+            import subprocess
+
+            subprocess.run([sys.executable, "-c", deploy], env=srv.env(**env), check=True)
+            srv.spawn("pool-worker", *PREFECT, "worker", "start", "--pool", "bench", **env)
+            flow_lat = asyncio.run(_flows(marks, n))
+            # (b) a task worker
+            srv.spawn(
+                "task-worker",
+                sys.executable,
+                "-c",
+                "from prefect.task_worker import serve\n"
+                "from bench.scaleout_targets import noop_task\n"
+                "serve(noop_task, limit=4)",
+                **env,
+            )
+            task_lat = asyncio.run(_tasks(marks, n))
+        finally:
+            srv.stop()
+    for name, lat in (("deployment on a process pool", flow_lat), ("task worker", task_lat)):
+        print(
+            f"{name:32s} submit -> body start  p50 {pct(lat, 0.5) * 1000:7.0f} ms  "
+            f"p99 {pct(lat, 0.99) * 1000:7.0f} ms  mean {statistics.mean(lat) * 1000:7.0f} ms"
+        )
+
+
+async def _flows(marks: Path, n: int) -> list[float]:
+    from prefect.deployments import run_deployment
+
+    out = []
+    for i in range(n):
+        t0 = time.time()
+        await run_deployment("scaleout-noop/noop", parameters={"i": i}, timeout=0)
+        out.append(await _wait_mark(marks, i) - t0)
+    return out
+
+
+async def _tasks(marks: Path, n: int) -> list[float]:
+    from bench.scaleout_targets import noop_task
+
+    out = []
+    await asyncio.sleep(2)  # the task worker subscribes
+    for i in range(1000, 1000 + n):
+        t0 = time.time()
+        noop_task.delay(i)
+        out.append(await _wait_mark(marks, i) - t0)
+    return out
+
+
+BODY = {
+    "prompt": "This is a sandbox test. Do these steps with the shell and report the real output, "
+    "never what you expect.",
+    "model": "replay/sandbox-proof",
+    "shell": True,
+    "timeout_seconds": 120,
+    "max_cost_micros": 40000,
+}
+
+
+def _at(value: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+class Client:
+    def __init__(self, url: str, key: str) -> None:
+        import httpx
+
+        self.http = httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120
+        )
+
+    def run(self, body: dict[str, object] = BODY) -> dict[str, object]:
+        """Submit (honouring 429) and poll until settled; returns the run and its events."""
+        while True:
+            res = self.http.post("/v1/runs", json=body)
+            if res.status_code != 429:
+                break
+            time.sleep(float(res.headers.get("Retry-After", "1")))
+        res.raise_for_status()
+        run_id = res.json()["id"]
+        while True:
+            events = self.http.get(f"/v1/runs/{run_id}/events").json()
+            if any(e["type"] == "run.settled" for e in events):
+                obj = self.http.get(f"/v1/runs/{run_id}").json()
+                return {"run": obj, "events": events}
+            time.sleep(0.1)
+
+
+def first_step(client: Client, n: int, phases: dict[str, list[float]]) -> list[float]:
+    """Accepted → ``worker.started`` per run; ``phases`` gets the parts (dispatch: accepted →
+    ``run.claimed`` → ``sandbox.ready`` → ``worker.started``)."""
+    out = []
+    for i in range(n + 1):  # run 0 warms caches up
+        got = client.run()
+        run, events = got["run"], got["events"]
+        assert isinstance(run, dict) and isinstance(events, list)
+        at = {e["type"]: _at(e["at"]) for e in events}
+        if i:
+            out.append(at["worker.started"] - _at(str(run["created_at"])))
+            if "run.claimed" in at:
+                phases.setdefault("accepted -> run.claimed", []).append(
+                    at["run.claimed"] - _at(str(run["created_at"]))
+                )
+                phases.setdefault("run.claimed -> sandbox.ready", []).append(
+                    at["sandbox.ready"] - at["run.claimed"]
+                )
+        time.sleep(1.5)  # the warm pool refills, as on a server that is not saturated
+    return out
+
+
+def throughput(client: Client, runs: int, clients: int) -> dict[str, object]:
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(clients) as pool:
+        done = list(pool.map(lambda _: client.run()["run"], range(runs)))
+    wall = time.monotonic() - t0
+    mismatches = 0
+    per_host: dict[str, list[tuple[float, int]]] = {}
+    for r in done:
+        assert isinstance(r, dict)
+        cost = r["cost"]
+        assert isinstance(cost, dict)
+        if cost["charged_micros"] + cost["refunded_micros"] != cost["reserved_micros"]:
+            mismatches += 1
+        if r.get("started_at") and r.get("ended_at"):
+            edges = per_host.setdefault(str(r["host"]), [])
+            edges += [(_at(str(r["started_at"])), 1), (_at(str(r["ended_at"])), -1)]
+    peaks = {}
+    for host, edges in per_host.items():
+        live = peak = 0
+        for _, step in sorted(edges, key=lambda e: (e[0], e[1])):
+            live += step
+            peak = max(peak, live)
+        peaks[host] = peak
+    return {
+        "wall": wall,
+        "runs_per_s": runs / wall,
+        "failures": sum(1 for r in done if isinstance(r, dict) and r["status"] != "succeeded"),
+        "mismatches": mismatches,
+        "by_host": {
+            h: sum(1 for r in done if isinstance(r, dict) and r["host"] == h) for h in peaks
+        },
+        "peaks": peaks,
+    }
+
+
+def cluster_bench(args: argparse.Namespace) -> None:
+    import asyncio as aio
+
+    from tests.cluster.harness import Cluster
+    from tests.fixtures_pg import PgCluster
+
+    pg = PgCluster()
+    reason = pg.unavailable()
+    if reason:
+        raise SystemExit(reason)
+    pg.start()
+    root = Path(tempfile.mkdtemp(prefix="scaleout-bench-"))
+    prefect_db = None
+    if args.prefect_db == "postgres":
+        prefect_db = pg.url(pg.create_database("prefect"))
+    c = Cluster(
+        root, pg.url(pg.create_database("bench")), lease_seconds=30, prefect_db_url=prefect_db
+    )
+    try:
+        c.start()
+        key = c.make_key("bench", 1_000_000_000)
+        # local mode with Prefect: the agent-run flow inside `serve`, same Prefect server
+        local = c.spawn(
+            "local",
+            *EPHEMERAL_CMD,
+            "serve",
+            "--port",
+            str(port := _free_port()),
+            "--pool",
+            "2",
+            EPHEMERAL_EXECUTOR="local",
+        )
+        _wait_http(f"http://127.0.0.1:{port}", local)
+        phases: dict[str, list[float]] = {}
+        local_lat = first_step(Client(f"http://127.0.0.1:{port}", key), args.first_step, {})
+        c.kill("local", 15)
+        url = c.start_api()
+        c.start_worker("w1", limit=4, pool=2)
+        api = Client(url, key)
+        dispatch_lat = first_step(api, args.first_step, phases)
+        print(
+            f"Prefect server on {args.prefect_db}; time to first step "
+            f"(accepted -> worker.started), {args.first_step} sequential runs"
+        )
+        for name, lat in (
+            ("local mode with Prefect", local_lat),
+            ("dispatch, 1 worker", dispatch_lat),
+        ):
+            print(
+                f"  {name:26s} p50 {pct(lat, 0.5) * 1000:6.0f} ms   "
+                f"p99 {pct(lat, 0.99) * 1000:6.0f} ms"
+            )
+        print(
+            f"  dispatch adds p50 {(pct(dispatch_lat, 0.5) - pct(local_lat, 0.5)) * 1000:+.0f} ms"
+        )
+        for name, lat in phases.items():
+            print(
+                f"    {name:30s} p50 {pct(lat, 0.5) * 1000:6.0f} ms   "
+                f"p99 {pct(lat, 0.99) * 1000:6.0f} ms"
+            )
+        if args.throughput:
+            one = throughput(api, args.throughput, args.clients)
+            c.start_worker("w2", limit=4, pool=2)
+            two = throughput(api, args.throughput, args.clients)
+            reserved = aio.run(_reserved(c.db_url))
+            print(f"throughput, {args.throughput} runs, {args.clients} clients, limit 4 per worker")
+            for name, r in (("1 worker", one), ("2 workers", two)):
+                print(
+                    f"  {name:10s} {r['runs_per_s']:.2f} runs/s  wall {r['wall']:.0f} s  "
+                    f"failures {r['failures']}  settle mismatches {r['mismatches']}  "
+                    f"runs by host {r['by_host']}  peak at once {r['peaks']} (limit 4)"
+                )
+            ratio = float(str(two["runs_per_s"])) / float(str(one["runs_per_s"]))
+            print(f"  2 workers / 1 worker = {ratio:.2f}x;  org reserved at the end: {reserved}")
+        sys.stdout.flush()
+    finally:
+        c.stop()
+        pg.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def _reserved(db_url: str) -> int:
+    from ephemeral.store import Store
+
+    store = await Store.open(db_url)
+    try:
+        return (await store.get_org("bench")).reserved_micros
+    finally:
+        await store.close()
+
+
+def _free_port() -> int:
+    from tests.evals.prefect_server import free_port
+
+    return free_port()
+
+
+def _wait_http(url: str, proc: object) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise SystemExit(f"{url} never answered")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--mechanisms", action="store_true")
+    ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--first-step", type=int, default=30)
+    ap.add_argument("--throughput", type=int, default=200)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument(
+        "--prefect-db",
+        choices=("sqlite", "postgres"),
+        default="sqlite",
+        help="Prefect server's database (PostgreSQL: minutes of migrations first)",
+    )
+    args = ap.parse_args()
+    if args.mechanisms:
+        mechanisms(args.n)
+    else:
+        cluster_bench(args)
+
+
+if __name__ == "__main__":
+    main()

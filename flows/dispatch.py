@@ -1,0 +1,130 @@
+"""Dispatch mode (``EPHEMERAL_EXECUTOR=prefect``): each admitted run is a Prefect task run of
+``execute-run``, executed by a task worker (``ephemeral worker``) on whichever host takes it.
+
+Chosen over flow runs of a deployment on a process work pool by measurement (docs/deploy.md,
+``bench/scaleout.py --mechanisms``): a task worker is one long-lived process that receives its
+task runs over a websocket, where a process worker polls and spawns a fresh Python per run.
+The only parameter is the run id: Prefect keeps parameters (in its task-parameter storage), so
+prompts and outputs never go there; zero-data-retention content crosses sealed in our store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+from prefect import task
+
+from ephemeral.lifecycle import TERMINAL_STATUSES
+from ephemeral.service import current
+
+if TYPE_CHECKING:
+    from ephemeral.service import Runtime
+
+log = logging.getLogger("ephemeral.flows.dispatch")
+
+TOTAL_LIMIT = "microvm-total"
+WAIT_POLL_SECONDS = 0.1
+SLOT_TIMEOUT_SECONDS = 300
+
+
+def host_limit(host: str) -> str:
+    """The global concurrency limit of one host's sandboxes (docs/deploy.md)."""
+    return f"microvm:{host}"
+
+
+@task(name="execute-run", task_run_name="{run_id}", retries=0, log_prints=False)
+async def execute_run(run_id: str) -> str:
+    """Execute one admitted run on this worker; returns its status (no content)."""
+    from prefect.concurrency.asyncio import concurrency
+
+    runtime = current()
+    if runtime is None:
+        raise RuntimeError("execute-run runs inside `ephemeral worker` only")
+    if not await runtime.take(run_id):
+        return (await runtime.store.get_run(run_id)).status  # cancelled while it waited
+    # The code that starts sandboxes takes a slot of this host's limit and of the total, and
+    # strict: a missing limit fails loudly instead of limiting nothing.
+    try:
+        async with concurrency(
+            [host_limit(runtime.host), TOTAL_LIMIT],
+            occupy=1,
+            strict=True,
+            timeout_seconds=SLOT_TIMEOUT_SECONDS,
+        ):
+            row = await runtime.execute(run_id)
+    except Exception as exc:  # no slot (a missing limit, a timeout): the run must not wait on
+        await runtime.drop(run_id, exc)
+        raise
+    return row.status
+
+
+async def dispatch(run_id: str, client: Any = None) -> None:
+    """Hand a run to the pool: one deferred task run, which one task worker picks up.
+
+    ``create_run`` is the async core of ``execute_run.delay`` (``delay`` would block this
+    event loop while it waits for Prefect's API). ``client``: an open Prefect client to reuse.
+    """
+    await execute_run.create_run(client=client, parameters={"run_id": run_id}, deferred=True)
+
+
+async def mark_crashed(run_id: str) -> None:
+    """Mark the Prefect task run of a run whose host died CRASHED (its lease expired)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+    from prefect.states import Crashed
+
+    async with get_client() as client:
+        task_runs = await client.read_task_runs(
+            task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[run_id]))
+        )
+        for task_run in task_runs:
+            if task_run.state is not None and not task_run.state.is_final():
+                await client.set_task_run_state(
+                    task_run.id,
+                    Crashed(message="the host executing the run stopped renewing its lease"),
+                    force=True,
+                )
+
+
+class DispatchExecutor:
+    """For processes that wait for their runs (``ephemeral run``/``eval``): dispatch the run,
+    then wait here until a worker settled it. The runtime's scheduler (suite concurrency and
+    budgets) stays in this process; the sandboxes are on the workers."""
+
+    def __init__(self) -> None:
+        self._client: Any = None  # one Prefect client for every dispatch, opened on first use
+
+    async def dispatch(self, run_id: str) -> None:
+        if self._client is None:
+            from prefect import get_client
+
+            client = get_client()
+            await client.__aenter__()
+            self._client = client
+        await dispatch(run_id, self._client)
+
+    async def execute(self, runtime: Runtime, run_id: str) -> None:
+        await runtime.dispatch(run_id)
+        try:
+            while True:
+                row = await runtime.store.get_run(run_id)
+                if row.status in TERMINAL_STATUSES and row.settled:
+                    break
+                await asyncio.sleep(WAIT_POLL_SECONDS)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(runtime.cancel(run_id))
+            raise
+        if row.policy.get("zero_data_retention"):
+            # The worker sealed the output for one reader: this process's caller.
+            output = await runtime.unseal(run_id, "output")
+            if output is not None:
+                runtime.keep_zdr_output(run_id, output)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.__aexit__(None, None, None)

@@ -1,0 +1,376 @@
+"""Scale-out on one machine, from real processes (docs/deploy.md, "Scale-out"; issue 9).
+
+A real PostgreSQL 15 holds our store; one ``prefect server start`` (SQLite); one ``ephemeral
+serve`` with ``EPHEMERAL_EXECUTOR=prefect``; two ``ephemeral worker`` processes, hosts ``a`` and
+``b``, each with its own state dir. The tests run in file order against one cluster (module
+fixture): sample runs, cancel, host death, API death, an eval suite, zero data retention.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ephemeral import evals
+from ephemeral.lifecycle import TERMINAL_STATUSES
+from ephemeral.sandbox import handles
+from tests.cluster.harness import EPHEMERAL, Cluster
+from tests.evals.conftest import write_cassette
+from tests.fixtures_pg import PG_BIN, PgCluster
+
+pytestmark = [pytest.mark.prefect, pytest.mark.postgres, pytest.mark.slow, pytest.mark.sandbox]
+
+REPO = Path(__file__).resolve().parents[2]
+LEASE_SECONDS = 5.0
+SAMPLE = {
+    "prompt": "This is a sandbox test. Do these steps with the shell and report the real output, "
+    "never what you expect.",
+    "model": "replay/sandbox-proof",
+    "shell": True,
+    "timeout_seconds": 120,
+    "max_cost_micros": 40000,
+}
+CANARY = "CANARY-scaleout-zdr-7d3a"
+
+
+class Api:
+    def __init__(self, url: str, key: str) -> None:
+        self.url = url
+        self.headers = {"Authorization": f"Bearer {key}"}
+
+    def post(self, body: dict[str, Any]) -> dict[str, Any]:
+        res = httpx.post(f"{self.url}/v1/runs", json=body, headers=self.headers, timeout=30)
+        assert res.status_code == 201, res.text
+        return dict(res.json())
+
+    def get(self, run_id: str) -> dict[str, Any]:
+        res = httpx.get(f"{self.url}/v1/runs/{run_id}", headers=self.headers, timeout=30)
+        assert res.status_code == 200, res.text
+        return dict(res.json())
+
+    def events(self, run_id: str) -> list[dict[str, Any]]:
+        res = httpx.get(f"{self.url}/v1/runs/{run_id}/events", headers=self.headers, timeout=30)
+        return list(res.json())
+
+    def cancel(self, run_id: str) -> dict[str, Any]:
+        res = httpx.post(f"{self.url}/v1/runs/{run_id}/cancel", headers=self.headers, timeout=30)
+        assert res.status_code == 200, res.text
+        return dict(res.json())
+
+    def settled(self, run_id: str, timeout: float = 120) -> dict[str, Any]:
+        """The first read of the settled run (the one that gets a ZDR output)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            obj = self.get(run_id)
+            if obj["status"] in TERMINAL_STATUSES and any(
+                e["type"] == "run.settled" for e in self.events(run_id)
+            ):
+                return obj
+            time.sleep(0.2)
+        raise AssertionError(f"{run_id} did not settle: {self.get(run_id)}")
+
+    def running_on(self, run_id: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            obj = self.get(run_id)
+            if obj["status"] == "running" and any(
+                e["type"] == "worker.started" for e in self.events(run_id)
+            ):
+                return str(obj["host"])
+            assert obj["status"] not in TERMINAL_STATUSES, obj
+            time.sleep(0.1)
+        raise AssertionError(f"{run_id} never ran: {self.get(run_id)}")
+
+
+def sse_types(api: Api, run_id: str, out: list[str]) -> None:
+    headers = {**api.headers, "Accept": "text/event-stream"}
+    with httpx.stream(
+        "GET", f"{api.url}/v1/runs/{run_id}/events", headers=headers, timeout=120
+    ) as res:
+        for line in res.iter_lines():
+            if line.startswith("event:"):
+                out.append(line.split(":", 1)[1].strip())
+
+
+def assert_money(obj: dict[str, Any]) -> None:
+    cost = obj["cost"]
+    assert cost["charged_micros"] + cost["refunded_micros"] == cost["reserved_micros"], obj
+
+
+async def _org_reserved(db_url: str) -> int:
+    from ephemeral.store import Store
+
+    store = await Store.open(db_url)
+    try:
+        return (await store.get_org("acme")).reserved_micros
+    finally:
+        await store.close()
+
+
+def org_reserved(cluster: Cluster) -> int:
+    return asyncio.run(_org_reserved(cluster.db_url))
+
+
+def wait_reserved_zero(cluster: Cluster, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while org_reserved(cluster) != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert org_reserved(cluster) == 0
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, postgres_cluster: PgCluster
+) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("cluster")
+    cassettes = root / "cassettes"
+    shutil.copytree(REPO / "recipes" / "cassettes", cassettes)
+    write_cassette(cassettes, "sleepy", ["sleep 60"], "slept")
+    write_cassette(cassettes, "brief", ["sleep 3"], "brief nap")
+    # The canary is assembled by the shell, so no file but the cassette spells it.
+    write_cassette(cassettes, "zdr", ["echo CANARY-scaleout-zdr-$((7000 + 3))a"], f"{CANARY}")
+    db_url = postgres_cluster.url(postgres_cluster.create_database("scaleout"))
+    c = Cluster(
+        root,
+        db_url,
+        lease_seconds=LEASE_SECONDS,
+        extra_env={"EPHEMERAL_CASSETTES_DIR": str(cassettes)},
+    )
+    try:
+        c.start()
+        c.api_key = c.make_key("acme", 100_000_000)
+        c.api_url = c.start_api()
+        c.start_worker("a", limit=3)
+        c.start_worker("b", limit=3)
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def api(cluster: Cluster) -> Api:
+    return Api(cluster.api_url, cluster.api_key)
+
+
+def test_twenty_sample_runs_spread_over_both_hosts(cluster: Cluster, api: Api) -> None:
+    first = api.post(SAMPLE)
+    timeline: list[str] = []
+    stream = threading.Thread(target=sse_types, args=(api, first["id"], timeline))
+    stream.start()
+    with ThreadPoolExecutor(8) as pool:
+        posted = [first, *pool.map(lambda _: api.post(SAMPLE), range(19))]
+        done = list(pool.map(lambda r: api.settled(r["id"]), posted))
+    stream.join(60)
+    assert [r["status"] for r in done] == ["succeeded"] * 20, [r["termination"] for r in done]
+    assert {r["host"] for r in done} == {"a", "b"}
+    for r in done:
+        assert_money(r)
+    # the API (which executed nothing) streamed the whole timeline a worker wrote
+    assert timeline[:4] == ["run.queued", "run.claimed", "sandbox.ready", "worker.started"]
+    assert timeline[-3:] == ["run.succeeded", "run.output", "run.settled"]
+    assert "shell.executed" in timeline and "sandbox.destroyed" in timeline
+    claimed = next(e for e in api.events(first["id"]) if e["type"] == "run.claimed")
+    assert claimed["data"] == {"host": api.get(first["id"])["host"]}
+    wait_reserved_zero(cluster)
+
+
+def _runs_on_both(api: Api) -> dict[str, str]:
+    """Long runs until one executes on each host; extra ones are cancelled by the caller."""
+    on: dict[str, str] = {}
+    extra: list[str] = []
+    for _ in range(8):
+        run = api.post({**SAMPLE, "model": "replay/sleepy"})
+        host = api.running_on(run["id"])
+        if host in on:
+            extra.append(run["id"])
+        else:
+            on[host] = run["id"]
+        if len(on) == 2:
+            break
+    for run_id in extra:
+        api.cancel(run_id)
+    assert set(on) == {"a", "b"}, on
+    return on
+
+
+def test_cancel_from_the_api_of_a_run_on_b_and_host_a_dies(cluster: Cluster, api: Api) -> None:
+    on = _runs_on_both(api)
+
+    # cancel: the API process asks b through the store; b stops it
+    t0 = time.monotonic()
+    cancelled = api.cancel(on["b"])
+    took = time.monotonic() - t0
+    assert cancelled["status"] == "cancelled", cancelled
+    print(f"cancel request -> cancelled: {took:.2f} s")
+    obj = api.settled(on["b"])
+    assert obj["termination"]["reason"] == "cancelled"
+    assert_money(obj)
+
+    # host death: a's whole process tree goes at once
+    sandbox_id = asyncio.run(_row(cluster.db_url, on["a"])).sandbox_id
+    [old] = [
+        h
+        for _, h in handles.read_all(cluster.state_dir("a") / "sandboxes")
+        if h is not None and h.id == sandbox_id
+    ]
+    cluster.kill("a")
+    killed_at = time.monotonic()
+    # meanwhile b keeps taking runs
+    more = [api.post(SAMPLE) for _ in range(2)]
+    for run in more:
+        obj = api.settled(run["id"])
+        assert (obj["status"], obj["host"]) == ("succeeded", "b")
+    # within the lease + 10 s of the kill
+    obj = api.settled(on["a"], timeout=max(1.0, killed_at + LEASE_SECONDS + 10 - time.monotonic()))
+    print(f"kill -9 -> settled: {time.monotonic() - killed_at:.1f} s")
+    assert obj["status"] == "failed"
+    assert obj["termination"]["reason"] == "infra_error"
+    assert "host a stopped renewing" in obj["termination"]["detail"]
+    assert_money(obj)
+    assert obj["cost"]["breakdown"]["compute_micros"] > 0  # charged up to the last renewal
+    types = [e["type"] for e in api.events(on["a"])]
+    assert types.count("run.settled") == 1 and types.count("sandbox.destroyed") == 1
+    wait_reserved_zero(cluster)
+    # Prefect's task run of the dead host is marked crashed
+    [task_run] = cluster.server.api(
+        "POST", "/task_runs/filter", json={"task_runs": {"name": {"any_": [on["a"]]}}}
+    )
+    assert task_run["state_type"] == "CRASHED"
+
+    # a comes back: its reaper removes what the dead worker left
+    cluster.start_worker("a", limit=3)
+    left = [h for _, h in handles.read_all(cluster.state_dir("a") / "sandboxes") if h is not None]
+    assert all(handles.pid_alive(h.host_pid, h.host_start_time) for h in left)
+    assert old.id not in {h.id for h in left}
+
+
+def test_runs_complete_when_the_api_process_dies(cluster: Cluster, api: Api) -> None:
+    runs = [api.post({**SAMPLE, "model": "replay/brief"}) for _ in range(3)]
+    cluster.kill("api")
+    time.sleep(4)  # the runs finish on the workers while no API process exists
+    url = cluster.start_api("api2")
+    again = Api(url, cluster.api_key)
+    for run in runs:
+        obj = again.settled(run["id"])
+        assert obj["status"] == "succeeded", obj
+        assert obj["output"] == "brief nap"
+        assert_money(obj)
+    cluster.api_url = url
+    wait_reserved_zero(cluster)
+
+
+def test_eval_suite_fans_out_to_both_workers(cluster: Cluster, tmp_path: Path) -> None:
+    suite_dir = tmp_path / "suite"
+    suite_dir.mkdir()
+    names = ["sandbox-proof", "exit-codes", "file-roundtrip"]
+    for name in names:
+        text = (REPO / "recipes" / f"{name}.yaml").read_text()
+        (suite_dir / f"{name}.yaml").write_text(text + "\nrepeat: 2\n")
+    (suite_dir / "suite.yaml").write_text(
+        "name: fanout\nrecipes:\n"
+        + "".join(f"  - {n}.yaml\n" for n in names)
+        + "budget_micros: 300000\nconcurrency: 3\ngates:\n  min_pass_rate: 1.0\n"
+    )
+    res = subprocess.run(
+        [*EPHEMERAL, "eval", str(suite_dir / "suite.yaml"), "--json"],
+        cwd=REPO,
+        env=cluster.env("evals"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    report = json.loads(res.stdout)
+    # the very report a local run gives (same model, same JSON)
+    assert evals.report_json(evals.Report.model_validate(report)) == report
+    assert len(report["results"]) == 6
+    assert all(r["status"] == "succeeded" for r in report["results"])
+    rows = asyncio.run(_suite_rows(cluster.db_url, report["suite_run_id"]))
+    assert len(rows) == 6
+    assert {r.host for r in rows} == {"a", "b"}
+    assert sum(r.charged_micros for r in rows) <= 300_000
+    # never more than the suite's concurrency at once, across both hosts
+    edges = sorted(
+        [(r.started_at, 1) for r in rows] + [(r.ended_at, -1) for r in rows],
+        key=lambda e: (e[0], e[1]),
+    )
+    live = peak = 0
+    for _, step in edges:
+        live += step
+        peak = max(peak, live)
+    assert peak <= 3
+
+
+async def _row(db_url: str, run_id: str) -> Any:
+    from ephemeral.store import Store
+
+    store = await Store.open(db_url)
+    try:
+        return await store.get_run(run_id)
+    finally:
+        await store.close()
+
+
+async def _suite_rows(db_url: str, suite_run_id: str) -> list[Any]:
+    from ephemeral.store import Store
+
+    store = await Store.open(db_url)
+    try:
+        org = await store.get_org("local")
+        rows, _ = await store.list_runs(org.id, limit=100)
+        return [r for r in rows if r.labels.get("suite_run_id") == suite_run_id]
+    finally:
+        await store.close()
+
+
+def test_zdr_output_read_once_and_nowhere_at_rest(
+    cluster: Cluster, api: Api, postgres_cluster: PgCluster
+) -> None:
+    run = api.post(
+        {
+            **SAMPLE,
+            "model": "replay/zdr",
+            "prompt": f"say {CANARY}",
+            "zero_data_retention": True,
+        }
+    )
+    first = api.settled(run["id"])
+    assert first["status"] == "succeeded"
+    assert first["output"] == CANARY
+    assert first["host"] in ("a", "b")
+    assert api.get(run["id"])["output"] is None  # once
+    # nowhere at rest: every database, every state dir, Prefect's homes, the records
+    dumps = []
+    databases = postgres_cluster.psql(
+        "SELECT datname FROM pg_database WHERE NOT datistemplate"
+    ).split()
+    for db in databases:
+        port = str(postgres_cluster.port)
+        dumps.append(
+            subprocess.run(
+                [str(PG_BIN / "pg_dump"), "-h", "127.0.0.1", "-p", port, "-U", "postgres", db],
+                capture_output=True,
+                check=True,
+                timeout=120,
+            ).stdout
+        )
+    assert dumps and not [d for d in dumps if CANARY.encode() in d]
+    found = subprocess.run(
+        ["grep", "-rl", "--exclude-dir=cassettes", CANARY, str(cluster.root)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert found.stdout == "", found.stdout

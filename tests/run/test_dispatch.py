@@ -1,0 +1,215 @@
+"""Dispatch without Prefect: an "API" runtime hands runs to a "worker" runtime through a fake
+:class:`~ephemeral.executor.Dispatcher`, both on one SQLite store (two processes' view of it).
+The Prefect part (task runs, task workers, real processes) is ``tests/cluster``; this covers
+the runtime's side: ownerless admission, sealed ZDR content, cancel through the store, leases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+import pytest
+
+from ephemeral.executor import Dispatcher
+from ephemeral.ids import new_run_id, utcnow
+from ephemeral.lifecycle import RunStatus
+from ephemeral.policy import RunRequest
+from ephemeral.service import Runtime
+from ephemeral.settings import Settings
+from ephemeral.store.schema import sealed_content
+from tests.run.conftest import turn
+
+pytestmark = [pytest.mark.sandbox]
+
+
+class ToWorker:
+    """The fake: what Prefect does, handing the run id to a worker runtime."""
+
+    def __init__(self) -> None:
+        self.worker: Runtime | None = None
+        self.dispatched: list[str] = []
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def dispatch(self, run_id: str) -> None:
+        worker = self.worker
+        assert worker is not None
+        self.dispatched.append(run_id)
+
+        async def execute_run() -> None:  # what flows/dispatch.py's task does, minus Prefect
+            if await worker.take(run_id):
+                await worker.execute(run_id)
+
+        self.tasks.append(asyncio.get_running_loop().create_task(execute_run()))
+
+    async def execute(self, runtime: Runtime, run_id: str) -> None:
+        raise AssertionError("a dispatching runtime never executes")
+
+    async def close(self) -> None:
+        return None
+
+
+async def _pair(settings: Settings) -> tuple[Runtime, Runtime, ToWorker]:
+    fake = ToWorker()
+    assert isinstance(fake, Dispatcher)
+    api = await Runtime.start(settings, executor=fake)
+    worker_settings = settings.model_copy(update={"host_id": "w1"})
+    worker = await Runtime.start(worker_settings, recover=False)
+    worker.hold_leases(30)
+    fake.worker = worker
+    return api, worker, fake
+
+
+async def test_a_dispatched_zdr_run_crosses_sealed_and_is_read_once(
+    run_settings: Settings, make_cassette: Callable[..., str]
+) -> None:
+    canary = "CANARY-dispatch-91b2"
+    model = make_cassette("dispatch-zdr", [turn("echo hi"), turn(final=f"{canary} done")])
+    api, worker, fake = await _pair(run_settings)
+    try:
+        org = await api.local_org()
+        row, _ = await api.submit(
+            org, RunRequest(prompt=f"say {canary}", model=model, zero_data_retention=True)
+        )
+        assert row.owner is None  # no process owns it until a worker claims it
+        assert fake.dispatched == [row.id]
+        settled = await api.wait(row.id, timeout=60)
+        events = [e.type for e in await api.store.list_events(row.id)]
+        first = await api.claim_zdr_output(settled)
+        second = await worker.claim_zdr_output(settled)
+        async with api.store.engine.connect() as conn:
+            left = (await conn.execute(sealed_content.select())).all()
+    finally:
+        await worker.close()
+        await api.close()
+    assert settled.status == "succeeded", settled.termination_detail
+    assert (settled.host, settled.owner == worker.owner) == ("w1", True)
+    assert settled.prompt is None and settled.output is None
+    assert events[:3] == ["run.queued", "run.claimed", "sandbox.ready"]
+    assert first == f"{canary} done" and second is None
+    assert left == []  # the prompt was taken by the worker, the output by its reader
+
+
+async def test_cancel_from_the_api_reaches_the_run_on_the_worker(
+    run_settings: Settings, make_cassette: Callable[..., str]
+) -> None:
+    model = make_cassette("dispatch-sleep", [turn("sleep 60"), turn(final="slept")])
+    api, worker, _ = await _pair(run_settings)
+    try:
+        org = await api.local_org()
+        row, _ = await api.submit(org, RunRequest(prompt="sleep", model=model))
+        async with asyncio.timeout(60):
+            while "worker.started" not in [e.type for e in await api.store.list_events(row.id)]:
+                await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        cancelled = await api.cancel(row.id)
+        took = time.monotonic() - t0
+        queued, _ = await api.admit(org, RunRequest(prompt="never", model=model))
+        never = await api.cancel(queued.id)  # still waiting for a worker: closed at once
+    finally:
+        await worker.close()
+        await api.close()
+    assert cancelled.status == "cancelled" and cancelled.settled
+    assert cancelled.termination_reason == "cancelled"
+    assert cancelled.charged_micros + cancelled.refunded_micros == cancelled.reserved_micros
+    assert took < 5  # answered once the worker stopped it, not after the wait gave up
+    assert never.status == "cancelled" and never.settled and never.charged_micros == 0
+
+
+async def test_an_expired_lease_is_settled_once_up_to_its_last_renewal(
+    run_settings: Settings,
+) -> None:
+    api = await Runtime.start(run_settings, watchdog=False)
+    other = await Runtime.start(run_settings, recover=False, watchdog=False)
+    try:
+        org = await api.local_org()
+        row, _ = await api.store.admit_run(
+            org_id=org,
+            run_id=new_run_id(),
+            model="replay/sandbox-proof",
+            prompt="p",
+            policy=RunRequest(prompt="p").policy().model_dump(mode="json"),
+        )
+        ready = utcnow()
+        await api.store.transition(
+            row.id,
+            expect={RunStatus.QUEUED},
+            to=RunStatus.PROVISIONING,
+            started_at=ready,
+            host="dead",
+            owner="elsewhere:1:1",  # another host: no pid check can judge it
+            lease_renewed_at=ready,
+            lease_expires_at=ready + timedelta(seconds=30),
+        )
+        await api.store.transition(
+            row.id,
+            expect={RunStatus.PROVISIONING},
+            to=RunStatus.RUNNING,
+            events=[("sandbox.ready", {"isolation": "gvisor", "image": "x", "boot_ms": 1})],
+        )
+        assert await api.sweep() == []  # the lease has not run out yet
+        # the host renewed 2 s after its sandbox was ready, then died
+        [ready_event] = [
+            e for e in await api.store.list_events(row.id) if e.type == "sandbox.ready"
+        ]
+        renewed = _parse(ready_event.at) + timedelta(seconds=2)
+        await api.store.renew_leases(
+            [row.id], renewed_at=renewed, expires_at=utcnow() - timedelta(seconds=1)
+        )
+        found = await asyncio.gather(api.settle_expired_leases(), other.settle_expired_leases())
+        settled = await api.store.get_run(row.id)
+        events = await api.store.list_events(row.id)
+    finally:
+        await other.close()
+        await api.close()
+    assert sorted(found, key=len)[-1] == [row.id]
+    assert (settled.status, settled.termination_reason) == ("failed", "infra_error")
+    assert "host dead stopped renewing" in (settled.termination_detail or "")
+    types = [e.type for e in events]
+    assert types.count("run.settled") == 1 and types.count("sandbox.destroyed") == 1
+    lifetime = next(e for e in events if e.type == "sandbox.destroyed").data["lifetime_ms"]
+    # charged from sandbox.ready to the last renewal, not to the last event (the ready one)
+    assert lifetime == 2000
+    assert settled.breakdown.get("compute_micros", 0) > 0
+    assert settled.charged_micros + settled.refunded_micros == settled.reserved_micros
+
+
+def _parse(at: str) -> datetime:
+    return datetime.fromisoformat(at.replace("Z", "+00:00"))
+
+
+async def test_a_taken_run_waiting_on_a_dead_worker_is_refunded_in_full(
+    run_settings: Settings,
+) -> None:
+    api = await Runtime.start(run_settings, watchdog=False)
+    worker = await Runtime.start(
+        run_settings.model_copy(update={"host_id": "w9"}), recover=False, watchdog=False
+    )
+    worker.hold_leases(30)
+    try:
+        org = await api.local_org()
+        row, _ = await api.store.admit_run(
+            org_id=org,
+            run_id=new_run_id(),
+            model="replay/sandbox-proof",
+            prompt="p",
+            policy=RunRequest(prompt="p").policy().model_dump(mode="json"),
+        )
+        assert await worker.take(row.id) is True
+        taken = await api.store.get_run(row.id)
+        assert (taken.status, taken.host, taken.owner) == ("queued", "w9", worker.owner)
+        assert await worker.take(row.id) is True  # still queued: taking again is harmless
+        # the worker dies while the run waits for a slot: its lease runs out
+        await api.store.renew_leases(
+            [row.id], renewed_at=utcnow(), expires_at=utcnow() - timedelta(seconds=1)
+        )
+        assert await api.settle_expired_leases() == [row.id]
+        settled = await api.store.get_run(row.id)
+        assert await worker.grant(row.id) is False  # nothing left to start
+    finally:
+        await worker.close()
+        await api.close()
+    assert (settled.status, settled.termination_reason) == ("failed", "infra_error")
+    assert (settled.charged_micros, settled.refunded_micros) == (0, settled.reserved_micros)

@@ -1,0 +1,110 @@
+"""The store's part of scale-out: leases, cancel requests, sealed content (docs/deploy.md)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+
+from ephemeral import errors
+from ephemeral.ids import new_run_id, utcnow
+from ephemeral.lifecycle import RunStatus, TerminationReason
+from ephemeral.store import Org, RunRow, Store
+from tests.store.storehelp import policy
+
+
+async def _run(store: Store, org: Org) -> RunRow:
+    run, _ = await store.admit_run(
+        org_id=org.id, run_id=new_run_id(), model="replay/x", prompt="p", policy=policy(10_000)
+    )
+    return run
+
+
+async def _claim(store: Store, run_id: str, lease: timedelta) -> RunRow:
+    now = utcnow()
+    return await store.transition(
+        run_id,
+        expect={RunStatus.QUEUED},
+        to=RunStatus.PROVISIONING,
+        events=[("run.claimed", {"host": "a"})],
+        started_at=now,
+        host="a",
+        lease_renewed_at=now,
+        lease_expires_at=now + lease,
+    )
+
+
+async def test_a_lease_expires_unless_renewed_and_only_open_runs_count(
+    store: Store, org: Org
+) -> None:
+    fresh, stale, done = [await _run(store, org) for _ in range(3)]
+    claimed = await _claim(store, fresh.id, timedelta(seconds=30))
+    assert (claimed.host, claimed.lease_expires_at is not None) == ("a", True)
+    await _claim(store, stale.id, timedelta(seconds=-1))
+    await _claim(store, done.id, timedelta(seconds=-1))
+    await store.close_run(
+        done.id, reason=TerminationReason.COMPLETED, detail=None, usage={}, output=None
+    )
+    assert [r.id for r in await store.expired_leases(utcnow())] == [stale.id]
+    later = utcnow() + timedelta(seconds=60)
+    await store.renew_leases(
+        [fresh.id, stale.id, done.id], renewed_at=utcnow(), expires_at=later + timedelta(1)
+    )
+    assert await store.expired_leases(later) == []
+    assert (await store.get_run(done.id)).lease_expires_at < later  # a closed run is not renewed
+
+
+async def test_cancel_requests_are_kept_for_open_runs_only(store: Store, org: Org) -> None:
+    run, other = await _run(store, org), await _run(store, org)
+    assert await store.request_cancel(run.id) is True
+    first = (await store.get_run(run.id)).cancel_requested_at
+    assert await store.request_cancel(run.id) is True
+    assert (await store.get_run(run.id)).cancel_requested_at == first  # the first request stays
+    assert await store.cancel_requested([run.id, other.id]) == [run.id]
+    await store.close_run(
+        other.id, reason=TerminationReason.CANCELLED, detail=None, usage={}, output=None
+    )
+    assert await store.request_cancel(other.id) is False
+
+
+async def test_close_run_with_expect_leaves_a_claimed_run_alone(store: Store, org: Org) -> None:
+    run = await _run(store, org)
+    await _claim(store, run.id, timedelta(seconds=30))
+    with pytest.raises(errors.Conflict, match="provisioning"):
+        await store.close_run(
+            run.id,
+            reason=TerminationReason.CANCELLED,
+            detail="cancelled by request",
+            usage={},
+            output=None,
+            expect={RunStatus.QUEUED},
+        )
+    row = await store.get_run(run.id)
+    assert (row.status, row.settled) == ("provisioning", False)
+    assert [e.type for e in await store.list_events(run.id)] == ["run.queued", "run.claimed"]
+
+
+async def test_sealed_content_goes_to_exactly_one_reader(
+    store: Store, org: Org, db_url: str
+) -> None:
+    run = await _run(store, org)
+    await store.put_sealed(run.id, "output", "token-1", utcnow() + timedelta(minutes=15))
+    other = await Store.open(db_url)  # another process's store
+    try:
+        got = await asyncio.gather(
+            *(s.take_sealed(run.id, "output") for s in (store, other, store, other))
+        )
+    finally:
+        await other.close()
+    assert sorted(got, key=str) == [None, None, None, "token-1"]
+
+
+async def test_sealed_content_past_its_ttl_is_never_read_and_purged(store: Store, org: Org) -> None:
+    run = await _run(store, org)
+    await store.put_sealed(run.id, "prompt", "old", utcnow() - timedelta(seconds=1))
+    await store.put_sealed(run.id, "output", "new", utcnow() + timedelta(minutes=15))
+    assert await store.take_sealed(run.id, "prompt") is None
+    assert await store.purge_sealed(utcnow()) == 1
+    await store.erase_content(run.id)  # erasure takes what is left too
+    assert await store.take_sealed(run.id, "output") is None
