@@ -162,6 +162,26 @@ class Client:
         raise_for_problem(response)
         return response
 
+    def post_idempotent(self, path: str, body: Any, idempotency_key: str | None) -> dict[str, Any]:
+        """POST a create request, retried on transport errors and 429/5xx with one
+        ``Idempotency-Key``, so a retry never creates a second run or session."""
+        headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
+        for attempt in range(MAX_ATTEMPTS):
+            response: httpx.Response | None = None
+            try:
+                response = self.http.post(path, json=body, headers=headers)
+            except httpx.TransportError:
+                if attempt == MAX_ATTEMPTS - 1:
+                    raise
+            if response is not None and (
+                response.status_code not in RETRY_STATUSES or attempt == MAX_ATTEMPTS - 1
+            ):
+                raise_for_problem(response)
+                result: dict[str, Any] = response.json()
+                return result
+            time.sleep(_retry_delay(attempt, response))
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def isolation(self) -> dict[str, Any]:
         result: dict[str, Any] = self.request("GET", "/v1/isolation").json()
         return result
@@ -186,22 +206,7 @@ class Runs:
         **fields: Any,
     ) -> dict[str, Any]:
         body = _body(prompt, request, fields)
-        headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
-        for attempt in range(MAX_ATTEMPTS):
-            response: httpx.Response | None = None
-            try:
-                response = self._c.http.post("/v1/runs", json=body, headers=headers)
-            except httpx.TransportError:
-                if attempt == MAX_ATTEMPTS - 1:
-                    raise
-            if response is not None and (
-                response.status_code not in RETRY_STATUSES or attempt == MAX_ATTEMPTS - 1
-            ):
-                raise_for_problem(response)
-                result: dict[str, Any] = response.json()
-                return result
-            time.sleep(_retry_delay(attempt, response))
-        raise AssertionError("unreachable")  # pragma: no cover
+        return self._c.post_idempotent("/v1/runs", body, idempotency_key)
 
     def get(self, run_id: str) -> dict[str, Any]:
         result: dict[str, Any] = self._c.request("GET", f"/v1/runs/{run_id}").json()
@@ -327,6 +332,28 @@ class AsyncClient:
         raise_for_problem(response)
         return response
 
+    async def post_idempotent(
+        self, path: str, body: Any, idempotency_key: str | None
+    ) -> dict[str, Any]:
+        """POST a create request, retried on transport errors and 429/5xx with one
+        ``Idempotency-Key``, so a retry never creates a second run or session."""
+        headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
+        for attempt in range(MAX_ATTEMPTS):
+            response: httpx.Response | None = None
+            try:
+                response = await self.http.post(path, json=body, headers=headers)
+            except httpx.TransportError:
+                if attempt == MAX_ATTEMPTS - 1:
+                    raise
+            if response is not None and (
+                response.status_code not in RETRY_STATUSES or attempt == MAX_ATTEMPTS - 1
+            ):
+                raise_for_problem(response)
+                result: dict[str, Any] = response.json()
+                return result
+            await asyncio.sleep(_retry_delay(attempt, response))
+        raise AssertionError("unreachable")  # pragma: no cover
+
     async def isolation(self) -> dict[str, Any]:
         result: dict[str, Any] = (await self.request("GET", "/v1/isolation")).json()
         return result
@@ -351,22 +378,7 @@ class AsyncRuns:
         **fields: Any,
     ) -> dict[str, Any]:
         body = _body(prompt, request, fields)
-        headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
-        for attempt in range(MAX_ATTEMPTS):
-            response: httpx.Response | None = None
-            try:
-                response = await self._c.http.post("/v1/runs", json=body, headers=headers)
-            except httpx.TransportError:
-                if attempt == MAX_ATTEMPTS - 1:
-                    raise
-            if response is not None and (
-                response.status_code not in RETRY_STATUSES or attempt == MAX_ATTEMPTS - 1
-            ):
-                raise_for_problem(response)
-                result: dict[str, Any] = response.json()
-                return result
-            await asyncio.sleep(_retry_delay(attempt, response))
-        raise AssertionError("unreachable")  # pragma: no cover
+        return await self._c.post_idempotent("/v1/runs", body, idempotency_key)
 
     async def get(self, run_id: str) -> dict[str, Any]:
         result: dict[str, Any] = (await self._c.request("GET", f"/v1/runs/{run_id}")).json()
@@ -461,22 +473,7 @@ class Sandboxes:
     def create(self, *, idempotency_key: str | None = None, **policy: Any) -> dict[str, Any]:
         """Policy fields as for a run (isolation, timeout_seconds, max_cost_micros, …);
         retried with one ``Idempotency-Key`` like ``runs.create``."""
-        headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
-        for attempt in range(MAX_ATTEMPTS):
-            response: httpx.Response | None = None
-            try:
-                response = self._c.http.post("/v1/sandboxes", json=policy, headers=headers)
-            except httpx.TransportError:
-                if attempt == MAX_ATTEMPTS - 1:
-                    raise
-            if response is not None and (
-                response.status_code not in RETRY_STATUSES or attempt == MAX_ATTEMPTS - 1
-            ):
-                raise_for_problem(response)
-                result: dict[str, Any] = response.json()
-                return result
-            time.sleep(_retry_delay(attempt, response))
-        raise AssertionError("unreachable")  # pragma: no cover
+        return self._c.post_idempotent("/v1/sandboxes", policy, idempotency_key)
 
     def get(self, sandbox_id: str) -> dict[str, Any]:
         result: dict[str, Any] = self._c.request("GET", f"/v1/sandboxes/{sandbox_id}").json()
@@ -520,22 +517,7 @@ class AsyncSandboxes:
         self._c = client
 
     async def create(self, *, idempotency_key: str | None = None, **policy: Any) -> dict[str, Any]:
-        headers = {"Idempotency-Key": idempotency_key or str(uuid.uuid4())}
-        for attempt in range(MAX_ATTEMPTS):
-            response: httpx.Response | None = None
-            try:
-                response = await self._c.http.post("/v1/sandboxes", json=policy, headers=headers)
-            except httpx.TransportError:
-                if attempt == MAX_ATTEMPTS - 1:
-                    raise
-            if response is not None and (
-                response.status_code not in RETRY_STATUSES or attempt == MAX_ATTEMPTS - 1
-            ):
-                raise_for_problem(response)
-                result: dict[str, Any] = response.json()
-                return result
-            await asyncio.sleep(_retry_delay(attempt, response))
-        raise AssertionError("unreachable")  # pragma: no cover
+        return await self._c.post_idempotent("/v1/sandboxes", policy, idempotency_key)
 
     async def get(self, sandbox_id: str) -> dict[str, Any]:
         response = await self._c.request("GET", f"/v1/sandboxes/{sandbox_id}")
