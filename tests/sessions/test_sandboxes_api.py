@@ -5,30 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
-from ephemeral.api import create_app
 from ephemeral.api.auth import PAGE_COOKIE
 from ephemeral.service import Runtime
 from tests.api.conftest import Member, new_member
 
 pytestmark = pytest.mark.sandbox
-
-
-@pytest.fixture
-async def http(runtime: Runtime) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(runtime.settings, runtime)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
-        yield client
-
-
-@pytest.fixture
-async def member(runtime: Runtime) -> Member:
-    return await new_member(runtime, "acme")
 
 
 async def _create(
