@@ -499,9 +499,10 @@ class Sessions:
 
     async def _end_by_limit(self, live: Live) -> None:
         stop = live.stop()
-        if stop is not None:
+        if stop is not None:  # egress: its budget ran out, or the broker failed
             await self._finish(live, stop.reason, stop.detail)
-        elif time.monotonic() >= live.deadline:
+            return
+        if time.monotonic() >= live.deadline:
             reason = TerminationReason.TIMEOUT
             detail = f"time limit of {live.policy.timeout_seconds} s reached"
         else:

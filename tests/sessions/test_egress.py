@@ -19,8 +19,10 @@ from ephemeral.service import Runtime
 from tests.api.conftest import Member
 from tests.broker.conftest import CANARY, state_bytes_contain
 from tests.egress.conftest import Names, Upstream, broker_settings, names, runtime, upstream
+from tests.egress.test_money_and_failure import MIB, _download, zeros
 
-__all__ = ["broker_settings", "names", "runtime", "upstream"]  # fixtures: egress's, reused
+# fixtures: the egress tests', reused
+__all__ = ["broker_settings", "names", "runtime", "upstream", "zeros"]
 
 pytestmark = pytest.mark.sandbox
 
@@ -216,3 +218,33 @@ async def test_code_calls_a_connection_and_never_sees_its_secret(
     assert len(denied) == 1 and "POST" in denied[0]["reason"]
     _settled(ended)
     assert state_bytes_contain(runtime.settings.state_dir, CANARY.encode()) == []
+
+
+async def test_a_byte_heavy_download_ends_the_session_at_its_budget(
+    http: httpx.AsyncClient,
+    runtime: Runtime,
+    member: Member,
+    names: Names,
+    zeros: int,
+    isolation: str,
+) -> None:
+    names.set("site.test", "127.0.0.1")
+    sid = await _create(http, member, isolation=isolation, web=True, max_cost_micros=8_000)
+    res = await _exec(http, member, sid, _download(zeros, "/huge"))
+    got = int(res["stdout"].split("got=")[1].split()[0])
+    assert 0 < got < 80 * MIB  # the tunnel was cut well before the 200 MiB were through
+    r = await http.get(f"/v1/sandboxes/{sid}", headers=member.headers)
+    obj = r.json()
+    assert obj["termination"] == {
+        "reason": "budget_exhausted",
+        "detail": "egress traffic used up the budget",
+    }
+    again = await http.post(
+        f"/v1/sandboxes/{sid}/exec", json={"command": "true"}, headers=member.headers
+    )
+    assert again.status_code == 409 and "budget_exhausted" in again.text
+    requested = await _events(runtime, sid, "web.requested")
+    assert len(requested) == 1 and requested[0]["cut"] == "the run's budget is used up"
+    assert obj["cost"]["breakdown"]["web_micros"] == requested[0]["cost_micros"]
+    assert obj["cost"]["charged_micros"] <= obj["cost"]["reserved_micros"]
+    _settled(obj)
