@@ -146,8 +146,10 @@ async def test_idempotency_and_402(
         headers=poor.headers,
     )
     assert r.status_code == 402 and r.json()["type"].endswith("/insufficient-balance")
-    r = await http.post("/v1/sandboxes", json={"web": True}, headers=member.headers)
-    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "web"
+    # web is granted as for a run (tests/sessions/test_egress.py); a bad allow list is refused
+    bad = {"isolation": isolation, "web": {"allow": ["*"]}}
+    r = await http.post("/v1/sandboxes", json=bad, headers=member.headers)
+    assert r.status_code == 422 and r.json()["errors"][0]["field"].startswith("web")
 
 
 async def test_time_limit_and_zdr_over_http(
