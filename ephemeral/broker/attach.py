@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from ephemeral.broker.egress import Egress
     from ephemeral.budget import RunBudget
     from ephemeral.pricing import PriceBook
-    from ephemeral.sandbox.base import Sandbox
     from ephemeral.store import Store
 
 log = logging.getLogger("ephemeral.broker")
@@ -102,13 +101,14 @@ def egress_stop(egress: Egress | None, charges: WebCharges) -> StopRun | None:
 
 
 async def start_egress(
-    broker: Broker | None, ctx: BrokerContext, sandbox: Sandbox, price_book: PriceBook
+    broker: Broker | None, ctx: BrokerContext, sandbox: object, price_book: PriceBook
 ) -> tuple[Egress, dict[str, str]] | None:
     """The forwarder inside and the proxy outside, only when web or connections are granted.
 
-    Returns the proxy and the variables for the sandbox's commands, or None (nothing granted,
-    or a sandbox without a guest channel, as the fake). Raises errors.SandboxError when the
-    forwarder did not start.
+    ``sandbox`` is any sandbox (the broker imports no sandbox module); one with a guest channel
+    has ``start_egress``/``stop_egress``. Returns the proxy and the variables for the sandbox's
+    commands, or None (nothing granted, or a sandbox without a guest channel, as the fake).
+    Raises errors.SandboxError when the forwarder did not start.
     """
     if broker is None or not broker.wants_egress(ctx.policy):
         return None
