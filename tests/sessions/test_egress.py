@@ -248,3 +248,25 @@ async def test_a_byte_heavy_download_ends_the_session_at_its_budget(
     assert obj["cost"]["breakdown"]["web_micros"] == requested[0]["cost_micros"]
     assert obj["cost"]["charged_micros"] <= obj["cost"]["reserved_micros"]
     _settled(obj)
+
+
+async def test_zero_data_retention_keeps_only_the_sizes_of_web_requests(
+    http: httpx.AsyncClient,
+    runtime: Runtime,
+    member: Member,
+    upstream: Upstream,
+    names: Names,
+    isolation: str,
+) -> None:
+    names.set("site.test", "127.0.0.1")
+    sid = await _create(http, member, isolation=isolation, web=True, zero_data_retention=True)
+    res = await _exec(http, member, sid, f"curl -sS -m 10 http://site.test:{upstream.port}/text")
+    assert res["stdout"] == "hello from upstream", res["stderr"]
+    ended = await _end(http, member, sid)
+    requested = await _events(runtime, sid, "web.requested")
+    assert len(requested) == 1
+    event = requested[0]
+    assert "host" not in event and "path" not in event
+    assert (event["host_bytes"], event["path_bytes"]) == (len("site.test"), len("/text"))
+    assert ended["cost"]["breakdown"]["web_micros"] == event["cost_micros"] > 0
+    assert "site.test" not in str(await runtime.store.list_events(sid))
