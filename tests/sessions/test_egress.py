@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ephemeral.broker import Sealer
+from ephemeral.broker import Sealer, egress
 from ephemeral.service import Runtime
 from tests.api.conftest import Member
 from tests.broker.conftest import CANARY, state_bytes_contain
@@ -270,3 +270,44 @@ async def test_zero_data_retention_keeps_only_the_sizes_of_web_requests(
     assert (event["host_bytes"], event["path_bytes"]) == (len("site.test"), len("/text"))
     assert ended["cost"]["breakdown"]["web_micros"] == event["cost_micros"] > 0
     assert "site.test" not in str(await runtime.store.list_events(sid))
+
+
+async def test_a_failing_broker_closes_egress_and_ends_the_session(
+    http: httpx.AsyncClient,
+    runtime: Runtime,
+    member: Member,
+    names: Names,
+    zeros: int,
+    isolation: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    names.set("site.test", "127.0.0.1")
+    real_take = egress._Meter.take
+
+    async def failing_take(self: egress._Meter, n: int, *, out: bool) -> None:
+        await real_take(self, n, out=out)
+        if self.bytes_in > 5 * MIB:
+            raise RuntimeError("the broker broke")
+
+    monkeypatch.setattr(egress._Meter, "take", failing_take)
+    sid = await _create(http, member, isolation=isolation, web=True)
+    script = "; ".join(
+        [
+            _download(zeros, "/small"),
+            _download(zeros, "/huge"),  # the broker fails mid-tunnel
+            _download(zeros, "/small"),  # egress is closed now
+        ]
+    )
+    res = await _exec(http, member, sid, script)
+    lines = res["stdout"].split("\n")
+    assert lines[0:2] == ["got=1000", "rc=0"]
+    assert 4 * MIB < int(lines[2].removeprefix("got=")) < 50 * MIB and lines[3] != "rc=0"
+    assert lines[4] == "got=0" and lines[5] != "rc=0"
+    obj = (await http.get(f"/v1/sandboxes/{sid}", headers=member.headers)).json()
+    assert obj["status"] == "failed"
+    assert obj["termination"] == {
+        "reason": "infra_error",
+        "detail": "the egress broker failed: RuntimeError",
+    }
+    assert len(await _events(runtime, sid, "web.requested")) == 2  # the third was never served
+    _settled(obj)
