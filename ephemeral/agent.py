@@ -12,7 +12,6 @@ own cap, the run's wall-clock deadline and the moment compute would exhaust the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -21,6 +20,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ephemeral import errors
+from ephemeral.broker.attach import WebCharges, cut_egress, egress_stop, start_egress
 from ephemeral.budget import RunBudget
 from ephemeral.events import redact_for_zdr
 from ephemeral.ids import utcnow
@@ -100,8 +100,7 @@ class AgentRun:
     broker: Broker | None = None  # serves web_fetch / connection_call (ephemeral.broker)
     egress: Egress | None = None  # the sandbox's proxy, when web or connections are granted
     egress_env: dict[str, str] = field(default_factory=dict)  # proxy variables for commands
-    _ledger_writes: set[asyncio.Task[None]] = field(default_factory=set)
-    _ledger_error: str | None = None
+    _web: WebCharges = field(init=False)  # the web charges (ephemeral.broker.attach)
 
     def __post_init__(self) -> None:
         rate = self.price_book.compute_micros(
@@ -112,6 +111,7 @@ class AgentRun:
         )
         self.deadline = time.monotonic() + self.policy.timeout_seconds
         self.agent_deadline = self.deadline - self.policy.verify_reserve_seconds()
+        self._web = WebCharges(self.store, self.row.id, self.budget, self.price_book)
 
     @property
     def run_id(self) -> str:
@@ -136,79 +136,28 @@ class AgentRun:
 
     # the broker's context (ephemeral.broker.context.BrokerContext) --------------------------
     async def charge_web(self, seq: int) -> int:
-        price = self.price_book.web_request_micros()
-        if not self.budget.fits(price):
-            raise StopRun(Reason.BUDGET_EXHAUSTED, "the next web request does not fit the budget")
-        try:
-            await self.store.charge(self.run_id, "web", price, key=f"{self.run_id}:web:{seq}")
-        except errors.BudgetExhausted as exc:
-            raise StopRun(
-                Reason.BUDGET_EXHAUSTED, "the next web request does not fit the budget"
-            ) from exc
-        self.budget.charged["web_micros"] += price
-        return price
+        return await self._web.charge_request(seq)
 
     async def charge_web_bytes(self, key: str, micros: int) -> int:
-        # The run's budget decides here, synchronously: it holds the same reservation as the
-        # ledger, less compute accrued, so it is the stricter of the two. The ledger row is
-        # written beside the request (a SQLite commit would double a proxied request's
-        # latency); teardown and settlement wait for every such write first.
-        if not self.budget.fits(micros):
-            raise StopRun(Reason.BUDGET_EXHAUSTED, "egress traffic used up the budget")
-        self.budget.charged["web_micros"] += micros
-        task = asyncio.create_task(self._write_charge(f"{self.run_id}:{key}", micros))
-        self._ledger_writes.add(task)
-        task.add_done_callback(self._ledger_writes.discard)
-        return micros
-
-    async def _write_charge(self, key: str, micros: int) -> None:
-        try:
-            await self.store.charge(self.run_id, "web", micros, key=key)
-        except Exception as exc:  # noqa: BLE001 - recorded; the run stops at its next step
-            log.error("run %s: an egress charge was not written: %s", self.run_id, exc)
-            self._ledger_error = type(exc).__name__
+        return self._web.charge_bytes(key, micros)
 
     async def _flush_charges(self) -> None:
-        while self._ledger_writes:
-            await asyncio.gather(*list(self._ledger_writes), return_exceptions=True)
+        await self._web.flush()
 
     def _check_egress(self) -> None:
         """A stop the egress proxy hit (budget out, broker failure) ends the run here."""
-        if self.egress is not None:
-            if self.egress.stopped is not None:
-                raise self.egress.stopped
-            if self.egress.failed is not None:
-                raise StopRun(Reason.INFRA_ERROR, f"the egress broker failed: {self.egress.failed}")
-        if self._ledger_error is not None:
-            raise StopRun(Reason.INFRA_ERROR, f"a web charge was not written: {self._ledger_error}")
+        stop = egress_stop(self.egress, self._web)
+        if stop is not None:
+            raise stop
 
     async def _start_egress(self, sandbox: Sandbox) -> None:
         """The forwarder inside and the proxy outside, only when web or connections are on."""
-        if self.broker is None or not self.broker.wants_egress(self.policy):
-            return
-        start = getattr(sandbox, "start_egress", None)
-        if start is None:  # a sandbox without a guest channel (the fake): no egress at all
-            return
-        from ephemeral.broker.egress import WINDOW
-
-        egress = self.broker.egress(
-            self,
-            request_micros=self.price_book.web_request_micros(),
-            mib_micros=self.price_book.web_mib_micros(),
-        )
-        stop = getattr(sandbox, "stop_egress", None)
-        egress.cut_all = stop
         try:
-            await start(
-                egress.handle,
-                port=self.broker.settings.egress_port,
-                max_streams=self.broker.settings.egress_max_streams,
-                window=WINDOW,
-            )
+            attached = await start_egress(self.broker, self, sandbox, self.price_book)
         except errors.SandboxError as exc:
             raise StopRun(Reason.SANDBOX_ERROR, f"egress did not start: {exc.detail}") from exc
-        self.egress = egress
-        self.egress_env = self.broker.egress_env()
+        if attached is not None:
+            self.egress, self.egress_env = attached
 
     async def get_connection(self, name: str) -> StoredConnection:
         return await self.store.get_connection(self.row.org_id, name)
@@ -572,9 +521,7 @@ class AgentRun:
         if self.sandbox is None:
             return
         sandbox, self.sandbox = self.sandbox, None
-        if self.egress is not None and self.egress.cut_all is not None:
-            with contextlib.suppress(errors.SandboxError, ConnectionError):
-                await self.egress.cut_all()  # no stream outlives the run's bookkeeping
+        await cut_egress(self.egress)
         try:
             await sandbox.destroy()
         finally:

@@ -31,19 +31,30 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from ephemeral import errors
+from ephemeral.broker.attach import WebCharges, cut_egress, egress_stop, start_egress
+from ephemeral.broker.broker import Broker
 from ephemeral.budget import RunBudget
+from ephemeral.events import redact_for_zdr
 from ephemeral.ids import new_run_id, rfc3339, utcnow
-from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus, TerminationReason, compute_charge
-from ephemeral.policy import Policy, _fail, _Strict
+from ephemeral.lifecycle import (
+    TERMINAL_STATUSES,
+    RunStatus,
+    StopRun,
+    TerminationReason,
+    compute_charge,
+)
+from ephemeral.policy import Policy, _Strict
 from ephemeral.sandbox.base import ExecResult, Sandbox
 from ephemeral.sandbox.registry import resolve_isolation
 from ephemeral.store import RunRow, Store
 
 if TYPE_CHECKING:
+    from ephemeral.broker.egress import Egress
     from ephemeral.service import Runtime
+    from ephemeral.store.connections import StoredConnection
 
 log = logging.getLogger("ephemeral.sessions")
 
@@ -65,18 +76,10 @@ NO_ROOT_ISOLATIONS = frozenset({"namespaces-privileged"})
 
 
 class SessionRequest(Policy):
-    """The body of ``POST /v1/sandboxes``: a run's policy fields, nothing else."""
+    """The body of ``POST /v1/sandboxes``: a run's policy fields, nothing else.
 
-    @model_validator(mode="after")
-    def _granted_here(self) -> SessionRequest:
-        # The sandbox has no network; web and connections reach it only through the egress
-        # forwarder (issue 10). Until a session can use them, granting them is refused rather
-        # than silently unusable.
-        if self.web:
-            _fail(("web",), True, "not available to sandbox sessions yet (no network inside)")
-        if self.connections:
-            _fail(("connections",), None, "not available to sandbox sessions yet")
-        return self
+    ``web`` and ``connections`` work as for a run: the sandbox gets the broker's egress
+    forwarder and every exec'd command its proxy variables (``ephemeral.broker.attach``)."""
 
     def policy(self) -> Policy:
         return Policy.model_validate(self.model_dump(include=set(Policy.model_fields)))
@@ -150,7 +153,7 @@ class ExecRequest(_Strict):
 
 @dataclass
 class Live:
-    """A session running in this process."""
+    """A session running in this process; the broker's context (BrokerContext) for its egress."""
 
     id: str
     org_id: str
@@ -158,6 +161,10 @@ class Live:
     sandbox: Sandbox
     budget: RunBudget
     deadline: float  # monotonic
+    store: Store
+    web: WebCharges
+    egress: Egress | None = None  # the sandbox's proxy, when web or connections are granted
+    egress_env: dict[str, str] = field(default_factory=dict)  # proxy variables for exec
     execs: int = 0
     watchdog: asyncio.Task[None] | None = None
     ending: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -170,6 +177,24 @@ class Live:
         if compute is not None:
             limit = min(limit, compute)
         return limit - time.monotonic()
+
+    # the broker's context (ephemeral.broker.context.BrokerContext) --------------------------
+    async def emit(self, type_: str, data: dict[str, Any]) -> None:
+        zdr = self.policy.zero_data_retention
+        await self.store.append_event(self.id, type_, redact_for_zdr(data) if zdr else data)
+
+    async def charge_web(self, seq: int) -> int:
+        return await self.web.charge_request(seq)
+
+    async def charge_web_bytes(self, key: str, micros: int) -> int:
+        return self.web.charge_bytes(key, micros)
+
+    async def get_connection(self, name: str) -> StoredConnection:
+        return await self.store.get_connection(self.org_id, name)
+
+    def stop(self) -> StopRun | None:
+        """Why egress says the session must end now (budget out, broker failed), or None."""
+        return egress_stop(self.egress, self.web)
 
 
 class Sessions:
@@ -262,8 +287,15 @@ class Sessions:
                 sandbox=sandbox,
                 budget=budget,
                 deadline=budget.sandbox_started + policy.timeout_seconds,
+                store=self.store,
+                web=WebCharges(self.store, row.id, budget, self.runtime.price_book),
             )
             self._live[row.id] = live
+            attached = await start_egress(
+                Broker(self.runtime.settings), live, sandbox, self.runtime.price_book
+            )
+            if attached is not None:
+                live.egress, live.egress_env = attached
             ready = {
                 "isolation": sandbox.isolation,
                 "image": sandbox.image,
@@ -275,7 +307,7 @@ class Sessions:
                 await sandbox.put_file(f.path, f.data())
             started = {
                 "shell": policy.shell,
-                "web": policy.web,
+                "web": policy.web_shown(),
                 "connections": [c.name for c in policy.connections],
                 "files": [f.path for f in policy.files],
             }
@@ -334,7 +366,7 @@ class Sessions:
     async def _live_for(self, session_id: str, org_id: str | None) -> Live:
         live = self._live.get(session_id)
         if live is not None and (org_id is None or live.org_id == org_id):
-            if live.time_left() <= 0:
+            if live.time_left() <= 0 or live.stop() is not None:
                 await self._end_by_limit(live)
             else:
                 return live
@@ -367,7 +399,7 @@ class Sessions:
             res = await live.sandbox.exec(
                 req.command,
                 stdin=stdin,
-                env=req.env,
+                env={**live.egress_env, **req.env},
                 cwd=req.cwd,
                 timeout=timeout,
                 max_output=req.max_output_bytes,
@@ -398,6 +430,8 @@ class Sessions:
                 "timed_out": res.timed_out,
             },
         )
+        if live.stop() is not None:  # egress cut this command's streams: the session ends now
+            await self._end_by_limit(live)
         return res
 
     def _check_user(self, live: Live, user: str | None) -> None:
@@ -455,7 +489,7 @@ class Sessions:
     async def _watch(self, live: Live) -> None:
         while True:
             left = live.time_left()
-            if left <= 0:
+            if left <= 0 or live.stop() is not None:
                 break
             await asyncio.sleep(min(left, 1.0))
         if live.inflight:
@@ -464,6 +498,10 @@ class Sessions:
         await self._end_by_limit(live)
 
     async def _end_by_limit(self, live: Live) -> None:
+        stop = live.stop()
+        if stop is not None:  # egress: its budget ran out, or the broker failed
+            await self._finish(live, stop.reason, stop.detail)
+            return
         if time.monotonic() >= live.deadline:
             reason = TerminationReason.TIMEOUT
             detail = f"time limit of {live.policy.timeout_seconds} s reached"
@@ -486,10 +524,12 @@ class Sessions:
 
     async def _close(self, live: Live, reason: TerminationReason, detail: str | None) -> None:
         try:
+            await cut_egress(live.egress)
             await live.sandbox.destroy()
         finally:
             budget = live.budget
             budget.sandbox_stopped = time.monotonic()
+            await live.web.flush()
             charged = await self.store.charged(live.id)
             compute = compute_charge(
                 micros_per_second=budget.compute_micros_per_second,

@@ -57,6 +57,12 @@ def create(
     timeout: int = typer.Option(600, "--timeout", help="Time limit of the session, seconds."),
     budget: float = typer.Option(0.5, "--budget", help="Budget in USD (reserved up front)."),
     zdr: bool = typer.Option(False, "--zdr", help="Zero data retention."),
+    web: bool = typer.Option(
+        False, "--web/--no-web", help="Commands reach the web through the broker's proxy."
+    ),
+    allow: list[str] = typer.Option(
+        [], "--allow", help="Limit web to this host pattern (repeat; implies --web)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the session object."),
 ) -> None:
     """Start a sandbox session; prints its id (the other commands take it)."""
@@ -67,6 +73,7 @@ def create(
                 timeout_seconds=timeout,
                 max_cost_micros=round(budget * 1_000_000),
                 zero_data_retention=zdr,
+                web={"allow": allow} if allow else web,
             )
         except errors.EphemeralError as exc:
             raise fail(exc) from exc

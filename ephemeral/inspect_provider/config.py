@@ -25,7 +25,10 @@ class EphemeralSandboxConfig(BaseModel):
 
     isolation: Isolation = "auto"
     image: str | None = Field(default=None, description="a built image (when images exist)")
-    web: bool = False
+    web: bool | dict[str, list[str]] = Field(
+        default=False,
+        description='true, false or {"allow": [host patterns]}: egress through the broker',
+    )
     timeout_seconds: int = Field(default=900, ge=1, le=3600)
     max_cost_micros: int = Field(default=800_000, ge=1, le=MAX_COST_MICROS)
     zero_data_retention: bool = False

@@ -16,6 +16,9 @@ from ephemeral import errors
 from ephemeral.inspect_provider import EphemeralSandboxConfig, EphemeralSandboxEnvironment
 from ephemeral.inspect_provider.config import load_config
 from ephemeral.inspect_provider.provider import _file_error
+from tests.egress.conftest import Names, Upstream, names, upstream
+
+__all__ = ["names", "upstream"]  # the egress tests' fixtures, reused
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,7 +67,38 @@ def test_file_errors_map_to_what_inspect_expects() -> None:
     assert isinstance(directory, IsADirectoryError) and "directory" in str(directory)
 
 
-def test_web_in_the_config_is_refused_naming_the_field() -> None:
+def test_web_in_the_config_passes_to_the_session() -> None:
+    assert EphemeralSandboxConfig(web=True).session_request().web is True
+    allow = load_config({"web": {"allow": ["site.test"]}}).session_request()
+    assert allow.web_allow == ["site.test"]
     with pytest.raises(errors.InvalidRequest) as info:
-        EphemeralSandboxConfig(web=True).session_request()
-    assert info.value.errors is not None and info.value.errors[0]["field"] == "web"
+        load_config({"web": {"allow": ["not a host"]}}).session_request()
+    assert info.value.errors is not None and info.value.errors[0]["field"].startswith("web")
+
+
+@pytest.mark.sandbox
+async def test_an_inspect_sandbox_with_web_reaches_a_local_site(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    upstream: Upstream,
+    names: Names,
+    isolation: str,
+) -> None:
+    names.set("site.test", "127.0.0.1")
+    monkeypatch.setenv("EPHEMERAL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("EPHEMERAL_BROKER_ALLOW_PRIVATE_HOSTS", "1")  # the site is on 127.0.0.1
+    monkeypatch.delenv("EPHEMERAL_URL", raising=False)
+    task = "web-on"
+    for web, expect in ((True, "hello from upstream"), (False, "")):
+        config = EphemeralSandboxConfig(isolation=isolation, web=web, pool_size=0)
+        await EphemeralSandboxEnvironment.task_init(task, config)
+        envs = await EphemeralSandboxEnvironment.sample_init(task, config, {})
+        try:
+            res = await envs["default"].exec(
+                ["curl", "-sS", "-m", "10", f"http://site.test:{upstream.port}/text"]
+            )
+        finally:
+            await EphemeralSandboxEnvironment.sample_cleanup(task, config, envs, False)
+            await EphemeralSandboxEnvironment.task_cleanup(task, config, True)
+        assert (res.success, res.stdout) == (web, expect), res.stderr
+    assert [s.path for s in upstream.seen] == ["/text"]

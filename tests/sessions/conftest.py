@@ -1,15 +1,19 @@
-"""Fixtures for sandbox sessions: a real runtime (SQLite, real sandboxes) and a funded org."""
+"""Fixtures for sandbox sessions: a real runtime (SQLite, real sandboxes), a funded org, and
+the real app over httpx's ASGI transport with a member's key."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 
+from ephemeral.api import create_app
 from ephemeral.sandbox.registry import probe_level
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
+from tests.api.conftest import Member, new_member
 from tests.drivers import unavailable
 
 
@@ -41,3 +45,16 @@ async def org(runtime: Runtime) -> str:
     made = await runtime.store.create_org("acme")
     await runtime.store.credit(made.id, 1_000_000, note="test")
     return made.id
+
+
+@pytest.fixture
+async def http(runtime: Runtime) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(runtime.settings, runtime)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+        yield client
+
+
+@pytest.fixture
+async def member(runtime: Runtime) -> Member:
+    return await new_member(runtime, "acme")

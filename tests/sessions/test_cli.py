@@ -13,6 +13,9 @@ import pytest
 
 from ephemeral.settings import Settings
 from tests.api.server import LiveServer, live_server
+from tests.egress.conftest import Upstream, upstream
+
+__all__ = ["upstream"]  # the egress tests' fixture, reused
 
 pytestmark = pytest.mark.sandbox
 REPO = Path(__file__).resolve().parents[2]
@@ -67,3 +70,34 @@ def test_sandboxes_need_a_server() -> None:
     env["PYTHONPATH"] = str(REPO)
     res = _cli(env, "create")
     assert res.returncode == 2 and b"EPHEMERAL_URL" in res.stderr
+
+
+def test_sandboxes_create_with_web_reaches_a_local_site(
+    session_settings: Settings, upstream: Upstream, isolation: str
+) -> None:
+    # The server's loop is not the test's, so the ``*.test`` name table does not answer there:
+    # the site is ``localhost`` (allowed with broker_allow_private_hosts), asked for through the
+    # proxy with curl's ``--noproxy ''`` (no_proxy lists localhost).
+    settings = session_settings.model_copy(update={"broker_allow_private_hosts": True})
+    with live_server(settings) as server:
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "EPHEMERAL_URL": server.url,
+            "EPHEMERAL_API_KEY": server.member("cli"),
+        }
+        made = _cli(env, "create", "--isolation", isolation, "--allow", "localhost", "--json")
+        assert made.returncode == 0, made.stderr
+        obj = json.loads(made.stdout)
+        assert obj["policy"]["web"] == {"allow": ["localhost"]}
+        curl = ["curl", "-sS", "-m", "10", "--noproxy", ""]
+        url = f"http://localhost:{upstream.port}/text"
+        ran = _cli(env, "exec", obj["id"], "--", *curl, url)
+        assert (ran.returncode, ran.stdout) == (0, b"hello from upstream"), ran.stderr
+        literal = _cli(
+            env, "exec", obj["id"], "--", *curl, "-f", url.replace("localhost", "127.0.0.1")
+        )
+        assert literal.returncode != 0  # an IP literal never matches an allow list
+        ended = json.loads(_cli(env, "end", obj["id"], "--json").stdout)
+    assert ended["cost"]["breakdown"]["web_micros"] > 0
+    assert [s.path for s in upstream.seen] == ["/text"]

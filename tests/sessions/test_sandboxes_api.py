@@ -5,30 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
-from ephemeral.api import create_app
 from ephemeral.api.auth import PAGE_COOKIE
 from ephemeral.service import Runtime
 from tests.api.conftest import Member, new_member
 
 pytestmark = pytest.mark.sandbox
-
-
-@pytest.fixture
-async def http(runtime: Runtime) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(runtime.settings, runtime)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
-        yield client
-
-
-@pytest.fixture
-async def member(runtime: Runtime) -> Member:
-    return await new_member(runtime, "acme")
 
 
 async def _create(
@@ -161,8 +146,10 @@ async def test_idempotency_and_402(
         headers=poor.headers,
     )
     assert r.status_code == 402 and r.json()["type"].endswith("/insufficient-balance")
-    r = await http.post("/v1/sandboxes", json={"web": True}, headers=member.headers)
-    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "web"
+    # web is granted as for a run (tests/sessions/test_egress.py); a bad allow list is refused
+    bad = {"isolation": isolation, "web": {"allow": ["*"]}}
+    r = await http.post("/v1/sandboxes", json=bad, headers=member.headers)
+    assert r.status_code == 422 and r.json()["errors"][0]["field"].startswith("web")
 
 
 async def test_time_limit_and_zdr_over_http(

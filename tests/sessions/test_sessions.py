@@ -138,12 +138,14 @@ async def test_zero_data_retention_keeps_no_content(
     assert "secret-output" not in str(await runtime.store.list_events(row.id))
 
 
-async def test_web_and_connections_are_refused_for_now() -> None:
-    from pydantic import ValidationError
-
-    with pytest.raises(ValidationError) as info:
-        SessionRequest(web=True)
-    assert info.value.errors()[0]["loc"] == ("web",)
+async def test_web_and_connections_pass_to_the_session_policy() -> None:
+    # what they do inside: tests/sessions/test_egress.py
+    grant = [{"name": "svc", "methods": ["GET"], "paths": ["/repos/*"]}]
+    policy = SessionRequest.model_validate(
+        {"web": {"allow": ["*.example.org"]}, "connections": grant}
+    ).policy()
+    assert policy.web_allow == ["*.example.org"] and policy.web_on
+    assert [c.name for c in policy.connections] == ["svc"]
 
 
 async def test_cancel_through_the_runs_api_ends_the_session(
