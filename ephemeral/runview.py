@@ -15,7 +15,8 @@ from ephemeral.ids import rfc3339
 _STATUS_FOR_TERMINAL_EVENT = {v: k for k, v in TERMINAL_EVENT_FOR_STATUS.items()}
 
 
-def _ts(value: Any) -> str | None:
+def timestamp(value: Any) -> str | None:
+    """A stored timestamp as RFC 3339; a string is taken as already formatted."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -23,17 +24,37 @@ def _ts(value: Any) -> str | None:
     return rfc3339(value)
 
 
+def termination_view(row: Any) -> dict[str, Any] | None:
+    """``termination`` of a run or session object: why it ended, once it has."""
+    if not row.termination_reason:
+        return None
+    return {"reason": row.termination_reason, "detail": row.termination_detail}
+
+
+def cost_view(row: Any) -> dict[str, Any]:
+    """``cost`` of a run or session object: the reservation, its settlement and the split."""
+    breakdown = row.breakdown or {}
+    return {
+        "reserved_micros": row.reserved_micros,
+        "charged_micros": row.charged_micros,
+        "refunded_micros": row.refunded_micros,
+        "breakdown": {
+            key: int(breakdown.get(key, 0))
+            for key in ("model_micros", "web_micros", "compute_micros")
+        },
+    }
+
+
 def run_object(row: Any, base_url: str | None = None) -> dict[str, Any]:
     """Render a stored run row as the public run object."""
     usage = row.usage or {}
-    breakdown = row.breakdown or {}
     prefix = (base_url or "").rstrip("/")
     return {
         "id": row.id,
         "status": row.status,
-        "created_at": _ts(row.created_at),
-        "started_at": _ts(row.started_at),
-        "ended_at": _ts(row.ended_at),
+        "created_at": timestamp(row.created_at),
+        "started_at": timestamp(row.started_at),
+        "ended_at": timestamp(row.ended_at),
         "model": row.model,
         "policy": row.policy,
         "isolation": row.isolation,
@@ -41,26 +62,13 @@ def run_object(row: Any, base_url: str | None = None) -> dict[str, Any]:
         "image": getattr(row, "image", None),
         "image_hash": getattr(row, "image_hash", None),
         "host": getattr(row, "host", None),
-        "termination": (
-            {"reason": row.termination_reason, "detail": row.termination_detail}
-            if row.termination_reason
-            else None
-        ),
+        "termination": termination_view(row),
         "usage": {
             "model_calls": int(usage.get("model_calls", 0)),
             "input_tokens": int(usage.get("input_tokens", 0)),
             "output_tokens": int(usage.get("output_tokens", 0)),
         },
-        "cost": {
-            "reserved_micros": row.reserved_micros,
-            "charged_micros": row.charged_micros,
-            "refunded_micros": row.refunded_micros,
-            "breakdown": {
-                "model_micros": int(breakdown.get("model_micros", 0)),
-                "web_micros": int(breakdown.get("web_micros", 0)),
-                "compute_micros": int(breakdown.get("compute_micros", 0)),
-            },
-        },
+        "cost": cost_view(row),
         "output": row.output,
         "labels": row.labels or {},
         "links": {

@@ -47,6 +47,7 @@ from ephemeral.lifecycle import (
     compute_charge,
 )
 from ephemeral.policy import Policy, _Strict
+from ephemeral.runview import cost_view, termination_view, timestamp
 from ephemeral.sandbox.base import ExecResult, Sandbox
 from ephemeral.sandbox.registry import resolve_isolation
 from ephemeral.store import RunRow, Store
@@ -578,7 +579,6 @@ def session_object(row: RunRow, base_url: str | None = None) -> dict[str, Any]:
     """The public sandbox session object (``GET /v1/sandboxes/{id}``)."""
     policy = Policy.model_validate(row.policy)
     prefix = (base_url or "").rstrip("/")
-    breakdown = row.breakdown or {}
     expires_at = None
     if row.started_at is not None:
         started = row.started_at.timestamp()
@@ -587,39 +587,22 @@ def session_object(row: RunRow, base_url: str | None = None) -> dict[str, Any]:
         "id": row.id,
         "kind": KIND,
         "status": row.status,
-        "created_at": _ts(row.created_at),
-        "started_at": _ts(row.started_at),
-        "ended_at": _ts(row.ended_at),
+        "created_at": timestamp(row.created_at),
+        "started_at": timestamp(row.started_at),
+        "ended_at": timestamp(row.ended_at),
         "expires_at": expires_at,
         "policy": row.policy,
         "isolation": row.isolation,
         "runtime": row.runtime,
-        "termination": (
-            {"reason": row.termination_reason, "detail": row.termination_detail}
-            if row.termination_reason
-            else None
-        ),
+        "termination": termination_view(row),
         "usage": {"execs": int((row.usage or {}).get("execs", 0))},
-        "cost": {
-            "reserved_micros": row.reserved_micros,
-            "charged_micros": row.charged_micros,
-            "refunded_micros": row.refunded_micros,
-            "breakdown": {
-                "model_micros": int(breakdown.get("model_micros", 0)),
-                "web_micros": int(breakdown.get("web_micros", 0)),
-                "compute_micros": int(breakdown.get("compute_micros", 0)),
-            },
-        },
+        "cost": cost_view(row),
         "links": {
             "self": f"{prefix}/v1/sandboxes/{row.id}",
             "events": f"{prefix}/v1/runs/{row.id}/events",
             "page": f"{prefix}/runs/{row.id}",
         },
     }
-
-
-def _ts(value: Any) -> str | None:
-    return None if value is None else rfc3339(value)
 
 
 def _from_ts(seconds: float) -> Any:
