@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ephemeral import errors
 from ephemeral.broker.attach import WebCharges, cut_egress, egress_stop, start_egress
@@ -46,8 +46,9 @@ from ephemeral.lifecycle import (
     TerminationReason,
     compute_charge,
 )
-from ephemeral.policy import Policy, _Strict
+from ephemeral.policy import Policy, _fail, _Strict
 from ephemeral.runview import cost_view, termination_view, timestamp
+from ephemeral.sandbox import images
 from ephemeral.sandbox.base import ExecResult, Sandbox
 from ephemeral.sandbox.registry import resolve_isolation
 from ephemeral.store import RunRow, Store
@@ -81,6 +82,18 @@ class SessionRequest(Policy):
 
     ``web`` and ``connections`` work as for a run: the sandbox gets the broker's egress
     forwarder and every exec'd command its proxy variables (``ephemeral.broker.attach``)."""
+
+    @model_validator(mode="after")
+    def _no_setup_or_verify(self) -> SessionRequest:
+        # A session has no agent turn to run them around: its client runs commands with exec.
+        for name in ("setup", "verify", "verify_timeout_seconds"):
+            if getattr(self, name):
+                _fail(
+                    (name,),
+                    getattr(self, name),
+                    "not available to sandbox sessions: run the commands with exec",
+                )
+        return self
 
     def policy(self) -> Policy:
         return Policy.model_validate(self.model_dump(include=set(Policy.model_fields)))
@@ -166,6 +179,7 @@ class Live:
     web: WebCharges
     egress: Egress | None = None  # the sandbox's proxy, when web or connections are granted
     egress_env: dict[str, str] = field(default_factory=dict)  # proxy variables for exec
+    image_env: dict[str, str] = field(default_factory=dict)  # the image's `env` (image.yaml)
     execs: int = 0
     watchdog: asyncio.Task[None] | None = None
     ending: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -297,9 +311,12 @@ class Sessions:
             )
             if attached is not None:
                 live.egress, live.egress_env = attached
+            built = images.built_image(self.runtime.settings, sandbox.image)
+            live.image_env = dict(built.env) if built else {}
             ready = {
                 "isolation": sandbox.isolation,
                 "image": sandbox.image,
+                "image_hash": built.hash if built else None,
                 "boot_ms": int((budget.sandbox_started - t0) * 1000),
                 "queue_wait_ms": 0,
                 "runtime": sandbox.runtime,
@@ -400,7 +417,7 @@ class Sessions:
             res = await live.sandbox.exec(
                 req.command,
                 stdin=stdin,
-                env={**live.egress_env, **req.env},
+                env={**live.image_env, **live.egress_env, **req.env},
                 cwd=req.cwd,
                 timeout=timeout,
                 max_output=req.max_output_bytes,

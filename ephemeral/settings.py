@@ -119,7 +119,8 @@ class Settings(BaseSettings):
         default="local",
         description="`local`: `ephemeral serve` executes every run in its own process. `prefect`: "
         "it admits runs and hands each to a Prefect task worker (`ephemeral worker`), so the API "
-        "process starts no sandbox; `ephemeral run`/`eval` dispatch their runs the same way.",
+        "process starts no sandbox for a run (sandbox sessions still live in the API process "
+        "that created them); `ephemeral run`/`eval` dispatch their runs the same way.",
     )
     host_id: str = Field(
         default_factory=socket.gethostname,

@@ -12,7 +12,8 @@ from typing import NoReturn, get_args
 
 import pytest
 
-from ephemeral.settings import Isolation
+from ephemeral.sandbox import images
+from ephemeral.settings import Isolation, Settings
 
 REQUIRE_ENV = "EPHEMERAL_TEST_REQUIRE_DRIVERS"
 KNOWN = frozenset(get_args(Isolation)) - {"auto"}
@@ -42,3 +43,11 @@ def unavailable(reason: str, *drivers: str) -> NoReturn:
             pytrace=False,
         )
     pytest.skip(reason)
+
+
+def built_image(settings: Settings, name: str) -> images.ImageConfig:
+    """The built image ``name``, or :func:`unavailable` (`make setup` builds the shipped ones)."""
+    built = images.built_image(settings, name)
+    if built is None:
+        unavailable(f"image {name} not built (make setup)")
+    return built

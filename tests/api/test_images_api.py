@@ -10,16 +10,14 @@ from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.api.conftest import SAMPLE_BODY, Member, write_cassette
 from tests.api.test_errors import assert_problem
-from tests.drivers import unavailable
+from tests.drivers import built_image
 from tests.run.conftest import turn
 
 pytestmark = pytest.mark.sandbox
 
 
 def _needs_python_dev(settings: Settings) -> images.ImageConfig:
-    built = images.built_image(settings, "python-dev")
-    if built is None:
-        unavailable("image python-dev not built (make setup)")
+    built = built_image(settings, "python-dev")
     return built
 
 

@@ -14,12 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral.policy import RunRequest
-from ephemeral.sandbox import images
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.broker.conftest import events_of
-from tests.drivers import unavailable
+from tests.drivers import built_image
 from tests.egress.conftest import Names, provisioned, sh
 from tests.egress.servers import PACKAGE, git_http, make_repo, package_index
 from tests.evals.conftest import REPO, cli
@@ -29,18 +27,10 @@ pytestmark = [pytest.mark.sandbox]
 RECIPE_PORT = 38517  # fixed in recipes/evals/pip-from-allowed-index.yaml and its cassette
 
 
-def need_python_dev(settings: Settings) -> None:
-    if "image" not in RunRequest.model_fields:
-        pytest.skip("runs cannot name an image on this branch (the `image` field of issue 11)")
-    built = getattr(images, "built_image", None)
-    if built is None or built(settings, "python-dev") is None:
-        unavailable("image python-dev not built (make setup)")
-
-
 async def test_git_clone_over_smart_http(
     runtime: Runtime, names: Names, isolation: str, tmp_path: Path
 ) -> None:
-    need_python_dev(runtime.settings)
+    built_image(runtime.settings, "python-dev")
     names.set("git.test", "127.0.0.1")
     make_repo(tmp_path)
     with git_http(tmp_path) as (port, seen):
@@ -66,7 +56,7 @@ async def test_git_clone_over_smart_http(
 async def test_pip_install_from_a_local_index(
     runtime: Runtime, names: Names, isolation: str
 ) -> None:
-    need_python_dev(runtime.settings)
+    built_image(runtime.settings, "python-dev")
     names.set("pkgs.test", "127.0.0.1")
     with package_index() as (port, seen):
         async with provisioned(
@@ -88,7 +78,7 @@ async def test_pip_install_from_a_local_index(
 
 def test_pip_recipe_end_to_end(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    need_python_dev(Settings.load(state_dir=state))
+    built_image(Settings.load(state_dir=state), "python-dev")
     probe = socket.socket()
     probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
     try:

@@ -12,10 +12,9 @@ import pytest
 from ephemeral import evals
 from ephemeral.export import COLUMNS, export_suite_run
 from ephemeral.recipes import load_recipe
-from ephemeral.sandbox import images
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
-from tests.drivers import unavailable
+from tests.drivers import built_image
 from tests.evals.conftest import REPO, cli, write_cassette
 from tests.recipes.helpers import write
 
@@ -32,9 +31,7 @@ def _obj(value: object) -> object:
 def test_coding_suite_passes_offline_and_exports_its_samples(
     state_dir: Path, tmp_path: Path
 ) -> None:
-    built = images.built_image(Settings.load(state_dir=state_dir), "python-dev")
-    if built is None:
-        unavailable("image python-dev not built (make setup)")
+    built = built_image(Settings.load(state_dir=state_dir), "python-dev")
     run = cli(state_dir, "eval", CODING, "--no-prefect")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "3 runs · 3 passing" in run.stdout and "PASSED" in run.stdout

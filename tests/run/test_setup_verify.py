@@ -22,7 +22,7 @@ from ephemeral.runview import run_object
 from ephemeral.sandbox import images
 from ephemeral.service import Runtime
 from ephemeral.settings import REPO_ROOT, Settings
-from tests.drivers import unavailable
+from tests.drivers import built_image, unavailable
 from tests.run.conftest import turn
 from tests.run.test_agent_run import assert_settled, run_to_end, types
 
@@ -32,9 +32,7 @@ ISOLATION = "namespaces"
 
 @pytest.fixture
 def python_dev(run_settings: Settings) -> images.ImageConfig:
-    built = images.built_image(run_settings, "python-dev")
-    if built is None:
-        unavailable("image python-dev not built (make setup)")
+    built = built_image(run_settings, "python-dev")
     return built
 
 

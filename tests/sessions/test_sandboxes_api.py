@@ -150,6 +150,13 @@ async def test_idempotency_and_402(
     bad = {"isolation": isolation, "web": {"allow": ["*"]}}
     r = await http.post("/v1/sandboxes", json=bad, headers=member.headers)
     assert r.status_code == 422 and r.json()["errors"][0]["field"].startswith("web")
+    # setup/verify belong to runs: a session's client runs its commands with exec
+    for field, value in (("setup", ["true"]), ("verify", ["true"])):
+        body = {"isolation": isolation, field: value}
+        r = await http.post("/v1/sandboxes", json=body, headers=member.headers)
+        assert r.status_code == 422, (field, r.text)
+        assert r.json()["errors"][0]["field"] == field
+        assert "exec" in r.json()["errors"][0]["message"]
 
 
 async def test_time_limit_and_zdr_over_http(

@@ -10,8 +10,10 @@ import pytest
 
 from ephemeral import errors
 from ephemeral.records import Records
+from ephemeral.sandbox import images
 from ephemeral.service import Runtime
 from ephemeral.sessions import ExecRequest, SessionRequest
+from tests.drivers import built_image
 
 pytestmark = pytest.mark.sandbox
 
@@ -64,6 +66,10 @@ async def test_session_lifecycle_money_and_records(
         "run.succeeded",
         "run.settled",
     ]
+    ready = events[1].data
+    built = images.built_image(runtime.settings, runtime.settings.image)
+    assert built is not None
+    assert (ready["image"], ready["image_hash"]) == (runtime.settings.image, built.hash)
     first = events[3].data
     assert first["command"] == "sh -c 'echo hi; id -u'" and first["stdout"] == "hi\n1000\n"
     assert events[5].data["user"] == "root"
@@ -230,3 +236,20 @@ async def test_a_runtime_without_a_pool_gets_one_at_its_first_session(
             await runtime.sessions.end(row.id, org)
     finally:
         await runtime.close()
+
+
+async def test_the_image_env_applies_to_exec(runtime: Runtime, org: str, isolation: str) -> None:
+    built = built_image(runtime.settings, "python-dev")
+    assert built.env.get("PIP_NO_INDEX") == "1"
+    row, _ = await runtime.sessions.create(
+        org, SessionRequest(isolation=isolation, image="python-dev")
+    )
+    try:
+        res = await runtime.sessions.exec(row.id, org, ExecRequest(command="printenv PIP_NO_INDEX"))
+        assert res.stdout == "1\n"
+        res = await runtime.sessions.exec(
+            row.id, org, ExecRequest(command="printenv PIP_NO_INDEX", env={"PIP_NO_INDEX": "0"})
+        )
+        assert res.stdout == "0\n"  # the caller's env wins
+    finally:
+        await runtime.sessions.end(row.id, org)
