@@ -6,6 +6,17 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+# A setup or verify command's result (verify adds ``skipped``).
+_COMMAND_FIELDS = (
+    "command",
+    "exit_code",
+    "stdout",
+    "stderr",
+    "duration_ms",
+    "timed_out",
+    "truncated",
+)
+
 # type -> the keys its data carries. Docs and tests are checked against this table.
 EVENT_TYPES: dict[str, tuple[str, ...]] = {
     "run.queued": ("reserved_micros",),
@@ -18,25 +29,8 @@ EVENT_TYPES: dict[str, tuple[str, ...]] = {
     "web.denied": ("method", "url", "reason", "cost_micros"),
     "connection.requested": ("name", "method", "path", "status"),
     "connection.denied": ("name", "method", "path", "reason"),
-    "setup.executed": (
-        "command",
-        "exit_code",
-        "stdout",
-        "stderr",
-        "duration_ms",
-        "timed_out",
-        "truncated",
-    ),
-    "verify.executed": (
-        "command",
-        "exit_code",
-        "stdout",
-        "stderr",
-        "duration_ms",
-        "timed_out",
-        "truncated",
-        "skipped",
-    ),
+    "setup.executed": _COMMAND_FIELDS,
+    "verify.executed": (*_COMMAND_FIELDS, "skipped"),
     "budget.warning": ("spent_micros", "remaining_micros"),
     "sandbox.exec": (
         "command",

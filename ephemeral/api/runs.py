@@ -51,12 +51,23 @@ Auth = Annotated[Principal, Depends(principal)]
 Rt = Annotated[Runtime, Depends(get_runtime)]
 
 
-def body_hash(request: RunRequest) -> str:
-    """sha256 of the canonical JSON of the parsed body: key order and spacing do not matter."""
-    canonical = json.dumps(
-        request.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
-    )
+def canonical_hash(data: Any) -> str:
+    """sha256 of canonical JSON: key order and spacing do not matter."""
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def body_hash(request: RunRequest) -> str:
+    """The Idempotency-Key fingerprint of a run request: its parsed body, canonical."""
+    return canonical_hash(request.model_dump(mode="json"))
+
+
+def created(obj: dict[str, Any], location: str, replayed: bool) -> JSONResponse:
+    """201 with ``Location`` for a new resource; 200 + ``Idempotent-Replayed`` for a replay."""
+    headers = {"Location": location}
+    if replayed:
+        headers["Idempotent-Replayed"] = "true"
+    return JSONResponse(obj, status_code=200 if replayed else 201, headers=headers)
 
 
 def base_url(request: Request) -> str:
@@ -113,11 +124,7 @@ async def create_run(
         idempotency_key=idempotency_key,
         body_hash=body_hash(body) if idempotency_key is not None else None,
     )
-    headers = {"Location": f"/v1/runs/{row.id}"}
-    if replayed:
-        headers["Idempotent-Replayed"] = "true"
-    obj = await render_run(request, runtime, row)
-    return JSONResponse(obj, status_code=200 if replayed else 201, headers=headers)
+    return created(await render_run(request, runtime, row), f"/v1/runs/{row.id}", replayed)
 
 
 @v1.get("/runs", response_model=RunPage, responses=problems(401, 422), summary="List runs")

@@ -3,15 +3,13 @@ authorise, call ``runtime.sessions``, render. Auth, idempotency, 402 and problem
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from ephemeral.api.runs import IDEMPOTENCY_KEY_PATTERN, Auth, Rt, base_url
+from ephemeral.api.runs import IDEMPOTENCY_KEY_PATTERN, Auth, Rt, base_url, canonical_hash, created
 from ephemeral.api.schemas import Breakdown, Termination, problems
 from ephemeral.sessions import MAX_FILE_BYTES, ExecRequest, SessionRequest, session_object
 
@@ -72,13 +70,7 @@ class ExecOutput(BaseModel):
 
 def session_hash(body: SessionRequest) -> str:
     """sha256 of the canonical JSON, marked as a sandbox: a run's key never replays a session."""
-    canonical = json.dumps(
-        {"sandbox": body.model_dump(mode="json")},
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=False,
-    )
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    return canonical_hash({"sandbox": body.model_dump(mode="json")})
 
 
 @sandboxes.post(
@@ -117,14 +109,7 @@ async def create_sandbox(
         idempotency_key=idempotency_key,
         body_hash=session_hash(body) if idempotency_key is not None else None,
     )
-    headers = {"Location": f"/v1/sandboxes/{row.id}"}
-    if replayed:
-        headers["Idempotent-Replayed"] = "true"
-    return JSONResponse(
-        session_object(row, base_url(request)),
-        status_code=200 if replayed else 201,
-        headers=headers,
-    )
+    return created(session_object(row, base_url(request)), f"/v1/sandboxes/{row.id}", replayed)
 
 
 @sandboxes.get(
