@@ -244,8 +244,6 @@ def throughput(client: Client, runs: int, clients: int) -> dict[str, object]:
 
 
 def cluster_bench(args: argparse.Namespace) -> None:
-    import asyncio as aio
-
     from tests.cluster.harness import Cluster
     from tests.fixtures_pg import PgCluster
 
@@ -307,7 +305,7 @@ def cluster_bench(args: argparse.Namespace) -> None:
             one = throughput(api, args.throughput, args.clients)
             c.start_worker("w2", limit=4, pool=2)
             two = throughput(api, args.throughput, args.clients)
-            reserved = aio.run(_reserved(c.db_url))
+            reserved = c.org_reserved("bench")
             print(f"throughput, {args.throughput} runs, {args.clients} clients, limit 4 per worker")
             for name, r in (("1 worker", one), ("2 workers", two)):
                 print(
@@ -322,16 +320,6 @@ def cluster_bench(args: argparse.Namespace) -> None:
         c.stop()
         pg.stop()
         shutil.rmtree(root, ignore_errors=True)
-
-
-async def _reserved(db_url: str) -> int:
-    from ephemeral.store import Store
-
-    store = await Store.open(db_url)
-    try:
-        return (await store.get_org("bench")).reserved_micros
-    finally:
-        await store.close()
 
 
 def _free_port() -> int:

@@ -162,3 +162,16 @@ class Cluster:
                 await store.close()
 
         return asyncio.run(go())
+
+    def org_reserved(self, org: str) -> int:
+        """The org's open reservations (0 once every run has settled)."""
+        from ephemeral.store import Store
+
+        async def go() -> int:
+            store = await Store.open(self.db_url)
+            try:
+                return (await store.get_org(org)).reserved_micros
+            finally:
+                await store.close()
+
+        return asyncio.run(go())

@@ -108,18 +108,8 @@ def assert_money(obj: dict[str, Any]) -> None:
     assert cost["charged_micros"] + cost["refunded_micros"] == cost["reserved_micros"], obj
 
 
-async def _org_reserved(db_url: str) -> int:
-    from ephemeral.store import Store
-
-    store = await Store.open(db_url)
-    try:
-        return (await store.get_org("acme")).reserved_micros
-    finally:
-        await store.close()
-
-
 def org_reserved(cluster: Cluster) -> int:
-    return asyncio.run(_org_reserved(cluster.db_url))
+    return cluster.org_reserved("acme")
 
 
 def wait_reserved_zero(cluster: Cluster, timeout: float = 30) -> None:

@@ -46,7 +46,8 @@ def build_wheel() -> bytes:
     return buf.getvalue()
 
 
-def _serve(handler: type[BaseHTTPRequestHandler], port: int = 0) -> Iterator[int]:
+def serve(handler: type[BaseHTTPRequestHandler], port: int = 0) -> Iterator[int]:
+    """Serve ``handler`` on 127.0.0.1 in a thread; yields the port, then shuts it down."""
     server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -92,7 +93,7 @@ def package_index(port: int = 0) -> Iterator[tuple[int, list[str]]]:
             self.end_headers()
             self.wfile.write(body)
 
-    for p in _serve(Index, port):
+    for p in serve(Index, port):
         yield p, seen
 
 
@@ -169,5 +170,5 @@ def git_http(root: Path) -> Iterator[tuple[int, list[str]]]:
 
         do_GET = do_POST = _cgi
 
-    for p in _serve(Git):
+    for p in serve(Git):
         yield p, seen

@@ -3,9 +3,8 @@ that fails mid-run leaves egress closed and ends the run."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
@@ -16,6 +15,7 @@ from ephemeral.runview import fold_events
 from ephemeral.service import Runtime
 from tests.broker.test_run import final, tool_turn
 from tests.egress.conftest import Names
+from tests.egress.servers import serve
 
 pytestmark = [pytest.mark.sandbox]
 
@@ -48,15 +48,20 @@ class _Zeros(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def zeros() -> Iterator[int]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Zeros)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    yield from serve(_Zeros)
+
+
+@pytest.fixture
+def broker_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The broker raises once a tunnel has carried 5 MiB in (a broker failing mid-run)."""
+    real_take = egress._Meter.take
+
+    async def failing_take(self: egress._Meter, n: int, *, out: bool) -> None:
+        await real_take(self, n, out=out)
+        if self.bytes_in > 5 * MIB:
+            raise RuntimeError("the broker broke")
+
+    monkeypatch.setattr(egress._Meter, "take", failing_take)
 
 
 def _download(port: int, path: str) -> str:
@@ -115,17 +120,9 @@ async def test_a_failing_broker_closes_egress_and_ends_the_run(
     isolation: str,
     zeros: int,
     make_cassette: Callable[..., str],
-    monkeypatch: pytest.MonkeyPatch,
+    broker_breaks: None,
 ) -> None:
     names.set("site.test", "127.0.0.1")
-    real_take = egress._Meter.take
-
-    async def failing_take(self: egress._Meter, n: int, *, out: bool) -> None:
-        await real_take(self, n, out=out)
-        if self.bytes_in > 5 * MIB:
-            raise RuntimeError("the broker broke")
-
-    monkeypatch.setattr(egress._Meter, "take", failing_take)
     script = "; ".join(
         [
             _download(zeros, "/small"),

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.broker.conftest import CANARY, Upstream, state_bytes_contain
-from tests.evals.conftest import REPO, cli
+from tests.evals.conftest import REPO, cli, shell_events
 
 pytestmark = [pytest.mark.sandbox]
 
@@ -41,15 +41,7 @@ def test_connection_from_code_recipe(upstream: Upstream, tmp_path: Path) -> None
     # the GET went out once, with the stored credential; the POST never left the host
     assert [(s.method, s.path) for s in upstream.seen] == [("GET", "/api/repos/acme/app")]
     assert upstream.seen[0].headers["Authorization"] == f"Bearer {CANARY}"
-    shells = cli(
-        state,
-        "query",
-        "SELECT data FROM events WHERE type = 'shell.executed' ORDER BY seq",
-        "--format",
-        "json",
-    )
-    assert shells.returncode == 0, shells.stderr
-    executed = [json.loads(r["data"]) for r in json.loads(shells.stdout)]
+    executed = shell_events(state)
     assert '"Authorization": "[redacted]"' in executed[0]["stdout"]
     assert all(CANARY not in d["stdout"] for d in executed)
     assert state_bytes_contain(state, CANARY.encode()) == []

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,6 +63,20 @@ def cli(
         timeout=timeout,
         check=False,
     )
+
+
+def shell_events(state_dir: Path) -> list[dict[str, Any]]:
+    """Every recorded ``shell.executed`` event's data, in order, read through ``ephemeral query``
+    (the records, as a data team reads them)."""
+    shells = cli(
+        state_dir,
+        "query",
+        "SELECT data FROM events WHERE type = 'shell.executed' ORDER BY seq",
+        "--format",
+        "json",
+    )
+    assert shells.returncode == 0, shells.stderr
+    return [json.loads(r["data"]) for r in json.loads(shells.stdout)]
 
 
 @pytest.fixture

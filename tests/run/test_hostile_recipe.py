@@ -18,7 +18,7 @@ import yaml
 from ephemeral.sandbox import registry
 from ephemeral.settings import Settings
 from tests.drivers import unavailable
-from tests.evals.conftest import REPO, cli
+from tests.evals.conftest import REPO, cli, shell_events
 
 pytestmark = [pytest.mark.sandbox]
 
@@ -45,15 +45,7 @@ def test_hostile_agent_cannot_forge_its_record(level: str, tmp_path: Path) -> No
     report = json.loads(done.stdout)
     assert report["passed"] is True, report
 
-    shells = cli(
-        state,
-        "query",
-        "SELECT data FROM events WHERE type = 'shell.executed' ORDER BY seq",
-        "--format",
-        "json",
-    )
-    assert shells.returncode == 0, shells.stderr
-    executed = [json.loads(r["data"]) for r in json.loads(shells.stdout)]
+    executed = shell_events(state)
     forge = next(d for d in executed if d["command"].startswith("python3 forge.py"))
     assert forge["exit_code"] == 42 and "REAL" in forge["stdout"]
     assert all("FORGED" not in d["stdout"] for d in executed)

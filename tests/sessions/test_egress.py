@@ -14,15 +14,15 @@ from typing import Any
 import httpx
 import pytest
 
-from ephemeral.broker import Sealer, egress
+from ephemeral.broker import Sealer
 from ephemeral.service import Runtime
 from tests.api.conftest import Member
 from tests.broker.conftest import CANARY, state_bytes_contain
 from tests.egress.conftest import Names, Upstream, broker_settings, names, runtime, upstream
-from tests.egress.test_money_and_failure import MIB, _download, zeros
+from tests.egress.test_money_and_failure import MIB, _download, broker_breaks, zeros
 
 # fixtures: the egress tests', reused
-__all__ = ["broker_settings", "names", "runtime", "upstream", "zeros"]
+__all__ = ["broker_breaks", "broker_settings", "names", "runtime", "upstream", "zeros"]
 
 pytestmark = pytest.mark.sandbox
 
@@ -279,17 +279,9 @@ async def test_a_failing_broker_closes_egress_and_ends_the_session(
     names: Names,
     zeros: int,
     isolation: str,
-    monkeypatch: pytest.MonkeyPatch,
+    broker_breaks: None,
 ) -> None:
     names.set("site.test", "127.0.0.1")
-    real_take = egress._Meter.take
-
-    async def failing_take(self: egress._Meter, n: int, *, out: bool) -> None:
-        await real_take(self, n, out=out)
-        if self.bytes_in > 5 * MIB:
-            raise RuntimeError("the broker broke")
-
-    monkeypatch.setattr(egress._Meter, "take", failing_take)
     sid = await _create(http, member, isolation=isolation, web=True)
     script = "; ".join(
         [
