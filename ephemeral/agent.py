@@ -128,11 +128,7 @@ class AgentRun:
         )
 
     def time_left(self) -> float:
-        limit = self.agent_deadline
-        compute = self.budget.compute_deadline()
-        if compute is not None:
-            limit = min(limit, compute)
-        return limit - time.monotonic()
+        return self.budget.seconds_left(self.agent_deadline)
 
     # the broker's context (ephemeral.broker.context.BrokerContext) --------------------------
     async def charge_web(self, seq: int) -> int:
@@ -452,11 +448,7 @@ class AgentRun:
             except errors.SandboxError as exc:
                 log.warning("run %s: kill_all before verify failed: %s", self.run_id, exc)
         for command in self.policy.verify:
-            limit = self.deadline
-            compute = self.budget.compute_deadline()
-            if compute is not None:
-                limit = min(limit, compute)
-            left = limit - time.monotonic()
+            left = self.budget.seconds_left(self.deadline)
             if left <= 0 or self.cancelled.is_set():
                 why = "cancelled" if self.cancelled.is_set() else "no time or budget left"
                 result = {

@@ -60,6 +60,12 @@ class RunBudget:
         left = self.reserved_micros - self.non_compute_spent()
         return self.sandbox_started + max(0.0, left / self.compute_micros_per_second)
 
+    def seconds_left(self, deadline: float) -> float:
+        """Seconds until ``deadline`` (monotonic) or the compute deadline, whichever is first."""
+        compute = self.compute_deadline()
+        limit = deadline if compute is None else min(deadline, compute)
+        return limit - time.monotonic()
+
     def should_warn(self) -> bool:
         """True exactly once, when spending first reaches 80 % of the reservation."""
         if self.warned or self.reserved_micros <= 0:

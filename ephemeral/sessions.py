@@ -187,11 +187,7 @@ class Live:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def time_left(self) -> float:
-        limit = self.deadline
-        compute = self.budget.compute_deadline()
-        if compute is not None:
-            limit = min(limit, compute)
-        return limit - time.monotonic()
+        return self.budget.seconds_left(self.deadline)
 
     # the broker's context (ephemeral.broker.context.BrokerContext) --------------------------
     async def emit(self, type_: str, data: dict[str, Any]) -> None:
