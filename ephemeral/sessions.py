@@ -85,7 +85,7 @@ class SessionRequest(Policy):
     @model_validator(mode="after")
     def _no_setup_or_verify(self) -> SessionRequest:
         # A session has no agent turn to run them around: its client runs commands with exec.
-        for name in ("setup", "verify", "verify_timeout_seconds"):
+        for name in ("setup", "verify", "verify_timeout_seconds", "verify_files"):
             if getattr(self, name):
                 _fail(
                     (name,),
