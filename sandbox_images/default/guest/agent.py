@@ -21,14 +21,14 @@ Run as a non-root user the agent still works, but commands then share its uid: o
 Optional request fields (absent = the behaviour above; sandbox sessions use them):
   exec: "user" (a name or uid of the image's /etc/passwd; "root" keeps the agent's reduced
         capabilities), "stdin_path" (stdin read from a sandbox file, opened as the command's user)
+  put:  "user" (write as that user: its permissions apply, it owns what is made), "append"
+  get:  "user" (read as that user), "offset" (read from there; the reply adds the file "size")
   A user the sandbox cannot become (a uid or gid outside its id map, or root under --no-root)
   is a refused request of kind "bad_user": that request fails, the agent carries on.
 
 Flags: --no-root (the agent is host root: refuse every user whose uid or gid is 0, however it
 is spelled), --drop-bounding-set (cut the bounding set to the agent's six capabilities; needs
 CAP_SETPCAP, which is then dropped too).
-  put:  "user" (write as that user: its permissions apply, it owns what is made), "append"
-  get:  "user" (read as that user), "offset" (read from there; the reply adds the file "size")
 
 Stdlib only; runs as `python3 -I -S agent.py --channel stdio|virtio:<port-name>`.
 """
