@@ -198,3 +198,47 @@ def test_a_recipe_puts_verify_files_from_its_own_directory(tmp_path: Path) -> No
         bad.write_text(base + f"verify_files_from: '{value}'\n")
         with pytest.raises(RecipeError, match="verify_files_from"):
             load_recipe(bad)
+
+
+async def test_no_verify_file_and_no_verify_command_when_the_agent_could_not_be_stopped(
+    runtime: Runtime,
+    run_settings: Settings,
+    make_cassette: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    why = await registry.probe_level("namespaces", Settings.load(state_dir=run_settings.state_dir))
+    if why is not None:
+        unavailable(f"namespaces cannot run here: {why}", "namespaces")
+    from ephemeral import errors
+    from ephemeral.sandbox.guest import GuestBacked
+
+    async def survivors(self: GuestBacked) -> int:
+        raise errors.SandboxError("kill_all: kill_failed: 1 processes survived SIGKILL")
+
+    monkeypatch.setattr(GuestBacked, "kill_all", survivors)
+    put: list[str] = []
+    real_put = GuestBacked.put_file
+
+    async def record_put(self: GuestBacked, path: str, *a: object, **kw: object) -> None:
+        put.append(path)
+        await real_put(self, path, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(GuestBacked, "put_file", record_put)
+    model = make_cassette("verify-survivors", [turn("echo hi"), turn(final="done")])
+    request = RunRequest.model_validate(
+        {
+            "prompt": "p",
+            "model": model,
+            "isolation": "namespaces",
+            "timeout_seconds": 60,
+            "verify": ["true", "cat /tmp/verify/secret.txt"],
+            "verify_files": [{"path": "secret.txt", "content_base64": _b64("s")}],
+        }
+    )
+    row, events = await run_to_end(runtime, request)
+    assert row.status == "succeeded", row.termination_detail
+    verify = [e.data for e in events if e.type == "verify.executed"]
+    assert [v["skipped"] for v in verify] == ["the agent's processes could not be stopped"] * 2
+    assert [v["exit_code"] for v in verify] == [None, None]
+    assert not any(p.startswith("/tmp/verify") for p in put), put
+    assert_settled(row, events)
