@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ephemeral import errors
+from ephemeral import verify as verify_env
 from ephemeral.broker.attach import WebCharges, cut_egress, egress_stop, start_egress
 from ephemeral.budget import RunBudget
 from ephemeral.events import redact_for_zdr
@@ -435,22 +436,38 @@ class AgentRun:
         """The request's verify commands after the agent's final answer (or its time ran out).
 
         Every process the agent left is killed first, so the grader sees the files, not a
-        still-running agent. Each command gets what is left of the run's whole time limit (the
-        slice kept for verify) and of the compute budget; results are ``verify.executed``
-        events and ``verify_results``, for the checks and the records.
+        still-running agent; then verify gets a fresh home, the run's verify files and an
+        environment the agent could not shape (``ephemeral.verify``). Each command gets what
+        is left of the run's whole time limit (the slice kept for verify) and of the compute
+        budget; results are ``verify.executed`` events and ``verify_results``, for the checks
+        and the records.
         """
         if self.sandbox is None or not self.policy.verify:
             return
+        # A sandbox without kill_all (the fake) runs no agent process to stop or reset after.
         kill_all = getattr(self.sandbox, "kill_all", None)
+        survivors: str | None = None
         if kill_all is not None:
             try:
                 await kill_all()
             except errors.SandboxError as exc:
                 log.warning("run %s: kill_all before verify failed: %s", self.run_id, exc)
+                survivors = "the agent's processes could not be stopped"
+        if survivors is None and self.budget.seconds_left(self.deadline) > 0:
+            try:
+                if kill_all is not None:
+                    await verify_env.reset(self.sandbox, self.budget.seconds_left(self.deadline))
+                for f in self.policy.verify_files:
+                    await self.sandbox.put_file(f"{verify_env.VERIFY_DIR}/{f.path}", f.data())
+            except errors.SandboxError as exc:
+                raise StopRun(Reason.SANDBOX_ERROR, exc.detail) from exc
+        env = verify_env.environment(self.command_env, self.egress_env)
         for command in self.policy.verify:
             left = self.budget.seconds_left(self.deadline)
-            if left <= 0 or self.cancelled.is_set():
-                why = "cancelled" if self.cancelled.is_set() else "no time or budget left"
+            if survivors is not None or left <= 0 or self.cancelled.is_set():
+                why = survivors or (
+                    "cancelled" if self.cancelled.is_set() else "no time or budget left"
+                )
                 result = {
                     "command": command,
                     "exit_code": None,
@@ -464,7 +481,7 @@ class AgentRun:
                 self.verify_results.append(result)
                 await self.emit("verify.executed", result)
                 continue
-            res = await self._exec_recorded("verify.executed", command, left)
+            res = await self._exec_recorded("verify.executed", command, left, env=env)
             self.verify_results.append(res)
 
     def exec_env(self) -> dict[str, str]:
@@ -473,7 +490,13 @@ class AgentRun:
         return {**self.command_env, **self.egress_env}
 
     async def _exec_recorded(
-        self, event: str, command: str, timeout: float, *, in_workdir: bool = True
+        self,
+        event: str,
+        command: str,
+        timeout: float,
+        *,
+        in_workdir: bool = True,
+        env: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         assert self.sandbox is not None
         try:
@@ -481,7 +504,7 @@ class AgentRun:
                 command,
                 timeout=max(0.1, timeout),
                 max_output=VERIFY_OUTPUT_CAP,
-                env=self.exec_env() or None,
+                env=(self.exec_env() if env is None else env) or None,
                 cwd=self.workdir if in_workdir else None,
             )
         except errors.SandboxError as exc:

@@ -191,6 +191,9 @@ class Policy(_Strict):
     setup: list[Command] = Field(default_factory=list, max_length=MAX_STEP_COMMANDS)
     verify: list[Command] = Field(default_factory=list, max_length=MAX_STEP_COMMANDS)
     verify_timeout_seconds: int | None = Field(default=None, ge=1, le=3600)
+    # Put under /tmp/verify after the agent's processes are killed, before verify: the agent
+    # never sees them (ephemeral.verify). Paths relative to /tmp/verify; same limits as files.
+    verify_files: list[FileSpec] = Field(default_factory=list, max_length=MAX_FILES)
 
     def verify_reserve_seconds(self) -> int:
         """The slice of the time limit kept for verify (0 without verify commands)."""
@@ -226,15 +229,17 @@ class Policy(_Strict):
 
     @model_validator(mode="after")
     def _files_total(self) -> Policy:
-        seen: dict[str, int] = {}
-        total = 0
-        for i, f in enumerate(self.files):
-            if f.path in seen:
-                _fail(("files", i, "path"), f.path, f"duplicate path (also files[{seen[f.path]}])")
-            seen[f.path] = i
-            total += len(f.content_base64) * 3 // 4
-        if total > MAX_FILES_BYTES:
-            _fail(("files",), None, f"more than {MAX_FILES_BYTES} bytes in total")
+        for name in ("files", "verify_files"):
+            seen: dict[str, int] = {}
+            total = 0
+            for i, f in enumerate(getattr(self, name)):
+                if f.path in seen:
+                    also = f"{name}[{seen[f.path]}]"
+                    _fail((name, i, "path"), f.path, f"duplicate path (also {also})")
+                seen[f.path] = i
+                total += len(f.content_base64) * 3 // 4
+            if total > MAX_FILES_BYTES:
+                _fail((name,), None, f"more than {MAX_FILES_BYTES} bytes in total")
         names: dict[str, int] = {}
         for i, c in enumerate(self.connections):
             if c.name in names:

@@ -129,6 +129,9 @@ class Recipe(_Strict):
     )
     verify_timeout_seconds: int | None = Field(default=None, ge=1, le=3600)
     files_from: str | None = Field(default=None, min_length=1, max_length=1_000)
+    # a directory (inside the recipe's) put under /tmp/verify after the agent's processes are
+    # killed, before verify: files the agent never sees (ephemeral.verify)
+    verify_files_from: str | None = Field(default=None, min_length=1, max_length=1_000)
     # Rows of a file as cells (relative to the recipe; .jsonl, .csv or .parquet, read by DuckDB)
     dataset: str | None = Field(default=None, min_length=1, max_length=1_000)
     dataset_filter: str | None = Field(default=None, min_length=1, max_length=2_000)
@@ -678,6 +681,31 @@ def _read_files_from(recipe: Recipe, base_dir: Path | None) -> tuple[list[FileSp
     return out, None
 
 
+def _outside(base_dir: Path, rel: str) -> str | None:
+    """Why ``rel`` does not name a directory inside the recipe's (symlinks resolved), or None."""
+    if Path(rel).is_absolute() or ".." in Path(rel).parts:
+        return "must be a path inside the recipe's directory (no absolute path, no '..')"
+    if not (base_dir / rel).resolve().is_relative_to(base_dir.resolve()):
+        return "resolves outside the recipe's directory (a symlink out)"
+    return None
+
+
+def _read_verify_files_from(
+    recipe: Recipe, base_dir: Path | None
+) -> tuple[list[FileSpec], str | None]:
+    """The tree under ``verify_files_from``, read and limited like ``files_from``'s."""
+    if recipe.verify_files_from is None:
+        return [], None
+    if base_dir is None:
+        return [], "needs the recipe's file to be relative to"
+    why = _outside(base_dir, recipe.verify_files_from)
+    if why is not None:
+        return [], why
+    return _read_files_from(
+        recipe.model_copy(update={"files_from": recipe.verify_files_from}), base_dir
+    )
+
+
 _ENVIRONMENT = ("image", "setup", "verify", "verify_timeout_seconds")
 _DATASET_FIELDS = ("dataset_filter", "dataset_sample", "dataset_limit")
 
@@ -724,11 +752,16 @@ def _environment_problems(recipe: Recipe, base_dir: Path | None) -> list[_Proble
     files, why = _read_files_from(recipe, base_dir)
     if why is not None:
         problems.append(_Problem(("files_from",), why))
+    verify_files, why = _read_verify_files_from(recipe, base_dir)
+    if why is not None:
+        problems.append(_Problem(("verify_files_from",), why))
     if problems:
         return problems
+    dumped = recipe.policy.model_dump()
     merged = {
-        **recipe.policy.model_dump(),
-        "files": [*recipe.policy.model_dump()["files"], *(f.model_dump() for f in files)],
+        **dumped,
+        "files": [*dumped["files"], *(f.model_dump() for f in files)],
+        "verify_files": [*dumped["verify_files"], *(f.model_dump() for f in verify_files)],
         **{name: getattr(recipe, name) for name in _ENVIRONMENT},
     }
     try:
@@ -739,6 +772,8 @@ def _environment_problems(recipe: Recipe, base_dir: Path | None) -> list[_Proble
             loc: Loc = (
                 ("files_from",)
                 if head == "files" and files
+                else ("verify_files_from",)
+                if head == "verify_files" and verify_files
                 else (p.loc if head in _ENVIRONMENT else ("policy", *p.loc))
             )
             problems.append(p._replace(loc=loc))

@@ -48,7 +48,7 @@ from ephemeral.lifecycle import (
 )
 from ephemeral.policy import Policy, _fail, _Strict
 from ephemeral.runview import cost_view, termination_view, timestamp
-from ephemeral.sandbox import images
+from ephemeral.sandbox import images, users
 from ephemeral.sandbox.base import ExecResult, Sandbox
 from ephemeral.sandbox.registry import resolve_isolation
 from ephemeral.store import RunRow, Store
@@ -72,7 +72,6 @@ DEFAULT_EXEC_TIMEOUT = 3600.0  # no timeout: until the session's own deadline
 # At the time limit, a command cut at the same deadline gets this long to come back killed
 # (``timed_out``) before the sandbox goes: its caller sees a timeout, not a vanished sandbox.
 DEADLINE_GRACE_SECONDS = 3.0
-ROOT_NAMES = frozenset({"root", "0"})
 # Where root would be host root: namespaces run privileged (EPHEMERAL_NAMESPACES_PRIVILEGED).
 NO_ROOT_ISOLATIONS = frozenset({"namespaces-privileged"})
 
@@ -86,7 +85,7 @@ class SessionRequest(Policy):
     @model_validator(mode="after")
     def _no_setup_or_verify(self) -> SessionRequest:
         # A session has no agent turn to run them around: its client runs commands with exec.
-        for name in ("setup", "verify", "verify_timeout_seconds"):
+        for name in ("setup", "verify", "verify_timeout_seconds", "verify_files"):
             if getattr(self, name):
                 _fail(
                     (name,),
@@ -180,6 +179,7 @@ class Live:
     egress: Egress | None = None  # the sandbox's proxy, when web or connections are granted
     egress_env: dict[str, str] = field(default_factory=dict)  # proxy variables for exec
     image_env: dict[str, str] = field(default_factory=dict)  # the image's `env` (image.yaml)
+    passwd: str | None = None  # the image's /etc/passwd, to resolve exec users as the guest does
     execs: int = 0
     watchdog: asyncio.Task[None] | None = None
     ending: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -309,6 +309,7 @@ class Sessions:
                 live.egress, live.egress_env = attached
             built = images.built_image(self.runtime.settings, sandbox.image)
             live.image_env = dict(built.env) if built else {}
+            live.passwd = users.read_passwd(built.rootfs) if built else None
             ready = {
                 "isolation": sandbox.isolation,
                 "image": sandbox.image,
@@ -449,11 +450,20 @@ class Sessions:
         return res
 
     def _check_user(self, live: Live, user: str | None) -> None:
-        if user in ROOT_NAMES and live.sandbox.isolation in NO_ROOT_ISOLATIONS:
+        """Users are compared as the ids the guest makes of them ("00" is uid 0); an id
+        outside the sandbox's map is refused by the guest, for that request only."""
+        if user is None:
+            return
+        try:
+            ids = users.resolve(user, live.passwd or "")
+        except ValueError as exc:
+            raise errors.InvalidRequest.field("user", str(exc)) from None
+        if ids is not None and 0 in ids and live.sandbox.isolation in NO_ROOT_ISOLATIONS:
             raise errors.InvalidRequest.field(
                 "user",
-                f"root is refused on {live.sandbox.isolation}: there it would be host root "
-                "(with the agent's capabilities); use gvisor, namespaces or a microVM",
+                f"{user!r} is uid {ids.uid}, gid {ids.gid}: root is refused on "
+                f"{live.sandbox.isolation}: there it would be host root (with the agent's "
+                "capabilities); use gvisor, namespaces or a microVM",
             )
 
     async def write_file(self, session_id: str, org_id: str | None, path: str, data: bytes) -> None:

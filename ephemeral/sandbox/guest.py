@@ -158,6 +158,8 @@ class GuestClient:
                 raise errors.InvalidRequest.field("cwd", exc.message) from None
             if exc.kind == "bad_stdin":
                 raise errors.InvalidRequest.field("stdin_path", exc.message) from None
+            if exc.kind == "bad_user":  # outside the id map, or root where it is host root
+                raise errors.InvalidRequest.field("user", exc.message) from None
             raise errors.SandboxError(f"guest refused exec: {exc.kind}: {exc.message}") from None
         reply = self._checked(p.ExecReply, obj, "exec reply")
         # The guest's own clock is only believed below what the host saw elapse.
@@ -362,7 +364,7 @@ def file_error(op: str, path: str, kind: str, message: str) -> errors.EphemeralE
         return errors.IsADirectory(f"{path}: is a directory")
     if kind == "not_a_file":
         return errors.FileNotFound(f"{path}: not a regular file")
-    if kind == "unknown_user":
+    if kind in ("unknown_user", "bad_user"):
         return errors.InvalidRequest.field("user", message)
     if kind == "os_error":
         name = message.split(":", 1)[0]

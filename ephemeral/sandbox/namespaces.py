@@ -11,7 +11,8 @@ Identities. The launcher (host root) gives each sandbox a user namespace mapping
 of those uids is host root or a real host user). Inside it:
 
 - the guest agent is root *of that namespace* (host uid ``base``), with only the capabilities it
-  needs (:data:`~ephemeral.sandbox.base.AGENT_CAPS`), non-dumpable, as pid 1 of its pid namespace;
+  needs (:data:`~ephemeral.sandbox.base.AGENT_CAPS`, which is also its bounding set, so a root
+  command cannot regain more at exec), non-dumpable, as pid 1 of its pid namespace;
 - every command runs as uid/gid 1000 (host ``base+1000``), with no capabilities, no fds but
   0-2, and no-new-privileges, so it can neither signal, ptrace nor read ``/proc/1/fd`` or
   ``/proc/1/mem`` of the agent, nor forge its replies;
@@ -38,7 +39,8 @@ host's space.
 
 ``namespaces_privileged`` (an operator setting, never automatic) skips the user namespace: the
 agent is host root with the same reduced capabilities and commands run as host uid 1000. Such a
-sandbox is labelled ``namespaces-privileged``.
+sandbox is labelled ``namespaces-privileged``, and its agent refuses any user of uid or gid 0
+(``--no-root``), however the request spells it.
 """
 
 from __future__ import annotations
@@ -165,7 +167,9 @@ class NamespacesDriver(ProcessDriver):
             "--cap-drop",
             "ALL",
         ]
-        for cap in AGENT_CAPS:
+        # SETPCAP only for the agent to cut its bounding set to AGENT_CAPS (bwrap leaves it
+        # full) and then drop SETPCAP itself: ``--drop-bounding-set`` below.
+        for cap in (*AGENT_CAPS, "CAP_SETPCAP"):
             argv += ["--cap-add", cap]
         argv += [
             "--hostname",
@@ -216,7 +220,11 @@ class NamespacesDriver(ProcessDriver):
             self._agent_path,
             "--channel",
             "stdio",
+            "--drop-bounding-set",
         ]
+        if self.privileged:
+            # the agent is host root: it refuses uid/gid 0 however a request spells the user
+            argv.append("--no-root")
         return argv
 
     async def create(self, *, owner: str, limits: Limits) -> Sandbox:

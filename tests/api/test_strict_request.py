@@ -43,6 +43,7 @@ REQUEST_FIELDS: dict[str, set[str]] = {
     "setup": {"array"},
     "verify": {"array"},
     "verify_timeout_seconds": {"integer", "null"},
+    "verify_files": {"array"},
 }
 FILE_FIELDS = {"path": {"string"}, "content_base64": {"string"}}
 CONNECTION_FIELDS = {"name": {"string"}, "methods": {"array"}, "paths": {"array"}}

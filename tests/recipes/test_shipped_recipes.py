@@ -69,6 +69,7 @@ def test_product_page_sample() -> None:
         "setup": [],
         "verify": [],
         "verify_timeout_seconds": None,
+        "verify_files": [],
     }
 
 

@@ -7,10 +7,12 @@ import base64
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from ephemeral import errors
 from ephemeral.records import Records
 from ephemeral.sandbox import images
+from ephemeral.sandbox.base import AGENT_CAPS
 from ephemeral.service import Runtime
 from ephemeral.sessions import ExecRequest, SessionRequest
 from tests.drivers import built_image
@@ -182,13 +184,76 @@ async def test_root_is_refused_where_it_would_be_host_root(tmp_path: Path) -> No
         org = await runtime.local_org()
         row, _ = await runtime.sessions.create(org, SessionRequest(isolation="namespaces"))
         assert row.isolation == "namespaces-privileged"
-        with pytest.raises(errors.InvalidRequest) as info:
-            await runtime.sessions.exec(row.id, org, ExecRequest(command=["id"], user="root"))
-        assert info.value.errors is not None and info.value.errors[0]["field"] == "user"
+        # users are compared as the uids the guest makes of them (issue 18): every spelling
+        for user in ("root", "0", "00", "0000", "0000000000"):
+            with pytest.raises(errors.InvalidRequest) as info:
+                await runtime.sessions.exec(row.id, org, ExecRequest(command=["id"], user=user))
+            assert info.value.errors is not None and info.value.errors[0]["field"] == "user"
+        for user in ("+0", " 0", "\u0660"):  # not users at all: refused by the request's pattern
+            with pytest.raises(ValidationError):
+                ExecRequest(command=["id"], user=user)
+        # the agent refuses uid 0 itself (--no-root), whatever the host let through
+        live = runtime.sessions._live[row.id]
+        for user in ("00", "root"):
+            with pytest.raises(errors.InvalidRequest) as info:
+                await live.sandbox.exec(["id", "-u"], user=user)
+            assert info.value.errors is not None and info.value.errors[0]["field"] == "user"
         res = await runtime.sessions.exec(row.id, org, ExecRequest(command=["id", "-u"]))
         assert res.stdout == "1000\n"
+        res = await runtime.sessions.exec(
+            row.id, org, ExecRequest(command=["grep", "CapBnd", "/proc/self/status"])
+        )
+        assert int(res.stdout.split()[1], 16) == AGENT_CAP_MASK
     finally:
         await runtime.close()
+
+
+# linux/capability.h numbers of ephemeral.sandbox.base.AGENT_CAPS
+_CAP_NUMBERS = {
+    "CAP_CHOWN": 0,
+    "CAP_DAC_OVERRIDE": 1,
+    "CAP_FOWNER": 3,
+    "CAP_KILL": 5,
+    "CAP_SETGID": 6,
+    "CAP_SETUID": 7,
+}
+AGENT_CAP_MASK = sum(1 << _CAP_NUMBERS[name] for name in AGENT_CAPS)
+
+
+async def test_root_and_worker_are_bounded_by_the_agents_six_capabilities(
+    runtime: Runtime, org: str, isolation: str
+) -> None:
+    """On namespaces bwrap leaves the bounding set full; the agent cuts it (issue 18)."""
+    assert len(AGENT_CAPS) == 6
+    row, _ = await runtime.sessions.create(org, SessionRequest(isolation=isolation))
+    status = "grep -E '^Cap(Bnd|Eff|Prm)' /proc/self/status"
+    root = await runtime.sessions.exec(row.id, org, ExecRequest(command=status, user="root"))
+    caps = {k.rstrip(":"): int(v, 16) for k, v in (ln.split() for ln in root.stdout.splitlines())}
+    assert caps == {"CapBnd": AGENT_CAP_MASK, "CapEff": AGENT_CAP_MASK, "CapPrm": AGENT_CAP_MASK}
+    worker = await runtime.sessions.exec(row.id, org, ExecRequest(command=status))
+    caps = {k.rstrip(":"): int(v, 16) for k, v in (ln.split() for ln in worker.stdout.splitlines())}
+    assert caps == {"CapBnd": AGENT_CAP_MASK, "CapEff": 0, "CapPrm": 0}
+
+
+async def test_a_uid_outside_the_id_map_fails_that_exec_only(
+    runtime: Runtime, org: str, isolation: str
+) -> None:
+    row, _ = await runtime.sessions.create(org, SessionRequest(isolation=isolation))
+    # 70000 is past a namespaces sandbox's 65,536 ids; 2^32-1 and past are never uids
+    outside = ["70000"] if isolation == "namespaces" else []
+    for user in [*outside, "4294967295", "9999999999"]:
+        with pytest.raises(errors.InvalidRequest) as info:
+            await runtime.sessions.exec(row.id, org, ExecRequest(command=["id", "-u"], user=user))
+        assert info.value.errors is not None and info.value.errors[0]["field"] == "user", user
+        # and the session carries on
+        res = await runtime.sessions.exec(row.id, org, ExecRequest(command=["id", "-u"]))
+        assert (res.exit_code, res.stdout) == (0, "1000\n")
+    res = await runtime.sessions.exec(
+        row.id, org, ExecRequest(command=["id", "-u"], user="65534", cwd="/")
+    )
+    assert (res.exit_code, res.stdout) == (0, "65534\n")
+    ended = await runtime.sessions.end(row.id, org)
+    assert ended.status == "succeeded", ended.termination_detail
 
 
 async def test_large_files_and_stdin_move_in_windows(

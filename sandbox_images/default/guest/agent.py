@@ -23,6 +23,12 @@ Optional request fields (absent = the behaviour above; sandbox sessions use them
         capabilities), "stdin_path" (stdin read from a sandbox file, opened as the command's user)
   put:  "user" (write as that user: its permissions apply, it owns what is made), "append"
   get:  "user" (read as that user), "offset" (read from there; the reply adds the file "size")
+  A user the sandbox cannot become (a uid or gid outside its id map, or root under --no-root)
+  is a refused request of kind "bad_user": that request fails, the agent carries on.
+
+Flags: --no-root (the agent is host root: refuse every user whose uid or gid is 0, however it
+is spelled), --drop-bounding-set (cut the bounding set to the agent's six capabilities; needs
+CAP_SETPCAP, which is then dropped too).
 
 Stdlib only; runs as `python3 -I -S agent.py --channel stdio|virtio:<port-name>`.
 """
@@ -55,6 +61,13 @@ PR_SET_DUMPABLE = 4
 SYS_CAPSET = 126  # x86_64
 CAPSET = None  # set by set_subreaper_and_undumpable for a root agent
 MAX_ID = 64
+MAX_UID = (1 << 32) - 2  # (uid_t)-1 means "unchanged" to setuid: never a user
+PR_CAPBSET_READ = 23
+PR_CAPBSET_DROP = 24
+# CHOWN, DAC_OVERRIDE, FOWNER, KILL, SETGID, SETUID: the host's AGENT_CAPS, by number
+AGENT_CAP_BITS = (0, 1, 3, 5, 6, 7)
+NO_ROOT = False  # --no-root
+DROP_BOUNDING_SET = False  # --drop-bounding-set
 
 
 class ProtocolError(Exception):
@@ -197,25 +210,41 @@ def resolve(path, workdir):
     return path if path.startswith("/") else os.path.join(workdir, path)
 
 
+def _is_number(text):
+    return text.isascii() and text.isdigit()  # str.isdigit alone takes "\u0660" (Arabic 0)
+
+
 def lookup_user(name):
     """(uid, gid, home, name) of a user of the image's /etc/passwd, by name or number; None if
-    there is none. The host decides who may be asked for; the agent only resolves."""
+    there is none. A number is compared as a number ("00" is uid 0); a user with no entry is
+    the number itself. The host mirrors these rules (ephemeral/sandbox/users.py) to refuse a
+    user before asking; under --no-root the agent refuses uid or gid 0 itself."""
     if not isinstance(name, str) or not 0 < len(name) <= 32:
         raise OpError("bad_request", "user must be a name or uid of 1-32 characters")
+    number = int(name) if _is_number(name) else None
+    if number is not None and number > MAX_UID:
+        raise OpError("bad_user", f"user {name}: uid out of range")
     try:
         with open("/etc/passwd", "rb") as fh:
             lines = fh.read(1 << 20).decode("utf-8", "replace").splitlines()
     except OSError:
         lines = []
+    found = None
     for line in lines:
         parts = line.split(":")
-        if len(parts) < 7 or not parts[2].isdigit() or not parts[3].isdigit():
+        if len(parts) < 7 or not _is_number(parts[2]) or not _is_number(parts[3]):
             continue
-        if parts[0] == name or (name.isdigit() and parts[2] == name):
-            return int(parts[2]), int(parts[3]), parts[5] or "/", parts[0]
-    if name.isdigit():
-        return int(name), int(name), "/", name
-    return None
+        uid, gid = int(parts[2]), int(parts[3])
+        if uid > MAX_UID or gid > MAX_UID:
+            continue
+        if parts[0] == name or (number is not None and uid == number):
+            found = uid, gid, parts[5] or "/", parts[0]
+            break
+    if found is None and number is not None:
+        found = number, number, "/", name
+    if found is not None and NO_ROOT and 0 in found[:2]:
+        raise OpError("bad_user", f"user {name}: root is refused here (it would be host root)")
+    return found
 
 
 class as_user:
@@ -235,8 +264,14 @@ class as_user:
 
     def __enter__(self):
         if self.ids is not None:
-            os.setegid(self.ids[1])
-            os.seteuid(self.ids[0])
+            try:
+                os.setegid(self.ids[1])
+                os.seteuid(self.ids[0])
+            except (OSError, OverflowError) as exc:
+                os.setegid(0)
+                raise OpError(
+                    "bad_user", f"uid {self.ids[0]} / gid {self.ids[1]}: not in this sandbox"
+                ) from exc
         return self
 
     def __exit__(self, *exc):
@@ -267,6 +302,31 @@ def set_subreaper_and_undumpable():
         header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, self
         data = (ctypes.c_uint32 * 6)()
         CAPSET = lambda: libc.syscall(SYS_CAPSET, header, data)  # noqa: E731
+        if DROP_BOUNDING_SET:
+            drop_bounding_set(ctypes, libc)
+
+
+def drop_bounding_set(ctypes, libc):
+    """Cut the bounding set to AGENT_CAP_BITS, then drop CAP_SETPCAP (which the drop needed)
+    from our own sets. bwrap leaves a full bounding set in the namespace: held back only by
+    no-new-privileges, a root command could otherwise regain any capability at exec."""
+    mask = sum(1 << bit for bit in AGENT_CAP_BITS)
+    for cap in range(64):
+        held = libc.prctl(PR_CAPBSET_READ, cap, 0, 0, 0)
+        if held < 0:
+            break  # past the kernel's last capability
+        if held and cap not in AGENT_CAP_BITS and libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0):
+            raise ProtocolError(f"PR_CAPBSET_DROP {cap}: errno {ctypes.get_errno()}")
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)
+    # effective, permitted, inheritable (low 32 bits; then the high 32): the six, no SETPCAP.
+    # The ambient set loses whatever leaves permitted or inheritable.
+    data = (ctypes.c_uint32 * 6)(mask, mask, mask, 0, 0, 0)
+    if libc.syscall(SYS_CAPSET, header, data) != 0:
+        raise ProtocolError(f"capset: errno {ctypes.get_errno()}")
+    with open("/proc/self/status", "rb") as fh:
+        status = dict(line.split(b":\t", 1) for line in fh.read().splitlines() if b":\t" in line)
+    if int(status.get(b"CapBnd", b"f" * 16), 16) != mask:
+        raise ProtocolError("the bounding set did not shrink to the agent's capabilities")
 
 
 def proc_stat(pid):
@@ -651,6 +711,7 @@ def _spawn(path, argv, env, cwd, ids=None, stdin_path=None):
             signal.signal(signal.SIGPIPE, signal.SIG_DFL)
             if RLIMIT_AS_BYTES and resource is not None:
                 resource.setrlimit(resource.RLIMIT_AS, (RLIMIT_AS_BYTES, RLIMIT_AS_BYTES))
+            stage = "user" if ids is not None else "setup"
             _demote(ids)
             if stdin_path is not None:
                 stage = "stdin"  # opened as the command's user: its permissions apply
@@ -792,6 +853,13 @@ def run_command(argv, stdin, env, cwd, timeout, cap, ids=None, stdin_path=None):
             raise OpError("bad_cwd", f"cwd {cwd}: {os.strerror(exc.errno)}") from None
         if exc.stage == "stdin":
             raise OpError("bad_stdin", f"stdin_path: {os.strerror(exc.errno)}") from None
+        if exc.stage == "user":
+            # setuid/setgid refused: an id outside the sandbox's id map (EINVAL)
+            raise OpError(
+                "bad_user",
+                f"uid {ids[0]} / gid {ids[1]}: not in this sandbox "
+                f"({exc.detail or os.strerror(exc.errno)})",
+            ) from None
         if exc.stage == "exec" and exc.errno in (errno.ENOENT, errno.ENOTDIR):
             return _result(
                 127, b"", (f"{argv[0]}: command not found\n").encode(), False, False, started
@@ -1137,7 +1205,7 @@ def make_workdir():
 
 
 def parse_args(argv):
-    global RLIMIT_AS_BYTES, resource
+    global RLIMIT_AS_BYTES, resource, NO_ROOT, DROP_BOUNDING_SET
     channel = "stdio"
     i = 0
     while i < len(argv):
@@ -1154,9 +1222,16 @@ def parse_args(argv):
             resource = _resource
             RLIMIT_AS_BYTES = int(argv[i + 1]) << 20
             i += 2
+        elif a == "--no-root":
+            NO_ROOT = True
+            i += 1
+        elif a == "--drop-bounding-set":
+            DROP_BOUNDING_SET = True
+            i += 1
         else:
             raise SystemExit(
                 "usage: agent.py [--channel stdio|virtio:<port-name>] [--max-memory-mib N]"
+                " [--no-root] [--drop-bounding-set]"
             )
     return channel
 
