@@ -22,7 +22,7 @@ import httpx
 from ephemeral import errors
 from ephemeral.broker import outbound
 from ephemeral.broker.secrets import Sealer
-from ephemeral.broker.ssrf import Refused, resolve
+from ephemeral.broker.ssrf import Refused, recorded_reason, resolve
 from ephemeral.policy import Connection
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ def join(base_url: str, path: str) -> httpx.URL:
     try:
         url = httpx.URL(base_url.rstrip("/") + path)
     except (httpx.InvalidURL, ValueError) as exc:
-        raise Denied(f"path does not form a valid URL: {exc}") from exc
+        raise Denied(f"path does not form a valid URL: {str(exc)!r}") from exc
     prefix = base.path.rstrip("/")
     if (
         (url.scheme, url.host, url.port) != (base.scheme, base.host, base.port)
@@ -160,7 +160,7 @@ async def call(
                 "name": str(name)[:63],
                 "method": str(method)[:16],
                 "path": shown_path,
-                "reason": reason,
+                "reason": recorded_reason(reason, zdr=ctx.policy.zero_data_retention),
             },
         )
         return f"error: connection call refused: {reason}"

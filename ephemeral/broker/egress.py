@@ -37,7 +37,7 @@ import httpx
 from ephemeral import errors
 from ephemeral.broker import connections, outbound
 from ephemeral.broker.secrets import Sealer
-from ephemeral.broker.ssrf import Refused, Target, parse_url, resolve
+from ephemeral.broker.ssrf import Refused, Target, parse_url, recorded_reason, resolve
 from ephemeral.lifecycle import StopRun
 from ephemeral.policy import WebAllow
 
@@ -247,7 +247,8 @@ class Egress:
             except TimeoutError:
                 raise _Refusal(403, "timed out resolving the host") from None
         except _Refusal as exc:
-            await self.ctx.emit("web.denied", {**event, "reason": exc.reason, "cost_micros": 0})
+            reason = recorded_reason(exc.reason, zdr=self.ctx.policy.zero_data_retention)
+            await self.ctx.emit("web.denied", {**event, "reason": reason, "cost_micros": 0})
             await stream.write(reply(exc.status, _REASONS[exc.status], exc.reason + "\n"))
             return
         meter = _Meter(self, stream.sid)
@@ -443,7 +444,12 @@ class Egress:
         async def deny(reason: str) -> None:
             await self.ctx.emit(
                 "connection.denied",
-                {"name": name[:63], "method": method[:16], "path": shown, "reason": reason},
+                {
+                    "name": name[:63],
+                    "method": method[:16],
+                    "path": shown,
+                    "reason": recorded_reason(reason, zdr=self.ctx.policy.zero_data_retention),
+                },
             )
             await stream.write(reply(403, "Forbidden", f"connection call refused: {reason}\n"))
 

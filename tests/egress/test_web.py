@@ -12,7 +12,14 @@ import pytest
 from ephemeral.broker import Broker
 from ephemeral.runview import fold_events
 from ephemeral.service import Runtime
-from tests.broker.conftest import BIG, Upstream, events_of
+from tests.broker.conftest import (
+    BIG,
+    CANARY,
+    Upstream,
+    add_connection,
+    events_of,
+    state_bytes_contain,
+)
 from tests.egress.conftest import Listeners, Names, Tls, provisioned, sh
 
 pytestmark = [pytest.mark.sandbox]
@@ -359,3 +366,30 @@ async def test_zero_data_retention_keeps_only_sizes(
     assert requested["host_bytes"] == len("site.test") and requested["path_bytes"] == 5
     assert requested["bytes_in"] > 0 and requested["status"] == 200
     assert denied["host_bytes"] == len("169.254.169.254") and "host" not in denied
+
+
+async def test_zero_data_retention_keeps_no_host_or_path_in_a_denial_reason(
+    runtime: Runtime, upstream: Upstream, names: Names, isolation: str
+) -> None:
+    names.set("hidden-host-zdr.test", "127.0.0.1")
+    grant = [{"name": "svc", "methods": ["GET"], "paths": ["/repos/*"]}]
+    await add_connection(runtime, "svc", f"{upstream.base}/api", {"Authorization": CANARY})
+    async with provisioned(
+        runtime,
+        isolation,
+        web={"allow": ["allowed.test"]},
+        connections=grant,
+        zero_data_retention=True,
+    ) as agent:
+        web = await sh(agent, f"curl -sS -m 10 http://hidden-host-zdr.test:{upstream.port}/p")
+        assert "'hidden-host-zdr.test' is not in the run's web allow list" in web.stdout
+        conn = await sh(agent, "curl -sS -m 10 http://svc.connections.internal/hidden-path-zdr")
+        assert "'/hidden-path-zdr' matches none of /repos/*" in conn.stdout
+    denied = [e.data for e in await events_of(agent, "web.denied", "connection.denied")]
+    assert [d["reason"] for d in denied] == [
+        "host '…' is not in the run's web allow list",
+        "path '…' matches none of /repos/*",
+    ]
+    for needle in (b"hidden-host-zdr", b"hidden-path-zdr"):
+        assert state_bytes_contain(runtime.settings.state_dir, needle) == []
+    assert upstream.seen == []
