@@ -37,7 +37,14 @@ import httpx
 from ephemeral import errors
 from ephemeral.broker import connections, outbound
 from ephemeral.broker.secrets import Sealer
-from ephemeral.broker.ssrf import Refused, Target, parse_url, recorded_reason, resolve
+from ephemeral.broker.ssrf import (
+    Refused,
+    Target,
+    parse_url,
+    port_of,
+    recorded_reason,
+    resolve,
+)
 from ephemeral.lifecycle import StopRun
 from ephemeral.policy import WebAllow
 
@@ -251,16 +258,17 @@ class Egress:
             await self.ctx.emit("web.denied", {**event, "reason": reason, "cost_micros": 0})
             await stream.write(reply(exc.status, _REASONS[exc.status], exc.reason + "\n"))
             return
+        # httpx drops a scheme's default port (CONNECT h:443 parses as https://h/): the port
+        # dialled, and recorded, is the one asked for or the scheme's default.
+        port = port_of(target)
         meter = _Meter(self, stream.sid)
-        event.update(status=None, bytes_in=0, bytes_out=0)
+        event.update(port=port, status=None, bytes_in=0, bytes_out=0)
         cut: str | None = None
         try:
             await meter.open()
             try:
                 async with asyncio.timeout(CONNECT_SECONDS):
-                    up_r, up_w = await asyncio.open_connection(
-                        str(checked.address), target.port or 80
-                    )
+                    up_r, up_w = await asyncio.open_connection(str(checked.address), port)
             except (OSError, TimeoutError):
                 event["status"] = 502
                 await stream.write(reply(502, "Bad Gateway", "cannot reach the host\n"))

@@ -68,6 +68,25 @@ async def test_web_off_means_no_forwarder_and_no_way_out(
     assert await events_of(agent, "web.requested", "web.denied") == []
 
 
+async def test_connect_without_a_port_dials_https_default_port(
+    runtime: Runtime, tls_site_443: Tls, names: Names, isolation: str
+) -> None:
+    """``https://site.test/`` is ``CONNECT site.test:443``: dialled to 443, recorded as 443
+    (httpx drops a default port, and the proxy used to dial 80 for it)."""
+    names.set("site.test", "127.0.0.1")
+    async with provisioned(runtime, isolation, web=True) as agent:
+        assert agent.sandbox is not None
+        await agent.sandbox.put_file("/tmp/ca.pem", tls_site_443.ca_pem)
+        for url in ("https://site.test/text", "https://site.test:443/text"):
+            res = await sh(agent, f"curl -sS -m 10 --cacert /tmp/ca.pem {url}")
+            assert (res.exit_code, res.stdout) == (0, "hello from upstream"), (url, res.stderr)
+    assert [s.path for s in tls_site_443.upstream.seen] == ["/text", "/text"]
+    connects = [e.data for e in await events_of(agent, "web.requested")]
+    assert [(c["method"], c["host"], c["port"], c["status"]) for c in connects] == [
+        ("CONNECT", "site.test", 443, 200)
+    ] * 2
+
+
 async def test_web_on_reaches_http_and_https_and_is_charged(
     runtime: Runtime, upstream: Upstream, tls_site: Tls, names: Names, isolation: str
 ) -> None:
@@ -112,6 +131,7 @@ async def test_web_on_reaches_http_and_https_and_is_charged(
     assert first["bytes_in"] > len("hello from upstream") and first["bytes_out"] > 0
     connects = [e.data for e in events if e.data["method"] == "CONNECT"]
     assert len(connects) == 2 and all(c["status"] == 200 for c in connects)
+    assert all(c["port"] == tls_site.port for c in connects)
     assert all("path" not in c for c in connects)
     # one request price plus one MiB ahead, per request or tunnel
     assert all(e.data["cost_micros"] == 1000 + 100 for e in events)
