@@ -22,12 +22,14 @@ import json
 import logging
 from typing import Any
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ephemeral.agent import AgentRun
-from ephemeral.api.view import permission_rows, timeline_row
+from ephemeral.api import create_app
+from ephemeral.api.pages import PAGE_COOKIE
 from ephemeral.records import Records
 from ephemeral.service import Runtime
 from tests.broker.conftest import CANARY, add_connection, events_of
@@ -186,9 +188,7 @@ async def test_the_stored_credential_never_reaches_the_guest_in_any_form(
     requested = [e.data for e in await events_of(agent, "connection.requested")]
     assert requested and {r["status"] for r in requested} <= {200, 502}
     row = await runtime.store.get_run(agent.run_id)
-    page = [timeline_row(e, events[0].at) for e in events]
-    page_text = json.dumps([page, permission_rows(row.policy, 30)], default=str).encode()
-    assert not leaks(page_text, needle)
+    assert not leaks(await _run_page(runtime, row.org_id, agent.run_id), needle)
     assert not leaks(caplog.text.encode(), needle)
 
     # the Parquet records (written at settle, as the service writes them)
@@ -204,6 +204,18 @@ async def test_the_stored_credential_never_reaches_the_guest_in_any_form(
     for path in runtime.settings.state_dir.rglob("*"):
         if path.is_file():
             assert not leaks(path.read_bytes(), needle), path  # SQLite, its WAL, the key file
+
+
+async def _run_page(runtime: Runtime, org_id: str, run_id: str) -> bytes:
+    """The run's page as its org's member reads it (the real app)."""
+    _, key = await runtime.store.create_key(org_id, "reader@local.test")
+    app = create_app(runtime.settings, runtime)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+        client.cookies.set(PAGE_COOKIE, key)
+        page = await client.get(f"/runs/{run_id}")
+    assert page.status_code == 200 and "connection.requested" in page.text, page.text[:500]
+    return page.content
 
 
 def _upstream_saw_only_allowed_headers(echo: Echo) -> None:
