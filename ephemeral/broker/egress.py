@@ -478,9 +478,8 @@ class Egress:
             await stream.write(reply(403, "Forbidden", f"connection call refused: {reason}\n"))
 
         if head.method == "CONNECT":
-            return await deny(
-                f"use http://{name}{CONNECTIONS_SUFFIX}/PATH; the broker makes the TLS connection"
-            )
+            plain = f"http://{name}{CONNECTIONS_SUFFIX}/PATH"
+            return await deny(f"use {plain!r}; the broker makes the TLS connection")
         try:
             if httpx.URL(head.target).port is not None:
                 return await deny("a connection URL takes no port")
