@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ipaddress
 import re
 from typing import Annotated, NoReturn
 
@@ -111,6 +112,23 @@ _HOST_PATTERN = re.compile(
     r"^(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 )
 MAX_WEB_ALLOW = 256
+_NUMBER_LABEL = re.compile(r"^(0x[0-9a-f]*|[0-9]+)$")
+
+
+def _ip_literal(host: str) -> bool:
+    """Whether a URL parser or ``inet_aton`` reads ``host`` as an IP address: any IPv6 form,
+    or a last label that is a number (decimal, octal or ``0x`` hex: ``2130706433``,
+    ``0177.1``, ``0x7f.0.0.1``), as the WHATWG URL standard's "ends in a number" rule says."""
+    inner = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(inner.split("%", 1)[0])
+        return True
+    except ValueError:
+        pass
+    if ":" in inner:
+        return True  # no host name has a colon: some IPv6 spelling, or a port
+    labels = inner.rstrip(".").split(".")
+    return bool(_NUMBER_LABEL.match(labels[-1]))
 
 
 class WebAllow(_Strict):
@@ -127,11 +145,12 @@ class WebAllow(_Strict):
         for pattern in v:
             low = pattern.lower()
             bare = low.removeprefix("*.")
+            if _ip_literal(bare):
+                raise ValueError(f"{pattern!r} is an IP address; the allow list takes host names")
             if (
                 len(low) > 253
                 or not _HOST_PATTERN.match(low)
                 or (low.startswith("*.") and "." not in bare)  # not a whole TLD
-                or bare.replace(".", "").isdigit()  # an IP address is not a host name
             ):
                 raise ValueError(
                     f"{pattern!r} is not a host name or '*.' + a domain (e.g. '*.example.org')"

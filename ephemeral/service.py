@@ -167,6 +167,17 @@ class Runtime:
         org = await self.store.ensure_org(LOCAL_ORG, initial_credit_micros=LOCAL_ORG_CREDIT_MICROS)
         return org.id
 
+    async def require_connections(self, org_id: str, policy: Policy) -> None:
+        """A 422 naming ``connections[i].name`` when the org has no connection of that name
+        (runs and sandbox sessions are admitted with the same check)."""
+        names = [c.name for c in policy.connections]
+        missing = await self.store.missing_connections(org_id, names)
+        if missing:
+            raise errors.InvalidRequest.field(
+                f"connections[{names.index(missing[0])}].name",
+                f"this org has no connection named {missing[0]!r} (ephemeral connections add)",
+            )
+
     async def admit(
         self,
         org_id: str,
@@ -186,13 +197,7 @@ class Runtime:
                 exc.detail, errors=[{"field": "model", "message": exc.detail}]
             ) from exc
         policy = request.policy()
-        missing = await self.store.missing_connections(org_id, [c.name for c in policy.connections])
-        if missing:
-            i = [c.name for c in policy.connections].index(missing[0])
-            raise errors.InvalidRequest.field(
-                f"connections[{i}].name",
-                f"this org has no connection named {missing[0]!r} (ephemeral connections add)",
-            )
+        await self.require_connections(org_id, policy)
         if policy.image is not None:
             images.require_built(self.settings, policy.image)  # 422 naming `image`
         try:

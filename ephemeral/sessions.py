@@ -243,6 +243,7 @@ class Sessions:
         before the failure).
         """
         policy = request.policy()
+        await self.runtime.require_connections(org_id, policy)
         try:
             await resolve_isolation(policy.isolation, self.runtime.settings)
         except errors.IsolationUnavailable as exc:

@@ -11,6 +11,7 @@ followed: they could carry the credentials to another host.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import fnmatch
 import json
 import re
@@ -21,8 +22,9 @@ import httpx
 
 from ephemeral import errors
 from ephemeral.broker import outbound
+from ephemeral.broker.redact import Redactor
 from ephemeral.broker.secrets import Sealer
-from ephemeral.broker.ssrf import Refused, resolve
+from ephemeral.broker.ssrf import Refused, recorded_reason, resolve
 from ephemeral.policy import Connection
 
 if TYPE_CHECKING:
@@ -32,7 +34,6 @@ REQUEST_SECONDS = 30.0
 MODEL_TEXT_CHARS = 16_000
 MAX_BODY_BYTES = 256 * 1024
 MAX_PATH_CHARS = 2048
-REDACTED = "[redacted]"
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}$")  # RFC 9110 field name
 # Headers that would let a stored connection steer the request itself rather than authenticate.
 _RESERVED_HEADERS = frozenset(
@@ -119,7 +120,7 @@ def join(base_url: str, path: str) -> httpx.URL:
     try:
         url = httpx.URL(base_url.rstrip("/") + path)
     except (httpx.InvalidURL, ValueError) as exc:
-        raise Denied(f"path does not form a valid URL: {exc}") from exc
+        raise Denied(f"path does not form a valid URL: {str(exc)!r}") from exc
     prefix = base.path.rstrip("/")
     if (
         (url.scheme, url.host, url.port) != (base.scheme, base.host, base.port)
@@ -128,13 +129,6 @@ def join(base_url: str, path: str) -> httpx.URL:
     ):
         raise Denied("path would leave the connection's base URL")
     return url
-
-
-def redact(text: str, secrets: list[str]) -> str:
-    """Remove credential values an API echoes back (e.g. a debugging endpoint)."""
-    for secret in sorted(secrets, key=len, reverse=True):
-        text = text.replace(secret, REDACTED)
-    return text
 
 
 def _secret_parts(headers: dict[str, str]) -> list[str]:
@@ -160,7 +154,7 @@ async def call(
                 "name": str(name)[:63],
                 "method": str(method)[:16],
                 "path": shown_path,
-                "reason": reason,
+                "reason": recorded_reason(reason, zdr=ctx.policy.zero_data_retention),
             },
         )
         return f"error: connection call refused: {reason}"
@@ -234,6 +228,13 @@ def _content_type(body: object) -> str:
 
 
 def render(response: outbound.Response, secrets: list[str]) -> str:
+    # Remove every form of each credential an API echoes back (e.g. a debugging endpoint),
+    # before anything is cut. A body cut at the cap may end in part of a secret: what the
+    # redactor still holds there is dropped, not shown.
+    redactor = Redactor(secrets)
+    body = redactor.feed(response.body)
+    body += b"" if response.truncated else redactor.finish()
+    response = dataclasses.replace(response, body=body)
     text = response.text()
     truncated = response.truncated
     if text is None:
@@ -241,8 +242,6 @@ def render(response: outbound.Response, secrets: list[str]) -> str:
             f"({len(response.body)} bytes of {response.content_type or 'unknown type'}; not shown)"
         )
     else:
-        # Redact before cutting, so a cut cannot leave half a secret behind.
-        text = redact(text, secrets)
         if len(text) > MODEL_TEXT_CHARS:
             text, truncated = text[:MODEL_TEXT_CHARS], True
         shown = text

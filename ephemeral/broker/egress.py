@@ -8,9 +8,11 @@ head, either
   interception), or
 - an absolute-form request ``METHOD http://host[:port]/path`` (plain HTTP), or
 - an absolute-form request to ``http://NAME.connections.internal/PATH``: a call through the
-  run's connection NAME. The broker checks method and path like ``connection_call``, drops
-  every credential-looking header the guest sent, adds the stored ones and makes the request
-  (HTTPS when the connection's base URL is), following no redirect.
+  run's connection NAME. The broker checks method and path like ``connection_call``, forwards
+  only the guest's headers in :data:`CONNECTION_REQUEST_HEADERS`, adds the stored ones and
+  makes the request (HTTPS when the connection's base URL is), following no redirect. It asks
+  for identity encoding and relays only a whole, unencoded body, with every form of each
+  stored secret redacted (``ephemeral.broker.redact``).
 
 Web requests and tunnels pass the same checks as ``web_fetch``: web on, the host allowed by
 ``web: {"allow": [...]}`` when set (an IP literal never is), resolved once with every address
@@ -36,8 +38,16 @@ import httpx
 
 from ephemeral import errors
 from ephemeral.broker import connections, outbound
+from ephemeral.broker.redact import Redactor, redact
 from ephemeral.broker.secrets import Sealer
-from ephemeral.broker.ssrf import Refused, Target, parse_url, resolve
+from ephemeral.broker.ssrf import (
+    Refused,
+    Target,
+    parse_url,
+    port_of,
+    recorded_reason,
+    resolve,
+)
 from ephemeral.lifecycle import StopRun
 from ephemeral.policy import WebAllow
 
@@ -65,10 +75,23 @@ HOP_BY_HOP = frozenset(
         "host",
     }
 )
-# A header whose name says it carries a credential; never forwarded from the guest to a
-# connection (the broker adds the stored ones).
-_CREDENTIAL_NAME = re.compile(
-    r"auth|token|secret|key|cookie|session|passw|credential|signature|bearer|csrf|xsrf", re.I
+# The request headers a connection call forwards from the guest: content negotiation and
+# plain caching only. Anything else (credentials, X-HTTP-Method-Override, X-Original-URL,
+# X-Forwarded-*, Range/If-Range, Accept-Encoding) is dropped: a header the upstream honours
+# could get around the method/path grant or the framing the redaction depends on.
+CONNECTION_REQUEST_HEADERS = frozenset(
+    {
+        "accept",
+        "accept-language",
+        "cache-control",
+        "content-language",
+        "content-type",
+        "if-match",
+        "if-modified-since",
+        "if-none-match",
+        "if-unmodified-since",
+        "user-agent",
+    }
 )
 _TOKEN = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}$")
 _METHOD = re.compile(r"^[A-Z]{1,16}$")
@@ -247,19 +270,21 @@ class Egress:
             except TimeoutError:
                 raise _Refusal(403, "timed out resolving the host") from None
         except _Refusal as exc:
-            await self.ctx.emit("web.denied", {**event, "reason": exc.reason, "cost_micros": 0})
+            reason = recorded_reason(exc.reason, zdr=self.ctx.policy.zero_data_retention)
+            await self.ctx.emit("web.denied", {**event, "reason": reason, "cost_micros": 0})
             await stream.write(reply(exc.status, _REASONS[exc.status], exc.reason + "\n"))
             return
+        # httpx drops a scheme's default port (CONNECT h:443 parses as https://h/): the port
+        # dialled, and recorded, is the one asked for or the scheme's default.
+        port = port_of(target)
         meter = _Meter(self, stream.sid)
-        event.update(status=None, bytes_in=0, bytes_out=0)
+        event.update(port=port, status=None, bytes_in=0, bytes_out=0)
         cut: str | None = None
         try:
             await meter.open()
             try:
                 async with asyncio.timeout(CONNECT_SECONDS):
-                    up_r, up_w = await asyncio.open_connection(
-                        str(checked.address), target.port or 80
-                    )
+                    up_r, up_w = await asyncio.open_connection(str(checked.address), port)
             except (OSError, TimeoutError):
                 event["status"] = 502
                 await stream.write(reply(502, "Bad Gateway", "cannot reach the host\n"))
@@ -443,14 +468,18 @@ class Egress:
         async def deny(reason: str) -> None:
             await self.ctx.emit(
                 "connection.denied",
-                {"name": name[:63], "method": method[:16], "path": shown, "reason": reason},
+                {
+                    "name": name[:63],
+                    "method": method[:16],
+                    "path": shown,
+                    "reason": recorded_reason(reason, zdr=self.ctx.policy.zero_data_retention),
+                },
             )
             await stream.write(reply(403, "Forbidden", f"connection call refused: {reason}\n"))
 
         if head.method == "CONNECT":
-            return await deny(
-                f"use http://{name}{CONNECTIONS_SUFFIX}/PATH; the broker makes the TLS connection"
-            )
+            plain = f"http://{name}{CONNECTIONS_SUFFIX}/PATH"
+            return await deny(f"use {plain!r}; the broker makes the TLS connection")
         try:
             if httpx.URL(head.target).port is not None:
                 return await deny("a connection URL takes no port")
@@ -493,16 +522,19 @@ class Egress:
         headers = {
             k: v
             for k, v in head.headers
-            if k.lower() not in HOP_BY_HOP
-            and k.lower() not in stored_names
-            and k.lower() not in ("content-length", "transfer-encoding", "expect")
-            and not _CREDENTIAL_NAME.search(k)
+            if k.lower() in CONNECTION_REQUEST_HEADERS and k.lower() not in stored_names
         }
         headers.update(credentials)
+        redactor = Redactor(connections._secret_parts(credentials))
         status: int | None = None
         try:
             response = await _send_connection(
-                target, method, headers, body or None, timeout=connections.REQUEST_SECONDS
+                target,
+                method,
+                headers,
+                body or None,
+                redactor=redactor,
+                timeout=connections.REQUEST_SECONDS,
             )
             status = response[0]
         except (httpx.HTTPError, TimeoutError) as exc:
@@ -510,23 +542,25 @@ class Egress:
                 reply(502, "Bad Gateway", f"the connection call failed: {type(exc).__name__}\n")
             )
             return
+        except _Refusal as exc:
+            status = exc.status
+            await stream.write(reply(502, "Bad Gateway", f"the connection call failed: {exc}\n"))
+            return
         finally:
             await self.ctx.emit(
                 "connection.requested",
                 {"name": allowed.name, "method": method, "path": shown, "status": status},
             )
         code, phrase, out_headers, content = response
-        secrets = connections._secret_parts(credentials)
         lines = [f"HTTP/1.1 {code} {phrase}"]
         for k, v in out_headers:
-            if k.lower() in HOP_BY_HOP or k.lower() in ("content-length", "transfer-encoding"):
+            if k.lower() in HOP_BY_HOP or k.lower() in _FRAMING:
                 continue
-            lines.append(
-                f"{k}: {_redact_bytes(v.encode('latin-1', 'replace'), secrets).decode('latin-1')}"
-            )
-        content = _redact_bytes(content, secrets)
-        lines += [f"Content-Length: {len(content)}", "Connection: close", "", ""]
-        await stream.write("\r\n".join(lines).encode("latin-1", "replace") + content)
+            lines.append(f"{k}: {v}")
+        # The head is redacted as one text: a secret may sit in a name, a value or across both.
+        shown_head = redact("\r\n".join(lines).encode("latin-1", "replace"), redactor.secrets)
+        tail = f"\r\nContent-Length: {len(content)}\r\nConnection: close\r\n\r\n".encode()
+        await stream.write(shown_head + tail + content)
 
 
 class _Meter:
@@ -616,17 +650,39 @@ def _status_of(line: bytes) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _redact_bytes(data: bytes, secrets: list[str]) -> bytes:
-    for secret in sorted(secrets, key=len, reverse=True):
-        data = data.replace(secret.encode("utf-8", "replace"), connections.REDACTED.encode())
-    return data
+# Response headers the broker sets itself, or refuses (Content-Encoding, Content-Range).
+_FRAMING = frozenset({"content-length", "transfer-encoding", "content-encoding", "content-range"})
+
+
+def _framing_refusal(status: int, headers: httpx.Headers) -> str | None:
+    """Why a connection's response cannot be relayed: a body the broker cannot redact as
+    sent (compressed: the secret is not in its bytes), or a part of one (pieces of a secret
+    from several ranges join back into it)."""
+    codings = [
+        c.strip().lower() for v in headers.get_list("content-encoding") for c in v.split(",")
+    ]
+    coded = [c for c in codings if c not in ("", "identity")]
+    if coded:
+        return f"the upstream sent Content-Encoding {coded[0][:32]!r}; only identity is relayed"
+    if status == 206 or headers.get("content-range") is not None:
+        return "the upstream sent a partial response; only whole bodies are relayed"
+    return None
 
 
 async def _send_connection(
-    target: Target, method: str, headers: dict[str, str], content: bytes | None, *, timeout: float
+    target: Target,
+    method: str,
+    headers: dict[str, str],
+    content: bytes | None,
+    *,
+    redactor: Redactor,
+    timeout: float,
 ) -> tuple[int, str, list[tuple[str, str]], bytes]:
+    """Make the call and read the response whole, redacted as it arrives; _Refusal(502) for
+    a response whose framing the broker does not relay."""
     url = target.url
-    sent = {"Host": url.netloc.decode("ascii"), "Accept-Encoding": "identity", **headers}
+    # The broker's identity wins over anything the guest asked for (it sent none anyway).
+    sent = {"Host": url.netloc.decode("ascii"), **headers, "Accept-Encoding": "identity"}
     extensions = {"sni_hostname": url.host} if url.scheme == "https" else {}
     async with (
         asyncio.timeout(timeout),
@@ -644,11 +700,17 @@ async def _send_connection(
             )
             response = await client.send(request, stream=True)
             try:
+                why = _framing_refusal(response.status_code, response.headers)
+                if why is not None:
+                    raise _Refusal(502, why)
                 body = bytearray()
+                read = 0
                 async for chunk in response.aiter_raw():
-                    body += chunk
-                    if len(body) > CONNECTION_BODY_CAP:
+                    read += len(chunk)
+                    if read > CONNECTION_BODY_CAP:
                         raise httpx.ReadError("the response is larger than the broker's cap")
+                    body += redactor.feed(chunk)
+                body += redactor.finish()
                 return (
                     response.status_code,
                     response.reason_phrase or "",

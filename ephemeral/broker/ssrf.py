@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -48,33 +50,82 @@ class Target:
 
 
 def address_refusal(ip: IPAddress, *, allow_private: bool) -> str | None:
-    """Why the broker must not connect to ``ip``, or None if it may."""
+    """Why the broker must not connect to ``ip``, or None if it may.
+
+    Classes come from the IANA special-purpose registries (IPv4 and IPv6), written out here
+    rather than taken from ``ipaddress``'s ``is_*`` flags, whose tables changed between Python
+    patch releases. An IPv6 address that carries an IPv4 one (mapped, NAT64, 6to4) is judged
+    by the address it carries; IPv6 outside global unicast (2000::/3) is refused.
+    """
     if isinstance(ip, ipaddress.IPv6Address):
-        mapped = ip.ipv4_mapped or ip.sixtofour
-        if mapped is not None:
-            return address_refusal(mapped, allow_private=allow_private)
-    if ip.is_unspecified or (isinstance(ip, ipaddress.IPv4Address) and ip in _THIS_NETWORK):
-        # Linux routes 0.0.0.0/8 to the local host.
-        return "unspecified address"
-    if ip.is_link_local:
-        return "link-local address (cloud metadata lives here)"
-    if ip.is_multicast:
-        return "multicast address"
-    if ip.is_loopback:
-        return None if allow_private else "loopback address"
-    if ip.is_private or (isinstance(ip, ipaddress.IPv4Address) and ip in _SHARED):
-        # is_private also covers documentation and benchmarking ranges; the checks above took
-        # the ones that are never acceptable.
-        if ip.is_reserved:
-            return "reserved address"
-        return None if allow_private else "private address"
-    if ip.is_reserved or not ip.is_global:
+        for wrapper, extract in _EMBEDDING:
+            if ip in wrapper:
+                return address_refusal(extract(ip), allow_private=allow_private)
+    table = _V4 if isinstance(ip, ipaddress.IPv4Address) else _V6
+    for net, why, private in table:
+        if ip in net:
+            return None if private and allow_private else why
+    if isinstance(ip, ipaddress.IPv6Address) and ip not in _V6_GLOBAL_UNICAST:
         return "reserved address"
     return None
 
 
-_SHARED = ipaddress.IPv4Network("100.64.0.0/10")  # carrier-grade NAT, not global
-_THIS_NETWORK = ipaddress.IPv4Network("0.0.0.0/8")
+def _net(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    return ipaddress.ip_network(text)
+
+
+_LINK_LOCAL = "link-local address (cloud metadata lives here)"
+# (network, reason, private): a private network is allowed with allow_private; the others
+# never are (nothing legitimate lives there). First match wins.
+_V4: list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str, bool]] = [
+    (_net("0.0.0.0/8"), "unspecified address", False),  # Linux routes it to the local host
+    (_net("127.0.0.0/8"), "loopback address", True),
+    (_net("10.0.0.0/8"), "private address", True),
+    (_net("100.64.0.0/10"), "private address", True),  # carrier-grade NAT
+    (_net("172.16.0.0/12"), "private address", True),
+    (_net("192.168.0.0/16"), "private address", True),
+    (_net("169.254.0.0/16"), _LINK_LOCAL, False),
+    (_net("192.0.0.0/24"), "reserved address", False),  # IETF protocol assignments
+    (_net("192.0.2.0/24"), "reserved address", False),  # documentation
+    (_net("192.88.99.0/24"), "reserved address", False),  # 6to4 relay anycast (deprecated)
+    (_net("198.18.0.0/15"), "reserved address", False),  # benchmarking
+    (_net("198.51.100.0/24"), "reserved address", False),  # documentation
+    (_net("203.0.113.0/24"), "reserved address", False),  # documentation
+    (_net("224.0.0.0/4"), "multicast address", False),
+    (_net("240.0.0.0/4"), "reserved address", False),  # future use, and the broadcast address
+]
+_V6: list[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str, bool]] = [
+    (_net("::/128"), "unspecified address", False),
+    (_net("::1/128"), "loopback address", True),
+    (_net("::/96"), "reserved address", False),  # IPv4-compatible (deprecated)
+    (_net("::ffff:0:0:0/96"), "reserved address", False),  # IPv4-translated (SIIT)
+    (_net("64:ff9b:1::/48"), "private address", True),  # local-use NAT64
+    (_net("100::/64"), "reserved address", False),  # discard-only
+    (_net("2001::/23"), "reserved address", False),  # IETF protocol assignments, Teredo incl.
+    (_net("2001:db8::/32"), "reserved address", False),  # documentation
+    (_net("3fff::/20"), "reserved address", False),  # documentation
+    (_net("5f00::/16"), "reserved address", False),  # SRv6 SIDs
+    (_net("fc00::/7"), "private address", True),  # unique local
+    (_net("fe80::/10"), _LINK_LOCAL, False),
+    (_net("fec0::/10"), "site-local address (deprecated)", False),
+    (_net("ff00::/8"), "multicast address", False),
+]
+_V6_GLOBAL_UNICAST = ipaddress.IPv6Network("2000::/3")
+
+
+def _mapped(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address:
+    return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+
+
+def _sixtofour(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address:
+    return ipaddress.IPv4Address((int(ip) >> 80) & 0xFFFFFFFF)
+
+
+_EMBEDDING: list[tuple[ipaddress.IPv6Network, Callable[[ipaddress.IPv6Address], IPAddress]]] = [
+    (ipaddress.IPv6Network("::ffff:0:0/96"), _mapped),  # IPv4-mapped
+    (ipaddress.IPv6Network("64:ff9b::/96"), _mapped),  # NAT64, well-known prefix
+    (ipaddress.IPv6Network("2002::/16"), _sixtofour),  # 6to4
+]
 
 
 def parse_url(raw: object) -> httpx.URL:
@@ -88,7 +139,7 @@ def parse_url(raw: object) -> httpx.URL:
     try:
         url = httpx.URL(raw)
     except (httpx.InvalidURL, ValueError) as exc:
-        raise Refused(f"url is not valid: {exc}") from exc
+        raise Refused(f"url is not valid: {str(exc)!r}") from exc
     if url.scheme not in SCHEMES:
         raise Refused(f"scheme {url.scheme or '(none)'!r} is not allowed; use http or https")
     if not url.host:
@@ -142,3 +193,13 @@ def public_url(url: httpx.URL | str) -> str:
     except (httpx.InvalidURL, ValueError, TypeError):
         return "(invalid url)"
     return text[:1024]
+
+
+_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
+
+
+def recorded_reason(reason: str, *, zdr: bool) -> str:
+    """A refusal's reason as its ``*.denied`` event keeps it. Every reason quotes what came
+    from the request, the network or the store (host, path, URL, name: ``!r``); under zero
+    data retention each quoted part becomes ``'…'``, so the reason keeps its kind only."""
+    return _QUOTED.sub("'…'", reason) if zdr else reason

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ephemeral.broker import outbound
-from ephemeral.broker.ssrf import Refused, parse_url, public_url, resolve
+from ephemeral.broker.ssrf import Refused, parse_url, public_url, recorded_reason, resolve
 from ephemeral.policy import WebAllow
 
 if TYPE_CHECKING:
@@ -42,7 +42,12 @@ async def fetch(
     async def deny(url: str, reason: str) -> str:
         await ctx.emit(
             "web.denied",
-            {"method": str(method)[:16], "url": url, "reason": reason, "cost_micros": 0},
+            {
+                "method": str(method)[:16],
+                "url": url,
+                "reason": recorded_reason(reason, zdr=ctx.policy.zero_data_retention),
+                "cost_micros": 0,
+            },
         )
         return f"error: web request refused: {reason}"
 

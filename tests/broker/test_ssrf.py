@@ -21,6 +21,33 @@ REFUSED_ALWAYS = [
     "255.255.255.255",
     "::",
     "::ffff:169.254.169.254",
+    # the rest of the IANA special-purpose registries (issue 18)
+    "192.0.0.8",  # IETF protocol assignments
+    "192.0.2.1",  # documentation
+    "192.88.99.1",  # 6to4 relay anycast
+    "198.18.0.1",  # benchmarking
+    "198.19.255.255",
+    "198.51.100.7",
+    "203.0.113.9",
+    "241.2.3.4",
+    "::127.0.0.1",  # IPv4-compatible (deprecated)
+    "::ffff:0:7f00:1",  # IPv4-translated
+    "100::1",  # discard-only
+    "2001:db8::1",  # documentation
+    "2001:2::1",  # benchmarking
+    "2001:20::1",  # ORCHIDv2
+    "2001:0:4136:e378:8000:63bf:3fff:fdd2",  # Teredo
+    "2001:0:7f00:1:0:0:80ff:fffe",  # Teredo naming 127.0.0.1
+    "3fff::1",  # documentation
+    "5f00::1",  # SRv6
+    "fec0::1",  # site-local (deprecated)
+    "fed0::1",
+    "feff::1",
+    "fe90::1",
+    "64:ff9b::a9fe:a9fe",  # NAT64 of 169.254.169.254
+    "2002:a9fe:a9fe::",  # 6to4 of 169.254.169.254
+    "4000::1",  # outside global unicast
+    "::ffff:192.0.2.1",
 ]
 REFUSED_UNLESS_ALLOWED = [
     "127.0.0.1",
@@ -34,8 +61,23 @@ REFUSED_UNLESS_ALLOWED = [
     "::ffff:127.0.0.1",
     "::ffff:10.1.2.3",
     "2002:7f00:1::",  # 6to4 wrapping 127.0.0.1
+    "100.127.255.254",
+    "fd12:3456::1",
+    "64:ff9b::7f00:1",  # NAT64 of 127.0.0.1
+    "64:ff9b::a00:1",  # NAT64 of 10.0.0.1
+    "64:ff9b:1::1",  # local-use NAT64
+    "2002:c0a8:101::1",  # 6to4 of 192.168.1.1
 ]
-PUBLIC = ["93.184.216.34", "1.1.1.1", "2606:4700::1111"]
+PUBLIC = [
+    "93.184.216.34",
+    "1.1.1.1",
+    "2606:4700::1111",
+    "64:ff9b::101:101",  # NAT64 of 1.1.1.1
+    "2002:101:101::1",  # 6to4 of 1.1.1.1
+    "::ffff:1.1.1.1",
+    "100.128.0.1",  # just past carrier-grade NAT
+    "198.20.0.1",  # just past benchmarking
+]
 
 
 @pytest.mark.parametrize("ip", REFUSED_ALWAYS)

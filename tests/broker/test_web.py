@@ -201,6 +201,36 @@ async def test_zero_data_retention_keeps_no_url(runtime: Runtime, upstream: Upst
     assert ev.data["cost_micros"] == PRICE
 
 
+async def test_zero_data_retention_keeps_no_host_or_path_in_a_denial_reason(
+    runtime: Runtime, upstream: Upstream
+) -> None:
+    from tests.broker.conftest import CANARY, add_connection, state_bytes_contain
+
+    await add_connection(runtime, "svc", f"{upstream.base}/api", {"Authorization": CANARY})
+    agent = await build_run(
+        runtime,
+        web={"allow": ["allowed.example"]},
+        connections=[{"name": "svc", "methods": ["GET"], "paths": ["/repos/*"]}],
+        zero_data_retention=True,
+    )
+    out = await call(agent, "web_fetch", url="http://hidden-host-zdr.example/hidden-path-zdr")
+    assert "'hidden-host-zdr.example' is not in the web allow list" in out  # the model sees it
+    out = await call(agent, "connection_call", name="svc", method="GET", path="/hidden-path-zdr")
+    assert "'/hidden-path-zdr' matches none of /repos/*" in out
+    out = await call(agent, "connection_call", name="hidden-name-zdr", method="GET", path="/x")
+    assert "not granted" in out
+    denied = [e.data for e in await events_of(agent, "web.denied", "connection.denied")]
+    assert [d["reason"] for d in denied] == [
+        "host '…' is not in the web allow list",
+        "path '…' matches none of /repos/*",
+        "connection '…' is not granted to this run",
+    ]
+    stored = str([e.data for e in await agent.store.list_events(agent.run_id)])
+    for needle in ("hidden-host-zdr", "hidden-path-zdr"):
+        assert needle not in stored
+        assert state_bytes_contain(runtime.settings.state_dir, needle.encode()) == []
+
+
 async def test_the_system_prompt_names_the_hosted_tools(runtime: Runtime) -> None:
     agent = await build_run(runtime, web=True, shell=True)
     prompt = agent._system_prompt()

@@ -103,12 +103,27 @@ class Tls:
 @pytest.fixture
 def tls_site() -> Iterator[Tls]:
     """An HTTPS server on 127.0.0.1 for ``site.test`` and ``other.test``, signed by a test CA."""
+    yield from _tls_server(0)
+
+
+@pytest.fixture
+def tls_site_443() -> Iterator[Tls]:
+    """The same on 127.0.0.1:443, HTTPS's default port (the tests run as root)."""
+    try:
+        yield from _tls_server(443)
+    except PermissionError as exc:
+        pytest.skip(f"cannot bind 127.0.0.1:443: {exc}")
+    except OSError as exc:
+        pytest.skip(f"127.0.0.1:443 is taken: {exc}")
+
+
+def _tls_server(port: int) -> Iterator[Tls]:
     import trustme
 
     ca = trustme.CA()
     cert = ca.issue_cert("site.test", "other.test")
     up = Upstream()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(up))
+    server = ThreadingHTTPServer(("127.0.0.1", port), _handler(up))
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     cert.configure_cert(ctx)
     server.socket = ctx.wrap_socket(server.socket, server_side=True)

@@ -1,20 +1,26 @@
-"""Local servers for the tools a user runs through egress: a package index (PEP 503 simple
-API, one hand-built wheel) and a smart-HTTP git server (git's own ``http-backend`` as CGI)."""
+"""Local servers for egress tests: a package index (PEP 503 simple API, one hand-built wheel),
+a smart-HTTP git server (git's own ``http-backend`` as CGI) and an echoing API upstream that
+does everything a redactor must survive (:func:`echo_site`)."""
 
 from __future__ import annotations
 
 import base64
+import gzip
 import hashlib
 import io
+import json
 import os
 import subprocess
 import threading
 import zipfile
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, quote_from_bytes, urlsplit
 
 PACKAGE = "ephemeral-egress-probe"
 MODULE = "ephemeral_egress_probe"
@@ -172,3 +178,97 @@ def git_http(root: Path) -> Iterator[tuple[int, list[str]]]:
 
     for p in serve(Git):
         yield p, seen
+
+
+@dataclass
+class Echo:
+    """What :func:`echo_site` heard: each request's headers, in order."""
+
+    port: int = 0
+    seen: list[dict[str, str]] = field(default_factory=list)
+
+
+def _encoded(body: bytes, coding: str) -> bytes:
+    if coding == "gzip":
+        return gzip.compress(body)
+    if coding == "deflate":
+        return zlib.compress(body)
+    return body
+
+
+_FORMS = {
+    "raw": lambda b: b,
+    "upper": lambda b: b.upper(),
+    "b64": base64.b64encode,
+    "b64url": base64.urlsafe_b64encode,
+    "hex": lambda b: b.hex().encode(),
+    "HEX": lambda b: b.hex().upper().encode(),
+    "url": lambda b: quote_from_bytes(b, safe="").encode(),
+    "json": lambda b: json.dumps(b.decode("latin-1"), ensure_ascii=True).encode(),
+}
+ECHO_FORMS = sorted(_FORMS)
+
+
+@contextmanager
+def echo_site() -> Iterator[Echo]:
+    """An upstream as hostile as an API can be to a redactor: it echoes the request's headers
+    in the body, in the form ``?form=`` names (raw, upper case, base64, hex, URL-encoded,
+    JSON-escaped) and into a response header (``?hdr=1``); compresses as ``Accept-Encoding``
+    allows or regardless (``?enc=gzip|deflate``); answers ``Range`` (or ``?part=a-b``) with a
+    206 slice; and sends the body in 7-byte chunks (``?chunked=1``)."""
+    echo = Echo()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def _handle(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length:
+                self.rfile.read(length)
+            headers = dict(self.headers.items())
+            echo.seen.append(headers)
+            query = {k: v[0] for k, v in parse_qs(urlsplit(self.path).query).items()}
+            text = json.dumps({"path": self.path, "headers": headers}).encode()
+            body = _FORMS.get(query.get("form", "raw"), _FORMS["raw"])(text)
+            status = 200
+            extra: list[tuple[str, str]] = []
+            wanted = query.get("part") or (self.headers.get("Range") or "").removeprefix("bytes=")
+            if wanted and "-" in wanted:
+                a, _, b = wanted.partition("-")
+                start = int(a) if a.isdigit() else 0
+                end = min(int(b) if b.isdigit() else len(body) - 1, len(body) - 1)
+                extra.append(("Content-Range", f"bytes {start}-{end}/{len(body)}"))
+                body, status = body[start : end + 1], 206
+            accepted = self.headers.get("Accept-Encoding", "")
+            coding = query.get("enc") or next(
+                (c for c in ("gzip", "deflate") if c in accepted.lower()), ""
+            )
+            if coding:
+                body = _encoded(body, coding)
+                extra.append(("Content-Encoding", coding))
+            if query.get("hdr"):
+                extra.append(("X-Echo", headers.get("Authorization", "")))
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            for k, v in extra:
+                self.send_header(k, v)
+            if query.get("chunked"):
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for i in range(0, len(body), 7):
+                    piece = body[i : i + 7]
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                self.wfile.write(b"0\r\n\r\n")
+            else:
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        do_GET = do_POST = _handle
+
+    for p in serve(Handler):
+        echo.port = p
+        yield echo

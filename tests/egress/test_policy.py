@@ -39,6 +39,41 @@ def test_a_bad_pattern_is_refused_naming_the_field(pattern: str) -> None:
     assert error["msg"].startswith('must be true, false or {"allow": [host patterns]}; allow')
 
 
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "0x7f.0.0.1",  # hex-dotted (issue 18)
+        "0X7F.0.0.1",
+        "0x7f000001",
+        "0x7f.1",
+        "0177.0.0.1",  # octal
+        "0177.1",
+        "2130706433",  # one decimal integer
+        "127.1",
+        "a.0x10",  # a last label that is a number makes any name an IPv4 literal
+        "*.0x7f.0.0.1",
+        "*.10.0.0.1",
+        "::1",
+        "[::1]",
+        "[::ffff:127.0.0.1]",
+        "::ffff:7f00:1",
+        "fe80::1%eth0",
+        "0:0:0:0:0:0:0:1",
+    ],
+)
+def test_an_ip_literal_in_any_spelling_is_refused_naming_the_field(pattern: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        RunRequest.model_validate({"prompt": "x", "web": {"allow": [pattern]}})
+    [error] = info.value.errors()
+    assert error["loc"] == ("web",)
+    assert "is an IP address; the allow list takes host names" in error["msg"]
+
+
+def test_names_that_only_look_numeric_stay_allowed() -> None:
+    allow = WebAllow(allow=["0x7f.example", "1password.example", "*.123.example", "a1.b2"])
+    assert allow.allows("0x7f.example") and allow.allows("x.123.example")
+
+
 def test_web_shapes() -> None:
     assert Policy().web_on is False and Policy(web=True).web_allow is None
     p = Policy.model_validate({"web": {"allow": ["pypi.example"]}})

@@ -12,7 +12,14 @@ import pytest
 from ephemeral.broker import Broker
 from ephemeral.runview import fold_events
 from ephemeral.service import Runtime
-from tests.broker.conftest import BIG, Upstream, events_of
+from tests.broker.conftest import (
+    BIG,
+    CANARY,
+    Upstream,
+    add_connection,
+    events_of,
+    state_bytes_contain,
+)
 from tests.egress.conftest import Listeners, Names, Tls, provisioned, sh
 
 pytestmark = [pytest.mark.sandbox]
@@ -61,6 +68,25 @@ async def test_web_off_means_no_forwarder_and_no_way_out(
     assert await events_of(agent, "web.requested", "web.denied") == []
 
 
+async def test_connect_without_a_port_dials_https_default_port(
+    runtime: Runtime, tls_site_443: Tls, names: Names, isolation: str
+) -> None:
+    """``https://site.test/`` is ``CONNECT site.test:443``: dialled to 443, recorded as 443
+    (httpx drops a default port, and the proxy used to dial 80 for it)."""
+    names.set("site.test", "127.0.0.1")
+    async with provisioned(runtime, isolation, web=True) as agent:
+        assert agent.sandbox is not None
+        await agent.sandbox.put_file("/tmp/ca.pem", tls_site_443.ca_pem)
+        for url in ("https://site.test/text", "https://site.test:443/text"):
+            res = await sh(agent, f"curl -sS -m 10 --cacert /tmp/ca.pem {url}")
+            assert (res.exit_code, res.stdout) == (0, "hello from upstream"), (url, res.stderr)
+    assert [s.path for s in tls_site_443.upstream.seen] == ["/text", "/text"]
+    connects = [e.data for e in await events_of(agent, "web.requested")]
+    assert [(c["method"], c["host"], c["port"], c["status"]) for c in connects] == [
+        ("CONNECT", "site.test", 443, 200)
+    ] * 2
+
+
 async def test_web_on_reaches_http_and_https_and_is_charged(
     runtime: Runtime, upstream: Upstream, tls_site: Tls, names: Names, isolation: str
 ) -> None:
@@ -105,6 +131,7 @@ async def test_web_on_reaches_http_and_https_and_is_charged(
     assert first["bytes_in"] > len("hello from upstream") and first["bytes_out"] > 0
     connects = [e.data for e in events if e.data["method"] == "CONNECT"]
     assert len(connects) == 2 and all(c["status"] == 200 for c in connects)
+    assert all(c["port"] == tls_site.port for c in connects)
     assert all("path" not in c for c in connects)
     # one request price plus one MiB ahead, per request or tunnel
     assert all(e.data["cost_micros"] == 1000 + 100 for e in events)
@@ -359,3 +386,30 @@ async def test_zero_data_retention_keeps_only_sizes(
     assert requested["host_bytes"] == len("site.test") and requested["path_bytes"] == 5
     assert requested["bytes_in"] > 0 and requested["status"] == 200
     assert denied["host_bytes"] == len("169.254.169.254") and "host" not in denied
+
+
+async def test_zero_data_retention_keeps_no_host_or_path_in_a_denial_reason(
+    runtime: Runtime, upstream: Upstream, names: Names, isolation: str
+) -> None:
+    names.set("hidden-host-zdr.test", "127.0.0.1")
+    grant = [{"name": "svc", "methods": ["GET"], "paths": ["/repos/*"]}]
+    await add_connection(runtime, "svc", f"{upstream.base}/api", {"Authorization": CANARY})
+    async with provisioned(
+        runtime,
+        isolation,
+        web={"allow": ["allowed.test"]},
+        connections=grant,
+        zero_data_retention=True,
+    ) as agent:
+        web = await sh(agent, f"curl -sS -m 10 http://hidden-host-zdr.test:{upstream.port}/p")
+        assert "'hidden-host-zdr.test' is not in the run's web allow list" in web.stdout
+        conn = await sh(agent, "curl -sS -m 10 http://svc.connections.internal/hidden-path-zdr")
+        assert "'/hidden-path-zdr' matches none of /repos/*" in conn.stdout
+    denied = [e.data for e in await events_of(agent, "web.denied", "connection.denied")]
+    assert [d["reason"] for d in denied] == [
+        "host '…' is not in the run's web allow list",
+        "path '…' matches none of /repos/*",
+    ]
+    for needle in (b"hidden-host-zdr", b"hidden-path-zdr"):
+        assert state_bytes_contain(runtime.settings.state_dir, needle) == []
+    assert upstream.seen == []

@@ -1,0 +1,60 @@
+"""Admission of a sandbox session checks what a run's admission checks, with the same error
+shape: a named connection must exist for the org, and the web allow list takes host names only.
+Nothing is reserved or started for a refused request."""
+
+from __future__ import annotations
+
+import httpx
+
+from ephemeral.service import Runtime
+from tests.api.conftest import Member
+
+
+async def _balance(runtime: Runtime, member: Member) -> int:
+    return (await runtime.store.get_org(member.org_id)).balance_micros
+
+
+async def test_an_unknown_connection_is_a_422_naming_the_field(
+    http: httpx.AsyncClient, runtime: Runtime, member: Member
+) -> None:
+    org = await runtime.store.get_org(member.org_id)
+    await runtime.store.add_connection(
+        org.id, "known", base_url="http://127.0.0.1:9", header_names=[], sealed_headers="x"
+    )
+    before = await _balance(runtime, member)
+    body = {
+        "isolation": "namespaces",
+        "timeout_seconds": 60,
+        "max_cost_micros": 10_000,
+        "connections": [{"name": "known"}, {"name": "stripe"}],
+    }
+    r = await http.post("/v1/sandboxes", json=body, headers=member.headers)
+    assert r.status_code == 422, r.text
+    assert r.json()["errors"] == [
+        {
+            "field": "connections[1].name",
+            "message": "this org has no connection named 'stripe' (ephemeral connections add)",
+        }
+    ]
+    # the run's admission answers the same, field and message
+    run = await http.post(
+        "/v1/runs",
+        json={"prompt": "x", "model": "replay/sandbox-proof", **body},
+        headers=member.headers,
+    )
+    assert run.status_code == 422 and run.json()["errors"] == r.json()["errors"]
+    assert await _balance(runtime, member) == before  # nothing reserved
+
+
+async def test_an_ip_literal_in_the_allow_list_is_a_422_naming_web(
+    http: httpx.AsyncClient, member: Member
+) -> None:
+    for pattern in ("0x7f.0.0.1", "2130706433", "0177.1", "[::1]"):
+        r = await http.post(
+            "/v1/sandboxes",
+            json={"isolation": "namespaces", "web": {"allow": [pattern]}},
+            headers=member.headers,
+        )
+        assert r.status_code == 422, r.text
+        [error] = r.json()["errors"]
+        assert error["field"] == "web" and "is an IP address" in error["message"], error
