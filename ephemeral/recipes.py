@@ -27,7 +27,7 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, NamedTuple, NoReturn, TypeVar
 
 import yaml
@@ -651,31 +651,73 @@ def _recipe_problems(recipe: Recipe) -> list[_Problem]:
 # --------------------------------------------------------------------------- public API
 
 
+def confined_path(base: Path, relative: str, field: str) -> Path:
+    """``relative`` under the directory ``base``, resolved.
+
+    Recipes name their files relative to their own directory and nothing may leave it: an
+    absolute path, a ``..`` part or a symlink that resolves outside ``base`` is an
+    :class:`InvalidRequest` naming ``field``. Symlinks that stay inside are followed."""
+    pure = PurePosixPath(relative)
+    if "\x00" in relative or pure.is_absolute():
+        raise InvalidRequest.field(field, f"{relative!r}: must be a path relative to {base}")
+    if ".." in pure.parts:
+        raise InvalidRequest.field(field, f"{relative!r}: must not contain '..'")
+    root = base.resolve()
+    target = (root / pure).resolve()
+    if not target.is_relative_to(root):
+        raise InvalidRequest.field(
+            field, f"{relative!r} resolves to {target}, outside {root} (through a symlink)"
+        )
+    return target
+
+
+def files_under(base: Path, relative: str, field: str) -> list[FileSpec]:
+    """The tree at ``relative`` (see :func:`confined_path`) as run files, within a run's limits.
+
+    Only regular files and directories: a symlink anywhere in the tree, even one pointing
+    inside it, is an error naming ``field``, so nothing outside the tree can be read."""
+    root = confined_path(base, relative, field)
+    if not root.is_dir():
+        raise InvalidRequest.field(field, f"no directory {root}")
+    out: list[FileSpec] = []
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        here = Path(dirpath)
+        for name in [*dirnames, *sorted(filenames)]:
+            path = here / name
+            rel = path.relative_to(root).as_posix()
+            if path.is_symlink():
+                raise InvalidRequest.field(field, f"{rel}: a symlink (only regular files)")
+            if name in dirnames or path.suffix == ".pyc":
+                continue
+            if not path.is_file():
+                raise InvalidRequest.field(field, f"{rel}: only regular files (no devices)")
+            size = path.stat().st_size
+            total += size
+            if size > MAX_RUN_FILE_BYTES:
+                raise InvalidRequest.field(
+                    field, f"{rel}: {size} bytes, more than a run's {MAX_RUN_FILE_BYTES} per file"
+                )
+            if total > MAX_FILES_BYTES or len(out) >= MAX_FILES:
+                raise InvalidRequest.field(
+                    field, f"more than a run's {MAX_FILES} files or {MAX_FILES_BYTES} bytes"
+                )
+            data = path.read_bytes()
+            out.append(FileSpec(path=rel, content_base64=base64.b64encode(data).decode()))
+    return sorted(out, key=lambda f: f.path)
+
+
 def _read_files_from(recipe: Recipe, base_dir: Path | None) -> tuple[list[FileSpec], str | None]:
     """The tree under ``files_from`` (relative to the recipe file) as the run's files."""
     if recipe.files_from is None:
         return [], None
     if base_dir is None:
         return [], "needs the recipe's file to be relative to"
-    root = (base_dir / recipe.files_from).resolve()
-    if not root.is_dir():
-        return [], f"no directory {root}"
-    out: list[FileSpec] = []
-    total = 0
-    for path in sorted(root.rglob("*")):
-        if "__pycache__" in path.parts or path.suffix == ".pyc" or path.is_dir():
-            continue
-        rel = path.relative_to(root).as_posix()
-        if path.is_symlink() or not path.is_file():
-            return [], f"{rel}: only regular files (no symlinks or devices)"
-        size = path.stat().st_size
-        total += size
-        if size > MAX_RUN_FILE_BYTES:
-            return [], f"{rel}: {size} bytes, more than a run's {MAX_RUN_FILE_BYTES} per file"
-        if total > MAX_FILES_BYTES or len(out) >= MAX_FILES:
-            return [], f"more than a run's {MAX_FILES} files or {MAX_FILES_BYTES} bytes"
-        out.append(FileSpec(path=rel, content_base64=base64.b64encode(path.read_bytes()).decode()))
-    return out, None
+    try:
+        return files_under(base_dir, recipe.files_from, "files_from"), None
+    except InvalidRequest as exc:
+        return [], (exc.errors or [{"message": exc.detail}])[0]["message"]
 
 
 _ENVIRONMENT = ("image", "setup", "verify", "verify_timeout_seconds")
@@ -692,8 +734,12 @@ def _dataset_problems(recipe: Recipe, base_dir: Path | None) -> list[_Problem]:
         ]
     if base_dir is None:
         return [_Problem(("dataset",), "needs the recipe's file to be relative to")]
+    try:
+        path = confined_path(base_dir, recipe.dataset, "dataset")
+    except InvalidRequest as exc:
+        return [_Problem(("dataset",), (exc.errors or [{"message": exc.detail}])[0]["message"])]
     selection = datasets.Selection(
-        path=(base_dir / recipe.dataset).resolve(),
+        path=path,
         filter=recipe.dataset_filter,
         limit=recipe.dataset_limit,
         sample=recipe.dataset_sample,
