@@ -31,9 +31,7 @@ from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, NamedTuple, NoReturn, TypeVar
 
 import yaml
-from jinja2 import StrictUndefined, TemplateSyntaxError
-from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2 import TemplateSyntaxError
 from pydantic import (
     AliasChoices,
     BaseModel,
@@ -44,7 +42,7 @@ from pydantic import (
     ValidationError,
 )
 
-from ephemeral import datasets
+from ephemeral import datasets, templates
 from ephemeral.checks import CHECK_KINDS, Check, ShellCondition, VerifyCondition
 from ephemeral.errors import InvalidRequest, RecipeError, UnknownModel
 from ephemeral.policy import (
@@ -474,25 +472,6 @@ def load_yaml_model(
 # --------------------------------------------------------------------------- prompts
 
 
-class _PromptEnvironment(ImmutableSandboxedEnvironment):
-    """No mutation of values, no private attributes, and no way to build a huge string."""
-
-    intercepted_binops = frozenset({"*", "**"})
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "**" and isinstance(right, int | float) and abs(right) > 64:
-            raise SecurityError("exponent too large in a prompt template")
-        if operator == "*":
-            sized = [x for x in (left, right) if isinstance(x, str | list | tuple)]
-            counts = [x for x in (left, right) if isinstance(x, int)]
-            if sized and counts and len(sized[0]) * counts[0] > MAX_PROMPT_CHARS:
-                raise SecurityError("repetition too large in a prompt template")
-        return super().call_binop(context, operator, left, right)
-
-
-_ENV = _PromptEnvironment(undefined=StrictUndefined, autoescape=False, keep_trailing_newline=False)
-
-
 def _template_lineno(exc: BaseException) -> int | None:
     # Jinja rewrites render tracebacks so frames of the template carry template line numbers.
     line = None
@@ -566,12 +545,17 @@ class _Renderer:
         self.verify = [self._compile(("verify", i), t) for i, t in enumerate(recipe.verify)]
 
     def _compile(self, loc: Loc, text: str) -> Any:
+        prompt = loc == ("prompt",)
+        env = templates.PROMPTS if prompt else templates.COMMANDS
         try:
-            return _ENV.from_string(text)
+            template = env.from_string(text)
         except TemplateSyntaxError as exc:
-            line = exc.lineno if loc == ("prompt",) else None
+            line = exc.lineno if prompt else None
             self.problems.append(_Problem(loc, f"template syntax: {exc.message}", line))
             return None
+        if not prompt:
+            self.problems += [_Problem(loc, why) for why in templates.command_problems(text)]
+        return template
 
     def render(self, cell: dict[str, Any], i: int, row: int | None = None) -> Rendered:
         context = {**self.recipe.vars, **cell, "repeat_index": i}
@@ -594,7 +578,8 @@ class _Renderer:
 
     def _one(self, loc: Loc, template: Any, context: dict[str, Any], where: str) -> str:
         try:
-            return str(template.render(context))
+            limit = MAX_PROMPT_CHARS if loc == ("prompt",) else MAX_STEP_COMMAND_CHARS
+            return templates.render(template, context, limit=limit)
         except Exception as exc:  # noqa: BLE001 - any failure of an author's template is a recipe error
             msg = f"template: {exc or type(exc).__name__}"
             line = _template_lineno(exc) if loc == ("prompt",) else None
