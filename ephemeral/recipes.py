@@ -11,8 +11,11 @@ The recipe's own cap is ``budget_micros: N``. DESIGN writes it ``budget``; ``bud
 ``budget: {max_cost_micros: N}`` are accepted as the same field. The recipe flow stops starting
 runs when the next run's ``max_cost_micros`` would not fit in what is left of it.
 
-Prompts are Jinja2 in an immutable sandbox with ``StrictUndefined``. A prompt sees ``vars``,
-the values of its matrix cell and ``repeat_index`` (0-based).
+Prompts, ``setup`` and ``verify`` are Jinja2 in an immutable, bounded sandbox with
+``StrictUndefined`` (:mod:`ephemeral.templates`); in commands every ``{{ … }}`` is one
+shell-quoted word. A template sees ``vars``, the values of its cell and ``repeat_index``
+(0-based). ``files_from`` and ``dataset`` are confined to the recipe's directory
+(:func:`confined_path`).
 """
 
 from __future__ import annotations
