@@ -372,9 +372,12 @@ def _hook(func: HookT) -> HookT:
 
 
 class _Literal(str):
-    """Template text (not a value): shell quoting leaves it as written."""
+    """Not a value: what the counting hooks write (nothing), which shell quoting leaves alone."""
 
     __slots__ = ()
+
+
+_EMPTY = _Literal("")
 
 
 class _Bounder(NodeTransformer):
@@ -396,16 +399,14 @@ class _Bounder(NodeTransformer):
 
     def visit_Output(self, node: nodes.Output) -> nodes.Node:
         self.generic_visit(node)
-        node.nodes = [
-            self._hook(
-                "emit_literal" if isinstance(child, nodes.TemplateData) else "emit",
-                nodes.Const(child.data, lineno=child.lineno)
-                if isinstance(child, nodes.TemplateData)
-                else child,
-                child.lineno,
-            )
-            for child in node.nodes
+        text = sum(len(c.data) for c in node.nodes if isinstance(c, nodes.TemplateData))
+        children: list[nodes.Expr] = [
+            c if isinstance(c, nodes.TemplateData) else self._hook("emit", c, c.lineno)
+            for c in node.nodes
         ]
+        if text:  # the node's template text, counted once each time it is written
+            children.insert(0, self._hook("emit_text", nodes.Const(text), node.lineno))
+        node.nodes = children
         return node
 
 
@@ -431,22 +432,21 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     @_hook
     def bounded_concat(self, items: list[Any]) -> str:
-        _step()
         _refuse_over(sum(weight(x, _limit()) for x in items), "~")
         return _check_result("".join(str(x) for x in items), "~")
 
     @_hook
     def emit(self, value: Any) -> Any:
-        self._count(weight(value, _limit()))
+        n = len(value) if type(value) is str else weight(value, _limit())
+        self._count(n)
         return value
 
     @_hook
-    def emit_literal(self, text: str) -> _Literal:
-        self._count(len(text))
-        return _Literal(text)
+    def emit_text(self, n: int) -> _Literal:
+        self._count(n)
+        return _EMPTY
 
     def _count(self, n: int) -> None:
-        _step()
         budget = _BUDGET.get()
         if budget is not None:
             budget.emitted += n
