@@ -3,8 +3,9 @@
 DuckDB reads the file into an in-memory table of a private connection, and then that connection
 loses every way out: ``enable_external_access`` off and the configuration locked. Only then does
 the recipe's ``dataset_filter`` (a SQL predicate) run, so a filter can read the rows and nothing
-else: no file, no other database, no setting it could change. The predicate must parse as part
-of exactly one ``SELECT``.
+else: no file, no other database, no setting it could change. The predicate is parsed by DuckDB
+inside ``SELECT * FROM ds WHERE (…)`` and must be that one SELECT's WHERE and nothing more
+(:func:`check_filter`); the statement that runs is printed back from the parsed tree.
 
 Rows stream to Python in batches (:func:`iter_rows`); a 100,000-row file never becomes 100,000
 Python objects at once. Each row carries its 1-based line in the file (``row``), which every
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import json
 import math
 import re
 from collections.abc import Iterator
@@ -94,23 +96,91 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0][:500] if str(exc).strip() else type(exc).__name__
 
 
-def check_filter(predicate: str) -> None:
-    """A predicate only: one SELECT's WHERE clause, no statement separator."""
+# Functions a filter may not call even though external access is off: whatever reads files,
+# settings, the catalog or runs SQL text of its own.
+_FORBIDDEN_FUNCTION = re.compile(
+    r"^(read_|glob$|getenv$|query$|query_table$|sniff_csv$|parquet_|iceberg_|delta_|duckdb_"
+    r"|pragma_|current_setting$|which_secret$|json_execute_serialized_sql$|json_serialize|"
+    r"json_deserialize|sql_auto_complete$|load_|install_|checkpoint$|force_checkpoint$)",
+    re.IGNORECASE,
+)
+_WRAPPER = "SELECT * FROM ds WHERE ({})"
+
+
+def _parse(sql: str) -> dict[str, Any]:
+    con = duckdb.connect(":memory:")
+    try:
+        row = con.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()
+        return dict(json.loads(row[0])) if row else {"error": True}
+    finally:
+        con.close()
+
+
+def _bad_node(node: Any) -> str | None:
+    """What in a WHERE expression tree is not a plain expression over the row, if anything."""
+    if isinstance(node, list):
+        return next((why for item in node if (why := _bad_node(item)) is not None), None)
+    if not isinstance(node, dict):
+        return None
+    if node.get("class") == "SUBQUERY" or "subquery" in node or "node" in node:
+        return "a subquery"
+    if node.get("class") in {"STAR", "PARAMETER", "LAMBDA_REF"} or node.get("type") == "STAR":
+        return f"a {str(node['class']).lower()}"
+    name = node.get("function_name")
+    if isinstance(name, str) and _FORBIDDEN_FUNCTION.match(name):
+        return f"the function {name}"
+    return next((why for v in node.values() if (why := _bad_node(v)) is not None), None)
+
+
+def check_filter(predicate: str) -> str:
+    """The ``SELECT`` of the rows a predicate picks, as DuckDB prints the parsed statement.
+
+    ``SELECT * FROM ds WHERE (<predicate>)`` must parse (DuckDB's own parser) to exactly one
+    plain ``SELECT`` of ``ds`` whose only clause is that WHERE: no set operation, no ORDER BY,
+    GROUP BY, HAVING, LIMIT, QUALIFY or sample closed in after a parenthesis, no subquery and no
+    function that reads files or settings. What runs is the statement printed back from that
+    tree, never the predicate's text."""
     if len(predicate) > MAX_FILTER_CHARS:
         raise _problem("dataset_filter", f"longer than {MAX_FILTER_CHARS} characters")
     if ";" in predicate or "--" in predicate or "/*" in predicate:
         raise _problem("dataset_filter", "must be one SQL predicate (no ;, no comments)")
+    tree = _parse(_WRAPPER.format(predicate))
+    if tree.get("error"):
+        kind = str(tree.get("error_type", "")).capitalize()
+        raise _problem(
+            "dataset_filter", f"not a SQL predicate: {kind} Error: {tree.get('error_message')}"
+        )
+    statements = tree.get("statements") or []
+    node = statements[0].get("node", {}) if len(statements) == 1 else {}
+    plain = (
+        node.get("type") == "SELECT_NODE"
+        and not node.get("modifiers")
+        and not node.get("cte_map", {}).get("map")
+        and [i.get("class") for i in node.get("select_list", [])] == ["STAR"]
+        and node.get("from_table", {}).get("type") == "BASE_TABLE"
+        and node["from_table"].get("table_name") == "ds"
+        and not node["from_table"].get("sample")
+        and not node.get("group_expressions")
+        and not node.get("group_sets")
+        and all(node.get(k) is None for k in ("having", "sample", "qualify"))
+        and node.get("where_clause") is not None
+    )
+    if not plain:
+        closed = "must be one SQL predicate (it closes its parenthesis to add a clause)"
+        raise _problem("dataset_filter", closed)
+    why = _bad_node(node["where_clause"])
+    if why is not None:
+        raise _problem("dataset_filter", f"must be a predicate over the row's columns, not {why}")
+    con = duckdb.connect(":memory:")
     try:
-        statements = duckdb.extract_statements(f"SELECT 1 FROM ds WHERE ({predicate})")
-    except duckdb.Error as exc:
-        raise _problem("dataset_filter", f"not a SQL predicate: {_first_line(exc)}") from None
-    if len(statements) != 1 or statements[0].type != duckdb.StatementType.SELECT:
-        raise _problem("dataset_filter", "must be one SQL predicate")
+        printed = con.execute("SELECT json_deserialize_sql(?)", [json.dumps(tree)]).fetchone()
+    finally:
+        con.close()
+    return str(printed[0]) if printed else _WRAPPER.format("false")
 
 
 def _query(sel: Selection, what: str) -> str:
-    where = f"WHERE ({sel.filter})" if sel.filter else ""
-    picked = f"SELECT * FROM ds {where}"
+    picked = check_filter(sel.filter) if sel.filter else "SELECT * FROM ds"
     if sel.sample is not None:
         picked = (
             f"SELECT * FROM ({picked}) USING SAMPLE reservoir({sel.sample.n} ROWS) "
@@ -121,10 +191,9 @@ def _query(sel: Selection, what: str) -> str:
 
 
 def _run(con: duckdb.DuckDBPyConnection, sel: Selection, what: str) -> duckdb.DuckDBPyConnection:
-    if sel.filter:
-        check_filter(sel.filter)
+    query = _query(sel, what)
     try:
-        return con.execute(_query(sel, what))
+        return con.execute(query)
     except duckdb.Error as exc:
         field = "dataset_filter" if sel.filter else "dataset"
         raise _problem(field, f"{sel.path}: {_first_line(exc)}") from None

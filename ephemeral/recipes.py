@@ -11,8 +11,11 @@ The recipe's own cap is ``budget_micros: N``. DESIGN writes it ``budget``; ``bud
 ``budget: {max_cost_micros: N}`` are accepted as the same field. The recipe flow stops starting
 runs when the next run's ``max_cost_micros`` would not fit in what is left of it.
 
-Prompts are Jinja2 in an immutable sandbox with ``StrictUndefined``. A prompt sees ``vars``,
-the values of its matrix cell and ``repeat_index`` (0-based).
+Prompts, ``setup`` and ``verify`` are Jinja2 in an immutable, bounded sandbox with
+``StrictUndefined`` (:mod:`ephemeral.templates`); in commands every ``{{ … }}`` is one
+shell-quoted word. A template sees ``vars``, the values of its cell and ``repeat_index``
+(0-based). ``files_from`` and ``dataset`` are confined to the recipe's directory
+(:func:`confined_path`).
 """
 
 from __future__ import annotations
@@ -27,13 +30,11 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, NamedTuple, NoReturn, TypeVar
 
 import yaml
-from jinja2 import StrictUndefined, TemplateSyntaxError
-from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2 import TemplateSyntaxError
 from pydantic import (
     AliasChoices,
     BaseModel,
@@ -44,7 +45,7 @@ from pydantic import (
     ValidationError,
 )
 
-from ephemeral import datasets
+from ephemeral import datasets, templates
 from ephemeral.checks import CHECK_KINDS, Check, ShellCondition, VerifyCondition
 from ephemeral.errors import InvalidRequest, RecipeError, UnknownModel
 from ephemeral.policy import (
@@ -477,25 +478,6 @@ def load_yaml_model(
 # --------------------------------------------------------------------------- prompts
 
 
-class _PromptEnvironment(ImmutableSandboxedEnvironment):
-    """No mutation of values, no private attributes, and no way to build a huge string."""
-
-    intercepted_binops = frozenset({"*", "**"})
-
-    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-        if operator == "**" and isinstance(right, int | float) and abs(right) > 64:
-            raise SecurityError("exponent too large in a prompt template")
-        if operator == "*":
-            sized = [x for x in (left, right) if isinstance(x, str | list | tuple)]
-            counts = [x for x in (left, right) if isinstance(x, int)]
-            if sized and counts and len(sized[0]) * counts[0] > MAX_PROMPT_CHARS:
-                raise SecurityError("repetition too large in a prompt template")
-        return super().call_binop(context, operator, left, right)
-
-
-_ENV = _PromptEnvironment(undefined=StrictUndefined, autoescape=False, keep_trailing_newline=False)
-
-
 def _template_lineno(exc: BaseException) -> int | None:
     # Jinja rewrites render tracebacks so frames of the template carry template line numbers.
     line = None
@@ -569,12 +551,17 @@ class _Renderer:
         self.verify = [self._compile(("verify", i), t) for i, t in enumerate(recipe.verify)]
 
     def _compile(self, loc: Loc, text: str) -> Any:
+        prompt = loc == ("prompt",)
+        env = templates.PROMPTS if prompt else templates.COMMANDS
         try:
-            return _ENV.from_string(text)
+            template = env.from_string(text)
         except TemplateSyntaxError as exc:
-            line = exc.lineno if loc == ("prompt",) else None
+            line = exc.lineno if prompt else None
             self.problems.append(_Problem(loc, f"template syntax: {exc.message}", line))
             return None
+        if not prompt:
+            self.problems += [_Problem(loc, why) for why in templates.command_problems(text)]
+        return template
 
     def render(self, cell: dict[str, Any], i: int, row: int | None = None) -> Rendered:
         context = {**self.recipe.vars, **cell, "repeat_index": i}
@@ -597,7 +584,8 @@ class _Renderer:
 
     def _one(self, loc: Loc, template: Any, context: dict[str, Any], where: str) -> str:
         try:
-            return str(template.render(context))
+            limit = MAX_PROMPT_CHARS if loc == ("prompt",) else MAX_STEP_COMMAND_CHARS
+            return templates.render(template, context, limit=limit)
         except Exception as exc:  # noqa: BLE001 - any failure of an author's template is a recipe error
             msg = f"template: {exc or type(exc).__name__}"
             line = _template_lineno(exc) if loc == ("prompt",) else None
@@ -654,56 +642,77 @@ def _recipe_problems(recipe: Recipe) -> list[_Problem]:
 # --------------------------------------------------------------------------- public API
 
 
-def _read_files_from(recipe: Recipe, base_dir: Path | None) -> tuple[list[FileSpec], str | None]:
-    """The tree under ``files_from`` (relative to the recipe file) as the run's files."""
-    if recipe.files_from is None:
-        return [], None
-    if base_dir is None:
-        return [], "needs the recipe's file to be relative to"
-    root = (base_dir / recipe.files_from).resolve()
+def confined_path(base: Path, relative: str, field: str) -> Path:
+    """``relative`` under the directory ``base``, resolved.
+
+    Recipes name their files relative to their own directory and nothing may leave it: an
+    absolute path, a ``..`` part or a symlink that resolves outside ``base`` is an
+    :class:`InvalidRequest` naming ``field``. Symlinks that stay inside are followed."""
+    pure = PurePosixPath(relative)
+    if "\x00" in relative or pure.is_absolute():
+        raise InvalidRequest.field(field, f"{relative!r}: must be a path relative to {base}")
+    if ".." in pure.parts:
+        raise InvalidRequest.field(field, f"{relative!r}: must not contain '..'")
+    root = base.resolve()
+    target = (root / pure).resolve()
+    if not target.is_relative_to(root):
+        raise InvalidRequest.field(
+            field, f"{relative!r} resolves to {target}, outside {root} (through a symlink)"
+        )
+    return target
+
+
+def files_under(base: Path, relative: str, field: str) -> list[FileSpec]:
+    """The tree at ``relative`` (see :func:`confined_path`) as run files, within a run's limits.
+
+    Only regular files and directories: a symlink anywhere in the tree, even one pointing
+    inside it, is an error naming ``field``, so nothing outside the tree can be read."""
+    root = confined_path(base, relative, field)
     if not root.is_dir():
-        return [], f"no directory {root}"
+        raise InvalidRequest.field(field, f"no directory {root}")
     out: list[FileSpec] = []
     total = 0
-    for path in sorted(root.rglob("*")):
-        if "__pycache__" in path.parts or path.suffix == ".pyc" or path.is_dir():
-            continue
-        rel = path.relative_to(root).as_posix()
-        if path.is_symlink() or not path.is_file():
-            return [], f"{rel}: only regular files (no symlinks or devices)"
-        size = path.stat().st_size
-        total += size
-        if size > MAX_RUN_FILE_BYTES:
-            return [], f"{rel}: {size} bytes, more than a run's {MAX_RUN_FILE_BYTES} per file"
-        if total > MAX_FILES_BYTES or len(out) >= MAX_FILES:
-            return [], f"more than a run's {MAX_FILES} files or {MAX_FILES_BYTES} bytes"
-        out.append(FileSpec(path=rel, content_base64=base64.b64encode(path.read_bytes()).decode()))
-    return out, None
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        here = Path(dirpath)
+        for name in [*dirnames, *sorted(filenames)]:
+            path = here / name
+            rel = path.relative_to(root).as_posix()
+            if path.is_symlink():
+                raise InvalidRequest.field(field, f"{rel}: a symlink (only regular files)")
+            if name in dirnames or path.suffix == ".pyc":
+                continue
+            if not path.is_file():
+                raise InvalidRequest.field(field, f"{rel}: only regular files (no devices)")
+            size = path.stat().st_size
+            total += size
+            if size > MAX_RUN_FILE_BYTES:
+                raise InvalidRequest.field(
+                    field, f"{rel}: {size} bytes, more than a run's {MAX_RUN_FILE_BYTES} per file"
+                )
+            if total > MAX_FILES_BYTES or len(out) >= MAX_FILES:
+                raise InvalidRequest.field(
+                    field, f"more than a run's {MAX_FILES} files or {MAX_FILES_BYTES} bytes"
+                )
+            data = path.read_bytes()
+            out.append(FileSpec(path=rel, content_base64=base64.b64encode(data).decode()))
+    return sorted(out, key=lambda f: f.path)
 
 
-def _outside(base_dir: Path, rel: str) -> str | None:
-    """Why ``rel`` does not name a directory inside the recipe's (symlinks resolved), or None."""
-    if Path(rel).is_absolute() or ".." in Path(rel).parts:
-        return "must be a path inside the recipe's directory (no absolute path, no '..')"
-    if not (base_dir / rel).resolve().is_relative_to(base_dir.resolve()):
-        return "resolves outside the recipe's directory (a symlink out)"
-    return None
-
-
-def _read_verify_files_from(
-    recipe: Recipe, base_dir: Path | None
+def _read_tree(
+    recipe: Recipe, base_dir: Path | None, field: str
 ) -> tuple[list[FileSpec], str | None]:
-    """The tree under ``verify_files_from``, read and limited like ``files_from``'s."""
-    if recipe.verify_files_from is None:
+    """The tree under ``files_from`` or ``verify_files_from`` (relative to the recipe file, and
+    confined to its directory: :func:`files_under`) as run files, or why it cannot be read."""
+    relative = getattr(recipe, field)
+    if relative is None:
         return [], None
     if base_dir is None:
         return [], "needs the recipe's file to be relative to"
-    why = _outside(base_dir, recipe.verify_files_from)
-    if why is not None:
-        return [], why
-    return _read_files_from(
-        recipe.model_copy(update={"files_from": recipe.verify_files_from}), base_dir
-    )
+    try:
+        return files_under(base_dir, relative, field), None
+    except InvalidRequest as exc:
+        return [], (exc.errors or [{"message": exc.detail}])[0]["message"]
 
 
 _ENVIRONMENT = ("image", "setup", "verify", "verify_timeout_seconds")
@@ -720,8 +729,12 @@ def _dataset_problems(recipe: Recipe, base_dir: Path | None) -> list[_Problem]:
         ]
     if base_dir is None:
         return [_Problem(("dataset",), "needs the recipe's file to be relative to")]
+    try:
+        path = confined_path(base_dir, recipe.dataset, "dataset")
+    except InvalidRequest as exc:
+        return [_Problem(("dataset",), (exc.errors or [{"message": exc.detail}])[0]["message"])]
     selection = datasets.Selection(
-        path=(base_dir / recipe.dataset).resolve(),
+        path=path,
         filter=recipe.dataset_filter,
         limit=recipe.dataset_limit,
         sample=recipe.dataset_sample,
@@ -749,10 +762,10 @@ def _environment_problems(recipe: Recipe, base_dir: Path | None) -> list[_Proble
         for name in _ENVIRONMENT
         if name in recipe.policy.model_fields_set
     ]
-    files, why = _read_files_from(recipe, base_dir)
+    files, why = _read_tree(recipe, base_dir, "files_from")
     if why is not None:
         problems.append(_Problem(("files_from",), why))
-    verify_files, why = _read_verify_files_from(recipe, base_dir)
+    verify_files, why = _read_tree(recipe, base_dir, "verify_files_from")
     if why is not None:
         problems.append(_Problem(("verify_files_from",), why))
     if problems:

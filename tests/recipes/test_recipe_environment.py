@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from ephemeral import datasets
 from ephemeral.checks import evaluate
+from ephemeral.errors import InvalidRequest
 from ephemeral.recipes import expand, iter_planned, load_recipe
 from tests.recipes.helpers import recipe_errors, write
 
@@ -138,6 +140,20 @@ def test_filter_sample_and_limit_select_rows(tmp_path: Path) -> None:
         "n > 1; DROP TABLE ds",
         "n > (SELECT count(*) FROM read_csv('/etc/passwd'))",
         "n > 1 -- comment",
+        # closing the parenthesis to add rows or clauses (issue 18)
+        "n = 2) UNION SELECT * FROM ds WHERE (true",
+        "n = 2) UNION ALL (SELECT * FROM ds",
+        "n = 2) OR (n IN (SELECT n FROM ds)",
+        "true) ORDER BY (n",
+        "true) LIMIT (1",
+        "true) GROUP BY ALL HAVING (true",
+        "true) QUALIFY (true",
+        "true) USING SAMPLE (1",
+        "EXISTS (FROM read_csv('rows.jsonl'))",
+        "length(read_text('/etc/passwd')) > 0",
+        "getenv('HOME') IS NOT NULL",
+        "current_setting('threads') > 0",
+        "n = 2)",
     ],
 )
 def test_a_filter_is_a_predicate_without_side_effects(tmp_path: Path, predicate: str) -> None:
@@ -145,6 +161,20 @@ def test_a_filter_is_a_predicate_without_side_effects(tmp_path: Path, predicate:
     text = BASE + f"dataset: rows.jsonl\ndataset_filter: {json.dumps(predicate)}\n"
     [err] = recipe_errors(write(tmp_path, text))
     assert (err["field"], err["line"]) == ("dataset_filter", 6), err
+
+
+def test_the_filter_that_runs_is_the_parsed_predicate() -> None:
+    assert datasets.check_filter("n % 10 = 3 and kind = 'a'") == (
+        "SELECT * FROM ds WHERE (((n % 10) = 3) AND (kind = 'a'))"
+    )
+    with pytest.raises(InvalidRequest) as info:
+        datasets.check_filter("n = 2) UNION SELECT * FROM ds WHERE (true")
+    assert info.value.errors == [
+        {
+            "field": "dataset_filter",
+            "message": "must be one SQL predicate (it closes its parenthesis to add a clause)",
+        }
+    ]
 
 
 def test_dataset_errors_name_the_file_and_row(tmp_path: Path) -> None:
