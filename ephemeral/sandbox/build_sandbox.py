@@ -37,7 +37,8 @@ from ephemeral import errors
 IN_DIR = "/run/ephemeral-build/in"
 OUT_DIR = "/run/ephemeral-build/out"
 OUTPUT_TAIL = 64 << 10  # what is kept of a command's output (for the error), in bytes
-# Docker's default capabilities: what package scripts and `useradd` need, in the namespace only
+# Docker's default capabilities but CAP_NET_RAW (there is no network): what package scripts
+# and `useradd` need, in the namespace only
 BUILD_CAPS = (
     "CAP_CHOWN",
     "CAP_DAC_OVERRIDE",

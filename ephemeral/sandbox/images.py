@@ -542,6 +542,8 @@ async def _assemble(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    # host root's only: a set-id file a build step made in the image is no host user's to run
+    tmp.chmod(0o700)
     rootfs = tmp / "rootfs"
     stage = tmp / "stage"  # host-side inputs: pip's downloads, compiled shims
     await _run(["cp", "-a", "--reflink=auto", str(base), str(rootfs)], "copy base rootfs")

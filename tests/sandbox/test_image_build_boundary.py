@@ -3,6 +3,7 @@ nothing of the host; file sources stay in the definition; pip items are requirem
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from pathlib import Path
@@ -12,9 +13,10 @@ import pytest
 from ephemeral import errors
 from ephemeral.sandbox import build_sandbox, images
 from ephemeral.sandbox.base import Limits
+from ephemeral.sandbox.gvisor import GVisorDriver
 from ephemeral.sandbox.namespaces import SLOT_BASE, NamespacesDriver
 from ephemeral.settings import REPO_ROOT
-from tests.drivers import unavailable
+from tests.drivers import required, unavailable
 from tests.sandbox.image_cache import isolated_settings
 
 
@@ -155,6 +157,7 @@ set +e
   cat /proc/1/root{canary} 2>&1 || echo proc1-unreadable
   (cd /proc/1/root && cat .{canary}) 2>&1 || echo cd-proc1-unreadable
   python3 -c "
+import asyncio
 import os
 os.makedirs('/esc', exist_ok=True)
 fd = os.open('/', os.O_RDONLY)
@@ -270,14 +273,24 @@ async def test_the_shipped_images_rebuild_in_the_sandbox_and_run(
         p for p in rootfs.rglob("*") if not p.is_symlink() and p.lstat().st_uid >= SLOT_BASE
     ]
     assert leftover == []
-    driver = NamespacesDriver(settings.model_copy(update={"image": name}))
-    if why := await driver.probe():
-        unavailable(f"namespaces: {why}", "namespaces")
+    assert (rootfs.parent.stat().st_mode & 0o777) == 0o700
     check = "python3 -m pytest --version" if name == "python-dev" else "python3 -V"
-    async with await driver.create(owner="test-image-build", limits=Limits()) as sbx:
-        res = await sbx.exec(f"{check} && id -un", timeout=60)
-    assert res.exit_code == 0, res.stderr
-    assert res.stdout.splitlines()[-1] == "worker"
+    ran = 0
+    for driver in (
+        NamespacesDriver(settings.model_copy(update={"image": name})),
+        GVisorDriver(settings.model_copy(update={"image": name})),
+    ):
+        if why := await driver.probe():
+            if driver.isolation in required():
+                unavailable(f"{driver.isolation}: {why}", driver.isolation)  # fails
+            continue
+        async with await driver.create(owner="test-image-build", limits=Limits()) as sbx:
+            res = await sbx.exec(f"{check} && id -un", timeout=60)
+        assert res.exit_code == 0, (driver.isolation, res.stderr)
+        assert res.stdout.splitlines()[-1] == "worker"
+        ran += 1
+    if not ran:
+        unavailable("neither namespaces nor gvisor starts here", "namespaces", "gvisor")
 
 
 def test_the_build_sandbox_shows_no_host_path() -> None:
@@ -304,3 +317,55 @@ def test_shifting_owners_round_trips(tmp_path: Path) -> None:
     st = f.stat()
     assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (1000, 1000, 0o4755)
     assert (root / "l").lstat().st_uid == 0
+
+
+def _alive_with(marker: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in cmdline.split(b"\0"):
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.sandbox
+async def test_a_step_past_its_time_limit_is_killed_with_everything_it_started(
+    defs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = "4242.4242"  # an argv word only this test's processes carry
+    step = f"(sleep {marker} &) ; setsid sleep {marker} & sleep {marker}"
+    _image(defs, "stuck", f"base: default\nbuild:\n  - {step!r}\n")
+    settings = isolated_settings(tmp_path, defs, "stuck", monkeypatch)
+    monkeypatch.setattr(images, "BUILD_STEP_TIMEOUT_S", 5.0)
+    with pytest.raises(errors.SandboxError, match=r"stuck: build\[0\] timed out"):
+        await images.ensure_image(settings, "stuck")
+    deadline = asyncio.get_running_loop().time() + 30
+    while _alive_with(marker) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.2)
+    assert _alive_with(marker) == []
+    assert images.built_image(settings, "stuck") is None
+
+
+@pytest.mark.sandbox
+async def test_an_executable_build_step_runs_in_the_sandbox_with_its_out_dir(
+    defs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = _image(defs, "stepped", "base: default\n")
+    step = d / "extra" / "build-step"
+    step.parent.mkdir()
+    step.write_text(
+        '#!/bin/sh\nset -e\ncat /proc/self/uid_map > "$2/uid_map"\n'
+        'test -f "$1/opt/ephemeral/agent.py" && echo "$1" > "$2/root"\n'
+        f'cat {tmp_path}/cache/../images/stepped/image.yaml > "$2/host" 2>&1 || true\n'
+    )
+    step.chmod(0o755)
+    settings = isolated_settings(tmp_path, defs, "stepped", monkeypatch)
+    rootfs = await images.ensure_image(settings, "stepped")
+    out = rootfs.parent / "extra"
+    assert int((out / "uid_map").read_text().split()[1]) >= SLOT_BASE
+    assert (out / "root").read_text() == "/\n"
+    assert "No such file" in (out / "host").read_text()  # the definition's host path is not there
+    assert (out / "uid_map").stat().st_uid == 0  # shifted back
