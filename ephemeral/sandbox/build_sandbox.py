@@ -73,14 +73,14 @@ def _mounts_prefix(binds: Sequence[tuple[Path, Path]]) -> list[str]:
     return [*prefix, *flat, "--"]
 
 
-def _userns_prefix(base: int, passed: Sequence[int] = ()) -> list[str]:
+def _userns_prefix(base: int) -> list[str]:
     """argv prefix: a user namespace mapping 0..65535 to ``base..``, entered as its root, with
     no further user namespaces allowed; what follows runs there (the namespaces driver's
-    launcher, without its overlay: here the image is written). The namespace is held on a
-    single-digit fd not in ``passed`` (the fds bwrap binds)."""
-    nsfd = next(n for n in range(3, 10) if n not in passed)
+    launcher, without its overlay: here the image is written). Capabilities are recomputed at
+    exec, so the map is written before anything runs inside: hence a holder process whose
+    namespace is kept on fd 9 while nsenter makes us its uid 0."""
     script = (
-        "base=$1\nnsfd=$2\nshift 2\n"
+        "base=$1\nnsfd=9\nshift\n"
         "unshare --user -- sleep 60 </dev/null >/dev/null 2>&1 &\nh=$!\ni=0\n"
         'until echo "0 $base 65536" 2>/dev/null >"/proc/$h/uid_map"; do\n'
         "  i=$((i + 1))\n"
@@ -94,7 +94,7 @@ def _userns_prefix(base: int, passed: Sequence[int] = ()) -> list[str]:
         '\'eval "exec $0<&-" && echo 0 >/proc/sys/user/max_user_namespaces && '
         'exec "$@"\' "$nsfd" "$@"'
     )
-    return ["/bin/sh", "-c", script, "sh", str(base), str(nsfd)]
+    return ["/bin/sh", "-c", script, "sh", str(base)]
 
 
 def bwrap_argv(
