@@ -369,3 +369,16 @@ async def test_an_executable_build_step_runs_in_the_sandbox_with_its_out_dir(
     assert (out / "root").read_text() == "/\n"
     assert "No such file" in (out / "host").read_text()  # the definition's host path is not there
     assert (out / "uid_map").stat().st_uid == 0  # shifted back
+
+
+@pytest.mark.sandbox
+async def test_a_source_only_host_root_may_read_fails_the_build_naming_it(
+    defs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = _image(
+        defs, "private", "base: default\nfiles:\n  - {source: data/hello.txt, path: /opt/h}\n"
+    )
+    (d / "data" / "hello.txt").chmod(0o600)
+    settings = isolated_settings(tmp_path, defs, "private", monkeypatch)
+    with pytest.raises(errors.SandboxError, match=r"private: files\[0\] failed"):
+        await images.ensure_image(settings, "private")
