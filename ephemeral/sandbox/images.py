@@ -33,15 +33,28 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from packaging.requirements import InvalidRequirement, Requirement
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from ephemeral import errors
+from ephemeral.sandbox.build_sandbox import IN_DIR, OUT_DIR, BuildSandbox, run_bounded
 from ephemeral.sandbox.microvm_image import build_with_image
 from ephemeral.settings import Settings
 
 log = logging.getLogger(__name__)
 _BUILD_STEP = "build-step"
 _MARKER = "image.json"
+
+
+def _image_path(v: str) -> str:
+    """A path in the image: absolute, with no empty, ``.`` or ``..`` part (which the host
+    would resolve against its own tree)."""
+    if any(part in ("", ".", "..") for part in v[1:].rstrip("/").split("/")):
+        raise ValueError("must be a plain absolute path (no '.', '..' or '//' parts)")
+    return v
+
+
+ImagePath = Annotated[str, AfterValidator(_image_path)]
 
 
 class UserSpec(BaseModel):
@@ -53,20 +66,20 @@ class UserSpec(BaseModel):
 
 class AgentSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    source: str
-    path: str = Field(pattern=r"^/[A-Za-z0-9._/-]+$")
+    source: str = Field(min_length=1)  # relative to the definition directory
+    path: ImagePath = Field(pattern=r"^/[A-Za-z0-9._/-]+$")
 
 
 class PreloadSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    source: str
-    path: str = Field(pattern=r"^/[A-Za-z0-9._/-]+\.so$")
+    source: str = Field(min_length=1)  # relative to the definition directory
+    path: ImagePath = Field(pattern=r"^/[A-Za-z0-9._/-]+\.so$")
 
 
 class FileCopy(BaseModel):
     model_config = ConfigDict(extra="forbid")
     source: str = Field(min_length=1)  # relative to the definition directory; a file or a tree
-    path: str = Field(pattern=r"^/[A-Za-z0-9._/+@-]+$")
+    path: ImagePath = Field(pattern=r"^/[A-Za-z0-9._/+@-]+$")
     mode: str | None = Field(default=None, pattern=r"^0?[0-7]{3,4}$")
 
 
@@ -91,13 +104,14 @@ class ImageDefinition(BaseModel):
     user: UserSpec | None = None
     agent: AgentSpec | None = None
     preload: list[PreloadSpec] = []
-    # installed by the host's pip into the image's python (wheels only, no code runs)
+    # requirement specifiers (PEP 508, no URL) or ./wheels shipped in the definition: the
+    # host's pip fetches wheels only (no code runs) into a staging directory, copied in
     pip: list[Annotated[str, Field(min_length=1, max_length=500)]] = []
     files: list[FileCopy] = []
     env: dict[Annotated[str, Field(pattern=_ENV_NAME)], Annotated[str, Field(max_length=4096)]] = {}
     # where commands run: a path relative to the run's scratch directory, made at start
     workdir: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._+@-][A-Za-z0-9._/+@-]{0,199}$")
-    # shell steps run at build time inside the rootfs as root, with no network
+    # shell steps run at build time in the build sandbox (build_sandbox.py), with no network
     build: list[Annotated[str, Field(min_length=1, max_length=16_384)]] = []
 
     @field_validator("workdir")
@@ -154,24 +168,57 @@ def load_definition(defdir: Path) -> ImageDefinition:
             problems.append((("name",), f"must be the directory's name {defdir.name!r}"))
         if d.base is not None and not (defdir.parent / d.base / "image.yaml").is_file():
             problems.append((("base",), f"no image definition {defdir.parent / d.base}"))
-        for i, f in enumerate(d.files):
-            src = (defdir / f.source).resolve()
-            if not src.is_relative_to(defdir.resolve()):
-                problems.append((("files", i, "source"), "must stay inside the definition"))
-            elif not src.exists():
-                problems.append((("files", i, "source"), f"no such file {src}"))
+        sources: list[tuple[tuple[str | int, ...], str]] = [
+            (("files", i, "source"), f.source) for i, f in enumerate(d.files)
+        ]
+        if d.agent is not None:
+            sources.append((("agent", "source"), d.agent.source))
+        sources += [(("preload", i, "source"), p.source) for i, p in enumerate(d.preload)]
+        for where, source in sources:
+            if (why := source_problem(defdir, source)) is not None:
+                problems.append((where, why))
         for i, req in enumerate(d.pip):
-            if req.startswith("-"):
-                problems.append((("pip", i), "pip options are not allowed, only requirements"))
-            elif req.startswith("./"):
-                wheel = (defdir / req).resolve()
-                if not wheel.is_relative_to(defdir.resolve()) or not wheel.is_file():
-                    problems.append((("pip", i), f"no wheel {wheel} inside the definition"))
+            if (why := pip_problem(defdir, req)) is not None:
+                problems.append((("pip", i), why))
         return problems
 
     return load_yaml_model(
         defdir / "image.yaml", ImageDefinition, extra=on_disk, error=errors.InvalidRequest
     )
+
+
+def source_problem(defdir: Path, source: str) -> str | None:
+    """Why ``source`` is not a file or tree inside ``defdir`` (symlinks resolved), or None."""
+    parts = source.split("/")
+    if source.startswith("/") or ".." in parts:
+        return "must be a path relative to the definition directory, without '..'"
+    root = defdir.resolve()
+    src = (defdir / source).resolve()
+    if not src.is_relative_to(root):
+        return f"resolves outside the definition directory {root} (a symlink out?)"
+    if not src.exists():
+        return f"no such file {defdir / source}"
+    if src.is_dir():
+        for p in src.rglob("*"):
+            if p.is_symlink() and not p.resolve().is_relative_to(root):
+                return f"{p} is a symlink out of the definition directory"
+    return None
+
+
+def pip_problem(defdir: Path, item: str) -> str | None:
+    """Why ``item`` is not a requirement specifier (PEP 508, no URL) nor a wheel shipped
+    with the definition (``./path.whl``), or None: pip options never get through."""
+    if item.startswith("./"):
+        if not item.endswith(".whl"):
+            return "a local item must be a wheel (./path.whl) inside the definition"
+        return source_problem(defdir, item[2:])
+    try:
+        req = Requirement(item)
+    except InvalidRequirement:
+        return "must be a requirement specifier such as 'name==1.2' (no pip options, no URLs)"
+    if req.url is not None:
+        return "must be a requirement specifier such as 'name==1.2' (no 'name @ URL')"
+    return None
 
 
 def chain(defdir: Path) -> list[tuple[Path, ImageDefinition]]:
@@ -193,12 +240,14 @@ def chain(defdir: Path) -> list[tuple[Path, ImageDefinition]]:
 
 def _definition_files(defdir: Path) -> Iterator[Path]:
     for p in sorted(defdir.rglob("*")):
-        if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith(".pyc"):
+        if "__pycache__" in p.parts or p.name.endswith(".pyc"):
+            continue
+        if p.is_symlink() or p.is_file():
             yield p
 
 
 # Bumped when the builder's output changes for the same definition (it is part of the hash).
-BUILDER_VERSION = 3
+BUILDER_VERSION = 4
 
 
 def definition_hash(defdir: Path, _seen: frozenset[str] = frozenset()) -> str:
@@ -215,7 +264,8 @@ def definition_hash(defdir: Path, _seen: frozenset[str] = frozenset()) -> str:
     for p in _definition_files(defdir):
         rel = p.relative_to(defdir).as_posix().encode()
         h.update(len(rel).to_bytes(4, "big") + rel)
-        data = p.read_bytes()
+        # a symlink is hashed as its target's name: it is never followed out of the definition
+        data = b"symlink " + os.readlink(p).encode() if p.is_symlink() else p.read_bytes()
         h.update(len(data).to_bytes(8, "big") + data)
         h.update(b"x" if os.access(p, os.X_OK) else b"-")
     return h.hexdigest()
@@ -258,33 +308,7 @@ def built_rootfs(settings: Settings, name: str = "default") -> Path | None:
     return d / "rootfs" if (d / _MARKER).is_file() else None
 
 
-async def _run(
-    argv: list[str],
-    what: str,
-    *,
-    timeout: float | None = None,
-    env: dict[str, str] | None = None,
-    cwd: str | None = None,
-) -> None:
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env=env,
-        cwd=cwd,
-        start_new_session=True,
-    )
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 9)
-        await proc.wait()
-        raise errors.SandboxError(f"image build: {what} timed out after {timeout:.0f}s") from None
-    if proc.returncode != 0:
-        tail = out.decode(errors="replace")[-4000:]
-        raise errors.SandboxError(f"image build: {what} failed (exit {proc.returncode}):\n{tail}")
+_run = run_bounded
 
 
 def _mmdebstrap_argv(spec: dict[str, Any], target: Path) -> list[str]:
@@ -325,33 +349,86 @@ async def _ensure_base(settings: Settings, spec: dict[str, Any]) -> Path:
     return rootfs
 
 
-async def _compile_preloads(defdir: Path, d: ImageDefinition, rootfs: Path) -> None:
+_INSTALL = """\
+src=$1 dst=$2 mode=$3
+if [ -d "$src" ]; then
+  mkdir -p "$dst" && cp -R --preserve=mode,timestamps,links "$src"/. "$dst"/
+else
+  mkdir -p "$(dirname "$dst")" && cp --preserve=mode,timestamps "$src" "$dst"
+fi
+if [ -n "$mode" ]; then chmod "$mode" "$dst"; fi
+"""
+INSTALL_TIMEOUT_S = 300.0
+_GCC = ("gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Werror")
+
+
+async def _install(
+    box: BuildSandbox, src: Path, dst: str, what: str, mode: str | None = None
+) -> None:
+    """Copy ``src`` (a host file or tree the builder vetted) to ``dst`` in the image, from inside
+    the build sandbox: a symlink a build step left in the image resolves in the image."""
+    inside = f"{IN_DIR}/src"
+    await box.run(
+        ["/bin/sh", "-ec", _INSTALL, "sh", inside, dst, mode or ""],
+        what,
+        env=_step_env({}),
+        timeout=INSTALL_TIMEOUT_S,
+        ro=[(src, inside)],
+    )
+
+
+def _step_env(env: dict[str, str]) -> dict[str, str]:
+    return {
+        "PATH": BUILD_PATH,
+        "HOME": "/root",
+        "LANG": "C.UTF-8",
+        "DEBIAN_FRONTEND": "noninteractive",
+        **env,
+    }
+
+
+async def _compile_preloads(
+    box: BuildSandbox, defdir: Path, d: ImageDefinition, stage: Path
+) -> None:
+    """The host's gcc compiles each shim inside the build sandbox, which shows it the host's
+    ``/usr`` read-only and nothing else of the host (no /etc, /root, /home): a source cannot
+    ``.incbin`` a host secret. The shims are then installed into the image from inside."""
     if not d.preload:
         return
     if shutil.which("gcc") is None:
         raise errors.SandboxError("image build needs gcc for preload shims (apt-get install gcc)")
-    for item in d.preload:
-        dst = rootfs / item.path.lstrip("/")
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        await _run(
-            [
-                "gcc",
-                "-shared",
-                "-fPIC",
-                "-O2",
-                "-Wall",
-                "-Werror",
-                "-o",
-                str(dst),
-                str(defdir / item.source),
-            ],
+    out = stage / "preload"
+    out.mkdir(parents=True)
+    await box.own(out)
+    for i, item in enumerate(d.preload):
+        await box.run(
+            [*_GCC, "-o", f"{OUT_DIR}/{i}.so", f"{IN_DIR}/shim.c"],
             f"compile {item.source}",
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            timeout=INSTALL_TIMEOUT_S,
+            ro=[(_source(defdir, item.source), f"{IN_DIR}/shim.c")],
+            rw=[(out, OUT_DIR)],
+            host_usr=True,
         )
-        dst.chmod(0o755)
-    (rootfs / "etc" / "ld.so.preload").write_text("".join(p.path + "\n" for p in d.preload))
+    for i, item in enumerate(d.preload):
+        await _install(box, out / f"{i}.so", item.path, f"install {item.source}", "0755")
+    await box.run(
+        ["/bin/sh", "-ec", 'printf "%s\\n" "$@" > /etc/ld.so.preload', "sh"]
+        + [p.path for p in d.preload],
+        "write /etc/ld.so.preload",
+        env=_step_env({}),
+        timeout=INSTALL_TIMEOUT_S,
+    )
 
 
-async def _precompile_agent(rootfs: Path, agent_path: str) -> None:
+def _source(defdir: Path, source: str) -> Path:
+    """A definition's source path, resolved; checked again here (the build trusts no load)."""
+    if (why := source_problem(defdir, source)) is not None:
+        raise errors.InvalidRequest.field("source", f"{defdir / 'image.yaml'}: {source}: {why}")
+    return (defdir / source).resolve()
+
+
+async def _precompile_agent(box: BuildSandbox, agent_path: str) -> None:
     """Compile the agent with the image's own python: a script run as __main__ is otherwise
     recompiled at every start (~10 ms of a ~50 ms cold start). Best effort: the .py still runs."""
     code = (
@@ -360,8 +437,11 @@ async def _precompile_agent(rootfs: Path, agent_path: str) -> None:
         "invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)"
     )
     try:
-        await _run(
-            ["chroot", str(rootfs), "/usr/bin/python3", "-I", "-S", "-c", code], "precompile agent"
+        await box.run(
+            ["/usr/bin/python3", "-I", "-S", "-c", code],
+            "precompile agent",
+            env=_step_env({}),
+            timeout=INSTALL_TIMEOUT_S,
         )
     except errors.SandboxError as exc:
         log.warning("%s", exc.detail)
@@ -394,17 +474,22 @@ def image_python(rootfs: Path) -> str:
     return found[-1]
 
 
-async def _pip_install(defdir: Path, d: ImageDefinition, rootfs: Path) -> None:
-    """The host's pip installs wheels into the image's dist-packages; nothing of the
-    requirement runs on the host (wheels only) and nothing is fetched from inside a sandbox."""
+async def _pip_install(
+    box: BuildSandbox, defdir: Path, d: ImageDefinition, rootfs: Path, stage: Path
+) -> None:
+    """The host's pip fetches wheels (only: nothing of a requirement runs) into a staging
+    directory of the build, never into the image; the build sandbox copies them in. Items are
+    requirement specifiers or shipped wheels (checked at load) and follow ``--``, so none is
+    read as a pip option."""
     if not d.pip:
         return
+    for i, item in enumerate(d.pip):
+        if (why := pip_problem(defdir, item)) is not None:
+            raise errors.InvalidRequest.field(f"pip[{i}]", f"{defdir / 'image.yaml'}: {why}")
     version = image_python(rootfs)
-    target = rootfs / "usr" / "local" / "lib" / f"python{version}" / "dist-packages"
-    target.mkdir(parents=True, exist_ok=True)
-    reqs = [
-        str(defdir / r) if r.startswith("./") else r for r in d.pip
-    ]  # a wheel shipped with the definition
+    target = stage / f"pip-{d.name}"
+    target.mkdir(parents=True)
+    reqs = [str(_source(defdir, r[2:])) if r.startswith("./") else r for r in d.pip]
     argv = [
         sys.executable,
         "-m",
@@ -416,86 +501,88 @@ async def _pip_install(defdir: Path, d: ImageDefinition, rootfs: Path) -> None:
         "--only-binary=:all:",
         f"--python-version={version}",
         "--implementation=cp",
-        "--upgrade",
         f"--target={target}",
-        *reqs,
     ]
     if all(r.startswith("./") for r in d.pip):
-        argv.insert(4, "--no-index")  # only wheels shipped with the definition: no registry
+        argv.append("--no-index")  # only wheels shipped with the definition: no registry
+    argv += ["--", *reqs]
     await _run(argv, f"pip install into the image (python {version})", timeout=PIP_TIMEOUT_S)
+    await _install(
+        box,
+        target,
+        f"/usr/local/lib/python{version}/dist-packages",
+        f"{d.name}: install pip's wheels",
+    )
 
 
-def _copy_files(defdir: Path, d: ImageDefinition, rootfs: Path) -> None:
-    for f in d.files:
-        src = (defdir / f.source).resolve()
-        dst = rootfs / f.path.lstrip("/")
-        if not dst.resolve().is_relative_to(rootfs.resolve()):
-            raise errors.InvalidRequest.field("files", f"{f.path} leaves the image's root")
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
-        else:
-            shutil.copy2(src, dst)
-        if f.mode is not None:
-            dst.chmod(int(f.mode, 8))
+async def _copy_files(box: BuildSandbox, defdir: Path, d: ImageDefinition) -> None:
+    for i, f in enumerate(d.files):
+        await _install(box, _source(defdir, f.source), f.path, f"{d.name}: files[{i}]", f.mode)
 
 
-async def _run_build_steps(d: ImageDefinition, env: dict[str, str], rootfs: Path) -> None:
-    """Each step runs as root in the rootfs, in a new network namespace: no network at all."""
-    if not d.build:
-        return
-    if shutil.which("unshare") is None:
-        raise errors.SandboxError("image build: build steps need unshare (util-linux)")
-    step_env = {
-        "PATH": BUILD_PATH,
-        "HOME": "/root",
-        "LANG": "C.UTF-8",
-        "DEBIAN_FRONTEND": "noninteractive",
-        **env,
-    }
+async def _run_build_steps(box: BuildSandbox, d: ImageDefinition, env: dict[str, str]) -> None:
+    """Each step runs as root of the build sandbox's user namespace, in the image, offline."""
     for i, step in enumerate(d.build):
-        argv = ["unshare", "--net", "chroot", str(rootfs), "/bin/sh", "-ec", step]
-        await _run(
-            argv, f"{d.name}: build[{i}]", timeout=BUILD_STEP_TIMEOUT_S, env=step_env, cwd="/"
+        await box.run(
+            ["/bin/sh", "-ec", step],
+            f"{d.name}: build[{i}]",
+            env=_step_env(env),
+            timeout=BUILD_STEP_TIMEOUT_S,
         )
 
 
 async def _assemble(
     layers: list[tuple[Path, ImageDefinition]], base: Path, out: Path
 ) -> dict[str, Any]:
-    """Copy the mmdebstrap layer, then apply every definition in the chain, root first.
+    """Copy the mmdebstrap layer, then apply every definition in the chain, root first, each
+    definition-controlled part inside the build sandbox.
 
     Returns what the image's runs need to know (agent path, user, env, workdir)."""
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    # host root's only: a set-id file a build step made in the image is no host user's to run
+    tmp.chmod(0o700)
     rootfs = tmp / "rootfs"
+    stage = tmp / "stage"  # host-side inputs: pip's downloads, compiled shims
     await _run(["cp", "-a", "--reflink=auto", str(base), str(rootfs)], "copy base rootfs")
     # mmdebstrap copies the build host's name: every sandbox says `sandbox` instead
     (rootfs / "etc" / "hostname").write_text("sandbox\n")
     root_dir, root = layers[0]
     assert root.agent is not None and root.user is not None  # checked by the model
-    agent_dst = rootfs / root.agent.path.lstrip("/")
-    agent_dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(root_dir / root.agent.source, agent_dst)
-    agent_dst.chmod(0o755)
-    await _precompile_agent(rootfs, root.agent.path)
-    await _compile_preloads(root_dir, root, rootfs)
     env: dict[str, str] = {}
     workdir: str | None = None
-    for defdir, d in layers:
-        env.update(d.env)
-        workdir = d.workdir or workdir
-        await _pip_install(defdir, d, rootfs)
-        _copy_files(defdir, d, rootfs)
-        await _run_build_steps(d, env, rootfs)
-    defdir = layers[-1][0]
-    for step in _build_steps(defdir):
-        if os.access(step, os.X_OK):
-            step_out = tmp / step.parent.name
-            step_out.mkdir(exist_ok=True)
-            await _run([str(step), str(rootfs), str(step_out)], f"build step {step}")
+    async with BuildSandbox(rootfs) as box:
+        await _install(
+            box, _source(root_dir, root.agent.source), root.agent.path, "install agent", "0755"
+        )
+        await _precompile_agent(box, root.agent.path)
+        await _compile_preloads(box, root_dir, root, stage)
+        for defdir, d in layers:
+            env.update(d.env)
+            workdir = d.workdir or workdir
+            await _pip_install(box, defdir, d, rootfs, stage)
+            await _copy_files(box, defdir, d)
+            await _run_build_steps(box, d, env)
+        for step in _build_steps(layers[-1][0]):
+            if os.access(step, os.X_OK):
+                if step.parent.name in ("rootfs", "stage"):
+                    raise errors.InvalidRequest.field(
+                        _BUILD_STEP, f"{step}: the directory name {step.parent.name!r} is taken"
+                    )
+                step_out = tmp / step.parent.name
+                step_out.mkdir(exist_ok=True)
+                await box.own(step_out)
+                await box.run(
+                    [f"{IN_DIR}/{_BUILD_STEP}", "/", OUT_DIR],
+                    f"build step {step}",
+                    env=_step_env(env),
+                    timeout=BUILD_STEP_TIMEOUT_S,
+                    ro=[(step, f"{IN_DIR}/{_BUILD_STEP}")],
+                    rw=[(step_out, OUT_DIR)],
+                )
+    shutil.rmtree(stage, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
     os.rename(tmp, out)
     return {

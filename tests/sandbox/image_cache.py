@@ -1,0 +1,37 @@
+"""Build real images in a test's own cache: the shared mmdebstrap layer is linked, never written.
+
+A derived image whose chain adds no packages reuses the default image's mmdebstrap layer, so it
+builds in seconds; every image of the test (and the build's partial directories) lives under the
+test's tmp directory, so other users of the shared cache see nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ephemeral.sandbox import images
+from ephemeral.settings import Settings
+from tests.drivers import unavailable
+
+
+def isolated_settings(
+    tmp_path: Path, defs: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> Settings:
+    """Settings whose image cache is ``tmp_path/cache``, holding a link to the shared
+    mmdebstrap layer of ``name``'s chain (skips when that layer is not built)."""
+    shared = Settings.load(images_dir=defs)
+    settings = Settings.load(
+        state_dir=tmp_path / "state", cache_dir=tmp_path / "cache", images_dir=defs
+    )
+    layers = images.chain(images.definition_dir(settings, name))
+    digest = images._base_hash(images._layer_spec([d for _, d in layers]))[:16]
+    layer = shared.image_cache_dir / "base" / digest
+    if not (layer / "done").is_file():
+        unavailable(f"the mmdebstrap layer {layer} is not built (make setup)")
+    link = settings.image_cache_dir / "base" / digest
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(layer)
+    # the microVM's boot artifacts are another module's business and take minutes
+    monkeypatch.setattr(images, "build_with_image", lambda *_: None)
+    return settings
