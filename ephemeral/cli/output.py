@@ -4,9 +4,12 @@
 an error whose every item names a file (a recipe's) prints one ``file:line: field: message`` line
 per problem instead, like a compiler. :func:`fail` reports and returns the :class:`typer.Exit` to
 raise, with the code :mod:`ephemeral.cli.exits` assigns to that kind of error.
+:func:`print_event` prints one line of a run's timeline (local and remote runs alike).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -14,6 +17,7 @@ from rich.markup import escape
 
 from ephemeral import errors
 from ephemeral.cli.exits import Exit, for_error
+from ephemeral.timeline import describe
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -42,3 +46,16 @@ def usage(message: str) -> typer.Exit:
     """A usage mistake found by the command itself (click finds the others, also exit 2)."""
     err.print(f"[red]error:[/red] {escape(message)}")
     return typer.Exit(Exit.USAGE)
+
+
+def print_event(ev: Any, index: int) -> None:
+    stage, text = describe(ev)
+    out.print(f"{index:>3}. [bold]{stage}[/bold]: {text}")
+    if ev.type == "shell.executed":
+        for stream in ("stdout", "stderr"):
+            body = (ev.data.get(stream) or "").rstrip()
+            if body:
+                lines = body.splitlines()
+                shown = lines[:8] + ([f"… ({len(lines) - 8} more lines)"] if len(lines) > 8 else [])
+                for line in shown:
+                    out.print(f"       {stream[3:]}| {line}", markup=False, style="dim")

@@ -13,25 +13,11 @@ from rich.markdown import Markdown
 
 from ephemeral import errors
 from ephemeral.cli import exits
-from ephemeral.cli.output import err, fail, out
+from ephemeral.cli.output import err, fail, out, print_event
 from ephemeral.ids import rfc3339, utcnow
 from ephemeral.money import parse_usd
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
-from ephemeral.timeline import describe
-
-
-def print_event(ev: Any, index: int) -> None:
-    stage, text = describe(ev)
-    out.print(f"{index:>3}. [bold]{stage}[/bold]: {text}")
-    if ev.type == "shell.executed":
-        for stream in ("stdout", "stderr"):
-            body = (ev.data.get(stream) or "").rstrip()
-            if body:
-                lines = body.splitlines()
-                shown = lines[:8] + ([f"… ({len(lines) - 8} more lines)"] if len(lines) > 8 else [])
-                for line in shown:
-                    out.print(f"       {stream[3:]}| {line}", markup=False, style="dim")
 
 
 async def _run_local(
