@@ -83,7 +83,10 @@ def _show_recipe(recipe: Recipe, runs: list[PlannedRun]) -> None:
 
 def register(app: typer.Typer) -> None:
     """Add this group's commands to the main app."""
-    group = typer.Typer(no_args_is_help=True, help=__doc__)
+    group = typer.Typer(
+        no_args_is_help=True,
+        help="Check and preview recipes and suites without running anything.",
+    )
     app.add_typer(group, name="recipes")
 
     @group.command("validate")
