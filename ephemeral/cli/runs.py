@@ -237,8 +237,8 @@ def register(app: typer.Typer) -> None:
             Path | None, typer.Option("-o", "--output", help="Cassette file to write.")
         ] = None,
     ) -> None:
-        """Capture a finished run's model turns as a replay cassette (replay it as model
-        replay/NAME)."""
+        """Capture a finished run's model turns as a replay cassette: saved as NAME.json in
+        EPHEMERAL_CASSETTES_DIR, it replays as model replay/NAME."""
         settings = Settings.load()
 
         async def go() -> dict[str, Any]:
