@@ -12,7 +12,7 @@ from typing import Any
 
 import typer
 
-from ephemeral.settings import REPO_ROOT, Settings
+from ephemeral.settings import DATA_ROOT, REPO_ROOT, Settings
 
 DOCS = REPO_ROOT / "docs"
 
@@ -115,7 +115,7 @@ def settings_markdown() -> str:
             default = "see description"
         elif isinstance(field.default, Path):
             # Relative to the checkout, so the page is the same in every clone.
-            default = f"`{field.default.relative_to(REPO_ROOT)}` in the checkout"
+            default = f"`{field.default.relative_to(DATA_ROOT)}` in the checkout or the wheel"
         else:
             default = f"`{field.default}`" if field.default is not None else "unset"
         desc = (field.description or _DESCRIPTIONS.get(name, "")).replace("|", "\\|")
@@ -124,7 +124,8 @@ def settings_markdown() -> str:
 
 
 _DESCRIPTIONS = {
-    "url": "Base URL of an Ephemeral server; when set, `run`, `cancel` and `costs` use it.",
+    "url": "Base URL of an Ephemeral server; when set, `run --prompt`, `cancel`, `costs` and "
+    "`sandboxes` use it (`run RECIPE` and `eval` refuse it: they run here).",
     "api_key": "Member API key sent as `Authorization: Bearer` (client side).",
     "state_dir": "Stores, records and Prefect home; default `~/.local/state/ephemeral`.",
     "database_url": "SQLAlchemy URL of the operational store "
@@ -137,7 +138,9 @@ _DESCRIPTIONS = {
     "images_dir": "Where image definitions live.",
     "recipes_dir": "Where recipes live.",
     "cassettes_dir": "Where `replay/<name>` cassettes live.",
-    "pool_size": "Warm sandboxes kept started per isolation level (server).",
+    "pool_size": "Warm sandboxes of the default image kept started, for the default isolation "
+    "level. `ephemeral serve` keeps 2 when it is unset and none when it is `0`; "
+    "`ephemeral worker` keeps none when it is unset; `--pool` overrides both.",
     "max_concurrent_runs": "Runs executing at once in one process (execution slots).",
     "max_queued_runs": "Admitted runs that may wait `queued` for a slot in one process; past "
     "it `POST /v1/runs` answers `429` with `Retry-After` and reserves nothing (`0`: no waiting).",

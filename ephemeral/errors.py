@@ -18,7 +18,8 @@
     ├── SandboxError                    502 the sandbox or its guest agent failed or lied
     ├── ModelError                      502 the model provider failed
     │   └── TransientModelError         retryable (429, 5xx, connection reset)
-    └── BudgetExhausted                 the next step does not fit the remaining budget
+    ├── BudgetExhausted                 the next step does not fit the remaining budget
+    └── IllegalTransition               500 code asked for a run status move the table forbids
 
 The HTTP layer renders every one of them with :meth:`EphemeralError.to_problem`; the Python
 client maps the status back to the same classes.
@@ -178,6 +179,13 @@ class BudgetExhausted(EphemeralError):
     title = "Budget exhausted"
 
 
+class IllegalTransition(EphemeralError):
+    """A bug, not a race: the caller asked for a move :data:`lifecycle.TRANSITIONS` forbids."""
+
+    slug = "illegal-transition"
+    title = "Illegal run status transition"
+
+
 ALL_ERRORS: tuple[type[EphemeralError], ...] = (
     EphemeralError,
     InvalidRequest,
@@ -198,6 +206,7 @@ ALL_ERRORS: tuple[type[EphemeralError], ...] = (
     ModelError,
     TransientModelError,
     BudgetExhausted,
+    IllegalTransition,
 )
 
 
@@ -208,6 +217,7 @@ def error_for(status: int, slug: str | None = None) -> type[EphemeralError]:
             if cls.slug == slug:
                 return cls
     for cls in ALL_ERRORS:
-        if cls.status == status and cls is not EphemeralError:
+        # A bare 500 is the generic error, not the one specific 500 that names its slug.
+        if cls.status == status and cls.status != EphemeralError.status:
             return cls
     return EphemeralError

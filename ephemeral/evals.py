@@ -1,7 +1,8 @@
 """Recipe runs and eval suites without Prefect: planning, money caps, verdicts, comparison, summary.
 
-The flows (``flows/recipe_run.py``, ``flows/eval_suite.py``) and ``ephemeral eval`` all call
-:func:`run_evaluation`; Prefect only wraps it (subflow per run, artifacts).
+The flows (``flows/recipe_run.py``, ``flows/eval_suite.py``), ``ephemeral eval`` and
+``ephemeral run RECIPE`` all call :func:`run_evaluation`; Prefect only wraps it (subflow per
+run, artifacts).
 
 Money: a recipe (and a suite) has a cap like a run has. Before a run starts, its whole
 ``max_cost_micros`` is committed against every cap it falls under; when it settles, the
@@ -224,8 +225,23 @@ def run_view_output(row: Any, zdr_output: str | None) -> dict[str, Any]:
     return obj
 
 
+@dataclass
+class Watchers:
+    """What a caller in this process sees of each run as it happens (``ephemeral run RECIPE``
+    prints its timeline live): the run id once admitted, then the judged run with its
+    output, a zero-data-retention one included (delivered here once, never stored)."""
+
+    admitted: Callable[[str], None] | None = None
+    judged: Callable[[Any, str | None, list[CheckResult]], None] | None = None
+
+
 async def execute_planned(
-    runtime: Runtime, org_id: str, planned: PlannedRun, recipe: Recipe, suite_run_id: str
+    runtime: Runtime,
+    org_id: str,
+    planned: PlannedRun,
+    recipe: Recipe,
+    suite_run_id: str,
+    watchers: Watchers | None = None,
 ) -> RunResult:
     """Admit, run, judge and record one planned run."""
     from ephemeral.policy import RunRequest
@@ -242,6 +258,8 @@ async def execute_planned(
         row, _ = await runtime.admit(org_id, request, labels=labels)
     except errors.EphemeralError as exc:
         return base.model_copy(update={"detail": exc.detail})
+    if watchers is not None and watchers.admitted is not None:
+        watchers.admitted(row.id)
     try:
         row = await runtime.execute(row.id)
     finally:
@@ -255,6 +273,8 @@ async def execute_planned(
         row.id, labels={**row.labels, "checks": [v.model_dump() for v in verdicts]}
     )
     await runtime.record(row.id)  # rewrites the run's records, now with the verdicts
+    if watchers is not None and watchers.judged is not None:
+        watchers.judged(row, row.output if row.output is not None else zdr_output, verdicts)
     duration = None
     if row.started_at and row.ended_at:
         duration = int((row.ended_at - row.started_at).total_seconds() * 1000)
@@ -481,6 +501,7 @@ class Evaluation:
     min_pass_rate: float = 1.0
     suite_run_id: str = field(default_factory=new_suite_run_id)
     compare_with: str | None = None
+    watchers: Watchers | None = None
 
 
 def plan(evaluation: Evaluation, settings: Settings) -> list[tuple[PlannedRun, Recipe]]:
@@ -537,7 +558,14 @@ async def run_evaluation(runtime: Runtime, evaluation: Evaluation) -> Report:
     results = await run_planned(
         planned,
         lambda p: caps[p.recipe],
-        lambda p: execute_planned(runtime, org_id, p, recipe_of[p.recipe], evaluation.suite_run_id),
+        lambda p: execute_planned(
+            runtime,
+            org_id,
+            p,
+            recipe_of[p.recipe],
+            evaluation.suite_run_id,
+            evaluation.watchers,
+        ),
         concurrency=evaluation.concurrency,
         on_result=on_result,
     )

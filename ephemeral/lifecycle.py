@@ -3,14 +3,18 @@
 A run moves ``queued → provisioning → running → <terminal>`` and is then settled; every move is
 one store transaction that writes the run row and its events together, guarded by the status
 the run is expected to be in (:meth:`ephemeral.store.Store.transition`,
-:meth:`ephemeral.store.Store.close_run`). The values are the strings of the wire and the
+:meth:`ephemeral.store.Store.close_run`). Both check each move against :data:`TRANSITIONS`, the
+one table of legal ``(from, to)`` pairs. The values are the strings of the wire and the
 database: a ``StrEnum`` member *is* its string.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from enum import StrEnum
+
+from ephemeral import errors
 
 
 class RunStatus(StrEnum):
@@ -40,6 +44,40 @@ OPEN_STATUSES: frozenset[RunStatus] = frozenset(
     {RunStatus.QUEUED, RunStatus.PROVISIONING, RunStatus.RUNNING}
 )
 TERMINAL_STATUSES: frozenset[RunStatus] = frozenset(RunStatus) - OPEN_STATUSES
+
+# Every legal move of a run's status. A terminal status is final: nothing leaves it, not even
+# to itself (a second close of an ended run changes nothing and is not a move).
+TRANSITIONS: frozenset[tuple[RunStatus, RunStatus]] = frozenset(
+    {
+        # A host takes a dispatched run: it records itself and its lease, and the run waits on.
+        (RunStatus.QUEUED, RunStatus.QUEUED),
+        # The run got a slot; its time counts from here.
+        (RunStatus.QUEUED, RunStatus.PROVISIONING),
+        # A sandbox session is attached and ready in one step; it has no provisioning phase.
+        (RunStatus.QUEUED, RunStatus.RUNNING),
+        (RunStatus.PROVISIONING, RunStatus.RUNNING),
+        # Any open run can end, for any reason (a queued one by cancel or a dead host).
+        *((open_, end) for open_ in OPEN_STATUSES for end in TERMINAL_STATUSES),
+    }
+)
+
+
+def check_transition(expect: Collection[RunStatus], to: RunStatus) -> None:
+    """Refuse a move whose table row is missing, for any status the caller expects to leave.
+
+    Checked before the compare-and-set: the store's update applies only while the run is in one
+    of ``expect``, so a move that passes here is legal whichever of them the run is in.
+    """
+    if not expect:
+        raise errors.IllegalTransition(f"a move to {to} must name the statuses it leaves")
+    illegal = sorted(
+        f"{RunStatus(s)} -> {RunStatus(to)}" for s in expect if (s, to) not in TRANSITIONS
+    )
+    if illegal:
+        raise errors.IllegalTransition(
+            f"illegal run status transition {', '.join(illegal)} (see lifecycle.TRANSITIONS)"
+        )
+
 
 STATUS_FOR_REASON: dict[TerminationReason, RunStatus] = {
     TerminationReason.COMPLETED: RunStatus.SUCCEEDED,

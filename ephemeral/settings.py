@@ -16,6 +16,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 Isolation = Literal["auto", "microvm", "microvm-kvm", "microvm-tcg", "gvisor", "namespaces"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The shipped recipes and image definitions: a checkout has them at its top; an installed
+# wheel carries them inside the package (pyproject.toml force-includes them as ``_data/``).
+_BUNDLED = Path(__file__).resolve().parent / "_data"
+DATA_ROOT = _BUNDLED if _BUNDLED.is_dir() else REPO_ROOT
 
 
 def _default_state_dir() -> Path:
@@ -41,9 +45,9 @@ class Settings(BaseSettings):
     isolation: Isolation = "auto"
     price_book: Path | None = None
     image: str = "default"
-    images_dir: Path = REPO_ROOT / "sandbox_images"
-    recipes_dir: Path = REPO_ROOT / "recipes"
-    cassettes_dir: Path = REPO_ROOT / "recipes" / "cassettes"
+    images_dir: Path = DATA_ROOT / "sandbox_images"
+    recipes_dir: Path = DATA_ROOT / "recipes"
+    cassettes_dir: Path = DATA_ROOT / "recipes" / "cassettes"
     runsc_path: Path | None = Field(
         default=None,
         description="The `runsc` binary the `gvisor` level runs and probes (absolute path); "

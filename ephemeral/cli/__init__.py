@@ -18,7 +18,12 @@ from ephemeral.cli import (
     worker,
 )
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="Run AI agents on untrusted code in disposable sandboxes, under a hard money cap; "
+    "every run is recorded.",
+)
 runs.register(app)
 sandbox.register(app)
 admin.register(app)

@@ -193,7 +193,7 @@ def records_purge(
         help="Purge content older than N days (default: EPHEMERAL_RETENTION_DAYS, 30).",
     ),
 ) -> None:
-    """Remove content (prompts, outputs, commands, output) past retention; billing stays.
+    """Remove content (prompts, commands, outputs) past retention; billing stays.
 
     Applies to the Parquet records and to the operational store alike.
     """

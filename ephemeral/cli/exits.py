@@ -26,13 +26,14 @@ class Exit(IntEnum):
 
 MEANING: dict[Exit, str] = {
     Exit.OK: "success: every run succeeded, every check and gate passed",
-    Exit.FAILED: "the work ran and did not pass: a run ended `failed`, an eval gate failed, "
-    "`recipes validate` found a problem",
+    Exit.FAILED: "the work ran and did not pass: a run ended `failed`, a check of a recipe run "
+    "or an eval gate failed, `recipes validate` found a problem",
     Exit.USAGE: "bad input (unknown option, invalid value, invalid recipe); nothing was started",
     Exit.ERROR: "the command could not do its work: not found, conflict, no balance, "
     "server or store unreachable, a run that did not finish",
     Exit.TIMED_OUT: "a run ended `timed_out`",
-    Exit.BUDGET_EXHAUSTED: "a run ended `budget_exhausted`",
+    Exit.BUDGET_EXHAUSTED: "a run ended `budget_exhausted`, or a recipe run was skipped for the "
+    "recipe's budget",
     Exit.CANCELLED: "a run ended `cancelled`",
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import textwrap
 from pathlib import Path
@@ -31,6 +32,11 @@ PROMPT_WIDTH = 92
 
 
 def _load(path: Path, settings: Settings) -> Recipe | Suite:
+    if not path.exists() and path.name == str(path):  # a shipped recipe or suite, by name
+        from ephemeral.evals import resolve_path
+
+        with contextlib.suppress(EphemeralError):  # not one: the file's own error follows
+            path = resolve_path(str(path), settings)
     item = load_any(path)
     for recipe in iter_recipes(item):
         validate_recipe(recipe, settings)
@@ -83,12 +89,17 @@ def _show_recipe(recipe: Recipe, runs: list[PlannedRun]) -> None:
 
 def register(app: typer.Typer) -> None:
     """Add this group's commands to the main app."""
-    group = typer.Typer(no_args_is_help=True, help=__doc__)
+    group = typer.Typer(
+        no_args_is_help=True,
+        help="Check and preview recipes and suites without running anything.",
+    )
     app.add_typer(group, name="recipes")
 
     @group.command("validate")
     def validate(
-        files: list[Path] = typer.Argument(..., help="Recipe or suite YAML files."),
+        files: list[Path] = typer.Argument(
+            ..., help="Recipe or suite files, or shipped ones by name."
+        ),
     ) -> None:
         """Report every problem as file:line: field: message; exit 1 if there is any."""
         settings = Settings.load()
@@ -110,7 +121,7 @@ def register(app: typer.Typer) -> None:
 
     @group.command("show")
     def show(
-        file: Path = typer.Argument(..., help="A recipe or suite YAML file."),
+        file: Path = typer.Argument(..., help="A recipe or suite file, or a shipped one by name."),
         as_json: bool = typer.Option(False, "--json", help="Print the planned runs as JSON."),
     ) -> None:
         """Print the runs a recipe (or each recipe of a suite) expands into, and the worst case."""

@@ -10,8 +10,7 @@ import httpx
 
 from ephemeral import errors
 from ephemeral.cli import exits
-from ephemeral.cli.output import err, fail, out
-from ephemeral.cli.runs import print_event
+from ephemeral.cli.output import err, fail, out, print_event
 from ephemeral.client import Client
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings

@@ -10,28 +10,15 @@ from typing import Annotated, Any
 
 import typer
 from rich.markdown import Markdown
+from rich.markup import escape
 
 from ephemeral import errors
 from ephemeral.cli import exits
-from ephemeral.cli.output import err, fail, out
+from ephemeral.cli.output import err, fail, out, print_event
 from ephemeral.ids import rfc3339, utcnow
-from ephemeral.money import parse_usd
+from ephemeral.money import parse_usd, usd
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
-from ephemeral.timeline import describe
-
-
-def print_event(ev: Any, index: int) -> None:
-    stage, text = describe(ev)
-    out.print(f"{index:>3}. [bold]{stage}[/bold]: {text}")
-    if ev.type == "shell.executed":
-        for stream in ("stdout", "stderr"):
-            body = (ev.data.get(stream) or "").rstrip()
-            if body:
-                lines = body.splitlines()
-                shown = lines[:8] + ([f"… ({len(lines) - 8} more lines)"] if len(lines) > 8 else [])
-                for line in shown:
-                    out.print(f"       {stream[3:]}| {line}", markup=False, style="dim")
 
 
 async def _run_local(
@@ -63,28 +50,93 @@ async def _run_local(
                 obj = run_object(row)
                 obj["output"] = output
                 sys.stdout.write(json.dumps(obj, indent=2) + "\n")
-            elif output:
-                out.rule("output")
-                out.print(Markdown(output) if out.is_terminal else output, markup=False)
-                out.rule()
+            else:
+                _print_output(output)
             worst = max(worst, exits.for_status(row.status))
     finally:
         await runtime.close()
     return worst
 
 
-def _requests_from_recipe(
-    path: Path, settings: Settings
-) -> list[tuple[RunRequest, dict[str, Any]]]:
-    from ephemeral.recipes import expand, load_recipe
+async def _run_recipe(settings: Settings, path: Path, as_json: bool) -> int:
+    """A recipe's runs through the evaluation path of ``ephemeral eval`` (its money cap, its
+    checks on each run, its records), one at a time so each timeline prints live."""
+    from ephemeral import evals
+    from ephemeral.flows.executor import executor_for
+    from ephemeral.recipes import Suite, load_any
+    from ephemeral.service import Runtime
 
-    recipe = load_recipe(path)
-    planned = expand(recipe, default_model=settings.default_model)
-    out_list = []
-    for p in planned:
-        req = RunRequest(prompt=p.prompt, model=p.model, **p.policy.model_dump())
-        out_list.append((req, {"recipe": p.recipe, "cell": p.cell, "repeat_index": p.repeat_index}))
-    return out_list
+    if isinstance(load_any(evals.resolve_path(str(path), settings)), Suite):
+        raise errors.InvalidRequest.field(
+            "RECIPE", f"{path} is a suite: run it with ephemeral eval"
+        )
+    evaluation = evals.evaluation_for(str(path), settings, concurrency=1)
+    for recipe in evaluation.recipes:  # a bad recipe fails here, before any run
+        evals.validate_recipe(recipe, settings)
+    runtime = await Runtime.start(settings, executor=executor_for(settings))
+    printed: asyncio.Task[None] | None = None
+
+    async def follow(run_id: str, before: asyncio.Task[None] | None) -> None:
+        if before is not None:
+            await before
+        if as_json:
+            return
+        out.print(f"[bold]{run_id}[/bold]")
+        n = 0
+        async for ev in runtime.events(run_id, follow=True):
+            if ev.type != "run.output":  # printed in full once judged
+                n += 1
+                print_event(ev, n)
+
+    def admitted(run_id: str) -> None:
+        nonlocal printed
+        printed = asyncio.create_task(follow(run_id, printed))
+
+    def judged(row: Any, output: str | None, checks: list[Any]) -> None:
+        if as_json:
+            obj = evals.run_view_output(row, output)
+            obj["checks"] = [c.model_dump() for c in checks]
+            sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+            return
+        _print_output(output)
+        for c in checks:
+            mark = "[green]PASS[/green]" if c.passed else "[red]FAIL[/red]"
+            out.print(f"{mark} {escape(c.check)}: {escape(c.reason or '')}")
+
+    evaluation.watchers = evals.Watchers(admitted=admitted, judged=judged)
+    try:
+        report = await evals.run_evaluation(runtime, evaluation)
+        if printed is not None:
+            await printed
+    finally:
+        if printed is not None and not printed.done():
+            printed.cancel()
+        await runtime.close()
+    worst = 0
+    for result in report.results:
+        if result.status == "skipped":  # the recipe's budget could not cover it
+            if not as_json:
+                err.print(f"skipped {escape(result.pair_key)}: {escape(result.detail or '')}")
+            code = exits.Exit.BUDGET_EXHAUSTED
+        elif result.run_id is None:  # refused at admission, or it broke
+            if not as_json:
+                err.print(
+                    f"{result.status} {escape(result.pair_key)}: {escape(result.detail or '')}"
+                )
+            code = exits.Exit.ERROR
+        else:
+            code = exits.for_status(result.status)
+            if code == exits.Exit.OK and not result.passed:  # a check failed
+                code = exits.Exit.FAILED
+        worst = max(worst, int(code))
+    return worst
+
+
+def _print_output(output: str | None) -> None:
+    if output:
+        out.rule("output")
+        out.print(Markdown(output) if out.is_terminal else output, markup=False)
+        out.rule()
 
 
 def register(app: typer.Typer) -> None:
@@ -95,14 +147,23 @@ def register(app: typer.Typer) -> None:
         model: Annotated[
             str | None, typer.Option(help="provider/name; default EPHEMERAL_DEFAULT_MODEL.")
         ] = None,
-        web: Annotated[bool, typer.Option("--web/--no-web")] = False,
-        shell: Annotated[bool, typer.Option("--shell/--no-shell")] = True,
+        web: Annotated[
+            bool, typer.Option("--web/--no-web", help="Let the agent fetch web pages (broker).")
+        ] = False,
+        shell: Annotated[
+            bool, typer.Option("--shell/--no-shell", help="Let the agent run shell commands.")
+        ] = True,
         timeout: Annotated[int, typer.Option(help="Time limit in seconds (1-3600).")] = 120,
         budget: Annotated[str, typer.Option(help="Hard cap in dollars, e.g. 0.04.")] = "0.04",
         isolation: Annotated[
             str, typer.Option(help="auto, gvisor, namespaces, microvm, microvm-tcg.")
         ] = "auto",
-        zero_data_retention: Annotated[bool, typer.Option("--zero-data-retention")] = False,
+        zero_data_retention: Annotated[
+            bool,
+            typer.Option(
+                "--zero-data-retention", help="Keep no prompt, command or output of the run."
+            ),
+        ] = False,
         image: Annotated[
             str | None, typer.Option(help="A built image (ephemeral images list); default image.")
         ] = None,
@@ -115,64 +176,69 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run one agent task (or every run a recipe expands to) and print its timeline live.
 
-        Exit status: 0 succeeded, 1 failed, 2 bad input, 3 error, 4 timed out, 5 budget
-        exhausted, 6 cancelled; the highest of several runs (see Exit status above).
+        A recipe runs the way ephemeral eval runs it: one run at a time, never past the
+        recipe's budget (a run that does not fit is skipped), each run judged by the
+        recipe's checks. The other options describe a --prompt run; a recipe brings its own.
+
+        Exit status: 0 succeeded, 1 failed (or a check failed), 2 bad input, 3 error, 4 timed
+        out, 5 budget exhausted (or skipped for the recipe's budget), 6 cancelled; the highest
+        of several runs.
         """
         settings = Settings.load(**({"use_prefect": False} if no_prefect else {}))
         try:
-            if recipe is not None:
-                if prompt is not None:
-                    raise errors.InvalidRequest.field(
-                        "prompt", "give a recipe or --prompt, not both"
-                    )
-                requests = _requests_from_recipe(recipe, settings)
-            elif prompt is not None:
-                requests = [
-                    (
-                        RunRequest.model_validate(
-                            {
-                                "prompt": prompt,
-                                "model": model,
-                                "web": web,
-                                "shell": shell,
-                                "timeout_seconds": timeout,
-                                "max_cost_micros": parse_usd(budget, field="--budget"),
-                                "isolation": isolation,
-                                "zero_data_retention": zero_data_retention,
-                                "image": image,
-                            }
-                        ),
-                        {},
-                    )
-                ]
-            else:
-                raise errors.InvalidRequest.field("prompt", "give a recipe file or --prompt")
+            if recipe is not None and prompt is not None:
+                raise errors.InvalidRequest.field("--prompt", "give a recipe or --prompt, not both")
+            if recipe is not None and settings.url:
+                raise errors.InvalidRequest.field(
+                    "EPHEMERAL_URL",
+                    "a recipe runs on this host (its budget and checks apply); unset it",
+                )
+            if recipe is None:
+                if prompt is None:
+                    raise errors.InvalidRequest.field("--prompt", "give a recipe file or --prompt")
+                request = RunRequest.model_validate(
+                    {
+                        "prompt": prompt,
+                        "model": model,
+                        "web": web,
+                        "shell": shell,
+                        "timeout_seconds": timeout,
+                        "max_cost_micros": parse_usd(budget, field="--budget"),
+                        "isolation": isolation,
+                        "zero_data_retention": zero_data_retention,
+                        "image": image,
+                    }
+                )
         except errors.EphemeralError as exc:
-            raise fail(exc) from exc
-        except ValueError as exc:  # pydantic validation: name the field
-            raise fail(_validation_error(exc)) from exc
+            raise fail(exc, flags=FLAGS) from exc
+        except ValueError as exc:  # pydantic validation: name the flag
+            raise fail(_validation_error(exc), flags=FLAGS) from exc
         if settings.url:
             from ephemeral.cli.remote import run_remote
 
-            raise typer.Exit(run_remote(settings, requests, as_json))
+            raise typer.Exit(run_remote(settings, [(request, {})], as_json))
         if settings.use_prefect or settings.executor == "prefect":
             from ephemeral.prefect_setup import configure
 
             configure(settings)
         try:
-            code = asyncio.run(_run_local(settings, requests, as_json))
+            if recipe is not None:
+                code = asyncio.run(_run_recipe(settings, recipe, as_json))
+            else:
+                code = asyncio.run(_run_local(settings, [(request, {})], as_json))
         except errors.EphemeralError as exc:
-            raise fail(exc) from exc
+            raise fail(exc, flags=FLAGS) from exc
         raise typer.Exit(code)
 
     @app.command("record")
     def record(
-        run_id: str,
+        run_id: Annotated[str, typer.Argument(help="A finished run (run_...).")],
         output: Annotated[
             Path | None, typer.Option("-o", "--output", help="Cassette file to write.")
         ] = None,
     ) -> None:
-        """Capture a finished run's model turns as a replay cassette (model ``replay/<name>``)."""
+        """Capture a finished run's model turns as a replay cassette: saved as NAME.json in
+        EPHEMERAL_CASSETTES_DIR, it replays as model replay/NAME."""
         settings = Settings.load()
 
         async def go() -> dict[str, Any]:
@@ -208,8 +274,10 @@ def register(app: typer.Typer) -> None:
             err.print(f"wrote {output} ({len(cassette['turns'])} turns)")
 
     @app.command("cancel")
-    def cancel(run_id: str) -> None:
-        """Cancel a run: its sandbox is destroyed and it settles ``cancelled`` (idempotent)."""
+    def cancel(
+        run_id: Annotated[str, typer.Argument(help="The run to cancel (run_...).")],
+    ) -> None:
+        """Cancel a run: its sandbox is destroyed and it settles as cancelled (idempotent)."""
         settings = Settings.load()
         if settings.url:
             from ephemeral.cli.remote import cancel_remote
@@ -231,13 +299,34 @@ def register(app: typer.Typer) -> None:
             raise fail(exc) from exc
 
 
+# The run request's fields as ``ephemeral run`` spells them.
+FLAGS = {
+    "prompt": "--prompt",
+    "model": "--model",
+    "web": "--web",
+    "shell": "--shell",
+    "timeout_seconds": "--timeout",
+    "max_cost_micros": "--budget",
+    "isolation": "--isolation",
+    "zero_data_retention": "--zero-data-retention",
+    "image": "--image",
+}
+_BOUNDS = {"le": "at most", "lt": "less than", "ge": "at least", "gt": "more than"}
+
+
 def _validation_error(exc: ValueError) -> errors.InvalidRequest:
     from pydantic import ValidationError
 
-    if isinstance(exc, ValidationError):
-        items = [
-            {"field": ".".join(str(p) for p in e["loc"]) or "body", "message": e["msg"]}
-            for e in exc.errors()
-        ]
-        return errors.InvalidRequest("invalid request", errors=items)
-    return errors.InvalidRequest(str(exc))
+    if not isinstance(exc, ValidationError):
+        return errors.InvalidRequest(str(exc))
+    items = []
+    for e in exc.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "body"
+        message = e["msg"]
+        bound = next((k for k in _BOUNDS if k in e.get("ctx", {})), None)
+        if field.endswith("_micros") and bound is not None:  # the user typed dollars
+            message = f"must be {_BOUNDS[bound]} {usd(int(e['ctx'][bound]))}"
+        items.append({"field": field, "message": message})
+    if len(items) == 1:
+        return errors.InvalidRequest.field(items[0]["field"], items[0]["message"])
+    return errors.InvalidRequest("invalid request", errors=items)

@@ -202,7 +202,11 @@ def isolation_cmd(
 
 
 @images_app.command("build")
-def images_build(name: Annotated[str, typer.Argument()] = "default") -> None:
+def images_build(
+    name: Annotated[
+        str, typer.Argument(help="The image (a folder of sandbox_images/).")
+    ] = "default",
+) -> None:
     """Build image NAME (cached by the hash of its definition: a second build takes seconds)."""
     settings = Settings.load()
     t0 = time.monotonic()
@@ -228,7 +232,7 @@ def images_list() -> None:
 
 @images_app.command("rm")
 def images_rm(
-    name: Annotated[str, typer.Argument()] = "default",
+    name: Annotated[str, typer.Argument(help="The image whose builds to delete.")] = "default",
     stale: Annotated[bool, typer.Option("--stale", help="Only builds of old definitions.")] = False,
     base: Annotated[bool, typer.Option("--base", help="Also the mmdebstrap base layers.")] = False,
 ) -> None:

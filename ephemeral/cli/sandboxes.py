@@ -16,7 +16,7 @@ import typer
 from ephemeral import errors
 from ephemeral.cli.output import fail, out
 from ephemeral.client import Client
-from ephemeral.money import usd
+from ephemeral.money import parse_usd, usd
 from ephemeral.settings import Settings
 
 sandboxes_app = typer.Typer(
@@ -55,7 +55,9 @@ def _show(obj: dict[str, Any], as_json: bool) -> None:
 def create(
     isolation: str = typer.Option("auto", "--isolation", help="auto, gvisor, namespaces, …"),
     timeout: int = typer.Option(600, "--timeout", help="Time limit of the session, seconds."),
-    budget: float = typer.Option(0.5, "--budget", help="Budget in USD (reserved up front)."),
+    budget: str = typer.Option(
+        "0.50", "--budget", help="Hard cap in dollars, e.g. 0.50 (reserved up front)."
+    ),
     zdr: bool = typer.Option(False, "--zdr", help="Zero data retention."),
     web: bool = typer.Option(
         False, "--web/--no-web", help="Commands reach the web through the broker's proxy."
@@ -66,17 +68,26 @@ def create(
     as_json: bool = typer.Option(False, "--json", help="Print the session object."),
 ) -> None:
     """Start a sandbox session; prints its id (the other commands take it)."""
+    flags = {
+        "isolation": "--isolation",
+        "timeout_seconds": "--timeout",
+        "max_cost_micros": "--budget",
+    }
+    try:
+        max_cost_micros = parse_usd(budget, field="--budget")
+    except errors.EphemeralError as exc:
+        raise fail(exc) from exc
     with _client() as client:
         try:
             obj = client.sandboxes.create(
                 isolation=isolation,
                 timeout_seconds=timeout,
-                max_cost_micros=round(budget * 1_000_000),
+                max_cost_micros=max_cost_micros,
                 zero_data_retention=zdr,
                 web={"allow": allow} if allow else web,
             )
         except errors.EphemeralError as exc:
-            raise fail(exc) from exc
+            raise fail(exc, flags=flags) from exc
     if as_json:
         _show(obj, True)
     else:
@@ -89,7 +100,9 @@ def create(
 def exec_cmd(
     ctx: typer.Context,
     sandbox_id: str = typer.Argument(..., help="The session id."),
-    user: str | None = typer.Option(None, "--user", help="A user of the image (default worker)."),
+    user: str | None = typer.Option(
+        None, "--user", help="A user of the image (default: worker, the sandbox user)."
+    ),
     cwd: str | None = typer.Option(None, "--cwd", help="Working directory in the sandbox."),
     timeout: float | None = typer.Option(None, "--timeout", help="Seconds before it is killed."),
 ) -> None:
@@ -122,7 +135,7 @@ def put(
     local: Path = typer.Argument(..., help="A local file.", exists=True, dir_okay=False),
     path: str = typer.Argument(..., help="Where in the sandbox (relative: its scratch dir)."),
 ) -> None:
-    """Copy a local file into the session (written as the worker)."""
+    """Copy a local file into the session (owned by the sandbox user worker)."""
     with _client() as client:
         try:
             client.sandboxes.write_file(sandbox_id, path, local.read_bytes())

@@ -11,6 +11,13 @@ from ephemeral.settings import Settings
 DEFAULT_POOL = 2
 
 
+def pool_size(flag: int | None, base: Settings) -> int:
+    """The flag, else ``EPHEMERAL_POOL_SIZE`` when it is set (0 included: no pool), else 2."""
+    if flag is not None:
+        return flag
+    return base.pool_size if "pool_size" in base.model_fields_set else DEFAULT_POOL
+
+
 def register(app: typer.Typer) -> None:
     @app.command("serve")
     def serve(
@@ -23,7 +30,10 @@ def register(app: typer.Typer) -> None:
         ] = None,
         pool: Annotated[
             int | None,
-            typer.Option(help="Warm sandboxes kept ready (default: pool_size or 2; 0 = off)."),
+            typer.Option(
+                help="Warm sandboxes kept ready, 0 for none "
+                "(default: EPHEMERAL_POOL_SIZE if set, else 2)."
+            ),
         ] = None,
     ) -> None:
         """Serve the HTTP API and the run pages (embedded stores, Prefect, warm pool, reaper)."""
@@ -31,8 +41,7 @@ def register(app: typer.Typer) -> None:
 
         from ephemeral.api import create_app
 
-        base = Settings.load()
-        size = pool if pool is not None else (base.pool_size or DEFAULT_POOL)
+        size = pool_size(pool, Settings.load())
         if not 0 <= size <= 64:
             raise typer.BadParameter("must be between 0 and 64", param_hint="--pool")
         # A flag overrides the environment; an absent flag leaves Settings' own value.

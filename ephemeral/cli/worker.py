@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
         ] = 64,
         pool: Annotated[
             int | None,
-            typer.Option(help="Warm sandboxes kept ready (default: pool_size, else 0)."),
+            typer.Option(help="Warm sandboxes kept ready (default: EPHEMERAL_POOL_SIZE, else 0)."),
         ] = None,
     ) -> None:
         """Take runs from Prefect and execute them here: sandboxes, leases, reaper, warm pool.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -32,17 +32,11 @@ _ENVELOPE = 4096
 FILE_CHUNK = 8 << 20
 
 
-class FrameWriter(Protocol):
-    def write(self, data: bytes) -> None: ...
-
-    async def drain(self) -> None: ...
-
-
 class GuestClient:
     def __init__(
         self,
         reader: p.FrameReader,
-        writer: FrameWriter,
+        writer: p.FrameWriter,
         *,
         label: str = "guest",
         exec_grace: float = EXEC_GRACE_SECONDS,

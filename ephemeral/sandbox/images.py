@@ -32,12 +32,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from packaging.requirements import InvalidRequirement, Requirement
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from ephemeral import errors
 from ephemeral.sandbox.build_sandbox import IN_DIR, OUT_DIR, BuildSandbox, run_bounded
+from ephemeral.sandbox.image_bases import base_name as _base_name
+from ephemeral.sandbox.image_bases import microvm_definition_dir as microvm_definition_dir
 from ephemeral.sandbox.microvm_image import build_with_image
 from ephemeral.settings import Settings
 
@@ -269,19 +270,6 @@ def definition_hash(defdir: Path, _seen: frozenset[str] = frozenset()) -> str:
         h.update(len(data).to_bytes(8, "big") + data)
         h.update(b"x" if os.access(p, os.X_OK) else b"-")
     return h.hexdigest()
-
-
-def _base_name(defdir: Path) -> str | None:
-    # Read without validation: hashing must not need a valid definition (the build checks it),
-    # and a definition whose base names itself must not recurse forever.
-    try:
-        raw = yaml.safe_load((defdir / "image.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        return None
-    base = raw.get("base") if isinstance(raw, dict) else None
-    if not isinstance(base, str) or base == defdir.name or "/" in base or base.startswith("."):
-        return None
-    return base
 
 
 def _layer_spec(defs: list[ImageDefinition]) -> dict[str, Any]:
@@ -714,21 +702,6 @@ def require_built(settings: Settings, name: str, field: str = "image") -> ImageC
             "build one with `ephemeral images build NAME`)",
         )
     return found
-
-
-def microvm_definition_dir(settings: Settings, name: str) -> Path:
-    """The ``microvm/`` boot definition of an image: its own, or the nearest base's."""
-    d = settings.images_dir / name
-    seen: set[str] = set()
-    while d.name not in seen:
-        seen.add(d.name)
-        if (d / "microvm").is_dir():
-            return d / "microvm"
-        base = _base_name(d)
-        if base is None:
-            break
-        d = d.parent / base
-    return settings.images_dir / name / "microvm"
 
 
 def list_images(settings: Settings, *, sizes: bool = True) -> list[ImageInfo]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ephemeral.errors import SandboxError
+from ephemeral.sandbox.image_bases import microvm_definition_dir
 from ephemeral.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,6 @@ def microvm_cache(settings: Settings) -> Path:
 def definition_dir(settings: Settings, image: str) -> Path:
     """The image's ``microvm/`` boot definition, or its nearest base's (a derived image such as
     python-dev boots the same way as the image it is built on)."""
-    from ephemeral.sandbox.images import microvm_definition_dir  # images imports this module
-
     return microvm_definition_dir(settings, image)
 
 

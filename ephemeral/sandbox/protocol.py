@@ -256,6 +256,12 @@ class FrameReader(Protocol):
     async def readexactly(self, n: int) -> bytes: ...
 
 
+class FrameWriter(Protocol):
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+
 async def read_frame(
     reader: FrameReader, *, timeout: float, max_frame: int = MAX_FRAME
 ) -> dict[str, Any]:

@@ -28,15 +28,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel
 
 from ephemeral import errors
 from ephemeral.sandbox import protocol as p
-
-if TYPE_CHECKING:
-    from ephemeral.sandbox.guest import FrameWriter
 
 log = logging.getLogger("ephemeral.sandbox.streams")
 
@@ -112,7 +109,7 @@ class StreamMux:
     def __init__(
         self,
         reader: p.FrameReader,
-        writer: FrameWriter,
+        writer: p.FrameWriter,
         *,
         accept: Accept,
         max_streams: int,

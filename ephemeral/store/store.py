@@ -3,7 +3,8 @@
 One :class:`Store` per process, opened with the settings' ``db_url`` and passed down. Every
 method is one transaction. Money moves live in :mod:`ephemeral.store.ledger`. A run changes
 status only through :meth:`Store.transition` and :meth:`Store.close_run`, each of which writes
-the row and the events of that change together, guarded by the status the run must be in.
+the row and the events of that change together, guarded by the status the run must be in and
+checked against the table of legal moves (:data:`ephemeral.lifecycle.TRANSITIONS`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ephemeral.lifecycle import (
     TERMINAL_STATUSES,
     RunStatus,
     TerminationReason,
+    check_transition,
 )
 from ephemeral.store import connections as conns
 from ephemeral.store import keys, ledger
@@ -472,7 +474,8 @@ class Store:
         """Move a run to the open status ``to`` with ``fields`` and ``events``, atomically.
 
         Applies only while the run is in one of ``expect`` (compare-and-set); otherwise Conflict
-        and nothing is written. A run ends through :meth:`close_run`, never here.
+        and nothing is written. A move the table forbids is IllegalTransition, whatever the run's
+        status. A run ends through :meth:`close_run`, never here.
         """
         if to not in OPEN_STATUSES:
             raise errors.InvalidRequest.field("status", f"{to!r} is not an open status")
@@ -480,14 +483,21 @@ class Store:
         for type_, data in events:
             self._check_event(type_, data)
         async with self._engine.begin() as conn:
-            row = await self._cas(conn, run_id, expect, values)
+            row = await self._cas(conn, run_id, expect, to, values)
             for type_, data in events:
                 await self._append(conn, run_id, type_, data)
         return row
 
     async def _cas(
-        self, conn: AsyncConnection, run_id: str, expect: Collection[str], values: dict[str, Any]
+        self,
+        conn: AsyncConnection,
+        run_id: str,
+        expect: Collection[RunStatus],
+        to: RunStatus,
+        values: dict[str, Any],
     ) -> RunRow:
+        """The one status write: a legal move (the table), applied only from ``expect``."""
+        check_transition(expect, to)
         row = (
             await conn.execute(
                 sa.update(runs)
@@ -536,7 +546,7 @@ class Store:
         tokens = int(usage.get("input_tokens", 0)) + int(usage.get("output_tokens", 0))
         async with self._engine.begin() as conn:
             try:
-                await self._cas(conn, run_id, expect, values)
+                await self._cas(conn, run_id, expect, status, values)
             except errors.Conflict:
                 current = await self._run(conn, run_id)
                 if current.status in OPEN_STATUSES:

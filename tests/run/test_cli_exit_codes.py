@@ -5,6 +5,7 @@ Real runs in a real sandbox, replayed model turns: one per ending a script must 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,9 +55,9 @@ def test_a_succeeded_run_exits_0(run_cli: Callable[..., tuple[int, str]]) -> Non
     [
         (["--prompt", "hi", "--budget", "ten"], "--budget"),
         (["--prompt", "hi", "--budget", "0"], "--budget"),
-        (["--prompt", "hi", "--timeout", "0"], "timeout_seconds"),
-        (["--prompt", "hi", "--isolation", "docker"], "isolation"),
-        ([], "prompt"),
+        (["--prompt", "hi", "--timeout", "0"], "--timeout"),
+        (["--prompt", "hi", "--isolation", "docker"], "--isolation"),
+        ([], "--prompt"),
     ],
 )
 def test_bad_input_exits_2_naming_the_field(
@@ -65,7 +66,52 @@ def test_bad_input_exits_2_naming_the_field(
     code, output = run_cli(*args)
     assert code == Exit.USAGE == 2, output
     assert f"{field}:" in output
+    assert output.count(f"{field}:") == 1, output  # printed once
+    assert "_seconds" not in output and "_micros" not in output  # the flag, not the field
     assert "run_" not in output  # nothing was started
+
+
+def test_a_budget_past_the_cap_names_the_flag_in_dollars(
+    run_cli: Callable[..., tuple[int, str]],
+) -> None:
+    code, output = run_cli("--prompt", "hi", "--budget", "100000")
+    assert code == Exit.USAGE, output
+    assert output.strip() == "error: --budget: must be at most $100.00"
+
+
+def _recipe(tmp_path: Path, extra: str, checks: str) -> Path:
+    path = tmp_path / "proof.yaml"
+    path.write_text(
+        "name: proof\nmodel: replay/sandbox-proof\nprompt: prove it\n"
+        f"{extra}"
+        "policy: {shell: true, timeout_seconds: 60, max_cost_micros: 40000}\n"
+        f"checks:\n{checks}"
+    )
+    return path
+
+
+def test_a_recipe_run_is_judged_by_its_checks(
+    run_cli: Callable[..., tuple[int, str]], tmp_path: Path
+) -> None:
+    recipe = _recipe(
+        tmp_path, "", '  - status: succeeded\n  - output_contains: "not in any output"\n'
+    )
+    code, output = run_cli(str(recipe))
+    assert "Settled" in output  # it ran, its timeline printed
+    assert "PASS status: succeeded" in output and "FAIL output_contains" in output
+    assert code == Exit.FAILED == 1, output  # the run succeeded, a check of its recipe did not
+
+
+def test_a_recipe_run_never_passes_the_recipes_budget(
+    run_cli: Callable[..., tuple[int, str]], tmp_path: Path
+) -> None:
+    # Two runs reserving $0.04 each under a $0.0401 cap: the first one's model calls alone
+    # cost more than the $0.0001 the cap has left for the second.
+    recipe = _recipe(tmp_path, "repeat: 2\nbudget_micros: 40100\n", "  - status: succeeded\n")
+    code, output = run_cli(str(recipe))
+    assert code == Exit.BUDGET_EXHAUSTED, output
+    assert len(set(re.findall(r"run_[0-9a-f]{32}", output))) == 1, output
+    assert "skipped proof" in output and "recipe proof has" in output
 
 
 def test_a_timed_out_run_exits_4(

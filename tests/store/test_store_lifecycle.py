@@ -9,7 +9,14 @@ import sqlalchemy as sa
 
 from ephemeral import errors
 from ephemeral.ids import new_run_id, utcnow
-from ephemeral.lifecycle import RunStatus, TerminationReason
+from ephemeral.lifecycle import (
+    STATUS_FOR_REASON,
+    TERMINAL_STATUSES,
+    TRANSITIONS,
+    RunStatus,
+    TerminationReason,
+    check_transition,
+)
 from ephemeral.store import Org, RunRow, Store
 from ephemeral.store.schema import runs
 from tests.store.storehelp import force_status, policy
@@ -131,3 +138,61 @@ async def test_compute_charge_and_its_event_are_one_fact(store: Store, org: Org)
     with pytest.raises(errors.BudgetExhausted):
         await store.charge(run.id, "compute", 10_000, key=f"{key}:2", event=destroyed)
     assert await _types(store, run.id) == ["run.queued", "sandbox.destroyed"]
+
+
+# One reason per terminal status, to close a run into it.
+REASON_FOR = {status: reason for reason, status in reversed(STATUS_FOR_REASON.items())}
+
+
+async def _run_in(store: Store, org: Org, status: RunStatus) -> RunRow:
+    """A run brought to ``status`` by legal moves only."""
+    run = await _run(store, org)
+    if status == RunStatus.QUEUED:
+        return run
+    if status in TERMINAL_STATUSES:
+        row, _ = await store.close_run(
+            run.id, reason=REASON_FOR[status], detail=None, usage={}, output=None
+        )
+        return row
+    return await store.transition(run.id, expect={RunStatus.QUEUED}, to=status)
+
+
+async def _move(store: Store, run_id: str, start: RunStatus, to: RunStatus) -> RunRow:
+    if to in TERMINAL_STATUSES:
+        row, _ = await store.close_run(
+            run_id, reason=REASON_FOR[to], detail=None, usage=USAGE, output="x", expect={start}
+        )
+        return row
+    return await store.transition(
+        run_id, expect={start}, to=to, events=[("sandbox.ready", {"boot_ms": 1})]
+    )
+
+
+@pytest.mark.parametrize(
+    ("start", "to"),
+    [(a, b) for a in RunStatus for b in RunStatus],
+    ids=lambda s: str(s),
+)
+async def test_every_status_pair_is_legal_only_if_the_table_says_so(
+    store: Store, org: Org, start: RunStatus, to: RunStatus
+) -> None:
+    run = await _run_in(store, org, start)
+    before = (await store.get_run(run.id), await _types(store, run.id))
+    balance = (await store.get_org(org.id)).model_dump()
+    if (start, to) in TRANSITIONS:
+        row = await _move(store, run.id, start, to)
+        assert row.status == to
+        assert (await store.get_run(run.id)).status == to
+        return
+    with pytest.raises(errors.IllegalTransition, match=f"{start} -> {to}"):
+        await _move(store, run.id, start, to)
+    assert (await store.get_run(run.id), await _types(store, run.id)) == before
+    assert (await store.get_org(org.id)).model_dump() == balance
+
+
+def test_the_table_ends_runs_only_from_open_statuses() -> None:
+    assert {to for _, to in TRANSITIONS} >= TERMINAL_STATUSES
+    assert not {start for start, _ in TRANSITIONS} & TERMINAL_STATUSES
+    assert (RunStatus.RUNNING, RunStatus.QUEUED) not in TRANSITIONS  # no way back
+    with pytest.raises(errors.IllegalTransition, match="must name"):
+        check_transition((), RunStatus.RUNNING)

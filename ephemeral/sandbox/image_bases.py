@@ -1,0 +1,43 @@
+"""Which image an image definition is built on, and where its microVM boot definition lives.
+
+Shared by the image builder (:mod:`ephemeral.sandbox.images`) and the microVM kernel/initramfs
+builder (:mod:`ephemeral.sandbox.microvm_image`), which runs as the builder's hook: here, so
+neither imports the other to find a definition's base.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from ephemeral.settings import Settings
+
+
+def base_name(defdir: Path) -> str | None:
+    """The ``base:`` an ``image.yaml`` names, or None (no base, or not a usable name)."""
+    # Read without validation: hashing must not need a valid definition (the build checks it),
+    # and a definition whose base names itself must not recurse forever.
+    try:
+        raw = yaml.safe_load((defdir / "image.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    base = raw.get("base") if isinstance(raw, dict) else None
+    if not isinstance(base, str) or base == defdir.name or "/" in base or base.startswith("."):
+        return None
+    return base
+
+
+def microvm_definition_dir(settings: Settings, name: str) -> Path:
+    """The ``microvm/`` boot definition of an image: its own, or the nearest base's."""
+    d = settings.images_dir / name
+    seen: set[str] = set()
+    while d.name not in seen:
+        seen.add(d.name)
+        if (d / "microvm").is_dir():
+            return d / "microvm"
+        base = base_name(d)
+        if base is None:
+            break
+        d = d.parent / base
+    return settings.images_dir / name / "microvm"
