@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ephemeral import errors
+from ephemeral.sandbox.uid_slots import allocate_slot
 
 IN_DIR = "/run/ephemeral-build/in"
 OUT_DIR = "/run/ephemeral-build/out"
@@ -233,12 +234,10 @@ class BuildSandbox:
         self._shifted: list[Path] = []
 
     async def __aenter__(self) -> BuildSandbox:
-        from ephemeral.sandbox.namespaces import _allocate_slot
-
         for tool in ("bwrap", "unshare", "nsenter"):
             if shutil.which(tool) is None:
                 raise errors.SandboxError(f"image build needs {tool} (its sandbox runs in one)")
-        self.base, self._slot_fd = _allocate_slot()
+        self.base, self._slot_fd = allocate_slot()
         try:
             await self.own(self.rootfs)
         except BaseException:

@@ -7,8 +7,8 @@ stronger runs, and always labelled.
 
 Identities. The launcher (host root) gives each sandbox a user namespace mapping 65,536 ids,
 ``0..65535`` inside to ``base..base+65535`` on the host, where ``base`` is a slot of its own
-(:func:`_allocate_slot`, held until destroy: two live sandboxes never share host uids, and none
-of those uids is host root or a real host user). Inside it:
+(:mod:`ephemeral.sandbox.uid_slots`, held until destroy: two live sandboxes never share host
+uids, and none of those uids is host root or a real host user). Inside it:
 
 - the guest agent is root *of that namespace* (host uid ``base``), with only the capabilities it
   needs (:data:`~ephemeral.sandbox.base.AGENT_CAPS`, which is also its bounding set, so a root
@@ -46,17 +46,15 @@ sandbox is labelled ``namespaces-privileged``, and its agent refuses any user of
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
-import secrets
 import uuid
 from pathlib import Path
 
-from ephemeral import errors
 from ephemeral.sandbox import cgroups, handles, seccomp
 from ephemeral.sandbox.base import AGENT_CAPS, Limits, Sandbox
 from ephemeral.sandbox.process import ProcessDriver, ProcessSandbox, new_handle
+from ephemeral.sandbox.uid_slots import allocate_slot
 from ephemeral.settings import Settings
 
 AGENT_ARGV = ["/usr/bin/python3", "-I", "-S"]
@@ -66,11 +64,6 @@ RUN_DIR = Path("/run/ephemeral")
 LOWER = RUN_DIR / "lower"  # the image, bound at a path that says nothing about the host
 EMPTY = RUN_DIR / "empty"  # overlayfs needs two lower layers when it has no upper one
 MOUNT_POINT = RUN_DIR / "rootfs"  # the overlay bwrap makes the sandbox's /
-SLOTS_DIR = RUN_DIR / "uid-slots"
-# Host ids of sandbox N: SLOT_BASE + N * SLOT_SIZE .. + SLOT_SIZE - 1 (above every real user)
-SLOT_BASE = 1 << 30
-SLOT_SIZE = 1 << 16
-SLOTS = 4096
 # Docker's masked /proc paths that exist here read empty; these read per-sandbox values.
 MASKED = ("/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug")
 PRIVILEGED_LABEL = "namespaces-privileged"
@@ -82,21 +75,6 @@ def _memfd(name: str, data: bytes) -> int:
     os.write(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
-
-
-def _allocate_slot() -> tuple[int, int]:
-    """A free uid slot and the fd whose lock holds it (released when the fd closes)."""
-    SLOTS_DIR.mkdir(parents=True, mode=0o700, exist_ok=True)
-    for _ in range(64):
-        slot = secrets.randbelow(SLOTS)
-        fd = os.open(SLOTS_DIR / f"{slot}.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        return SLOT_BASE + slot * SLOT_SIZE, fd
-    raise errors.SandboxError("namespaces: no free uid slot (too many sandboxes at once)")
 
 
 def _launcher(rootfs: str, host_base: int | None, passed: list[int]) -> list[str]:
@@ -244,7 +222,7 @@ class NamespacesDriver(ProcessDriver):
             fds["boot_id"] = _memfd("boot_id", f"{uuid.uuid4()}\n".encode())
             host_base: int | None = None
             if not self.privileged:
-                host_base, slot_fd = _allocate_slot()
+                host_base, slot_fd = allocate_slot()
             cg = cgroups.CgroupSet.create(handle.id, limits)
             held = slot_fd
             sbx = ProcessSandbox(

@@ -14,7 +14,8 @@ from ephemeral import errors
 from ephemeral.sandbox import build_sandbox, images
 from ephemeral.sandbox.base import Limits
 from ephemeral.sandbox.gvisor import GVisorDriver
-from ephemeral.sandbox.namespaces import SLOT_BASE, NamespacesDriver
+from ephemeral.sandbox.namespaces import NamespacesDriver
+from ephemeral.sandbox.uid_slots import SLOT_BASE
 from ephemeral.settings import REPO_ROOT
 from tests.drivers import required, unavailable
 from tests.sandbox.image_cache import isolated_settings
