@@ -581,6 +581,9 @@ class Sessions:
                 },
                 output=None,
             )
+            # Settled: no longer served here, also while its records are written (a reader that
+            # sees the settled row must not find the session live).
+            self._live.pop(live.id, None)
             await self.runtime.record(live.id)
 
     async def close(self) -> None:
