@@ -48,9 +48,7 @@ from ephemeral.lifecycle import (
 )
 from ephemeral.policy import Policy, _fail, _Strict
 from ephemeral.runview import cost_view, termination_view, timestamp
-from ephemeral.sandbox import images
 from ephemeral.sandbox.base import ExecResult, Sandbox
-from ephemeral.sandbox.registry import resolve_isolation
 from ephemeral.store import RunRow, Store
 
 if TYPE_CHECKING:
@@ -244,7 +242,7 @@ class Sessions:
         """
         policy = request.policy()
         try:
-            await resolve_isolation(policy.isolation, self.runtime.settings)
+            await self.runtime.isolation_for(policy.isolation)
         except errors.IsolationUnavailable as exc:
             raise errors.IsolationUnavailable(
                 exc.detail, errors=[{"field": "isolation", "message": exc.detail}]
@@ -307,7 +305,7 @@ class Sessions:
             )
             if attached is not None:
                 live.egress, live.egress_env = attached
-            built = images.built_image(self.runtime.settings, sandbox.image)
+            built = self.runtime.built_image(sandbox.image)
             live.image_env = dict(built.env) if built else {}
             ready = {
                 "isolation": sandbox.isolation,
@@ -570,6 +568,8 @@ class Sessions:
                 },
                 output=None,
             )
+            # Settled: it no longer lives here, whatever writing its records takes.
+            self._live.pop(live.id, None)
             await self.runtime.record(live.id)
 
     async def close(self) -> None:
