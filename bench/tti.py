@@ -121,6 +121,15 @@ async def session_once(
     client: httpx.AsyncClient, level: str, t0: float
 ) -> tuple[float | None, str | None, str | None]:
     """(ms from t0 to the exec reply or None, the session id, why it failed)."""
+    try:
+        return await _session_once(client, level, t0)
+    except httpx.HTTPError as exc:
+        return None, None, f"transport {type(exc).__name__}"
+
+
+async def _session_once(
+    client: httpx.AsyncClient, level: str, t0: float
+) -> tuple[float | None, str | None, str | None]:
     r = await client.post(
         "/v1/sandboxes",
         json={"isolation": level, "timeout_seconds": 120, "max_cost_micros": 40000},
@@ -175,6 +184,16 @@ async def run_once(
     client: httpx.AsyncClient, body: dict[str, Any], t0_wall: float | None
 ) -> tuple[float | None, str]:
     """(ms to worker.started: from accepted, or from ``t0_wall`` when given; final status)."""
+    try:
+        return await _run_once(client, body, t0_wall)
+    except httpx.HTTPError as exc:
+        return None, f"transport {type(exc).__name__}"
+
+
+async def _run_once(
+    client: httpx.AsyncClient, body: dict[str, Any], t0_wall: float | None
+) -> tuple[float | None, str]:
+    """(ms to worker.started: from accepted, or from ``t0_wall`` when given; final status)."""
     run, _ = await post_run(client, body, f"tti-{uuid.uuid4().hex}")
     if run is None:
         return None, "never-admitted"
@@ -213,6 +232,15 @@ async def runs_burst(
     return ok, n - len(ok)
 
 
+def client_for(url: str, key: str, burst: int) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=url,
+        timeout=httpx.Timeout(300),
+        limits=httpx.Limits(max_connections=burst * 2 + 8, max_keepalive_connections=burst + 8),
+        headers={"Authorization": f"Bearer {key}"},
+    )
+
+
 async def level_bench(args: argparse.Namespace, level: str) -> None:
     print(f"== {level}", flush=True)
     floor_seq = await floor_sequential(level, args.n, args.pool, args.pause)
@@ -226,16 +254,8 @@ async def level_bench(args: argparse.Namespace, level: str) -> None:
         "EPHEMERAL_MAX_QUEUED_RUNS": str(max(64, args.burst * 2)),
     }
     served = serve(state, pool=args.pool, env=env)
-    limits = httpx.Limits(
-        max_connections=args.burst * 2 + 8, max_keepalive_connections=args.burst + 8
-    )
     try:
-        async with httpx.AsyncClient(
-            base_url=served.url,
-            timeout=httpx.Timeout(300),
-            limits=limits,
-            headers={"Authorization": f"Bearer {key}"},
-        ) as client:
+        async with client_for(served.url, key, args.burst) as client:
             if "sessions" in args.what:
                 seq = await sessions_sequential(client, level, args.n, args.pause)
                 print(seq_line("sessions: create → first exec reply", seq), flush=True)
@@ -243,6 +263,9 @@ async def level_bench(args: argparse.Namespace, level: str) -> None:
                 body = {**SEED_BODY, "isolation": level}
                 seq = await runs_sequential(client, body, args.n, args.pause)
                 print(seq_line("runs: accepted → worker.started", seq), flush=True)
+        # A fresh client for the bursts: a keep-alive connection the server timed out while
+        # the floor ran would fail the first request sent on it.
+        async with client_for(served.url, key, args.burst) as client:
             if args.burst:
                 ms, failed = await floor_burst(level, args.burst)
                 print(burst_line("floor: bare create + exec at once", ms, failed, args.burst))
