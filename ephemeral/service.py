@@ -53,6 +53,8 @@ ISOLATION_LEVELS = ("microvm-kvm", "microvm-tcg", "gvisor", "namespaces")
 # every admission and every sandbox (hashing the image definition, reading the probe cache and
 # the image's metadata: ~10 ms of a session's create, measured); this long they are reused.
 HOST_FACTS_SECONDS = 5.0
+BOOT_ATTEMPTS = 3  # tries to boot a run's or a session's sandbox
+BOOT_RETRY_SECONDS = 0.25
 LOCAL_ORG = "local"
 LOCAL_ORG_CREDIT_MICROS = 100_000_000  # $100 of play money for the embedded CLI
 
@@ -375,6 +377,28 @@ class Runtime:
         )
 
     async def _acquire(self, policy: Policy, owner: str, limits: Limits) -> Sandbox:
+        """A sandbox for the run or session ``owner``: warm from the pool, else booted.
+
+        A boot that fails is tried again (``BOOT_ATTEMPTS`` in all): nothing has happened in a
+        sandbox that never started, and under a burst runsc now and then loses its own start
+        handshake ("cannot read client sync file"), measured by bench/tti.py."""
+        for attempt in range(1, BOOT_ATTEMPTS + 1):
+            try:
+                return await self._acquire_once(policy, owner, limits)
+            except errors.SandboxError as exc:
+                if attempt == BOOT_ATTEMPTS:
+                    raise
+                log.warning(
+                    "%s: sandbox boot failed (attempt %d of %d): %s",
+                    owner,
+                    attempt,
+                    BOOT_ATTEMPTS,
+                    brief_error(exc),
+                )
+                await asyncio.sleep(BOOT_RETRY_SECONDS * attempt)
+        raise AssertionError("unreachable")
+
+    async def _acquire_once(self, policy: Policy, owner: str, limits: Limits) -> Sandbox:
         isolation = await self.isolation_for(policy.isolation)
         image = policy.image or self.settings.image
         pool = self._pools.get((isolation, image))
