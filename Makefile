@@ -62,6 +62,8 @@ bench: setup
 	$(PY) bench/images.py
 	$(PY) bench/broker.py
 	$(PY) bench/soak.py --runs 100 --levels 16,64
+	$(PY) bench/throughput.py --runs 40 --clients 8,32
+	$(PY) bench/tti.py --n 30 --burst 100
 	$(PY) bench/inspect_sandbox.py
 
 lint: venv

@@ -21,19 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,130 +35,15 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.served import SEED_BODY, at, make_key, pct, serve
 from ephemeral.lifecycle import TERMINAL_STATUSES
 from ephemeral.pricing import PriceBook
 from ephemeral.sandbox.base import Limits
 from ephemeral.settings import Settings
 from ephemeral.store import Store
 
-REPO = Path(__file__).resolve().parent.parent
-BODY = {
-    "prompt": "This is a sandbox test. Do these steps with the shell and report the real output, "
-    "never what you expect.",
-    "model": "replay/sandbox-proof",
-    "web": False,
-    "shell": True,
-    "timeout_seconds": 120,
-    "max_cost_micros": 40000,
-}
-SERVE = [sys.executable, "-m", "ephemeral.cli", "serve"]
 MAX_POST_ATTEMPTS = 200  # 429s are expected under load: the client waits Retry-After each time
-
-
-def pct(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[max(0, min(len(s) - 1, math.ceil(p / 100 * len(s)) - 1))]
-
-
-def at(value: str | None) -> datetime | None:
-    return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def proc_stats(pid: int) -> dict[str, float]:
-    """RSS (MB), open fds and threads of one process, from /proc."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    return {
-        "rss_mb": int(fields["VmRSS"].split()[0]) / 1024,
-        "fds": len(os.listdir(f"/proc/{pid}/fd")),
-        "threads": int(fields["Threads"]),
-    }
-
-
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False)
-    return [int(p) for p in out.stdout.split()]
-
-
-@dataclass
-class Served:
-    proc: subprocess.Popen[bytes]
-    url: str
-    settings: Settings
-    log: Path
-
-    def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"server": proc_stats(self.proc.pid)}
-        for child in children(self.proc.pid):
-            with contextlib.suppress(OSError, KeyError):
-                out[f"child {child}"] = proc_stats(child)
-        return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-
-
-async def make_key(settings: Settings, org: str = "soak", usd_micros: int = 10**10) -> str:
-    store = await Store.open(settings.db_url)
-    try:
-        created = await store.create_org(org)
-        await store.credit(created.id, usd_micros, note="soak")
-        return (await store.create_key(created.id, f"soak@{org}.test"))[1]
-    finally:
-        await store.close()
-
-
-def serve(state: Path, *, pool: int, env: dict[str, str] | None = None) -> Served:
-    """``ephemeral serve`` in its own session on a free loopback port; waits for /healthz."""
-    port = free_port()
-    full = {k: v for k, v in os.environ.items() if not k.startswith("EPHEMERAL_")}
-    full.update(
-        {
-            "EPHEMERAL_STATE_DIR": str(state),
-            "EPHEMERAL_DEFAULT_MODEL": "replay/sandbox-proof",
-            "PYTHONPATH": str(REPO),
-            **(env or {}),
-        }
-    )
-    log = state / "serve.log"
-    state.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [*SERVE, "--port", str(port), "--pool", str(pool)],
-            cwd=REPO,
-            env=full,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve exited {proc.returncode}: {log.read_text()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                settings = Settings.load(state_dir=state)
-                return Served(proc=proc, url=url, settings=settings, log=log)
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError(f"serve not healthy after 180 s: {log.read_text()[-3000:]}")
+BODY = SEED_BODY
 
 
 @dataclass
@@ -348,7 +227,7 @@ def report(level: int, stats: dict[str, Any], wall: float, n: int) -> None:
 async def main_async(args: argparse.Namespace) -> None:
     state = Path(tempfile.mkdtemp(prefix="ephemeral-soak-"))
     settings = Settings.load(state_dir=state)
-    key = await make_key(settings)
+    key = await make_key(settings, org="soak")
     env = {"EPHEMERAL_MAX_CONCURRENT_RUNS": str(args.slots)}
     if args.max_queued is not None:
         env["EPHEMERAL_MAX_QUEUED_RUNS"] = str(args.max_queued)

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from ephemeral.store import RunRow, Store
     from ephemeral.store.connections import StoredConnection
 
-__all__ = ["PLAIN_STEPS", "AgentRun", "Steps", "StopRun", "drive"]  # StopRun: ephemeral.lifecycle
+# StopRun: from ephemeral.lifecycle
+__all__ = ["PLAIN_STEPS", "AgentRun", "Steps", "StopRun", "drive", "take_turn"]
 log = logging.getLogger("ephemeral.run")
 
 MAX_TOKENS = 2048
@@ -600,6 +601,9 @@ class Steps:
     tool_step: Callable[[AgentRun, ToolCall], Awaitable[None]]
     teardown: Callable[[AgentRun], Awaitable[None]]
     settle: Callable[[AgentRun], Awaitable[RunRow]]
+    # A whole turn (the model call and the tool calls it asked for) as one step: Prefect makes
+    # one task of it instead of one per call. None: :func:`take_turn` over the two above.
+    turn: Callable[[AgentRun], Awaitable[bool]] | None = None
 
 
 PLAIN_STEPS = Steps(
@@ -623,18 +627,24 @@ def _reason_for(exc: BaseException) -> tuple[Reason, str]:
     return Reason.INFRA_ERROR, f"{type(exc).__name__}: internal error"
 
 
+async def take_turn(run: AgentRun, steps: Steps = PLAIN_STEPS) -> bool:
+    """One model call and the tool calls it asked for; False once the model gave its answer."""
+    reply = await steps.model_step(run)
+    if reply is None:
+        return False
+    for call in reply.message.tool_calls:
+        await steps.tool_step(run, call)
+    return True
+
+
 async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
     """Run the whole loop. The sandbox is destroyed and the money settled whatever happens."""
     try:
         async with asyncio.timeout(max(0.0, run.agent_deadline - time.monotonic()) + 5.0):
             await steps.provision(run)
             await run.setup()
-            while True:
-                reply = await steps.model_step(run)
-                if reply is None:
-                    break
-                for call in reply.message.tool_calls:
-                    await steps.tool_step(run, call)
+            while await (steps.turn(run) if steps.turn else take_turn(run, steps)):
+                pass
         run.reason, run.detail = Reason.COMPLETED, None
     except asyncio.CancelledError:
         run.reason, run.detail = Reason.CANCELLED, "cancelled by request"

@@ -26,6 +26,15 @@ _DEFAULTS = {
     "PREFECT_LOGGING_TO_API_ENABLED": "false",
     "PREFECT_RESULTS_PERSIST_BY_DEFAULT": "false",
 }
+# Only for the embedded server, which serves this process alone and no UI (Prefect starts it
+# with the UI off): nobody reads its event feed, and automations (the reactive triggers and
+# their actions) are a served-mode feature (docs/deploy.md). Persisting every event competed
+# with flow-run creation for SQLite's one writer: measured, it was what a start waited on.
+# Flow runs and task runs (the task-run recorder) are still recorded.
+_EMBEDDED_DEFAULTS = {
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "false",
+    "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false",
+}
 
 
 def template_path(settings: Settings) -> Path:
@@ -79,6 +88,8 @@ def configure(settings: Settings) -> None:
     # The embedded server speaks plain HTTP on loopback, so no certificate is ever checked;
     # without this every Prefect client still parses the CA bundle (~45 ms, 3 per run).
     os.environ.setdefault("PREFECT_API_TLS_INSECURE_SKIP_VERIFY", "true")
+    for key, value in _EMBEDDED_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     db = Path(os.environ["PREFECT_HOME"]) / "prefect.db"
     db.parent.mkdir(parents=True, exist_ok=True)
     if not db.exists():

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from ephemeral import errors
 from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps, drive
@@ -36,6 +36,7 @@ from ephemeral.providers.registry import provider_for
 from ephemeral.recording import record_run
 from ephemeral.sandbox import images
 from ephemeral.sandbox.base import Limits, Sandbox
+from ephemeral.sandbox.pool import boot_slots
 from ephemeral.sandbox.registry import get_driver, resolve_isolation
 from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
@@ -48,6 +49,12 @@ CANCEL_WAIT_SECONDS = 5.0  # how long a cancel waits for another process to end 
 WATCHDOG_SECONDS = 5.0  # how often the watchdog looks for runs that nothing is finishing
 WATCHDOG_GRACE_SECONDS = 60.0  # past a run's time limit before the watchdog steps in
 ISOLATION_LEVELS = ("microvm-kvm", "microvm-tcg", "gvisor", "namespaces")
+# What a request's isolation resolves to and which build an image name means are looked up on
+# every admission and every sandbox (hashing the image definition, reading the probe cache and
+# the image's metadata: ~10 ms of a session's create, measured); this long they are reused.
+HOST_FACTS_SECONDS = 5.0
+BOOT_ATTEMPTS = 3  # tries to boot a run's or a session's sandbox
+BOOT_RETRY_SECONDS = 0.25
 LOCAL_ORG = "local"
 LOCAL_ORG_CREDIT_MICROS = 100_000_000  # $100 of play money for the embedded CLI
 
@@ -86,6 +93,8 @@ class Runtime:
         self._admitting = 0
         self._run_seconds = 5.0  # moving average of a run's execution, for Retry-After
         self._suspects: set[str] = set()
+        self._host_facts: dict[tuple[str, str], tuple[float, Any]] = {}
+        self._boots = asyncio.Semaphore(boot_slots())  # every sandbox this runtime starts
         self._watchdog: asyncio.Task[None] | None = None
         from ephemeral.sessions import Sessions
 
@@ -150,12 +159,35 @@ class Runtime:
             if runtime is self:
                 del _by_loop[loop]
 
+    async def isolation_for(self, requested: str) -> str:
+        """The level ``requested`` resolves to here (``resolve_isolation``), reused for
+        ``HOST_FACTS_SECONDS``; a level that cannot run raises every time."""
+        hit = self._host_facts.get(("isolation", requested))
+        if hit is not None and time.monotonic() - hit[0] < HOST_FACTS_SECONDS:
+            return str(hit[1])
+        level = await resolve_isolation(requested, self.settings)
+        self._host_facts[("isolation", requested)] = (time.monotonic(), level)
+        return level
+
+    def built_image(self, name: str) -> images.ImageConfig | None:
+        """The current build of image ``name`` (``images.built_image``), reused for
+        ``HOST_FACTS_SECONDS``."""
+        hit = self._host_facts.get(("image", name))
+        if hit is not None and time.monotonic() - hit[0] < HOST_FACTS_SECONDS:
+            return cast(images.ImageConfig | None, hit[1])
+        built = images.built_image(self.settings, name)
+        self._host_facts[("image", name)] = (time.monotonic(), built)
+        return built
+
     async def _start_pool(self) -> None:
         from ephemeral.sandbox.pool import WarmPool
 
         isolation = await resolve_isolation(self.settings.isolation, self.settings)
         pool = WarmPool(
-            get_driver(isolation, self.settings), self.settings.pool_size, self.default_limits(120)
+            get_driver(isolation, self.settings),
+            self.settings.pool_size,
+            self.default_limits(120),
+            boots=self._boots,
         )
         await pool.start()
         # Per image: the pool holds sandboxes of the default image; a run naming another image
@@ -201,7 +233,7 @@ class Runtime:
         if policy.image is not None:
             images.require_built(self.settings, policy.image)  # 422 naming `image`
         try:
-            await resolve_isolation(policy.isolation, self.settings)
+            await self.isolation_for(policy.isolation)
         except errors.IsolationUnavailable as exc:
             raise errors.IsolationUnavailable(
                 exc.detail, errors=[{"field": "isolation", "message": exc.detail}]
@@ -330,7 +362,7 @@ class Runtime:
             row = row.model_copy(update={"prompt": prompt})
         provider, provider_model = provider_for(row.model, self.settings)
         image = policy.image or self.settings.image
-        built = images.built_image(self.settings, image)
+        built = self.built_image(image)
         return AgentRun(
             store=self.store,
             row=row,
@@ -350,7 +382,29 @@ class Runtime:
         )
 
     async def _acquire(self, policy: Policy, owner: str, limits: Limits) -> Sandbox:
-        isolation = await resolve_isolation(policy.isolation, self.settings)
+        """A sandbox for the run or session ``owner``: warm from the pool, else booted.
+
+        A boot that fails is tried again (``BOOT_ATTEMPTS`` in all): nothing has happened in a
+        sandbox that never started, and under a burst runsc now and then loses its own start
+        handshake ("cannot read client sync file"), measured by bench/tti.py."""
+        for attempt in range(1, BOOT_ATTEMPTS + 1):
+            try:
+                return await self._acquire_once(policy, owner, limits)
+            except errors.SandboxError as exc:
+                if attempt == BOOT_ATTEMPTS:
+                    raise
+                log.warning(
+                    "%s: sandbox boot failed (attempt %d of %d): %s",
+                    owner,
+                    attempt,
+                    BOOT_ATTEMPTS,
+                    brief_error(exc),
+                )
+                await asyncio.sleep(BOOT_RETRY_SECONDS * attempt)
+        raise AssertionError("unreachable")
+
+    async def _acquire_once(self, policy: Policy, owner: str, limits: Limits) -> Sandbox:
+        isolation = await self.isolation_for(policy.isolation)
         image = policy.image or self.settings.image
         pool = self._pools.get((isolation, image))
         if pool is not None:
@@ -359,7 +413,8 @@ class Runtime:
         settings = self.settings
         if image != settings.image:
             settings = settings.model_copy(update={"image": image})
-        return await get_driver(isolation, settings).create(owner=owner, limits=limits)
+        async with self._boots:
+            return await get_driver(isolation, settings).create(owner=owner, limits=limits)
 
     async def execute(self, run_id: str) -> RunRow:
         """Run to the end in this process and return the settled row.

@@ -48,9 +48,8 @@ from ephemeral.lifecycle import (
 )
 from ephemeral.policy import Policy, _fail, _Strict
 from ephemeral.runview import cost_view, termination_view, timestamp
-from ephemeral.sandbox import images, users
+from ephemeral.sandbox import users
 from ephemeral.sandbox.base import ExecResult, Sandbox
-from ephemeral.sandbox.registry import resolve_isolation
 from ephemeral.store import RunRow, Store
 
 if TYPE_CHECKING:
@@ -245,7 +244,7 @@ class Sessions:
         policy = request.policy()
         await self.runtime.require_connections(org_id, policy)
         try:
-            await resolve_isolation(policy.isolation, self.runtime.settings)
+            await self.runtime.isolation_for(policy.isolation)
         except errors.IsolationUnavailable as exc:
             raise errors.IsolationUnavailable(
                 exc.detail, errors=[{"field": "isolation", "message": exc.detail}]
@@ -308,7 +307,7 @@ class Sessions:
             )
             if attached is not None:
                 live.egress, live.egress_env = attached
-            built = images.built_image(self.runtime.settings, sandbox.image)
+            built = self.runtime.built_image(sandbox.image)
             live.image_env = dict(built.env) if built else {}
             live.passwd = users.read_passwd(built.rootfs) if built else None
             ready = {

@@ -1,4 +1,4 @@
-"""The ``agent-run`` flow: reserve, provision, model and shell steps, teardown, settle, record.
+"""The ``agent-run`` flow: reserve, provision, one task per agent turn, teardown, settle.
 
 Only the run id is a flow parameter: Prefect's database stores parameters, and prompts and
 outputs must not land there (zero data retention would leak through it).
@@ -7,18 +7,19 @@ outputs must not land there (zero data retention would leak through it).
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from prefect import flow
+from prefect.settings import get_current_settings
 from prefect.utilities.annotations import quote
 
-from ephemeral.agent import Steps
+from ephemeral.agent import AgentRun, Steps
 from ephemeral.service import Runtime, current
 from ephemeral.settings import Settings
 from ephemeral.tasks.budget import reserve_budget, settle
-from ephemeral.tasks.record import record
 from ephemeral.tasks.sandbox import provision_sandbox, teardown
-from ephemeral.tasks.steps import model_step, shell_step
+from ephemeral.tasks.steps import agent_turn
 
 T = TypeVar("T")
 
@@ -32,8 +33,10 @@ def _q(value: T) -> T:
 # object graph (messages, store, sandbox) and walking it cost ~140 ms per run.
 PREFECT_STEPS = Steps(
     provision=lambda run: provision_sandbox(_q(run)),
-    model_step=lambda run: model_step(_q(run)),
-    tool_step=lambda run, call: shell_step(_q(run), call),
+    # Within a turn the calls are plain: the turn is the task.
+    model_step=AgentRun.model_step,
+    tool_step=AgentRun.tool_step,
+    turn=lambda run: agent_turn(_q(run)),
     teardown=lambda run: teardown(_q(run)),
     settle=lambda run: settle(_q(run)),
 )
@@ -68,10 +71,18 @@ def _finish_elsewhere(reason: str) -> Any:
     return hook
 
 
+# Nothing of a run is persisted (persist_result=False), but without a storage of its own each
+# flow run asks the server for its default result storage, twice, with a blocking request from a
+# new synchronous client (an SSL context each): ~10 % of the serving process's CPU, measured.
+# A path is resolved locally (a block would be read from the server).
+_NO_RESULTS = Path(get_current_settings().results.local_storage_path)
+
+
 @flow(
     name="agent-run",
     flow_run_name="{run_id}",
     persist_result=False,
+    result_storage=_NO_RESULTS,
     log_prints=False,
     on_cancellation=[_finish_elsewhere("cancelled")],
     on_crashed=[_finish_elsewhere("infra_error")],
@@ -82,9 +93,9 @@ async def agent_run(run_id: str) -> str:
         agent = await reserve_budget(_q(runtime), run_id)
         if agent is None:
             return (await runtime.store.get_run(run_id)).status
-        row = await runtime.run_agent(
-            agent, PREFECT_STEPS, record=lambda rid: record(_q(runtime), rid)
-        )
+        # The records are written by the runtime, not a task: a Parquet write whose task run
+        # cost Prefect's server more than the write itself.
+        row = await runtime.run_agent(agent, PREFECT_STEPS)
         return row.status
     finally:
         if owned:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, Any
 
 from ephemeral.executor import Executor, PlainExecutor
 from ephemeral.service import brief_error
@@ -22,6 +23,16 @@ log = logging.getLogger("ephemeral.flows.executor")
 
 FLOW_START_ATTEMPTS = 4  # tries to start a run's Prefect flow before the run fails
 FLOW_START_BACKOFF_SECONDS = 1.0
+
+
+def flow_starts_at_once() -> int:
+    """Flow-run creations in flight at once: one per core (at least two).
+
+    A creation is a burst of writes to Prefect's database. One at a time (issue 12) capped the
+    whole host at one start per creation latency (~1.5 s here) whatever its cores; unbounded, a
+    burst of them made the embedded SQLite server answer 503. Per core keeps both away.
+    """
+    return max(2, os.cpu_count() or 2)
 
 
 def executor_for(settings: Settings) -> Executor:
@@ -37,33 +48,79 @@ def executor_for(settings: Settings) -> Executor:
 class PrefectExecutor:
     """Runs each admitted run as an ``agent-run`` flow run on the runtime's loop."""
 
-    def __init__(self) -> None:
-        # Creating a Prefect flow run is a burst of writes to Prefect's database; one at a time
-        # keeps the embedded SQLite server from answering 503 under load (docs/deploy.md).
-        # Made on first use: an asyncio lock belongs to the loop that first awaits it.
+    def __init__(self, starts_at_once: int | None = None) -> None:
+        # Made on first use: an asyncio semaphore belongs to the loop that first awaits it.
         self._starts: asyncio.Semaphore | None = None
+        self._starts_at_once = starts_at_once or flow_starts_at_once()
+        # One Prefect client for every flow run of this executor. Without it each flow run
+        # opens its own (an SSL context of ~30 ms CPU, an API version check round trip, a new
+        # connection pool) and closes it at the end.
+        self._client: Any = None  # prefect.context.AsyncClientContext, entered once
+        self._sync_client: Any = None  # prefect.context.SyncClientContext, the same
+        self._client_lock: asyncio.Lock | None = None
 
     async def close(self) -> None:
-        return None
+        if self._sync_client is not None:
+            sync_client, self._sync_client = self._sync_client.client, None
+            sync_client.__exit__(None, None, None)
+        if self._client is not None:
+            client, self._client = self._client.client, None
+            await client.__aexit__(None, None, None)
+
+    async def _client_contexts(self) -> tuple[Any, Any]:
+        from prefect.context import AsyncClientContext, SyncClientContext
+
+        if self._client_lock is None:
+            self._client_lock = asyncio.Lock()
+        async with self._client_lock:
+            if self._client is None:
+                ctx = AsyncClientContext()
+                # Only the client is entered: the context variable is set per run (below), in
+                # the run's own task, so no task resets a token another task's context made.
+                await ctx.client.__aenter__()
+                await ctx.client.raise_for_api_version_mismatch_once()
+                # The flow engine also makes a synchronous client per flow run to resolve its
+                # result storage (a path: no request); this one serves them all.
+                sync = SyncClientContext()
+                sync.client.__enter__()
+                self._client, self._sync_client = ctx, sync
+            return self._client, self._sync_client
 
     async def execute(self, runtime: Runtime, run_id: str) -> None:
         """Start the run's flow, retrying while its body has not begun.
 
-        Flow starts are serialised; the run stays ``queued`` until its turn to start, and only
-        then is its slot granted (so waiting for the start lock is queue time, not run time).
+        At most :func:`flow_starts_at_once` flow runs are being created at once; the run stays
+        ``queued`` until its turn to start, and only then is its slot granted (so waiting for a
+        start turn is queue time, not run time).
         Until the flow body builds the run nothing has happened that a retry could repeat
         (no sandbox, no step), so Prefect API errors there are retried; once it has begun, the
         flow's own ``drive`` settles the run whatever happens.
         """
+        from prefect.context import AsyncClientContext, SyncClientContext
+
         from ephemeral.flows.agent_run import agent_run
 
         if self._starts is None:
-            self._starts = asyncio.Semaphore(1)
+            self._starts = asyncio.Semaphore(self._starts_at_once)
+        # The flow engine takes the client from this context variable (get_or_create); set in
+        # this task's context it reaches the flow's task and its task runs, and nothing else.
+        client, sync_client = await self._client_contexts()
+        token = AsyncClientContext.__var__.set(client)
+        sync_token = SyncClientContext.__var__.set(sync_client)
+        try:
+            await self._execute(runtime, run_id, agent_run, self._starts)
+        finally:
+            SyncClientContext.__var__.reset(sync_token)
+            AsyncClientContext.__var__.reset(token)
+
+    async def _execute(
+        self, runtime: Runtime, run_id: str, agent_run: Any, starts: asyncio.Semaphore
+    ) -> None:
         for attempt in range(1, FLOW_START_ATTEMPTS + 1):
             started = runtime.build_signal(run_id)
             runner: asyncio.Task[str] | None = None
             try:
-                async with self._starts:
+                async with starts:
                     if attempt == 1 and not await runtime.grant(run_id):
                         return
                     runner = asyncio.create_task(agent_run(run_id), name=f"flow-{run_id}")

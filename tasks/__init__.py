@@ -1,1 +1,1 @@
-"""Prefect tasks: reserve, provision, model_step, shell_step, teardown, settle, record."""
+"""Prefect tasks: reserve_budget, provision_sandbox, agent_turn, teardown, settle."""

@@ -1,22 +1,20 @@
-"""One task per model call and per tool call (never finer: Prefect records every task)."""
+"""One task per agent turn: the model call and the shell commands it asked for.
+
+Never finer: Prefect's server records every task run (a row and three states), and on this
+box that recording, not the run's own work, was what capped the runs per second (docs/deploy.md).
+"""
 
 from __future__ import annotations
 
 from prefect import task
 
-from ephemeral.agent import AgentRun
-from ephemeral.providers.base import ModelReply, ToolCall
+from ephemeral.agent import AgentRun, take_turn
 from ephemeral.tasks._common import TASK_OPTIONS
 
 
-@task(name="model_step", **TASK_OPTIONS)
-async def model_step(run: AgentRun) -> ModelReply | None:
-    # Transient provider errors are retried inside the step, within the run's deadline
-    # (ephemeral.retry), so Prefect-level retries stay off.
-    return await run.model_step()
-
-
-@task(name="shell_step", **TASK_OPTIONS)
-async def shell_step(run: AgentRun, call: ToolCall) -> None:
-    # Never retried: a shell command has side effects.
-    await run.tool_step(call)
+@task(name="agent_turn", **TASK_OPTIONS)
+async def agent_turn(run: AgentRun) -> bool:
+    # Transient provider errors are retried inside the model call, within the run's deadline
+    # (ephemeral.retry), and a shell command is never retried (it has side effects), so
+    # Prefect-level retries stay off. Every call has its own deadline (ephemeral.agent).
+    return await take_turn(run)

@@ -3,6 +3,11 @@
 ``acquire`` returns a warm sandbox at once when one is ready (re-owned to the caller and with
 its lifetime restarted), else creates one cold. A background task keeps ``size`` warm ones,
 replaces any that died idle, and backs off when creation fails.
+
+Boots are paced: at most ``boots`` sandboxes start at once (a semaphore the pool may share with
+its runtime), in the order they were asked for, and the refill waits behind the callers. A
+burst of a hundred then comes up a few at a time, so the first become usable within a few
+boots instead of all together at the end (they share the same cores either way).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 
 from ephemeral import errors
 from ephemeral.sandbox.base import Limits, Sandbox, SandboxDriver
@@ -20,13 +26,25 @@ CHECK_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 30.0
 
 
+def boot_slots() -> int:
+    """Sandboxes booting at once on this host: one per core, at least two."""
+    return max(2, os.cpu_count() or 2)
+
+
 class WarmPool:
-    def __init__(self, driver: SandboxDriver, size: int, limits: Limits) -> None:
+    def __init__(
+        self,
+        driver: SandboxDriver,
+        size: int,
+        limits: Limits,
+        boots: asyncio.Semaphore | None = None,
+    ) -> None:
         if size < 0:
             raise errors.InvalidRequest.field("pool_size", "must be >= 0")
         self.driver = driver
         self.size = size
         self.limits = limits
+        self._boots = boots
         self._ready: list[Sandbox] = []
         self._wake = asyncio.Event()
         self._full = asyncio.Event()
@@ -51,6 +69,24 @@ class WarmPool:
         """A warm sandbox (its lifetime restarted as ``limits`` say), else a cold one."""
         if self._closed:
             raise errors.SandboxError("warm pool is closed")
+        warm = await self._take_ready(owner, limits)
+        if warm is not None:
+            return warm
+        self._wake.set()
+        async with self.boots:
+            # The refill may have finished one while this caller waited for its turn.
+            warm = await self._take_ready(owner, limits)
+            if warm is not None:
+                return warm
+            return await self.driver.create(owner=owner, limits=limits or self.limits)
+
+    @property
+    def boots(self) -> asyncio.Semaphore:
+        if self._boots is None:  # made on first use: it belongs to the loop that awaits it
+            self._boots = asyncio.Semaphore(boot_slots())
+        return self._boots
+
+    async def _take_ready(self, owner: str, limits: Limits | None) -> Sandbox | None:
         while self._ready:
             sbx = self._ready.pop(0)
             self._full.clear()
@@ -59,8 +95,7 @@ class WarmPool:
                 continue
             await sbx.claim(owner, None if limits is None else limits.lifetime_seconds)
             return sbx
-        self._wake.set()
-        return await self.driver.create(owner=owner, limits=limits or self.limits)
+        return None
 
     async def _fill_loop(self) -> None:
         backoff = 0.5
@@ -70,7 +105,8 @@ class WarmPool:
                 self._full.clear()
             if len(self._ready) < self.size:
                 try:
-                    sbx = await self.driver.create(owner=POOL_OWNER, limits=self.limits)
+                    async with self.boots:
+                        sbx = await self.driver.create(owner=POOL_OWNER, limits=self.limits)
                 except errors.EphemeralError as exc:
                     self.last_error = str(exc)
                     log.warning("warm pool: create failed: %s", exc)
