@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.soak import Served, analyse, compute_rate, drive, make_key, one_run, serve
+from bench.served import Served, make_key, serve
+from bench.soak import analyse, compute_rate, drive, one_run
 from ephemeral import prefect_setup
 from ephemeral.settings import Settings
 from ephemeral.store import Store
