@@ -76,6 +76,39 @@ async def test_pip_install_from_a_local_index(
     assert any(s.startswith("/files/") for s in seen)
 
 
+# Two requests on one kept connection to the proxy, as pip's pool makes them. http.client
+# reuses a connection whose response did not say `Connection: close` without checking it, so
+# this fails at once ("Remote end closed connection without response") where pip fails now
+# and then: the proxy serves one request per connection.
+TWO_ON_ONE = """
+import http.client, sys
+c = http.client.HTTPConnection("127.0.0.1", 3128, timeout=30)
+for path in ("/simple/{pkg}/", "/files/none"):
+    c.request("GET", "http://pkgs.test:{port}" + path)
+    r = c.getresponse()
+    r.read()
+    print(r.status, r.getheader("Connection"), r.getheader("Content-Length"))
+"""
+
+
+async def test_a_keep_alive_upstream_answers_one_request_per_connection(
+    runtime: Runtime, names: Names, isolation: str
+) -> None:
+    names.set("pkgs.test", "127.0.0.1")
+    with package_index() as (port, seen):
+        async with provisioned(runtime, isolation, web={"allow": ["pkgs.test"]}) as agent:
+            assert agent.sandbox is not None
+            await agent.sandbox.put_file(
+                "/tmp/two.py", TWO_ON_ONE.format(pkg=PACKAGE, port=port).encode()
+            )
+            res = await sh(agent, "python3 /tmp/two.py", timeout=60)
+    assert res.exit_code == 0, res.stderr
+    first, second = res.stdout.splitlines()
+    assert first.split()[:2] == ["200", "close"] and int(first.split()[2]) > 0
+    assert second.split() == ["404", "close", "0"]  # the upstream's own headers are kept
+    assert seen == [f"/simple/{PACKAGE}/", "/files/none"]
+
+
 def test_pip_recipe_end_to_end(tmp_path: Path) -> None:
     state = tmp_path / "state"
     built_image(Settings.load(state_dir=state), "python-dev")
