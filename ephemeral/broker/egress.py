@@ -146,7 +146,13 @@ def reply(status: int, reason: str, text: str) -> bytes:
     ).encode() + body
 
 
-_REASONS = {400: "Bad Request", 403: "Forbidden", 411: "Length Required", 502: "Bad Gateway"}
+_REASONS = {
+    400: "Bad Request",
+    402: "Payment Required",
+    403: "Forbidden",
+    411: "Length Required",
+    502: "Bad Gateway",
+}
 
 
 class Egress:
@@ -287,6 +293,9 @@ class Egress:
             cut = str(exc)
         except StopRun as exc:
             cut = "the run's budget is used up"
+            if event.get("status") is None:  # nothing answered yet: the client reads why
+                with contextlib.suppress(ConnectionError):
+                    await stream.write(reply(402, _REASONS[402], cut + "\n"))
             await self._stop(exc)
         except (ConnectionError, OSError, TimeoutError):
             pass

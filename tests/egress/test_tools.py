@@ -59,8 +59,14 @@ async def test_pip_install_from_a_local_index(
     built_image(runtime.settings, "python-dev")
     names.set("pkgs.test", "127.0.0.1")
     with package_index() as (port, seen):
+        # Compute is charged by the sandbox's wall seconds: under TCG the venv alone takes
+        # most of a minute, past what the default $0.04 buys (the proxy then refuses with 402).
         async with provisioned(
-            runtime, isolation, image="python-dev", web={"allow": ["pkgs.test"]}
+            runtime,
+            isolation,
+            image="python-dev",
+            web={"allow": ["pkgs.test"]},
+            max_cost_micros=400_000,
         ) as agent:
             res = await sh(
                 agent,
