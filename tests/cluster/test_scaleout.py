@@ -262,7 +262,11 @@ def test_cancel_from_the_api_of_a_run_on_b_and_host_a_dies(cluster: Cluster, api
 def test_runs_complete_when_the_api_process_dies(cluster: Cluster, api: Api) -> None:
     runs = [api.post({**SAMPLE, "model": "replay/brief"}) for _ in range(3)]
     cluster.kill("api")
-    time.sleep(4)  # the runs finish on the workers while no API process exists
+    # the runs finish on the workers while no API process exists
+    deadline = time.monotonic() + 120
+    while not all(asyncio.run(_row(cluster.db_url, r["id"])).settled for r in runs):
+        assert time.monotonic() < deadline, "the runs did not finish without an API"
+        time.sleep(0.2)
     url = cluster.start_api("api2")
     again = Api(url, cluster.api_key)
     for run in runs:
