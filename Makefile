@@ -15,7 +15,7 @@ PYTEST_XDIST := -n $(TEST_WORKERS) --dist loadfile --durations=10
 PYTEST_ARGS ?=
 
 .PHONY: setup demo-setup apt apt-runtime venv venv-runtime image image-default prefect-template \
-        demo test test-fast bench lint fmt serve serve-prefect cluster clean
+        demo test test-slow test-fast bench lint fmt serve serve-prefect cluster clean
 
 # Everything the tests need (both images, every package, the dev extra).
 setup: apt venv image prefect-template
@@ -66,11 +66,15 @@ prefect-template: venv-runtime
 demo: demo-setup
 	$(EPH) run recipes/sandbox-proof.yaml
 
-# The whole suite, on TEST_WORKERS processes, the ten slowest listed at the end. CI (.ci/run)
-# also sets EPHEMERAL_TEST_REQUIRE_DRIVERS, so a missing gvisor or namespaces driver fails the
-# run instead of skipping its tests.
+# The whole suite but the `tcg_slow` tests, on TEST_WORKERS processes, the ten slowest listed
+# at the end. CI (.ci/run) also sets EPHEMERAL_TEST_REQUIRE_DRIVERS, so a missing gvisor or
+# namespaces driver fails the run instead of skipping its tests.
 test: setup
-	$(PY) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_XDIST) -m "not tcg_slow" $(PYTEST_ARGS)
+
+# The TCG microVM variants outside the smoke set that `make test` keeps (tests/conftest.py).
+test-slow: setup
+	$(PY) -m pytest $(PYTEST_XDIST) -m tcg_slow $(PYTEST_ARGS)
 
 # The inner loop: everything but the markers that cost minutes (TCG microVMs and other `slow`
 # tests, the Prefect server, PostgreSQL, Chromium). Real sandboxes still run.
