@@ -403,6 +403,7 @@ class Egress:
                 last[0] = time.monotonic()
                 if held is not None:
                     held += data
+                    raw = len(held)
                     out = bytearray()
                     while held is not None:
                         end = held.find(b"\r\n\r\n")
@@ -419,6 +420,8 @@ class Egress:
                         held = None
                     if not out:
                         continue
+                    # bytes_in is what the sandbox receives: the rewritten head's length
+                    meter.bytes_in += len(out) - (raw - (len(held) if held is not None else 0))
                     data = bytes(out)
                 if not tunnel and event.get("status") is None and len(status_line) < 32:
                     status_line += data[:32]
