@@ -53,17 +53,18 @@ class Api:
         self.headers = {"Authorization": f"Bearer {key}"}
 
     def post(self, body: dict[str, Any]) -> dict[str, Any]:
-        res = httpx.post(f"{self.url}/v1/runs", json=body, headers=self.headers, timeout=30)
+        # a POST waits for Prefect's dispatch: seconds under a loaded host's 8 at once
+        res = httpx.post(f"{self.url}/v1/runs", json=body, headers=self.headers, timeout=120)
         assert res.status_code == 201, res.text
         return dict(res.json())
 
     def get(self, run_id: str) -> dict[str, Any]:
-        res = httpx.get(f"{self.url}/v1/runs/{run_id}", headers=self.headers, timeout=30)
+        res = httpx.get(f"{self.url}/v1/runs/{run_id}", headers=self.headers, timeout=120)
         assert res.status_code == 200, res.text
         return dict(res.json())
 
     def events(self, run_id: str) -> list[dict[str, Any]]:
-        res = httpx.get(f"{self.url}/v1/runs/{run_id}/events", headers=self.headers, timeout=30)
+        res = httpx.get(f"{self.url}/v1/runs/{run_id}/events", headers=self.headers, timeout=120)
         return list(res.json())
 
     def cancel(self, run_id: str) -> tuple[int, dict[str, Any]]:
