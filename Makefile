@@ -3,54 +3,84 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 EPH := $(VENV)/bin/ephemeral
-APT_PACKAGES := bubblewrap runsc qemu-system-x86 mmdebstrap e2fsprogs busybox-static cpio \
-                gcc libc6-dev util-linux libseccomp2 \
-                chromium postgresql
+# Debian packages. What the demo needs: the gVisor and namespaces sandboxes and the image builder
+# (gcc: the default image's preload shims). What only the tests and microVMs add: QEMU and its
+# boot artifacts' tools, Chromium for the page tests, PostgreSQL for the ledger tests.
+APT_RUNTIME := bubblewrap runsc mmdebstrap gcc libc6-dev util-linux libseccomp2
+APT_PACKAGES := $(APT_RUNTIME) qemu-system-x86 e2fsprogs busybox-static cpio chromium postgresql
+# One per core; loadfile keeps each file on one worker, in order (module fixtures
+# such as tests/cluster's one cluster, and tests that build on the previous one).
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
+PYTEST_XDIST := -n $(TEST_WORKERS) --dist loadfile --durations=10
 PYTEST_ARGS ?=
 
-.PHONY: setup apt venv image prefect-template demo test test-fast bench lint fmt serve serve-prefect cluster clean
+.PHONY: setup demo-setup apt apt-runtime venv venv-runtime image image-default prefect-template \
+        demo test test-slow test-fast bench lint fmt serve serve-prefect cluster clean
 
+# Everything the tests need (both images, every package, the dev extra).
 setup: apt venv image prefect-template
+# Only what the demo needs: runtime packages and dependencies, the `default` image. Another
+# image builds with `ephemeral images build NAME`; a run naming one that is not built is refused
+# with that command in the error.
+demo-setup: apt-runtime venv-runtime image-default prefect-template
 
-# Debian packages: sandboxes (bubblewrap, gVisor's runsc, QEMU), the image builder, Chromium for
-# the page tests and PostgreSQL for the ledger tests. Installed only when one is missing.
-apt:
-	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q "install ok installed" || echo $$p; done); \
+# Installed only when one is missing.
+define apt_install
+	@missing=$$(for p in $(1); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q "install ok installed" || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:" $$missing; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
 	fi
+endef
+apt:
+	$(call apt_install,$(APT_PACKAGES))
+apt-runtime:
+	$(call apt_install,$(APT_RUNTIME))
 
+# Two stamps: .runtime (the package and its dependencies) and .installed (plus the dev extra).
+# A venv the demo made is upgraded by the first `make test`; a dev venv serves the demo as is.
 venv: $(VENV)/.installed
+venv-runtime: $(VENV)/.runtime
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
 	$(PY) -m pip install -q -e ".[dev]"
+	touch $@ $(VENV)/.runtime
+$(VENV)/.runtime: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	[ $(VENV)/.installed -nt pyproject.toml ] || $(PY) -m pip install -q -e .
 	touch $@
 
 # The sandbox image is cached by the hash of its definition: a second build takes seconds.
 image: venv
 	$(EPH) images build
 	$(EPH) images build python-dev
+image-default: venv-runtime
+	$(EPH) images build
 
-prefect-template: venv
+prefect-template: venv-runtime
 	$(PY) -c "from ephemeral.prefect_setup import ensure_template; from ephemeral.settings import Settings; print(ensure_template(Settings.load()))"
 
 # The product page's sample, offline (replayed model turns, real sandbox, real Prefect flow).
-demo: setup
+demo: demo-setup
 	$(EPH) run recipes/sandbox-proof.yaml
 
-# The whole suite. CI (.ci/run) also sets EPHEMERAL_TEST_REQUIRE_DRIVERS, so a missing
-# gvisor or namespaces driver fails the run instead of skipping its tests.
+# The whole suite but the `tcg_slow` tests, on TEST_WORKERS processes, the ten slowest listed
+# at the end. CI (.ci/run) also sets EPHEMERAL_TEST_REQUIRE_DRIVERS, so a missing gvisor or
+# namespaces driver fails the run instead of skipping its tests.
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_XDIST) -m "not tcg_slow" $(PYTEST_ARGS)
+
+# The TCG microVM variants outside the smoke set that `make test` keeps (tests/conftest.py).
+test-slow: setup
+	$(PY) -m pytest $(PYTEST_XDIST) -m tcg_slow $(PYTEST_ARGS)
 
 # The inner loop: everything but the markers that cost minutes (TCG microVMs and other `slow`
 # tests, the Prefect server, PostgreSQL, Chromium). Real sandboxes still run.
 FAST_MARKERS := not slow and not prefect and not postgres and not browser
 test-fast: setup
-	$(PY) -m pytest -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_XDIST) -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) bench/sandbox.py

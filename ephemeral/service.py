@@ -45,7 +45,9 @@ log = logging.getLogger("ephemeral.service")
 
 EVENT_POLL_SECONDS = 0.1
 CANCEL_POLL_SECONDS = 0.5  # how often a worker looks for cancel requests on its runs
-CANCEL_WAIT_SECONDS = 5.0  # how long a cancel waits for another process to end the run
+# How long a cancel waits for another process to end the run: its poll (0.5 s), the sandbox's
+# destroy and the settle take about a second, several on a loaded host; then the API says 202.
+CANCEL_WAIT_SECONDS = 10.0
 WATCHDOG_SECONDS = 5.0  # how often the watchdog looks for runs that nothing is finishing
 WATCHDOG_GRACE_SECONDS = 60.0  # past a run's time limit before the watchdog steps in
 ISOLATION_LEVELS = ("microvm-kvm", "microvm-tcg", "gvisor", "namespaces")

@@ -37,6 +37,35 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(_SESSION_TMP, ignore_errors=True)
 
 
+# The TCG microVM variants kept in `make test` (the microVM driver's own tests in
+# tests/sandbox/test_microvm.py stay too): the sandbox contract and web egress through the VM's
+# channel. Every other `[microvm-tcg]` variant is `tcg_slow`, run by `make test-slow`: each costs
+# minutes of software emulation, and on a loaded 2-core box no timeout holds them reliably.
+TCG_SMOKE = ("tests/sandbox/test_conformance.py", "tests/egress/test_web.py")
+# The files that take minutes, started first: with `--dist loadfile` a long file scheduled last
+# is the suite's tail while the other worker idles.
+LONG_FIRST = (
+    "tests/load/test_soak.py",
+    "tests/cluster/test_scaleout.py",
+    "tests/evals/test_eval_cli.py",
+    "tests/evals/test_flows_prefect.py",
+    "tests/evals/test_deploy.py",
+    "tests/api/test_prefect_path.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "[microvm-tcg" in item.nodeid and not item.nodeid.startswith(TCG_SMOKE):
+            item.add_marker(pytest.mark.tcg_slow)
+
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return LONG_FIRST.index(path) if path in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)  # stable: file order and test order within a file stay
+
+
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     """Settings on a fresh state dir; Prefect off (the Prefect path has its own tests)."""

@@ -186,9 +186,26 @@ async def get_events(
     return JSONResponse(events)
 
 
-@v1.post("/runs/{run_id}/cancel", response_model=RunObject, responses=problems(401, 404, 422))
-async def cancel_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> dict[str, Any]:
+CANCEL_PENDING = {
+    "description": "The run executes in another process, which has not confirmed the cancel "
+    "within the wait: the run object as it is now. It settles `cancelled` shortly; follow its "
+    "events or read it again.",
+    "model": RunObject,
+}
+
+
+@v1.post(
+    "/runs/{run_id}/cancel",
+    response_model=RunObject,
+    responses={202: CANCEL_PENDING, **problems(401, 404, 422)},
+)
+async def cancel_run(
+    request: Request, response: Response, who: Auth, runtime: Rt, run_id: str
+) -> dict[str, Any]:
     row = await runtime.cancel(run_id, who.org_id)
+    # 200 means the run is ended; a caller must never read a `running` object as "cancelled".
+    if row.status not in TERMINAL_STATUSES:
+        response.status_code = 202
     return run_object(row, base_url(request))
 
 

@@ -169,7 +169,13 @@ def reply(status: int, reason: str, text: str) -> bytes:
     ).encode() + body
 
 
-_REASONS = {400: "Bad Request", 403: "Forbidden", 411: "Length Required", 502: "Bad Gateway"}
+_REASONS = {
+    400: "Bad Request",
+    402: "Payment Required",
+    403: "Forbidden",
+    411: "Length Required",
+    502: "Bad Gateway",
+}
 
 
 class Egress:
@@ -312,6 +318,9 @@ class Egress:
             cut = str(exc)
         except StopRun as exc:
             cut = "the run's budget is used up"
+            if event.get("status") is None:  # nothing answered yet: the client reads why
+                with contextlib.suppress(ConnectionError):
+                    await stream.write(reply(402, _REASONS[402], cut + "\n"))
             await self._stop(exc)
         except (ConnectionError, OSError, TimeoutError):
             pass
@@ -405,13 +414,40 @@ class Egress:
 
         async def outward() -> None:  # upstream -> sandbox
             status_line = bytearray()
+            # A plain-HTTP response's head, held until whole: it goes on saying Connection:
+            # close (see _close_response_head); a tunnel's bytes are not HTTP to us.
+            held: bytearray | None = None if tunnel else bytearray()
             while True:
                 data = await up_r.read(CHUNK)
                 if not data:
+                    if held:
+                        await stream.write(bytes(held))
                     return
                 self._count(len(data))
                 await meter.take(len(data), out=False)
                 last[0] = time.monotonic()
+                if held is not None:
+                    held += data
+                    raw = len(held)
+                    out = bytearray()
+                    while held is not None:
+                        end = held.find(b"\r\n\r\n")
+                        if end < 0:
+                            if len(held) > HEAD_CAP:  # not a head we read: as it came
+                                out += held
+                                held = None
+                            break
+                        head, held = bytes(held[: end + 4]), held[end + 4 :]
+                        if re.match(rb"HTTP/1\.[01] 1\d\d ", head):
+                            out += head  # an interim head; the final one follows
+                            continue
+                        out += _close_response_head(head) + held
+                        held = None
+                    if not out:
+                        continue
+                    # bytes_in is what the sandbox receives: the rewritten head's length
+                    meter.bytes_in += len(out) - (raw - (len(held) if held is not None else 0))
+                    data = bytes(out)
                 if not tunnel and event.get("status") is None and len(status_line) < 32:
                     status_line += data[:32]
                     event["status"] = _status_of(bytes(status_line))
@@ -643,6 +679,21 @@ def _forward_head(head: Head, url: httpx.URL) -> bytes:
             lines.append(f"{k}: {v}")
     lines += ["Connection: close", "", ""]
     return "\r\n".join(lines).encode("latin-1")
+
+
+def _close_response_head(head: bytes) -> bytes:
+    """A plain-HTTP response head as the sandbox gets it: hop-by-hop headers dropped and
+    ``Connection: close`` said, because the proxy serves one request per connection. Without it
+    an HTTP/1.1 response reads as keep-alive: a client (pip, urllib3) sends its next request on
+    the pooled connection the proxy is closing and gets "Remote end closed connection"."""
+    lines = head[:-4].split(b"\r\n")
+    dropped = {b"connection", b"keep-alive", b"proxy-connection"}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"connection":
+            dropped.update(v.strip().lower() for v in value.split(b","))
+    kept = [ln for ln in lines[1:] if ln.partition(b":")[0].strip().lower() not in dropped]
+    return b"\r\n".join([lines[0], *kept, b"Connection: close", b"", b""])
 
 
 def _status_of(line: bytes) -> int | None:

@@ -696,10 +696,13 @@ def require_built(settings: Settings, name: str, field: str = "image") -> ImageC
     found = built_image(settings, name)
     if found is None:
         names = ", ".join(available(settings)) or "none"
+        hint = (
+            f"build it with `ephemeral images build {name}`"
+            if (settings.images_dir / name / "image.yaml").is_file()
+            else "build one with `ephemeral images build NAME`"
+        )
         raise errors.InvalidRequest.field(
-            field,
-            f"image {name!r} is not built on this server (available: {names}; "
-            "build one with `ephemeral images build NAME`)",
+            field, f"image {name!r} is not built on this server (available: {names}; {hint})"
         )
     return found
 

@@ -370,6 +370,10 @@ def build_with_image(settings: Settings, image: str, rootfs: Path, image_hash: s
     drivers; the microVM driver tries again when used and fails with the reason then."""
     if not definition_dir(settings, image).is_dir():
         return
+    if shutil.which("qemu-system-x86_64") is None:
+        # No microVM runs here: skip the kernel download and the ext4 (most of a cold build).
+        log.info("microVM artifacts for image %s skipped: qemu-system-x86_64 not installed", image)
+        return
     try:
         ensure_boot_artifacts(settings, image, rootfs, image_hash)
     except (SandboxError, OSError) as exc:

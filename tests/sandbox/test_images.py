@@ -207,3 +207,18 @@ def test_a_cycle_of_bases_is_an_error_not_a_hang(defs: Path) -> None:
         images.definition_hash(defs / "a")
     with pytest.raises(errors.InvalidRequest, match="cycle"):
         images.chain(defs / "a")
+
+
+def test_a_run_naming_an_image_not_built_here_is_told_the_command_that_builds_it(
+    tmp_path: Path,
+) -> None:
+    """`make demo` builds only `default`; a run naming `python-dev` there is refused, never
+    left waiting on a minute-long build inside an API request."""
+    settings = Settings.load(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache")
+    with pytest.raises(errors.InvalidRequest) as defined:
+        images.require_built(settings, "python-dev")
+    assert "'python-dev' is not built on this server (available: none;" in defined.value.detail
+    assert "build it with `ephemeral images build python-dev`" in defined.value.detail
+    with pytest.raises(errors.InvalidRequest) as undefined:
+        images.require_built(settings, "nope")
+    assert "build one with `ephemeral images build NAME`" in undefined.value.detail

@@ -39,13 +39,14 @@ async def test_racing_destroys_tear_down_once() -> None:
 
 
 async def test_lifetime_expires_and_claim_restarts_it() -> None:
-    sbx = await FakeDriver().create(owner="pool", limits=Limits(lifetime_seconds=0.3))
-    await asyncio.sleep(0.2)
+    sbx = await FakeDriver().create(owner="pool", limits=Limits(lifetime_seconds=1.0))
+    await asyncio.sleep(0.7)
     await sbx.claim("run_a")  # the clock starts again for the real owner
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.5)  # past the first clock's end, 0.5 s before the second's
     assert sbx.alive and isinstance(sbx, FakeSandbox) and sbx.owner == "run_a"
-    await asyncio.sleep(0.3)
-    assert not sbx.alive
+    async with asyncio.timeout(10):
+        while sbx.alive:
+            await asyncio.sleep(0.05)
     with pytest.raises(errors.SandboxError):
         await sbx.exec("true")
 
