@@ -48,7 +48,7 @@ def faulty_prefect(tmp_path: Path) -> Iterator[FaultProxy]:
 @pytest.fixture
 def served(tmp_path: Path, faulty_prefect: FaultProxy) -> Iterator[tuple[Served, str]]:
     state = tmp_path / "state"
-    key = asyncio.run(make_key(Settings.load(state_dir=state)))
+    key = asyncio.run(make_key(Settings.load(state_dir=state), org="soak"))
     env = {
         "PREFECT_API_URL": f"{faulty_prefect.url}/api",
         "PREFECT_CLIENT_MAX_RETRIES": "1",
