@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ephemeral import errors
+from ephemeral.agent import AgentRun
 from ephemeral.policy import RunRequest
 from ephemeral.records import Records
 from ephemeral.runview import run_object
@@ -228,16 +229,27 @@ async def test_an_images_env_and_workdir_apply_to_every_command_of_a_run(
 
 
 async def test_a_cancel_during_verify_still_destroys_the_sandbox_and_settles(
-    runtime: Runtime, make_cassette: Callable[..., str], python_dev: images.ImageConfig
+    runtime: Runtime,
+    make_cassette: Callable[..., str],
+    python_dev: images.ImageConfig,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The moment verify begins, seen from inside (an event, not a guess at the time it takes
+    # under load): the guest serves one exec at a time, so the test cannot ask the sandbox.
+    entered = asyncio.Event()
+    real_verify = AgentRun.verify
+
+    async def verify(self: AgentRun) -> None:
+        entered.set()
+        await real_verify(self)
+
+    monkeypatch.setattr(AgentRun, "verify", verify)
     model = make_cassette("sv-cancel", [turn(final="done")])
     org = await runtime.local_org()
     row, _ = await runtime.admit(org, request(model, verify=["sleep 1000"]))
     task = runtime.launch(row.id)
-    async for ev in runtime.events(row.id, follow=True):
-        if ev.type == "model.called":
-            break
-    await asyncio.sleep(1.0)  # verify's sleep is running now
+    await asyncio.wait_for(entered.wait(), 120)
+    await asyncio.sleep(0.5)  # margin only: a cancel anywhere inside verify is "during verify"
     cancelled = await runtime.cancel(row.id)
     assert cancelled.status == "cancelled"
     assert cancelled.termination_detail == "cancelled by request (during verify)"
