@@ -73,7 +73,7 @@ async def main(n: int) -> None:
                 connections=[{"name": "svc", "methods": ["GET"], "paths": ["/*"]}],
             )
             row, _ = await runtime.admit(org, request)
-            agent = await runtime.build(row.id)
+            agent = await runtime.engine.build(row.id)
 
             bare: list[float] = []
             # A new connection per request, as the broker makes (keep-alive to http.server
@@ -233,7 +233,7 @@ async def egress(levels: list[str], n: int, mib: int) -> None:
                         timeout_seconds=3600,
                     )
                     row, _ = await runtime.admit(await runtime.local_org(), request)
-                    agent = await runtime.build(row.id)
+                    agent = await runtime.engine.build(row.id)
                     await agent.provision()
                     try:
                         assert agent.sandbox is not None

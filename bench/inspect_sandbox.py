@@ -71,7 +71,7 @@ async def ephemeral_starts(n: int, config: EphemeralSandboxConfig) -> list[float
     out = []
     await EphemeralSandboxEnvironment.task_init("bench", config)
     backend, _ = await BACKENDS.get(config)
-    pool = next(iter(getattr(backend, "runtime")._pools.values()), None)  # noqa: B009
+    pool = next(iter(getattr(backend, "runtime").sandboxes.pools.values()), None)  # noqa: B009
     for _ in range(n):
         if pool is not None:
             await pool.wait_ready(120)  # each sample takes a warm one

@@ -3,7 +3,7 @@
 Each step is a coroutine method of :class:`AgentRun`. :func:`drive` sequences them; it is the
 only place that knows the order, and it takes the step callables as a parameter so that the
 Prefect flow (``flows/agent_run.py``) wraps each step in a task while tests and
-``--no-prefect`` call the same methods directly.
+``EPHEMERAL_EXECUTOR=plain`` call the same methods directly.
 
 Deadlines are ours, not Prefect's: every model call and shell command gets the smaller of its
 own cap, the run's wall-clock deadline and the moment compute would exhaust the budget.
@@ -23,6 +23,7 @@ from ephemeral import errors
 from ephemeral import verify as verify_env
 from ephemeral.broker.attach import WebCharges, cut_egress, egress_stop, start_egress
 from ephemeral.budget import RunBudget
+from ephemeral.closing import close
 from ephemeral.events import redact_for_zdr
 from ephemeral.ids import utcnow
 from ephemeral.lifecycle import RunStatus, StopRun, compute_charge
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from ephemeral.pricing import PriceBook
     from ephemeral.providers.base import Provider
     from ephemeral.sandbox.base import Limits, Sandbox
+    from ephemeral.settings import Settings
     from ephemeral.store import RunRow, Store
     from ephemeral.store.connections import StoredConnection
 
@@ -103,6 +105,8 @@ class AgentRun:
     egress: Egress | None = None  # the sandbox's proxy, when web or connections are granted
     egress_env: dict[str, str] = field(default_factory=dict)  # proxy variables for commands
     _web: WebCharges = field(init=False)  # the web charges (ephemeral.broker.attach)
+    compute: tuple[int, int] | None = None  # (micros, lifetime_ms) of its sandbox, at teardown
+    settings: Settings | None = None  # where its record goes (None: the caller records it)
 
     def __post_init__(self) -> None:
         rate = self.price_book.compute_micros(
@@ -550,21 +554,16 @@ class AgentRun:
                 other_spent_micros=self.budget.non_compute_spent(),
             )
             self.budget.charged["compute_micros"] = compute
-            await self.store.charge(
-                self.run_id,
-                "compute",
-                compute,
-                key=f"{self.run_id}:compute",
-                event=(
-                    "sandbox.destroyed",
-                    {"lifetime_ms": int(self.budget.sandbox_seconds() * 1000)},
-                ),
-            )
+            # Charged by the close, with sandbox.destroyed, in the one transaction that ends
+            # the run (a crash before it: recovery charges the same from the events).
+            self.compute = (compute, int(self.budget.sandbox_seconds() * 1000))
 
     async def settle(self) -> RunRow:
-        """End the run and settle its money, one store transaction (:meth:`Store.close_run`)."""
+        """End the run: the one close (:func:`ephemeral.closing.close`), then its record."""
         await self._flush_charges()
-        row, _ = await self.store.close_run(
+        return await close(
+            self.store,
+            self.settings,
             self.run_id,
             reason=self.reason or Reason.INFRA_ERROR,
             detail=self.detail,
@@ -575,10 +574,9 @@ class AgentRun:
             },
             output=self.output,
             keep_output=not self.zdr,
+            compute=self.compute,
+            transcript=None if self.zdr else self.turns,
         )
-        if not self.zdr:
-            await self.store.save_transcript(self.run_id, self.turns)
-        return row
 
 
 def _tail(text: str, limit: int = 300) -> str:
@@ -594,25 +592,23 @@ def _ms(a: datetime, b: datetime) -> int:
 
 @dataclass
 class Steps:
-    """The step callables :func:`drive` sequences; Prefect tasks or the plain methods."""
+    """The step callables :func:`drive` sequences, in its order: provision, setup, (turn or
+    model_step + tool_step)*, verify, teardown, settle. Prefect tasks or the plain methods
+    (the default of each)."""
 
-    provision: Callable[[AgentRun], Awaitable[None]]
-    model_step: Callable[[AgentRun], Awaitable[ModelReply | None]]
-    tool_step: Callable[[AgentRun, ToolCall], Awaitable[None]]
-    teardown: Callable[[AgentRun], Awaitable[None]]
-    settle: Callable[[AgentRun], Awaitable[RunRow]]
+    provision: Callable[[AgentRun], Awaitable[None]] = AgentRun.provision
+    setup: Callable[[AgentRun], Awaitable[None]] = AgentRun.setup
+    model_step: Callable[[AgentRun], Awaitable[ModelReply | None]] = AgentRun.model_step
+    tool_step: Callable[[AgentRun, ToolCall], Awaitable[None]] = AgentRun.tool_step
+    verify: Callable[[AgentRun], Awaitable[None]] = AgentRun.verify
+    teardown: Callable[[AgentRun], Awaitable[None]] = AgentRun.teardown
+    settle: Callable[[AgentRun], Awaitable[RunRow]] = AgentRun.settle
     # A whole turn (the model call and the tool calls it asked for) as one step: Prefect makes
     # one task of it instead of one per call. None: :func:`take_turn` over the two above.
     turn: Callable[[AgentRun], Awaitable[bool]] | None = None
 
 
-PLAIN_STEPS = Steps(
-    provision=AgentRun.provision,
-    model_step=AgentRun.model_step,
-    tool_step=AgentRun.tool_step,
-    teardown=AgentRun.teardown,
-    settle=AgentRun.settle,
-)
+PLAIN_STEPS = Steps()
 
 
 def _reason_for(exc: BaseException) -> tuple[Reason, str]:
@@ -642,7 +638,7 @@ async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
     try:
         async with asyncio.timeout(max(0.0, run.agent_deadline - time.monotonic()) + 5.0):
             await steps.provision(run)
-            await run.setup()
+            await steps.setup(run)
             while await (steps.turn(run) if steps.turn else take_turn(run, steps)):
                 pass
         run.reason, run.detail = Reason.COMPLETED, None
@@ -660,7 +656,7 @@ async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
         # An agent that used all its time is still graded: verify has its own slice.
         try:
             async with asyncio.timeout(max(0.0, run.deadline - time.monotonic()) + 5.0):
-                await run.verify()
+                await steps.verify(run)
         except StopRun as exc:
             run.reason, run.detail = exc.reason, exc.detail
         except TimeoutError:

@@ -146,7 +146,6 @@ _DESCRIPTIONS = {
     "it `POST /v1/runs` answers `429` with `Retry-After` and reserves nothing (`0`: no waiting).",
     "retention_days": "Days before run content (not billing) is purged.",
     "max_turns": "Model calls per run before it stops without a final answer.",
-    "use_prefect": "Run steps as Prefect tasks in an `agent-run` flow (off: same steps, plain).",
     "host": "`ephemeral serve` bind address (`--host` overrides it).",
     "port": "`ephemeral serve` port (`--port` overrides it).",
     "openai_api_key": "Key for `openai/*` models; never enters a sandbox.",

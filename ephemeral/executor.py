@@ -1,27 +1,67 @@
 """How a run that got an execution slot is carried out: the seam between the core and Prefect.
 
-The :class:`~ephemeral.service.Runtime` admits a run, holds its slot, watches it and settles it
-if anything escapes; an :class:`Executor` does what lies between. The core ships only
-:class:`PlainExecutor` (the steps called in turn on this loop). Entry points choose: the
-Prefect ``agent-run`` flow executor lives with the flows (``ephemeral.flows.executor``), and so
-does the one that dispatches runs to Prefect task workers on other hosts
-(``ephemeral.flows.dispatch``). The core never imports them.
+The engine (``ephemeral.engine``) admits a run, holds its slot, watches it and settles it if
+anything escapes; an :class:`Executor` does what lies between, through a :class:`RunHandle`
+(never the runtime). The core ships only :class:`PlainExecutor` (the steps called in turn on
+this loop). :func:`ephemeral.flows.executor.executor_for` picks one from
+``EPHEMERAL_EXECUTOR``: ``plain``, ``flow`` (each run an ``agent-run`` flow run in this
+process, ``ephemeral.flows.executor``) or ``dispatch`` (each run handed to a Prefect task
+worker on some host, ``ephemeral.flows.dispatch``). The core never imports them.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps
+
 if TYPE_CHECKING:
-    from ephemeral.service import Runtime
+    import asyncio
+
+    from ephemeral.store import RunRow
+
+
+class RunHandle(Protocol):
+    """One run, as an executor sees it (``ephemeral.engine.RunHandle``)."""
+
+    run_id: str
+
+    @property
+    def started(self) -> asyncio.Event:
+        """Set once the run's body began: from then on, starting it again would repeat work."""
+        ...
+
+    def restart(self) -> None:
+        """A fresh ``started``, before another attempt to start the body."""
+        ...
+
+    async def grant(self) -> bool:
+        """``queued → provisioning`` (its clock starts); False: it no longer waits, do nothing."""
+        ...
+
+    async def build(self) -> AgentRun | None: ...
+
+    async def drive(self, agent: AgentRun, steps: Steps) -> RunRow: ...
+
+    async def run(self, steps: Steps) -> RunRow:
+        """Build and drive the steps to the close and record."""
+        ...
+
+    async def dispatch(self) -> None: ...
+
+    async def done(self) -> RunRow:
+        """Wait until the run is settled, by whichever process executes it."""
+        ...
+
+    async def cancel(self) -> RunRow: ...
 
 
 class Executor(Protocol):
-    async def execute(self, runtime: Runtime, run_id: str) -> None:
-        """Carry the run from ``queued`` to settled; called holding one of the runtime's slots.
+    async def execute(self, run: RunHandle) -> None:
+        """Carry the run from ``queued`` to settled; called holding one of the engine's slots.
 
-        Start with ``runtime.grant(run_id)`` (False: the run no longer waits; do nothing) and
-        end with the run settled, or raise: the runtime then settles it ``infra_error``.
+        Start with ``run.grant()`` (False: the run no longer waits; do nothing) and end with the
+        run settled, or raise: the engine then settles it ``infra_error``.
         """
         ...
 
@@ -32,7 +72,7 @@ class Executor(Protocol):
 
 @runtime_checkable
 class Dispatcher(Protocol):
-    """An executor that hands runs to other processes (``EPHEMERAL_EXECUTOR=prefect``).
+    """An executor that hands runs to other processes (``EPHEMERAL_EXECUTOR=dispatch``).
 
     A runtime built with one admits runs without an owner (a worker claims each), seals a
     zero-data-retention prompt into the store for that worker, answers ``submit`` by calling
@@ -45,12 +85,11 @@ class Dispatcher(Protocol):
 
 
 class PlainExecutor:
-    """The run's steps called in turn on the runtime's loop: no Prefect anywhere."""
+    """The run's steps called in turn on the engine's loop: no Prefect anywhere."""
 
-    async def execute(self, runtime: Runtime, run_id: str) -> None:
-        if not await runtime.grant(run_id):
-            return
-        await runtime.run_agent(await runtime.build(run_id))
+    async def execute(self, run: RunHandle) -> None:
+        if await run.grant():
+            await run.run(PLAIN_STEPS)
 
     async def close(self) -> None:
         return None

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar, cast
 
-from ephemeral.executor import Executor
+from ephemeral.executor import Executor, RunHandle
 from ephemeral.lifecycle import TERMINAL_STATUSES
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
@@ -54,8 +54,8 @@ class LoopBridge:
         self.flow_loop = flow_loop
         self.inner = inner
 
-    async def execute(self, runtime: Runtime, run_id: str) -> None:
-        await self.flow_loop.call(self.inner.execute(run_id))
+    async def execute(self, run: RunHandle) -> None:
+        await self.flow_loop.call(self.inner.execute(run.run_id))
 
     async def close(self) -> None:
         await self.flow_loop.call(self.inner.close())
@@ -83,7 +83,7 @@ class LoopBridgedRuntime(Runtime):
         if row.status in TERMINAL_STATUSES:
             return row
         await self.bridge.flow_loop.call(self.bridge.inner.cancel(run_id, org_id))
-        outer = self._running.get(run_id)
+        outer = self.engine.task(run_id)
         if outer is not None:
             # Done, or still waiting here for a slot: the run is closed either way.
             outer.cancel()
@@ -115,4 +115,4 @@ async def start_bridged(
 
 
 async def _task_of(runtime: Runtime, run_id: str) -> asyncio.Task[RunRow] | None:
-    return runtime._running.get(run_id)
+    return runtime.engine.task(run_id)

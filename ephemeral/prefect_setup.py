@@ -69,11 +69,11 @@ def configure(settings: Settings) -> None:
     os.environ.setdefault("PREFECT_HOME", str(home))
     for key, value in _DEFAULTS.items():
         os.environ.setdefault(key, value)
-    if settings.executor == "prefect":
+    if settings.executor == "dispatch":
         if not os.environ.get("PREFECT_API_URL"):
             raise errors.InvalidRequest.field(
                 "PREFECT_API_URL",
-                "EPHEMERAL_EXECUTOR=prefect hands runs to workers through one Prefect server; "
+                "EPHEMERAL_EXECUTOR=dispatch hands runs to workers through one Prefect server; "
                 "set PREFECT_API_URL to it (docs/deploy.md)",
             )
         # Prefect keeps a deferred task's parameters (a run id and its own context, never

@@ -37,6 +37,7 @@ from ephemeral import errors
 from ephemeral.broker.attach import WebCharges, cut_egress, egress_stop, start_egress
 from ephemeral.broker.broker import Broker
 from ephemeral.budget import RunBudget
+from ephemeral.closing import close, record
 from ephemeral.events import redact_for_zdr
 from ephemeral.ids import new_run_id, rfc3339, utcnow
 from ephemeral.lifecycle import (
@@ -47,14 +48,16 @@ from ephemeral.lifecycle import (
     compute_charge,
 )
 from ephemeral.policy import Policy, _fail, _Strict
+from ephemeral.pricing import PriceBook
 from ephemeral.runview import cost_view, termination_view, timestamp
 from ephemeral.sandbox import users
 from ephemeral.sandbox.base import ExecResult, Sandbox
+from ephemeral.sandbox.source import SandboxSource
+from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
 
 if TYPE_CHECKING:
     from ephemeral.broker.egress import Egress
-    from ephemeral.service import Runtime
     from ephemeral.store.connections import StoredConnection
 
 log = logging.getLogger("ephemeral.sessions")
@@ -207,18 +210,36 @@ class Live:
         return egress_stop(self.egress, self.web)
 
 
-class Sessions:
-    """The sessions of one runtime (``runtime.sessions``)."""
+async def require_connections(store: Store, org_id: str, policy: Policy) -> None:
+    """A 422 naming ``connections[i].name`` when the org has no connection of that name
+    (runs and sandbox sessions are admitted with the same check)."""
+    names = [c.name for c in policy.connections]
+    missing = await store.missing_connections(org_id, names)
+    if missing:
+        raise errors.InvalidRequest.field(
+            f"connections[{names.index(missing[0])}].name",
+            f"this org has no connection named {missing[0]!r} (ephemeral connections add)",
+        )
 
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
+
+class Sessions:
+    """The sessions of one runtime (``runtime.sessions``); sandboxes come from ``sandboxes``."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        price_book: PriceBook,
+        sandboxes: SandboxSource,
+        owner: str,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.price_book = price_book
+        self.sandboxes = sandboxes
+        self.owner = owner
         self._live: dict[str, Live] = {}
         self._starting: set[str] = set()  # admitted, sandbox on its way
-        self._pool_asked = False
-
-    @property
-    def store(self) -> Store:
-        return self.runtime.store
 
     def owns(self, session_id: str) -> bool:
         """True while the session starts or runs in this process (the runtime's watchdog
@@ -242,9 +263,9 @@ class Sessions:
         before the failure).
         """
         policy = request.policy()
-        await self.runtime.require_connections(org_id, policy)
+        await require_connections(self.store, org_id, policy)
         try:
-            await self.runtime.isolation_for(policy.isolation)
+            await self.sandboxes.isolation_for(policy.isolation)
         except errors.IsolationUnavailable as exc:
             raise errors.IsolationUnavailable(
                 exc.detail, errors=[{"field": "isolation", "message": exc.detail}]
@@ -258,7 +279,7 @@ class Sessions:
             labels=labels,
             idempotency_key=idempotency_key,
             body_hash=body_hash,
-            owner=self.runtime.owner,
+            owner=self.owner,
             kind=KIND,
         )
         if replayed:
@@ -278,15 +299,13 @@ class Sessions:
         # on a session's provisioning, the create call itself does. A crash in between leaves
         # it queued with its sandbox handle owned by it: recovery settles it and reaps that.
         started_at = utcnow()
-        limits = self.runtime.default_limits(policy.timeout_seconds)
+        limits = self.sandboxes.limits(policy.timeout_seconds)
         sandbox: Sandbox | None = None
         t0 = time.monotonic()
         try:
-            await self._ensure_pool()
-            sandbox = await self.runtime._acquire(policy, row.id, limits)
-            rate = self.runtime.price_book.compute_micros(
-                vcpu_seconds=limits.cpus, gib_seconds=limits.memory_mib / 1024
-            )
+            await self.sandboxes.ensure_pool()
+            sandbox = await self.sandboxes.acquire(policy, row.id, limits)
+            rate = self.sandboxes.compute_rate(limits, self.price_book)
             budget = RunBudget(
                 reserved_micros=row.reserved_micros, compute_micros_per_second=float(rate)
             )
@@ -299,15 +318,13 @@ class Sessions:
                 budget=budget,
                 deadline=budget.sandbox_started + policy.timeout_seconds,
                 store=self.store,
-                web=WebCharges(self.store, row.id, budget, self.runtime.price_book),
+                web=WebCharges(self.store, row.id, budget, self.price_book),
             )
             self._live[row.id] = live
-            attached = await start_egress(
-                Broker(self.runtime.settings), live, sandbox, self.runtime.price_book
-            )
+            attached = await start_egress(Broker(self.settings), live, sandbox, self.price_book)
             if attached is not None:
                 live.egress, live.egress_env = attached
-            built = self.runtime.built_image(sandbox.image)
+            built = self.sandboxes.built_image(sandbox.image)
             live.image_env = dict(built.env) if built else {}
             live.passwd = users.read_passwd(built.rootfs) if built else None
             ready = {
@@ -347,15 +364,6 @@ class Sessions:
             await asyncio.shield(self._fail_start(row, sandbox, detail, reason))
         return await self.store.get_run(row.id)
 
-    async def _ensure_pool(self) -> None:
-        """A runtime started without a warm pool (the API loop of a Prefect server, whose pool
-        is on the flow loop) gets one of ``pool_size`` at its first session: later ones start
-        warm. Nothing happens when the runtime has a pool or ``pool_size`` is 0."""
-        if self._pool_asked or self.runtime._pools or self.runtime.settings.pool_size == 0:
-            return
-        self._pool_asked = True
-        await self.runtime._start_pool()
-
     async def _fail_start(
         self, row: RunRow, sandbox: Sandbox | None, detail: str, reason: str = "cancelled"
     ) -> None:
@@ -365,10 +373,15 @@ class Sessions:
             return
         if sandbox is not None:
             await sandbox.destroy()
-        await self.store.close_run(
-            row.id, reason=TerminationReason(reason), detail=detail, usage={}, output=None
+        await close(
+            self.store,
+            self.settings,
+            row.id,
+            reason=TerminationReason(reason),
+            detail=detail,
+            usage={},
+            output=None,
         )
-        await self.runtime.record(row.id)
 
     # lookups -------------------------------------------------------------------------------
     async def get(self, session_id: str, org_id: str | None = None) -> RunRow:
@@ -431,6 +444,8 @@ class Sessions:
             if not live.inflight:
                 live.idle.set()
         live.execs += 1
+        # The row's usage counts each command as it happens: a live session reads as true
+        # as a settled one (same transaction as the event).
         await self.store.append_event(
             live.id,
             "sandbox.exec",
@@ -444,6 +459,7 @@ class Sessions:
                 "truncated": res.truncated,
                 "timed_out": res.timed_out,
             },
+            usage=_usage(live),
         )
         if live.stop() is not None:  # egress cut this command's streams: the session ends now
             await self._end_by_limit(live)
@@ -561,35 +577,30 @@ class Sessions:
                 reserved_micros=budget.reserved_micros,
                 other_spent_micros=sum(charged.values()) - charged.get("compute_micros", 0),
             )
-            await self.store.charge(
-                live.id,
-                "compute",
-                compute,
-                key=f"{live.id}:compute",
-                event=("sandbox.destroyed", {"lifetime_ms": int(budget.sandbox_seconds() * 1000)}),
-            )
-            await self.store.close_run(
+            # Settled: no longer served here, also while its records are written (a reader that
+            # sees the settled row must not find the session live).
+            row = await close(
+                self.store,
+                None,
                 live.id,
                 reason=reason,
                 detail=detail,
-                usage={
-                    "model_calls": 0,
-                    "input_tokens": 0,
-                    "output_tokens": 0,
-                    "execs": live.execs,
-                },
+                usage=_usage(live),
                 output=None,
+                compute=(compute, int(budget.sandbox_seconds() * 1000)),
             )
-            # Settled: no longer served here, also while its records are written (a reader that
-            # sees the settled row must not find the session live).
             self._live.pop(live.id, None)
-            await self.runtime.record(live.id)
+            await record(self.store, self.settings, row)
 
     async def close(self) -> None:
         """End every live session (the runtime is stopping): ``cancelled``, settled."""
         for live in list(self._live.values()):
             with contextlib.suppress(Exception):
                 await self._finish(live, TerminationReason.CANCELLED, "the server stopped")
+
+
+def _usage(live: Live) -> dict[str, int]:
+    return {"model_calls": 0, "input_tokens": 0, "output_tokens": 0, "execs": live.execs}
 
 
 def _cap(text: str) -> str:

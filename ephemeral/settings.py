@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, TypeAdapter, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Isolation = Literal["auto", "microvm", "microvm-kvm", "microvm-tcg", "gvisor", "namespaces"]
+ExecutorName = Literal["plain", "flow", "dispatch"]
+# Old spellings of EPHEMERAL_EXECUTOR, still accepted (docs/architecture.md, "Executors").
+OLD_EXECUTOR_NAMES = {"prefect": "dispatch", "local": None}  # local: flow, or plain (below)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The shipped recipes and image definitions: a checkout has them at its top; an installed
@@ -60,7 +63,11 @@ class Settings(BaseSettings):
     max_queued_runs: int = Field(default=64, ge=0, le=100_000)
     retention_days: int = Field(default=30, ge=1)
     max_turns: int = Field(default=20, ge=1, le=200)
-    use_prefect: bool = True
+    use_prefect: bool | None = Field(
+        default=None,
+        description="Old spelling, still accepted: `false` is `EPHEMERAL_EXECUTOR=plain`, "
+        "`true` is `flow`; ignored under `dispatch`. Nothing reads it but the executor setting.",
+    )
     host: str = "127.0.0.1"
     port: int = 8000
     namespaces_privileged: bool = Field(
@@ -119,12 +126,15 @@ class Settings(BaseSettings):
     anthropic_base_url: str = "https://api.anthropic.com"
 
     # scale-out (docs/deploy.md): where runs execute and how hosts share them
-    executor: Literal["local", "prefect"] = Field(
-        default="local",
-        description="`local`: `ephemeral serve` executes every run in its own process. `prefect`: "
-        "it admits runs and hands each to a Prefect task worker (`ephemeral worker`), so the API "
-        "process starts no sandbox for a run (sandbox sessions still live in the API process "
-        "that created them); `ephemeral run`/`eval` dispatch their runs the same way.",
+    executor: ExecutorName = Field(
+        default="flow",
+        description="How a run executes. `plain`: its steps in this process, no Prefect. "
+        "`flow`: an `agent-run` Prefect flow run in this process, a task per step. `dispatch`: "
+        "`ephemeral serve` admits runs and hands each to a Prefect task worker (`ephemeral "
+        "worker`), so the API process starts no sandbox for a run (sandbox sessions still live "
+        "in the API process that created them); `ephemeral run`/`eval` dispatch their runs the "
+        "same way. Old spellings, still accepted: `local` (`flow`, or `plain` with "
+        "`EPHEMERAL_USE_PREFECT=0`) and `prefect` (`dispatch`).",
     )
     host_id: str = Field(
         default_factory=socket.gethostname,
@@ -159,6 +169,26 @@ class Settings(BaseSettings):
         "content in the store. Hosts that share one store share it. Default: "
         "`<state_dir>/broker.key`.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_executor_spellings(cls, data: Any) -> Any:
+        """``executor: local|prefect`` and ``use_prefect`` as they were, mapped to the names."""
+        if not isinstance(data, dict):
+            return data
+        executor = data.get("executor")
+        if isinstance(executor, str) and executor in OLD_EXECUTOR_NAMES:
+            executor = OLD_EXECUTOR_NAMES[executor]
+        use = data.get("use_prefect")
+        if use is not None and executor != "dispatch":
+            flow = TypeAdapter(bool).validate_python(use)
+            if not flow:
+                executor = "plain"
+            elif executor is None:
+                executor = "flow"
+        if executor is None:
+            return {k: v for k, v in data.items() if k != "executor"}
+        return {**data, "executor": executor}
 
     @field_validator("state_dir", "cache_dir", "images_dir", "recipes_dir", "cassettes_dir")
     @classmethod

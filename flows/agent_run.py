@@ -1,4 +1,4 @@
-"""The ``agent-run`` flow: reserve, provision, one task per agent turn, teardown, settle.
+"""The ``agent-run`` flow: load, provision, one task per agent turn, teardown, settle.
 
 Only the run id is a flow parameter: Prefect's database stores parameters, and prompts and
 outputs must not land there (zero data retention would leak through it).
@@ -17,7 +17,7 @@ from prefect.utilities.annotations import quote
 from ephemeral.agent import AgentRun, Steps
 from ephemeral.service import Runtime, current
 from ephemeral.settings import Settings
-from ephemeral.tasks.budget import reserve_budget, settle
+from ephemeral.tasks.run import load_run, settle
 from ephemeral.tasks.sandbox import provision_sandbox, teardown
 from ephemeral.tasks.steps import agent_turn
 
@@ -31,9 +31,10 @@ def _q(value: T) -> T:
 
 # quote(): Prefect walks every task argument looking for futures to resolve; a run is a deep
 # object graph (messages, store, sandbox) and walking it cost ~140 ms per run.
-PREFECT_STEPS = Steps(
+FLOW_STEPS = Steps(
     provision=lambda run: provision_sandbox(_q(run)),
-    # Within a turn the calls are plain: the turn is the task.
+    # Within a turn the calls are plain: the turn is the task. Setup and verify are plain
+    # too: a task each would cost Prefect's server a task run for a step most runs skip.
     model_step=AgentRun.model_step,
     tool_step=AgentRun.tool_step,
     turn=lambda run: agent_turn(_q(run)),
@@ -90,12 +91,11 @@ _NO_RESULTS = Path(get_current_settings().results.local_storage_path)
 async def agent_run(run_id: str) -> str:
     runtime, owned = await _runtime()
     try:
-        agent = await reserve_budget(_q(runtime), run_id)
+        run = runtime.engine.handle(run_id)
+        agent = await load_run(_q(run))
         if agent is None:
             return (await runtime.store.get_run(run_id)).status
-        # The records are written by the runtime, not a task: a Parquet write whose task run
-        # cost Prefect's server more than the write itself.
-        row = await runtime.run_agent(agent, PREFECT_STEPS)
+        row = await run.drive(agent, FLOW_STEPS)
         return row.status
     finally:
         if owned:

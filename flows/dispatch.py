@@ -1,4 +1,4 @@
-"""Dispatch mode (``EPHEMERAL_EXECUTOR=prefect``): each admitted run is a Prefect task run of
+"""Dispatch mode (``EPHEMERAL_EXECUTOR=dispatch``): each admitted run is a Prefect task run of
 ``execute-run``, executed by a task worker (``ephemeral worker``) on whichever host takes it.
 
 Chosen over flow runs of a deployment on a process work pool by measurement (docs/deploy.md,
@@ -17,16 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from prefect import task
 
-from ephemeral.lifecycle import TERMINAL_STATUSES
 from ephemeral.service import current
 
 if TYPE_CHECKING:
-    from ephemeral.service import Runtime
+    from ephemeral.executor import RunHandle
 
 log = logging.getLogger("ephemeral.flows.dispatch")
 
 TOTAL_LIMIT = "microvm-total"
-WAIT_POLL_SECONDS = 0.1
 SLOT_TIMEOUT_SECONDS = 300
 
 
@@ -106,23 +104,16 @@ class DispatchExecutor:
             self._client = client
         await dispatch(run_id, self._client)
 
-    async def execute(self, runtime: Runtime, run_id: str) -> None:
-        await runtime.dispatch(run_id)
+    async def execute(self, run: RunHandle) -> None:
+        await run.dispatch()
         try:
-            while True:
-                row = await runtime.store.get_run(run_id)
-                if row.status in TERMINAL_STATUSES and row.settled:
-                    break
-                await asyncio.sleep(WAIT_POLL_SECONDS)
+            # A zero-data-retention output the worker sealed comes into this process's
+            # custody, for its one reader: this process's caller.
+            await run.done()
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
-                await asyncio.shield(runtime.cancel(run_id))
+                await asyncio.shield(run.cancel())
             raise
-        if row.policy.get("zero_data_retention"):
-            # The worker sealed the output for one reader: this process's caller.
-            output = await runtime.unseal(run_id, "output")
-            if output is not None:
-                runtime.keep_zdr_output(run_id, output)
 
     async def close(self) -> None:
         if self._client is not None:

@@ -1,4 +1,5 @@
-"""The Prefect executor: each run is an ``agent-run`` flow run (entry points choose it).
+"""The one place an entry point's executor is picked (:func:`executor_for`), and the flow
+executor: each run an ``agent-run`` flow run in this process.
 
 Importing this module does not import Prefect; the flow is imported on the first run, so
 ``executor_for`` is cheap for the plain path.
@@ -12,11 +13,11 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from ephemeral.engine import brief_error
 from ephemeral.executor import Executor, PlainExecutor
-from ephemeral.service import brief_error
 
 if TYPE_CHECKING:
-    from ephemeral.service import Runtime
+    from ephemeral.executor import RunHandle
     from ephemeral.settings import Settings
 
 log = logging.getLogger("ephemeral.flows.executor")
@@ -36,16 +37,17 @@ def flow_starts_at_once() -> int:
 
 
 def executor_for(settings: Settings) -> Executor:
-    """The executor the settings ask for: dispatch to workers (``executor=prefect``), the
-    ``agent-run`` flow in this process (``use_prefect``), or plain steps."""
-    if settings.executor == "prefect":
+    """The executor ``EPHEMERAL_EXECUTOR`` names: ``plain`` (the steps, no Prefect),
+    ``flow`` (an ``agent-run`` flow run in this process) or ``dispatch`` (a Prefect task
+    worker on some host). Every entry point asks here."""
+    if settings.executor == "dispatch":
         from ephemeral.flows.dispatch import DispatchExecutor
 
         return DispatchExecutor()
-    return PrefectExecutor() if settings.use_prefect else PlainExecutor()
+    return FlowExecutor() if settings.executor == "flow" else PlainExecutor()
 
 
-class PrefectExecutor:
+class FlowExecutor:
     """Runs each admitted run as an ``agent-run`` flow run on the runtime's loop."""
 
     def __init__(self, starts_at_once: int | None = None) -> None:
@@ -86,7 +88,7 @@ class PrefectExecutor:
                 self._client, self._sync_client = ctx, sync
             return self._client, self._sync_client
 
-    async def execute(self, runtime: Runtime, run_id: str) -> None:
+    async def execute(self, run: RunHandle) -> None:
         """Start the run's flow, retrying while its body has not begun.
 
         At most :func:`flow_starts_at_once` flow runs are being created at once; the run stays
@@ -108,20 +110,20 @@ class PrefectExecutor:
         token = AsyncClientContext.__var__.set(client)
         sync_token = SyncClientContext.__var__.set(sync_client)
         try:
-            await self._execute(runtime, run_id, agent_run, self._starts)
+            await self._execute(run, agent_run, self._starts)
         finally:
             SyncClientContext.__var__.reset(sync_token)
             AsyncClientContext.__var__.reset(token)
 
-    async def _execute(
-        self, runtime: Runtime, run_id: str, agent_run: Any, starts: asyncio.Semaphore
-    ) -> None:
+    async def _execute(self, run: RunHandle, agent_run: Any, starts: asyncio.Semaphore) -> None:
+        run_id = run.run_id
         for attempt in range(1, FLOW_START_ATTEMPTS + 1):
-            started = runtime.build_signal(run_id)
+            run.restart()
+            started = run.started
             runner: asyncio.Task[str] | None = None
             try:
                 async with starts:
-                    if attempt == 1 and not await runtime.grant(run_id):
+                    if attempt == 1 and not await run.grant():
                         return
                     runner = asyncio.create_task(agent_run(run_id), name=f"flow-{run_id}")
                     waiter = asyncio.create_task(started.wait())

@@ -26,7 +26,7 @@ async def flow_runtime() -> tuple[Runtime, bool]:
     if runtime is not None:
         return runtime, False
     settings = Settings.load()
-    # Each of the recipe's runs is then an ``agent-run`` subflow (when use_prefect is on).
+    # Each of the recipe's runs is then an ``agent-run`` subflow (under EPHEMERAL_EXECUTOR=flow).
     return await Runtime.start(settings, executor=executor_for(settings), recover=False), True
 
 

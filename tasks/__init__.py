@@ -1,1 +1,1 @@
-"""Prefect tasks: reserve_budget, provision_sandbox, agent_turn, teardown, settle."""
+"""Prefect tasks: load_run, provision_sandbox, agent_turn, teardown, settle."""

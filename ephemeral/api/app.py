@@ -51,23 +51,25 @@ def start_prefect_server() -> None:
 
 
 async def start_runtime(settings: Settings, *, warm_pool: bool) -> Runtime:
-    """The server's runtime. With Prefect on, runs are ``agent-run`` flows executed on a second
-    event loop (:mod:`ephemeral.flowloop`), so this one stays free for HTTP."""
-    from ephemeral.flows.executor import PrefectExecutor
+    """The server's runtime, with the executor ``EPHEMERAL_EXECUTOR`` names. Under ``flow``,
+    runs are ``agent-run`` flows executed on a second event loop (:mod:`ephemeral.flowloop`),
+    so this one stays free for HTTP."""
+    from ephemeral.flows.executor import executor_for
 
-    if settings.executor == "prefect":
-        # Dispatch: this process admits, streams and cancels; workers execute. No warm pool.
-        from ephemeral.flows.dispatch import DispatchExecutor, mark_crashed
+    executor = executor_for(settings)
+    if settings.executor == "dispatch":
+        # This process admits, streams and cancels; workers execute. No warm pool.
+        from ephemeral.flows.dispatch import mark_crashed
 
-        runtime = await Runtime.start(settings, executor=DispatchExecutor(), recover=True)
+        runtime = await Runtime.start(settings, executor=executor, recover=True)
         runtime.lease_expired_hooks.append(mark_crashed)
         return runtime
-    if not settings.use_prefect:
-        return await Runtime.start(settings, warm_pool=warm_pool, recover=True)
+    if settings.executor == "plain":
+        return await Runtime.start(settings, executor=executor, warm_pool=warm_pool, recover=True)
     from ephemeral.flowloop import start_bridged
 
     await asyncio.to_thread(start_prefect_server)
-    return await start_bridged(settings, PrefectExecutor(), warm_pool=warm_pool, recover=True)
+    return await start_bridged(settings, executor, warm_pool=warm_pool, recover=True)
 
 
 def create_app(

@@ -56,7 +56,7 @@ async def _run(
         runtime = await Runtime.start(settings, executor=executor_for(settings))
         try:
             with evals.watch(evaluation.suite_run_id, observe):
-                if settings.use_prefect:
+                if settings.executor != "plain":
                     from ephemeral.flows.eval_suite import eval_suite
 
                     await eval_suite(
@@ -161,7 +161,7 @@ def register(app: typer.Typer) -> None:
         """
         from ephemeral import evals
 
-        settings = Settings.load(**({"use_prefect": False} if no_prefect else {}))
+        settings = Settings.load(**({"executor": "plain"} if no_prefect else {}))
         console = Console(stderr=as_json, highlight=False, soft_wrap=True)
         if not console.is_terminal:
             console = Console(stderr=as_json, highlight=False, soft_wrap=True, width=160)
@@ -171,7 +171,7 @@ def register(app: typer.Typer) -> None:
                     "EPHEMERAL_URL", "eval runs suites on this host; unset it to run one here"
                 )
             evaluation = evals.evaluation_for(str(suite), settings, compare_with=compare)
-            if settings.use_prefect or settings.executor == "prefect":
+            if settings.executor != "plain":
                 from ephemeral.prefect_setup import configure
 
                 configure(settings)

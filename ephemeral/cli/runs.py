@@ -184,7 +184,7 @@ def register(app: typer.Typer) -> None:
         out, 5 budget exhausted (or skipped for the recipe's budget), 6 cancelled; the highest
         of several runs.
         """
-        settings = Settings.load(**({"use_prefect": False} if no_prefect else {}))
+        settings = Settings.load(**({"executor": "plain"} if no_prefect else {}))
         try:
             if recipe is not None and prompt is not None:
                 raise errors.InvalidRequest.field("--prompt", "give a recipe or --prompt, not both")
@@ -217,7 +217,7 @@ def register(app: typer.Typer) -> None:
             from ephemeral.cli.remote import run_remote
 
             raise typer.Exit(run_remote(settings, [(request, {})], as_json))
-        if settings.use_prefect or settings.executor == "prefect":
+        if settings.executor != "plain":
             from ephemeral.prefect_setup import configure
 
             configure(settings)

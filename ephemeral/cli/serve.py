@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
         # A flag overrides the environment; an absent flag leaves Settings' own value.
         given = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
         settings = Settings.load(pool_size=size, **given)
-        if settings.use_prefect or settings.executor == "prefect":
+        if settings.executor != "plain":
             from ephemeral.prefect_setup import configure
 
             configure(settings)

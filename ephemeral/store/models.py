@@ -80,6 +80,7 @@ class RunRow(_Row):
     lease_renewed_at: datetime | None = None
     lease_expires_at: datetime | None = None
     cancel_requested_at: datetime | None = None
+    recorded_at: datetime | None = None  # its analysis records are written (engine.record)
 
     @property
     def settled(self) -> bool:

@@ -120,6 +120,9 @@ runs = sa.Table(
     sa.Column("lease_renewed_at", UTCDateTime, nullable=True),
     sa.Column("lease_expires_at", UTCDateTime, nullable=True),
     sa.Column("cancel_requested_at", UTCDateTime, nullable=True),
+    # Set once the run's analysis records are written (after its close): recovery records a
+    # settled run whose process died before this, so every run is recorded exactly once.
+    sa.Column("recorded_at", UTCDateTime, nullable=True),
     sa.CheckConstraint("reserved_micros >= 0", name="runs_reserved_nonneg"),
     sa.CheckConstraint(
         "charged_micros >= 0 AND charged_micros <= reserved_micros", name="runs_charged_in_budget"
@@ -221,6 +224,13 @@ def upgrade(conn: sa.Connection) -> None:
                 conn.execute(
                     sa.text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {ddl_type}")
                 )
+                if (table.name, column.name) == ("runs", "recorded_at"):
+                    # Every run an older release settled was recorded at its close.
+                    conn.execute(
+                        sa.text(
+                            "UPDATE runs SET recorded_at = settled_at WHERE settled_at IS NOT NULL"
+                        )
+                    )
                 continue
             old = getattr(have[column.name]["type"], "length", None)
             new = getattr(column.type, "length", None)

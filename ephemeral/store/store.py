@@ -521,11 +521,16 @@ class Store:
         output: str | None,
         keep_output: bool = True,
         expect: Collection[RunStatus] = OPEN_STATUSES,
+        compute: tuple[int, int] | None = None,
+        transcript: list[dict[str, Any]] | None = None,
     ) -> tuple[RunRow, Settlement]:
         """End an open run and settle it: one transaction, or nothing at all.
 
-        Marks the run terminal (only if it is still open), settles its reservation from what
-        was charged, and appends ``run.<status>``, ``run.output`` (if any) and ``run.settled``.
+        Marks the run terminal (only if it is still open); charges ``compute`` (micros,
+        lifetime in ms: its sandbox's) under the key ``<run>:compute`` with ``sandbox.destroyed``
+        (skipped if that key was charged already); appends ``run.<status>``; settles the
+        reservation from what was charged; appends ``run.output`` (if any) and ``run.settled``;
+        keeps ``transcript`` (the model messages; not under zero data retention).
         A run that is already terminal is left as it is, except that one a crash left
         unsettled (by an older version, which closed in several steps) is settled now.
         ``expect`` narrows the statuses it closes from (a cancel of a ``queued`` run must not
@@ -544,6 +549,8 @@ class Store:
             }
         )
         tokens = int(usage.get("input_tokens", 0)) + int(usage.get("output_tokens", 0))
+        if transcript is not None:
+            _json_size("messages", transcript, MAX_TRANSCRIPT_BYTES)
         async with self._engine.begin() as conn:
             try:
                 await self._cas(conn, run_id, expect, status, values)
@@ -555,6 +562,17 @@ class Store:
                     return current, await ledger.settle(conn, run_id)
                 output = None  # closed earlier: only the settlement is missing
             else:
+                if compute is not None:
+                    await self._charge(
+                        conn,
+                        run_id,
+                        "compute",
+                        compute[0],
+                        f"{run_id}:compute",
+                        ("sandbox.destroyed", {"lifetime_ms": compute[1]}),
+                    )
+                if transcript is not None:
+                    await self._save_transcript(conn, run_id, transcript)
                 await self._append(
                     conn,
                     run_id,
@@ -670,6 +688,17 @@ class Store:
             runs.c.status.in_(sorted(TERMINAL_STATUSES)), runs.c.settled_at.is_(None)
         )
 
+    async def unrecorded_runs(self) -> list[RunRow]:
+        """Settled runs whose records were never written (a crash between close and record)."""
+        return await self._runs_where(runs.c.settled_at.is_not(None), runs.c.recorded_at.is_(None))
+
+    async def mark_recorded(self, run_id: str) -> None:
+        """The run's records are written: recovery leaves it."""
+        async with self._engine.begin() as conn:
+            await conn.execute(
+                sa.update(runs).where(runs.c.id == run_id).values(recorded_at=utcnow())
+            )
+
     async def _runs_where(self, *where: Any) -> list[RunRow]:
         async with self._reader.connect() as conn:
             rows = await conn.execute(sa.select(runs).where(*where).order_by(runs.c.created_at))
@@ -677,15 +706,22 @@ class Store:
 
     # -- events -------------------------------------------------------------------------------
 
-    async def append_event(self, run_id: str, type: str, data: dict[str, Any]) -> Event:
-        """Append with the next ``seq`` of the run (1, 2, 3… with no gaps).
+    async def append_event(
+        self, run_id: str, type: str, data: dict[str, Any], *, usage: dict[str, Any] | None = None
+    ) -> Event:
+        """Append with the next ``seq`` of the run (1, 2, 3… with no gaps); ``usage``, if
+        given, becomes the run's usage in the same transaction.
 
         Under zero data retention, or once the run's content was erased, the stored data is
         redacted to sizes (DESIGN §4); delivering content live is the caller's job.
         """
         self._check_event(type, data)
+        values = self._run_values({"usage": usage}) if usage is not None else None
         async with self._engine.begin() as conn:
-            return await self._append(conn, run_id, type, data)
+            event = await self._append(conn, run_id, type, data)
+            if values is not None:
+                await conn.execute(sa.update(runs).where(runs.c.id == run_id).values(**values))
+            return event
 
     @staticmethod
     def _check_event(type: str, data: dict[str, Any]) -> None:
@@ -757,15 +793,26 @@ class Store:
         if event is not None:
             self._check_event(*event)
         async with self._engine.begin() as conn:
-            replay = event is not None and await conn.scalar(
-                sa.select(sa.func.count())
-                .select_from(ledger_rows)
-                .where(ledger_rows.c.idempotency_key == key)
-            )
-            total = await ledger.charge(conn, run_id=run_id, kind=kind, micros=micros, key=key)
-            if event is not None and not replay:
-                await self._append(conn, run_id, *event)
-            return total
+            return await self._charge(conn, run_id, kind, micros, key, event)
+
+    async def _charge(
+        self,
+        conn: AsyncConnection,
+        run_id: str,
+        kind: str,
+        micros: int,
+        key: str,
+        event: tuple[str, dict[str, Any]] | None,
+    ) -> int:
+        replay = event is not None and await conn.scalar(
+            sa.select(sa.func.count())
+            .select_from(ledger_rows)
+            .where(ledger_rows.c.idempotency_key == key)
+        )
+        total = await ledger.charge(conn, run_id=run_id, kind=kind, micros=micros, key=key)
+        if event is not None and not replay:
+            await self._append(conn, run_id, *event)
+        return total
 
     async def charged(self, run_id: str) -> dict[str, int]:
         async with self._reader.connect() as conn:
@@ -785,21 +832,26 @@ class Store:
             raise errors.InvalidRequest.field("messages", "must be a list")
         _json_size("messages", messages, MAX_TRANSCRIPT_BYTES)
         async with self._engine.begin() as conn:
-            run = await self._run(conn, run_id)
-            if _zdr(run.policy) or run.erased_at is not None:
-                return
-            stmt = ledger.insert(conn, run_transcripts).values(
-                run_id=run_id, messages=messages, updated_at=utcnow()
+            await self._save_transcript(conn, run_id, messages)
+
+    async def _save_transcript(
+        self, conn: AsyncConnection, run_id: str, messages: list[dict[str, Any]]
+    ) -> None:
+        run = await self._run(conn, run_id)
+        if _zdr(run.policy) or run.erased_at is not None:
+            return
+        stmt = ledger.insert(conn, run_transcripts).values(
+            run_id=run_id, messages=messages, updated_at=utcnow()
+        )
+        await conn.execute(
+            stmt.on_conflict_do_update(
+                index_elements=[run_transcripts.c.run_id],
+                set_={
+                    "messages": stmt.excluded.messages,
+                    "updated_at": stmt.excluded.updated_at,
+                },
             )
-            await conn.execute(
-                stmt.on_conflict_do_update(
-                    index_elements=[run_transcripts.c.run_id],
-                    set_={
-                        "messages": stmt.excluded.messages,
-                        "updated_at": stmt.excluded.updated_at,
-                    },
-                )
-            )
+        )
 
     async def get_transcript(self, run_id: str) -> list[dict[str, Any]] | None:
         async with self._reader.connect() as conn:

@@ -148,7 +148,7 @@ async def build_run(runtime: Runtime, **policy: Any) -> AgentRun:
     row, _ = await runtime.admit(
         org, RunRequest(prompt="broker test", model="replay/sandbox-proof", **policy)
     )
-    return await runtime.build(row.id)
+    return await runtime.engine.build(row.id)
 
 
 async def call(agent: AgentRun, tool: str, /, **arguments: Any) -> str:

@@ -69,8 +69,8 @@ async def test_a_run_uses_the_broker_and_no_secret_lands_anywhere(
         connections=[{"name": "github", "methods": ["GET"], "paths": ["/repos/*"]}],
     )
     row, _ = await runtime.admit(await runtime.local_org(), request)
-    agent = await runtime.build(row.id)
-    row = await runtime.run_agent(agent)
+    agent = await runtime.engine.build(row.id)
+    row = await runtime.engine.drive(agent)
 
     assert row.status == "succeeded", row.termination_detail
     events = await runtime.store.list_events(row.id)

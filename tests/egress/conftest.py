@@ -191,7 +191,7 @@ async def provisioned(
         agent.broker = broker
     task = asyncio.current_task()
     assert task is not None
-    runtime._running[agent.run_id] = task  # this test executes the run (not the watchdog)
+    runtime.engine.state(agent.run_id).task = task  # this test executes the run (not the watchdog)
     try:
         await agent.provision()
         yield agent

@@ -91,8 +91,8 @@ async def test_a_byte_heavy_download_stops_at_the_budget(
         max_cost_micros=8_000,
     )
     row, _ = await runtime.admit(await runtime.local_org(), request)
-    agent = await runtime.build(row.id)
-    row = await runtime.run_agent(agent)
+    agent = await runtime.engine.build(row.id)
+    row = await runtime.engine.drive(agent)
 
     assert row.termination_reason == "budget_exhausted", row.termination_detail
     assert row.termination_detail == "egress traffic used up the budget"
@@ -137,8 +137,8 @@ async def test_a_failing_broker_closes_egress_and_ends_the_run(
     )
     request = RunRequest(prompt="Go.", model=model, web=True, shell=True, isolation=isolation)
     row, _ = await runtime.admit(await runtime.local_org(), request)
-    agent = await runtime.build(row.id)
-    row = await runtime.run_agent(agent)
+    agent = await runtime.engine.build(row.id)
+    row = await runtime.engine.drive(agent)
 
     assert row.termination_reason == "infra_error"
     assert row.termination_detail == "the egress broker failed: RuntimeError"

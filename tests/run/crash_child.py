@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ephemeral import closing
 from ephemeral.agent import PLAIN_STEPS
 from ephemeral.lifecycle import RunStatus
 from ephemeral.policy import RunRequest
@@ -41,6 +42,18 @@ def _after(owner: Any, name: str, when: Callable[..., bool] = lambda *a, **k: Tr
     setattr(owner, name, wrapped)
 
 
+def _after_sync(owner: Any, name: str) -> None:
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        _die()
+        return result
+
+    setattr(owner, name, wrapped)
+
+
 def _to(status: RunStatus) -> Callable[..., bool]:
     return lambda *args, **kwargs: kwargs.get("to") == status
 
@@ -54,6 +67,8 @@ BOUNDARIES: dict[str, Callable[[], None]] = {
     "tool_step": lambda: _after(PLAIN_STEPS, "tool_step"),
     "teardown": lambda: _after(PLAIN_STEPS, "teardown"),
     "closed": lambda: _after(Store, "close_run"),
+    # The record's files are written, its `recorded` marker is not.
+    "recorded": lambda: _after_sync(closing, "record_run"),
 }
 
 

@@ -26,7 +26,7 @@ def run_cli(tmp_path: Path, cassettes: Path) -> Callable[..., tuple[int, str]]:
     env = {
         "EPHEMERAL_STATE_DIR": str(tmp_path / "state"),
         "EPHEMERAL_CASSETTES_DIR": str(cassettes),
-        "EPHEMERAL_USE_PREFECT": "false",
+        "EPHEMERAL_EXECUTOR": "plain",
         "EPHEMERAL_URL": "",
     }
 

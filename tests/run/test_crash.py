@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 
 from ephemeral.ids import new_run_id
+from ephemeral.records import Records
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from ephemeral.store import Store
@@ -141,6 +142,7 @@ BOUNDARIES = {
     "tool_step": "running",
     "teardown": "running",
     "closed": "succeeded",
+    "recorded": "succeeded",
 }
 
 
@@ -195,6 +197,13 @@ async def test_kill_9_at_every_step_boundary_is_recovered(
             assert events.count("sandbox.destroyed") == events.count("sandbox.ready"), events
             charged = await runtime.store.charged(run_id)
             assert sum(charged.values()) == row.charged_micros
+            # Recorded exactly once, also when the process died between close and record
+            # ("closed") or between the record's files and its marker ("recorded").
+            assert row.recorded_at is not None, run_id
+            _, found = Records(run_settings.records_dir).query(
+                f"SELECT count(*) FROM runs WHERE run_id = '{run_id}'"
+            )
+            assert found == [(1,)], (run_id, found)
         org = await runtime.store.get_org("local")
     finally:
         await runtime.close()

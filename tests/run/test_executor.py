@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ephemeral.executor import PlainExecutor
+from ephemeral.executor import PlainExecutor, RunHandle
 from ephemeral.flowloop import LoopBridgedRuntime, start_bridged
 from ephemeral.policy import RunRequest
 from ephemeral.service import Runtime
@@ -21,16 +21,16 @@ class Counting(PlainExecutor):
         self.executed: list[str] = []
         self.closed = 0
 
-    async def execute(self, runtime: Runtime, run_id: str) -> None:
-        self.executed.append(run_id)
-        await super().execute(runtime, run_id)
+    async def execute(self, run: RunHandle) -> None:
+        self.executed.append(run.run_id)
+        await super().execute(run)
 
     async def close(self) -> None:
         self.closed += 1
 
 
 class Broken:
-    async def execute(self, runtime: Runtime, run_id: str) -> None:
+    async def execute(self, run: RunHandle) -> None:
         raise RuntimeError("no way to start this run")
 
     async def close(self) -> None:

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import pytest
 
-from ephemeral import service
 from ephemeral.policy import RunRequest
 from ephemeral.records import Records
+from ephemeral.sandbox import source
 from ephemeral.sandbox.base import Limits, Sandbox
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
@@ -42,12 +42,12 @@ async def test_absurd_guest_numbers_never_cost_the_records(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     driver = HostileDriver(run_settings, "absurd")
-    monkeypatch.setattr(service, "get_driver", lambda isolation, settings: driver)
+    monkeypatch.setattr(source, "get_driver", lambda isolation, settings: driver)
 
     async def resolve(requested: str, settings: Settings) -> str:
         return "fake"
 
-    monkeypatch.setattr(service, "resolve_isolation", resolve)
+    monkeypatch.setattr(source, "resolve_isolation", resolve)
     model = make_cassette("absurd", [turn("echo one"), turn("echo two"), turn(final="done")])
     org = await runtime.local_org()
     row, _ = await runtime.admit(org, RunRequest(prompt="p", model=model))

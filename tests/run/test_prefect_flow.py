@@ -62,7 +62,7 @@ async def test_sample_runs_as_a_prefect_flow(
             flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[sample.id]))
         )
     names = Counter(t.name.rsplit("-", 1)[0] for t in tasks)
-    assert names["reserve_budget"] == 1
+    assert names["load_run"] == 1
     assert names["provision_sandbox"] == 1
     assert names["agent_turn"] == 3  # one task per model call and the commands it asked for
     assert names["teardown"] == 1 and names["settle"] == 1

@@ -74,8 +74,8 @@ async def test_setup_agent_and_verify_share_one_python_dev_sandbox(
             verify=["python3 -m pytest -q", "test -f made-by-setup.txt"],
         ),
     )
-    agent = await runtime.build(row.id)
-    row = await runtime.run_agent(agent)
+    agent = await runtime.engine.build(row.id)
+    row = await runtime.engine.drive(agent)
     events = await runtime.store.list_events(row.id)
     assert row.status == "succeeded", row.termination_detail
     t = types(events)
@@ -171,7 +171,7 @@ async def test_the_warm_pool_serves_only_its_own_image(
     settings = run_settings.model_copy(update={"pool_size": 1})
     runtime = await Runtime.start(settings, warm_pool=True)
     try:
-        [pool] = runtime._pools.values()
+        [pool] = runtime.sandboxes.pools.values()
         await pool.wait_ready(60)
         got = {}
         for image in ("python-dev", None):

@@ -108,7 +108,7 @@ async def test_time_limit_ends_the_session(runtime: Runtime, org: str, isolation
 
 
 async def test_budget_cap_ends_the_session(runtime: Runtime, org: str, isolation: str) -> None:
-    limits = runtime.default_limits(60)
+    limits = runtime.sandboxes.limits(60)
     rate = runtime.price_book.compute_micros(
         vcpu_seconds=limits.cpus, gib_seconds=limits.memory_mib / 1024
     )
@@ -290,10 +290,10 @@ async def test_a_runtime_without_a_pool_gets_one_at_its_first_session(
     )
     runtime = await Runtime.start(settings, warm_pool=False)  # as the API loop of `serve`
     try:
-        assert runtime._pools == {}
+        assert runtime.sandboxes.pools == {}
         org = await runtime.local_org()
         first, _ = await runtime.sessions.create(org, SessionRequest(isolation=isolation))
-        pool = runtime._pools[(isolation, settings.image)]
+        pool = runtime.sandboxes.pools[(isolation, settings.image)]
         await pool.wait_ready(60)
         warm = {s.id for s in pool._ready}
         second, _ = await runtime.sessions.create(org, SessionRequest(isolation=isolation))

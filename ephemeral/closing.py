@@ -1,0 +1,115 @@
+"""The one close of a run, and its record, written once.
+
+Finished runs (``AgentRun.settle``), abandoned runs (``Engine.abandon``: dead owner, cancelled
+while waiting, an executor that raised) and sandbox sessions (``Sessions``) all end here:
+
+    close     one store transaction (:meth:`Store.close_run`): the sandbox's compute charge with
+              ``sandbox.destroyed``, the terminal status, ``run.<status>``, the settlement
+              (``charged + refunded = reserved``), ``run.output``, ``run.settled``, the transcript
+    record    the Parquet records (``recording.record_run``), then the ``recorded_at`` marker;
+              a process that dies between the close and the marker leaves a settled,
+              unrecorded run, which ``Runtime.recover`` records (rewriting the same files)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection, Sequence
+from datetime import datetime
+from typing import Any
+
+from ephemeral.events import Event
+from ephemeral.ids import rfc3339, utcnow
+from ephemeral.lifecycle import OPEN_STATUSES, RunStatus, TerminationReason, compute_charge
+from ephemeral.recording import record_run
+from ephemeral.settings import Settings
+from ephemeral.store import RunRow, Store
+
+
+async def close(
+    store: Store,
+    settings: Settings | None,
+    run_id: str,
+    *,
+    reason: TerminationReason,
+    detail: str | None,
+    usage: dict[str, Any],
+    output: str | None,
+    keep_output: bool = True,
+    compute: tuple[int, int] | None = None,
+    transcript: list[dict[str, Any]] | None = None,
+    expect: Collection[RunStatus] = OPEN_STATUSES,
+) -> RunRow:
+    """End a run in one transaction, then write its record (unless ``settings`` is None:
+    the caller records it later).
+
+    ``compute`` is ``(micros, lifetime_ms)`` of the run's sandbox, charged with
+    ``sandbox.destroyed`` in the same transaction (skipped if charged already). A run that is
+    closed already is returned as it is (settled, if a crash had left only that undone).
+    """
+    row, _ = await store.close_run(
+        run_id,
+        reason=reason,
+        detail=detail,
+        usage=usage,
+        output=output,
+        keep_output=keep_output,
+        expect=expect,
+        compute=compute,
+        transcript=transcript,
+    )
+    if settings is not None:
+        return await record(store, settings, row)
+    return row
+
+
+async def record(
+    store: Store, settings: Settings, run: str | RunRow, *, rewrite: bool = False
+) -> RunRow:
+    """Write a settled run's records unless its marker says they are written (``rewrite``:
+    write them again, as after an eval added its verdicts); returns the row.
+
+    The files are named by the run and its host's partition, so a rewrite after a crash
+    (between the files and the marker) replaces them: one record per run.
+    """
+    row = await store.get_run(run) if isinstance(run, str) else run
+    if row.recorded_at is not None and not rewrite:
+        return row
+    events = await store.list_events(row.id)
+    if row.host is not None and row.host != settings.host_id:
+        # Recovered on another host: the record goes to the run's own host partition.
+        settings = settings.model_copy(update={"host_id": row.host})
+    await asyncio.to_thread(record_run, settings, row, events)
+    await store.mark_recorded(row.id)
+    return row.model_copy(update={"recorded_at": utcnow()})
+
+
+def abandoned_compute(
+    row: RunRow, events: Sequence[Event], *, micros_per_second: float, charged: dict[str, int]
+) -> tuple[int, int] | None:
+    """The compute of a run whose agent is gone, from its events: its sandbox lived from
+    ``sandbox.ready`` to the last thing the run recorded (or its host's last lease renewal).
+    None when no sandbox came up or its ``sandbox.destroyed`` is written already."""
+    types = [e.type for e in events]
+    if "sandbox.ready" not in types or "sandbox.destroyed" in types:
+        return None
+    ready = next(e for e in events if e.type == "sandbox.ready")
+    end = events[-1].at
+    if row.lease_renewed_at is not None:
+        end = max(end, rfc3339(row.lease_renewed_at), key=_parse_at)
+    lifetime = _ms_between(ready.at, end)
+    micros = compute_charge(
+        micros_per_second=micros_per_second,
+        seconds=lifetime / 1000,
+        reserved_micros=row.reserved_micros,
+        other_spent_micros=sum(charged.values()) - charged.get("compute_micros", 0),
+    )
+    return micros, lifetime
+
+
+def _parse_at(at: str) -> datetime:
+    return datetime.fromisoformat(at.replace("Z", "+00:00"))
+
+
+def _ms_between(a: str, b: str) -> int:
+    return max(0, int((_parse_at(b) - _parse_at(a)).total_seconds() * 1000))

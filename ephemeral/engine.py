@@ -1,0 +1,502 @@
+"""The run engine: one run, from admission to its record, in this process.
+
+One run, top to bottom (``file:function`` for each stage)::
+
+    admit     service.py:Runtime.admit           validate (model, connections, image,
+                                                 isolation) → store.Store.admit_run: one
+                                                 transaction: idempotency claim, hold
+                                                 max_cost_micros on the org, run ``queued``
+    launch    service.py:Runtime.submit          → engine.py:Engine.launch (a task per run), or
+                                                 Runtime.dispatch (a worker on some host runs it)
+    slot      engine.py:Engine.execute           waits ``queued`` for one of
+                                                 max_concurrent_runs slots, then hands a
+                                                 RunHandle to the executor (executor.py)
+    grant     engine.py:RunHandle.grant          ``queued → provisioning``: its clock starts
+    build     engine.py:Engine.build             the run row (+ its zero-data-retention prompt)
+                                                 → agent.py:AgentRun
+    steps     agent.py:drive                     provision → setup → turn* → verify →
+                                                 teardown → settle, each a Steps callable
+                                                 (plain methods, or Prefect tasks in
+                                                 flows/agent_run.py)
+      provision   agent.py:AgentRun.provision    sandbox.source.SandboxSource.acquire (warm
+                                                 pool or boot) → ``running`` + sandbox.ready,
+                                                 files, egress, worker.started
+      turn        agent.py:take_turn             AgentRun.model_step, then AgentRun.tool_step
+                                                 for each tool call
+      teardown    agent.py:AgentRun.teardown     destroy the sandbox, measure its compute
+      settle      agent.py:AgentRun.settle       engine.py:close
+    close     engine.py:close                    one transaction (store.Store.close_run):
+                                                 compute charge + sandbox.destroyed, terminal
+                                                 status, run.<status>, settlement, run.output,
+                                                 run.settled, transcript
+    record    engine.py:record                   Parquet rows (recording.py:record_run), then
+                                                 store.Store.mark_recorded; a crash between the
+                                                 two is repaired by service.py:Runtime.recover
+
+A run nothing executes any more (its process died, cancelled while waiting, an executor
+that raised) ends through :meth:`Engine.abandon`, which charges the compute its events show and
+calls the same :func:`close`; a sandbox session ends through it too (``ephemeral.sessions``).
+
+Everything one run holds in this process (its task, its agent, its zero-data-retention
+prompt, whether it holds a slot, the signal that its body began) is one :class:`RunState`.
+An executor sees a run only as a :class:`RunHandle` (``grant``, ``run``/``build``+``drive``,
+``done``, ``dispatch``, ``cancel``), never the runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from ephemeral import errors
+from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps, drive
+from ephemeral.broker import Broker
+from ephemeral.closing import abandoned_compute, close, record
+from ephemeral.executor import Dispatcher, Executor
+from ephemeral.ids import utcnow
+from ephemeral.lifecycle import OPEN_STATUSES, TERMINAL_STATUSES, RunStatus, TerminationReason
+from ephemeral.owner import is_alive
+from ephemeral.policy import Policy
+from ephemeral.pricing import PriceBook
+from ephemeral.providers.registry import provider_for
+from ephemeral.sandbox.source import SandboxSource
+from ephemeral.settings import Settings
+from ephemeral.store import RunRow, Store
+
+log = logging.getLogger("ephemeral.engine")
+
+EVENT_POLL_SECONDS = 0.1
+# How long a cancel waits for another process to end the run: its poll (0.5 s), the sandbox's
+# destroy and the settle take about a second, several on a loaded host; then the API says 202.
+CANCEL_WAIT_SECONDS = 10.0
+
+
+# one run's state ------------------------------------------------------------------------------
+@dataclass
+class RunState:
+    """What this process holds for one run while it waits or executes here."""
+
+    run_id: str
+    task: asyncio.Task[RunRow] | None = None  # what executes it (cancel and the watchdog reach it)
+    agent: AgentRun | None = None  # built, being driven
+    prompt: str | None = None  # a zero-data-retention prompt, for the build
+    granted: bool = False  # holds a slot; its executor has not built it yet
+    started: asyncio.Event = field(default_factory=asyncio.Event)  # set when its build begins
+
+
+class RunHandle:
+    """What an executor may do with one run (``ephemeral.executor.Executor``)."""
+
+    def __init__(self, engine: Engine, state: RunState) -> None:
+        self._engine = engine
+        self._state = state
+        self.run_id = state.run_id
+
+    @property
+    def started(self) -> asyncio.Event:
+        """Set once the run's body began (its build): starting it again would repeat work."""
+        return self._state.started
+
+    def restart(self) -> None:
+        """A fresh ``started`` signal, before another attempt to start the body."""
+        self._state.started = asyncio.Event()
+
+    async def grant(self) -> bool:
+        """The run got a slot: ``queued → provisioning``, its time counts. False if it no
+        longer waits (cancelled or abandoned meanwhile): do nothing then."""
+        return await self._engine.grant(self.run_id)
+
+    async def build(self) -> AgentRun | None:
+        """The run's agent, or None when the run is not waiting to run here."""
+        row = await self._engine.store.get_run(self.run_id)
+        waiting = row.status == RunStatus.QUEUED or self._state.granted
+        if not waiting or row.reserved_micros <= 0:
+            return None
+        return await self._engine.build(self.run_id)
+
+    async def drive(self, agent: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
+        """Drive the built run through ``steps`` to its close and record."""
+        return await self._engine.drive(agent, steps)
+
+    async def run(self, steps: Steps = PLAIN_STEPS) -> RunRow:
+        """Build and drive: the whole body, for an executor that runs it on this loop."""
+        agent = await self.build()
+        if agent is None:
+            return await self._engine.store.get_run(self.run_id)
+        return await self.drive(agent, steps)
+
+    async def dispatch(self) -> None:
+        """Hand the run to a worker (a dispatching runtime only)."""
+        await self._engine.dispatch(self.run_id)
+
+    async def done(self) -> RunRow:
+        """Wait until whoever executes the run settled it; a zero-data-retention output
+        sealed by that worker is taken into this process's custody for its one reader."""
+        row = await self._engine.wait(self.run_id)
+        if row.policy.get("zero_data_retention"):
+            output = await self._engine.unseal(self.run_id, "output")
+            if output is not None:
+                self._engine.keep_output(self.run_id, output)
+        return row
+
+    async def cancel(self) -> RunRow:
+        row = await self._engine.store.get_run(self.run_id)
+        if row.status in TERMINAL_STATUSES:
+            return row
+        return await self._engine.cancel(row)
+
+
+class Engine:
+    """The runs of one process: their slots, states, build, drive, custody, cancel, close."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        price_book: PriceBook,
+        sandboxes: SandboxSource,
+        executor: Executor,
+        owner: str,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.price_book = price_book
+        self.sandboxes = sandboxes
+        self.executor = executor
+        self.owner = owner
+        self.host = settings.host_id
+        self.runs: dict[str, RunState] = {}
+        self.outputs: dict[str, str] = {}  # zero-data-retention outputs, delivered once
+        self.slots = asyncio.Semaphore(settings.max_concurrent_runs)
+        self.run_seconds = 5.0  # moving average of a run's execution, for Retry-After
+        # Scale-out (docs/deploy.md). A worker holds leases on the runs it executes; an API
+        # process with a dispatcher hands admitted runs to Prefect instead of executing them.
+        self.lease_seconds: float | None = None
+        self.dispatcher: Callable[[str], Awaitable[None]] | None = (
+            executor.dispatch if isinstance(executor, Dispatcher) else None
+        )
+
+    # state --------------------------------------------------------------------------------
+    def state(self, run_id: str) -> RunState:
+        st = self.runs.get(run_id)
+        if st is None:
+            st = self.runs[run_id] = RunState(run_id)
+        return st
+
+    def handle(self, run_id: str) -> RunHandle:
+        return RunHandle(self, self.state(run_id))
+
+    def task(self, run_id: str) -> asyncio.Task[RunRow] | None:
+        st = self.runs.get(run_id)
+        return st.task if st is not None else None
+
+    def executing(self) -> list[str]:
+        """The runs a task of this process executes (or waits with for a slot)."""
+        return [r for r, st in self.runs.items() if st.task is not None]
+
+    def _release(self, run_id: str, task: asyncio.Task[Any] | None) -> None:
+        st = self.runs.get(run_id)
+        if st is not None and (task is None or st.task is task):
+            del self.runs[run_id]
+
+    # execution ----------------------------------------------------------------------------
+    def launch(self, run_id: str) -> asyncio.Task[RunRow]:
+        task = asyncio.get_running_loop().create_task(self.execute(run_id), name=run_id)
+        self.state(run_id).task = task
+        task.add_done_callback(lambda t: self._release(run_id, t))
+        return task
+
+    async def execute(self, run_id: str) -> RunRow:
+        """Run to the end in this process and return the settled row.
+
+        The run waits ``queued`` for an execution slot holding nothing but its reservation; the
+        executor's grant marks it ``provisioning`` and starts its clock (``started_at``);
+        the sandbox is attached only when its body provisions. Whatever goes wrong on this path,
+        the run is settled before this returns (or, if even that fails, by the watchdog).
+        """
+        task = asyncio.current_task()
+        st = self.state(run_id)
+        if st.task is None:
+            st.task = task  # so cancel and the watchdog can reach it
+        t0 = time.monotonic()
+        try:
+            async with self.slots:
+                t0 = time.monotonic()
+                await self.executor.execute(RunHandle(self, st))
+            return await self.store.get_run(run_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure must end the run, never leave it open
+            await self.fail(run_id, exc)
+            return await self.store.get_run(run_id)
+        finally:
+            self.run_seconds = 0.9 * self.run_seconds + 0.1 * (time.monotonic() - t0)
+            st.granted = False
+            if task is not None and st.task is task:
+                self._release(run_id, task)
+
+    async def grant(self, run_id: str) -> bool:
+        try:
+            await self.store.transition(
+                run_id,
+                expect={RunStatus.QUEUED},
+                to=RunStatus.PROVISIONING,
+                started_at=utcnow(),
+                events=[("run.claimed", {"host": self.host})] if self.lease_seconds else (),
+                **self.claim_fields(),
+            )
+        except errors.Conflict:  # cancelled or abandoned while it waited
+            return False
+        self.state(run_id).granted = True
+        return True
+
+    async def take(self, run_id: str) -> bool:
+        """A worker takes a dispatched run as soon as Prefect hands it over, before it waits
+        for a slot: the run stays ``queued`` (nothing is charged) but carries this host, this
+        process as owner and a lease, so if the worker dies while the run waits, the run is
+        settled like any other of a dead host. False if the run no longer waits."""
+        task = asyncio.current_task()
+        try:
+            await self.store.transition(
+                run_id, expect={RunStatus.QUEUED}, to=RunStatus.QUEUED, **self.claim_fields()
+            )
+        except errors.Conflict:
+            return False
+        st = self.state(run_id)
+        if st.task is None:
+            st.task = task  # its lease is renewed, cancels reach it
+        return True
+
+    async def drop(self, run_id: str, exc: BaseException) -> None:
+        """A taken run cannot execute here (no slot): end it ``infra_error``, let it go."""
+        self._release(run_id, asyncio.current_task())
+        await self.fail(run_id, exc)
+
+    def claim_fields(self) -> dict[str, Any]:
+        """What a slot grant writes besides the status: this host, and (on a worker, whose
+        runs other processes watch) this process as owner and a fresh lease."""
+        fields: dict[str, Any] = {"host": self.host, "owner": self.owner}
+        if self.lease_seconds is not None:
+            now = utcnow()
+            fields["lease_renewed_at"] = now
+            fields["lease_expires_at"] = now + timedelta(seconds=self.lease_seconds)
+        return fields
+
+    async def build(self, run_id: str) -> AgentRun:
+        st = self.state(run_id)
+        st.granted = False
+        st.started.set()
+        row = await self.store.get_run(run_id)
+        policy = Policy.model_validate(row.policy)
+        if policy.zero_data_retention:
+            prompt, st.prompt = st.prompt, None
+            if prompt is None:
+                prompt = await self.unseal(run_id, "prompt")
+            if prompt is None:
+                raise errors.InvalidRequest(
+                    "a zero-data-retention run can only execute in the process that admitted it"
+                )
+            row = row.model_copy(update={"prompt": prompt})
+        provider, provider_model = provider_for(row.model, self.settings)
+        image = policy.image or self.settings.image
+        built = self.sandboxes.built_image(image)
+        sandboxes = self.sandboxes
+        return AgentRun(
+            store=self.store,
+            row=row,
+            policy=policy,
+            model=row.model,
+            provider=provider,
+            provider_model=provider_model,
+            price_book=self.price_book,
+            acquire_sandbox=lambda owner, limits: sandboxes.acquire(policy, owner, limits),
+            limits=self.sandboxes.limits(policy.timeout_seconds),
+            max_turns=self.settings.max_turns,
+            image=image,
+            image_hash=built.hash if built else None,
+            command_env=dict(built.env) if built else {},
+            workdir=built.workdir if built else None,
+            broker=Broker(self.settings),
+            settings=self.settings,
+        )
+
+    async def drive(self, agent: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
+        """Drive one built run; the ``agent-run`` flow calls this with its task-wrapped steps."""
+        st = self.state(agent.run_id)
+        st.agent = agent
+        try:
+            row = await drive(agent, steps)
+        finally:
+            st.agent = None
+        if agent.zdr and agent.output is not None:
+            if self.lease_seconds is not None:  # a worker: the reader is in another process
+                await self.seal(agent.run_id, "output", agent.output)
+            else:
+                self.outputs[agent.run_id] = agent.output
+        if row.recorded_at is None:  # the settle step records; a wrapper that failed may not
+            await record(self.store, self.settings, row.id)
+        return row
+
+    async def dispatch(self, run_id: str) -> None:
+        """Hand an admitted run to the dispatcher; if that fails the run ends ``infra_error``
+        (its reservation refunded) and the error propagates."""
+        assert self.dispatcher is not None
+        try:
+            await self.dispatcher(run_id)
+        except Exception as exc:
+            await self.fail(run_id, exc)
+            raise errors.EphemeralError(
+                f"could not hand the run to a worker: {brief_error(exc)}", cause=exc
+            ) from exc
+
+    async def wait(self, run_id: str, timeout: float | None = None) -> RunRow:
+        async with asyncio.timeout(timeout):
+            while True:
+                row = await self.store.get_run(run_id)
+                # Settled implies `run.settled` is written: the close is one transaction.
+                if row.status in TERMINAL_STATUSES and row.settled:
+                    return row
+                await asyncio.sleep(EVENT_POLL_SECONDS)
+
+    # zero-data-retention custody ------------------------------------------------------------
+    def keep_prompt(self, run_id: str, prompt: str) -> None:
+        """Hold a zero-data-retention prompt in memory for the build of the run."""
+        self.state(run_id).prompt = prompt
+
+    def keep_output(self, run_id: str, output: str) -> None:
+        self.outputs[run_id] = output
+
+    def take_output(self, run_id: str) -> str | None:
+        """A zero-data-retention run's output is delivered once, then forgotten."""
+        return self.outputs.pop(run_id, None)
+
+    async def seal(self, run_id: str, kind: str, text: str) -> None:
+        """Keep zero-data-retention content for one reader in another process: sealed with
+        the shared key, deleted at that read or after ``zdr_ttl_seconds``."""
+        from ephemeral.broker.secrets import Sealer
+
+        token = Sealer.for_settings(self.settings).seal({"text": text})
+        expires = utcnow() + timedelta(seconds=self.settings.zdr_ttl_seconds)
+        await self.store.put_sealed(run_id, kind, token, expires)
+
+    async def unseal(self, run_id: str, kind: str) -> str | None:
+        """Take sealed content out of the store: whoever calls first gets it, once."""
+        from ephemeral.broker.secrets import Sealer
+
+        token = await self.store.take_sealed(run_id, kind)
+        if token is None:
+            return None
+        return Sealer.for_settings(self.settings).open(token).get("text")
+
+    # cancel, failure, abandon ---------------------------------------------------------------
+    async def cancel(self, row: RunRow) -> RunRow:
+        """Cancel an open run (not a session): stop its agent or its waiting task here, or
+        ask the process that executes it."""
+        run_id = row.id
+        if self.dispatcher is not None:  # its runs execute on workers, never here
+            return await self.cancel_elsewhere(row)
+        st = self.runs.get(run_id)
+        agent = st.agent if st is not None else None
+        task = st.task if st is not None else None
+        if agent is not None:
+            agent.cancelled.set()
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        elif task is not None:  # admitted, waiting for a slot
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            await self.abandon(run_id, TerminationReason.CANCELLED, "cancelled by request")
+        elif row.owner == self.owner:
+            await self.abandon(run_id, TerminationReason.CANCELLED, "cancelled by request")
+        else:
+            return await self.cancel_elsewhere(row)
+        return await self.store.get_run(run_id)
+
+    async def cancel_elsewhere(self, row: RunRow) -> RunRow:
+        """Cancel a run no task of this process executes: still waiting for a worker, it is
+        closed here; claimed by some process (any host), that process is asked through the
+        store and acts within its cancel poll; if that process is dead, here."""
+        run_id = row.id
+        if row.status == RunStatus.QUEUED:
+            try:
+                await self.abandon(
+                    run_id,
+                    TerminationReason.CANCELLED,
+                    "cancelled by request",
+                    expect={RunStatus.QUEUED},
+                )
+                return await self.store.get_run(run_id)
+            except errors.Conflict:
+                pass  # a worker claimed it meanwhile: ask that worker
+        await self.store.request_cancel(run_id)
+        row = await self.store.get_run(run_id)
+        if row.status not in TERMINAL_STATUSES and is_alive(row.owner) is False:
+            await self.abandon(run_id, TerminationReason.CANCELLED, "cancelled by request")
+        with contextlib.suppress(TimeoutError):
+            return await self.wait(run_id, timeout=CANCEL_WAIT_SECONDS)
+        return await self.store.get_run(run_id)
+
+    async def fail(self, run_id: str, exc: BaseException) -> None:
+        """An exception escaped the execution path: end the run ``infra_error`` with the reason."""
+        log.error("run %s: execution failed: %s", run_id, brief_error(exc), exc_info=exc)
+        try:
+            row = await self.store.get_run(run_id)
+            if row.status not in TERMINAL_STATUSES or not row.settled:
+                await self.abandon(
+                    run_id, TerminationReason.INFRA_ERROR, f"execution failed: {brief_error(exc)}"
+                )
+        except Exception:
+            # The store itself is failing; the watchdog retries once this task is gone.
+            log.exception("run %s: could not settle after a failure", run_id)
+
+    async def abandon(
+        self,
+        run_id: str,
+        reason: TerminationReason,
+        detail: str,
+        *,
+        expect: Collection[RunStatus] = OPEN_STATUSES,
+    ) -> None:
+        """Close a run that has no live agent: charge compute it used, settle, record.
+
+        Any number of processes may abandon the same run at once: the compute charge is
+        idempotent on its ledger key and the close is a compare-and-set, so it settles once.
+        """
+        row = await self.store.get_run(run_id)
+        events = await self.store.list_events(run_id)
+        limits = self.sandboxes.limits(Policy.model_validate(row.policy).timeout_seconds)
+        compute = abandoned_compute(
+            row,
+            events,
+            micros_per_second=self.sandboxes.compute_rate(limits, self.price_book),
+            charged=await self.store.charged(run_id),
+        )
+        await close(
+            self.store,
+            self.settings,
+            run_id,
+            reason=reason,
+            detail=detail,
+            usage=row.usage or {},
+            output=row.output,
+            compute=compute,
+            expect=expect,
+        )
+        st = self.runs.get(run_id)
+        if st is not None and st.task is None:
+            del self.runs[run_id]
+
+
+def brief_error(exc: BaseException) -> str:
+    """The exception's type and first line, bounded: it lands in the run's termination detail."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__

@@ -1,0 +1,136 @@
+"""Where runs and sessions get their sandboxes: the warm pools, the limits, the boot retries.
+
+One :class:`SandboxSource` per runtime. Runs (``ephemeral.engine``) and sessions
+(``ephemeral.sessions``) ask it for a sandbox for an owner under a policy; neither sees the
+pools, the drivers or the host facts behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, cast
+
+from ephemeral import errors
+from ephemeral.policy import Policy
+from ephemeral.pricing import PriceBook
+from ephemeral.sandbox import images
+from ephemeral.sandbox.base import Limits, Sandbox
+from ephemeral.sandbox.pool import boot_slots
+from ephemeral.sandbox.registry import get_driver, resolve_isolation
+from ephemeral.settings import Settings
+
+log = logging.getLogger("ephemeral.sandbox.source")
+
+# What a request's isolation resolves to and which build an image name means are looked up on
+# every admission and every sandbox (hashing the image definition, reading the probe cache and
+# the image's metadata: ~10 ms of a session's create, measured); this long they are reused.
+HOST_FACTS_SECONDS = 5.0
+BOOT_ATTEMPTS = 3  # tries to boot a run's or a session's sandbox
+BOOT_RETRY_SECONDS = 0.25
+LIFETIME_GRACE_SECONDS = 10.0  # a sandbox outlives its run's time limit by this (backstop)
+
+
+class SandboxSource:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.pools: dict[tuple[str, str], Any] = {}  # (isolation, image) -> WarmPool
+        self._host_facts: dict[tuple[str, str], tuple[float, Any]] = {}
+        self._boots = asyncio.Semaphore(boot_slots())  # every sandbox this source starts
+        self._pool_asked = False
+
+    def limits(self, timeout_seconds: int) -> Limits:
+        """The limits of a run's or session's sandbox: it lives its time limit plus a grace."""
+        return Limits(lifetime_seconds=float(timeout_seconds) + LIFETIME_GRACE_SECONDS)
+
+    def compute_rate(self, limits: Limits, price_book: PriceBook) -> int:
+        """Micros per second of a sandbox of ``limits`` (``PriceBook.compute_micros``)."""
+        return int(
+            price_book.compute_micros(
+                vcpu_seconds=limits.cpus, gib_seconds=limits.memory_mib / 1024
+            )
+        )
+
+    async def isolation_for(self, requested: str) -> str:
+        """The level ``requested`` resolves to here (``resolve_isolation``), reused for
+        ``HOST_FACTS_SECONDS``; a level that cannot run raises every time."""
+        hit = self._host_facts.get(("isolation", requested))
+        if hit is not None and time.monotonic() - hit[0] < HOST_FACTS_SECONDS:
+            return str(hit[1])
+        level = await resolve_isolation(requested, self.settings)
+        self._host_facts[("isolation", requested)] = (time.monotonic(), level)
+        return level
+
+    def built_image(self, name: str) -> images.ImageConfig | None:
+        """The current build of image ``name`` (``images.built_image``), reused for
+        ``HOST_FACTS_SECONDS``."""
+        hit = self._host_facts.get(("image", name))
+        if hit is not None and time.monotonic() - hit[0] < HOST_FACTS_SECONDS:
+            return cast(images.ImageConfig | None, hit[1])
+        built = images.built_image(self.settings, name)
+        self._host_facts[("image", name)] = (time.monotonic(), built)
+        return built
+
+    async def start_pool(self) -> None:
+        from ephemeral.sandbox.pool import WarmPool
+
+        self._pool_asked = True
+        isolation = await resolve_isolation(self.settings.isolation, self.settings)
+        pool = WarmPool(
+            get_driver(isolation, self.settings),
+            self.settings.pool_size,
+            self.limits(120),
+            boots=self._boots,
+        )
+        await pool.start()
+        # Per image: the pool holds sandboxes of the default image; a run naming another image
+        # starts its sandbox cold (bench/images.py measures what that costs).
+        self.pools[(isolation, self.settings.image)] = pool
+
+    async def ensure_pool(self) -> None:
+        """A source started without a warm pool (the API loop of a Prefect server, whose pool
+        is on the flow loop) gets one of ``pool_size`` when first asked: later sandboxes start
+        warm. Nothing happens when there is a pool already or ``pool_size`` is 0."""
+        if self._pool_asked or self.pools or self.settings.pool_size == 0:
+            return
+        await self.start_pool()
+
+    async def acquire(self, policy: Policy, owner: str, limits: Limits) -> Sandbox:
+        """A sandbox for the run or session ``owner``: warm from the pool, else booted.
+
+        A boot that fails is tried again (``BOOT_ATTEMPTS`` in all): nothing has happened in a
+        sandbox that never started, and under a burst runsc now and then loses its own start
+        handshake ("cannot read client sync file"), measured by bench/tti.py."""
+        for attempt in range(1, BOOT_ATTEMPTS + 1):
+            try:
+                return await self._acquire_once(policy, owner, limits)
+            except errors.SandboxError as exc:
+                if attempt == BOOT_ATTEMPTS:
+                    raise
+                log.warning(
+                    "%s: sandbox boot failed (attempt %d of %d): %s",
+                    owner,
+                    attempt,
+                    BOOT_ATTEMPTS,
+                    exc.detail,
+                )
+                await asyncio.sleep(BOOT_RETRY_SECONDS * attempt)
+        raise AssertionError("unreachable")
+
+    async def _acquire_once(self, policy: Policy, owner: str, limits: Limits) -> Sandbox:
+        isolation = await self.isolation_for(policy.isolation)
+        image = policy.image or self.settings.image
+        pool = self.pools.get((isolation, image))
+        if pool is not None:
+            sandbox: Sandbox = await pool.acquire(owner, limits)
+            return sandbox
+        settings = self.settings
+        if image != settings.image:
+            settings = settings.model_copy(update={"image": image})
+        async with self._boots:
+            return await get_driver(isolation, settings).create(owner=owner, limits=limits)
+
+    async def close(self) -> None:
+        for pool in self.pools.values():
+            await pool.close()

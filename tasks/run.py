@@ -1,0 +1,27 @@
+"""Run tasks: load the admitted run at the start, close it at the end."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prefect import task
+
+from ephemeral.agent import AgentRun
+from ephemeral.tasks._common import TASK_OPTIONS
+
+if TYPE_CHECKING:
+    from ephemeral.engine import RunHandle
+    from ephemeral.store import RunRow
+
+
+@task(name="load_run", **TASK_OPTIONS)
+async def load_run(run: RunHandle) -> AgentRun | None:
+    """Build the admitted run's agent (its row, its zero-data-retention prompt, its in-run
+    budget); None if it is not waiting to run. Its money was held at admission."""
+    return await run.build()
+
+
+@task(name="settle", **TASK_OPTIONS)
+async def settle(run: AgentRun) -> RunRow:
+    """The run's one close (``ephemeral.closing.close``) and its record."""
+    return await run.settle()
