@@ -128,7 +128,7 @@ serve-prefect: setup
 	wait $$worker
 
 # Scale-out on this machine (docs/deploy.md): PostgreSQL, the Prefect server, the API with
-# EPHEMERAL_EXECUTOR=prefect and two workers (hosts a and b). Ctrl-C stops them all.
+# EPHEMERAL_EXECUTOR=dispatch and two workers (hosts a and b). Ctrl-C stops them all.
 cluster: setup
 	$(PY) -m tests.cluster.run --port $${EPHEMERAL_PORT:-8000}
 

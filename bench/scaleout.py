@@ -10,7 +10,7 @@ processes, replay model ``replay/sandbox-proof``, warm pools of 2). Prints:
 - **time to first step**, accepted (the run's ``created_at``) → ``worker.started`` (the moment
   the agent can act), p50 / p99 over sequential runs (a pause between runs lets warm pools
   refill), for ``ephemeral serve`` in local mode with Prefect (``agent-run`` flow in-process,
-  against the same Prefect server) and in dispatch mode (``EPHEMERAL_EXECUTOR=prefect``, one
+  against the same Prefect server) and in dispatch mode (``EPHEMERAL_EXECUTOR=dispatch``, one
   worker), in the same run;
 - **throughput**: N runs through the API from C concurrent clients, with 1 worker and with 2
   workers (``--limit 4`` each): runs/s, failures, settle mismatches (charged + refunded ≠
@@ -271,7 +271,7 @@ def cluster_bench(args: argparse.Namespace) -> None:
             str(port := _free_port()),
             "--pool",
             "2",
-            EPHEMERAL_EXECUTOR="local",
+            EPHEMERAL_EXECUTOR="flow",
         )
         _wait_http(f"http://127.0.0.1:{port}", local)
         phases: dict[str, list[float]] = {}

@@ -4,7 +4,7 @@
                                          [--executors plain,prefect] [--slots 8] [--pool 2]
 
 For each isolation level, executor and slot count: one ``ephemeral serve`` subprocess on a
-loopback port (fresh state directory, ``EPHEMERAL_USE_PREFECT=0`` for ``plain``, the default
+loopback port (fresh state directory, ``EPHEMERAL_EXECUTOR=plain`` for ``plain``, the default
 embedded Prefect for ``prefect``; ``EPHEMERAL_ISOLATION`` and the request's ``isolation`` both
 the level; ``EPHEMERAL_MAX_CONCURRENT_RUNS`` the slots). After one warm-up run, for each client
 count C: ``--runs`` runs of the seed-shaped request (replay model ``replay/sandbox-proof``: 3
@@ -112,7 +112,7 @@ async def config(args: argparse.Namespace, level: str, executor: str, slots: int
     key = await make_key(Settings.load(state_dir=state))
     floor = await asyncio.to_thread(background_cpu, 3.0)
     env = {
-        "EPHEMERAL_USE_PREFECT": "1" if executor == "prefect" else "0",
+        "EPHEMERAL_EXECUTOR": "flow" if executor == "prefect" else "plain",
         "EPHEMERAL_ISOLATION": level,
         "EPHEMERAL_MAX_CONCURRENT_RUNS": str(slots),
         "EPHEMERAL_MAX_QUEUED_RUNS": str(max(args.clients) * 2),

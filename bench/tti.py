@@ -248,7 +248,7 @@ async def level_bench(args: argparse.Namespace, level: str) -> None:
     state = Path(tempfile.mkdtemp(prefix=f"ephemeral-tti-{level}-"))
     key = await make_key(Settings.load(state_dir=state))
     env = {
-        "EPHEMERAL_USE_PREFECT": "0" if args.no_prefect else "1",
+        "EPHEMERAL_EXECUTOR": "plain" if args.no_prefect else "flow",
         "EPHEMERAL_ISOLATION": level,
         "EPHEMERAL_MAX_CONCURRENT_RUNS": str(max(8, args.burst)),
         "EPHEMERAL_MAX_QUEUED_RUNS": str(max(64, args.burst * 2)),

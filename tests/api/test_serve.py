@@ -28,7 +28,7 @@ def _serve(tmp_path: Path, env: dict[str, str], *args: str) -> Iterator[subproce
         **os.environ,
         "PYTHONPATH": str(REPO),
         "EPHEMERAL_STATE_DIR": str(tmp_path / "state"),
-        "EPHEMERAL_USE_PREFECT": "false",
+        "EPHEMERAL_EXECUTOR": "plain",
         **env,
     }
     log = (tmp_path / "serve.log").open("wb")

@@ -1,7 +1,7 @@
 """A scale-out cluster on one machine, from real processes (docs/deploy.md, "Scale-out").
 
 One ``prefect server start`` (SQLite from the pre-migrated template: fastest here), one or more
-``ephemeral serve`` with ``EPHEMERAL_EXECUTOR=prefect`` and ``ephemeral worker`` processes, each
+``ephemeral serve`` with ``EPHEMERAL_EXECUTOR=dispatch`` and ``ephemeral worker`` processes, each
 with its own state dir and ``EPHEMERAL_HOST_ID``, all sharing one store (``db_url``: PostgreSQL
 in the tests), one records root and one seal key. Each process runs in its own session, so
 ``kill(name)`` takes its whole process tree, as a dead host would go. Used by
@@ -71,7 +71,7 @@ class Cluster:
             "EPHEMERAL_DATABASE_URL": self.db_url,
             "EPHEMERAL_RECORDS_DIR": str(self.records),
             "EPHEMERAL_SEAL_KEY_FILE": str(self.seal_key),
-            "EPHEMERAL_EXECUTOR": "prefect",
+            "EPHEMERAL_EXECUTOR": "dispatch",
             "EPHEMERAL_HOST_ID": name,
             "EPHEMERAL_LEASE_SECONDS": str(self.lease_seconds),
             "EPHEMERAL_ISOLATION": self.isolation,

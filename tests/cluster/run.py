@@ -1,7 +1,7 @@
 """``make cluster``: a scale-out cluster on this machine until Ctrl-C (docs/deploy.md).
 
 PostgreSQL 15 (a throwaway cluster holding the store), one ``prefect server start``, one
-``ephemeral serve`` with ``EPHEMERAL_EXECUTOR=prefect`` on ``--port`` (default 8000) and two
+``ephemeral serve`` with ``EPHEMERAL_EXECUTOR=dispatch`` on ``--port`` (default 8000) and two
 ``ephemeral worker`` processes, hosts ``a`` and ``b``, each with its own state dir. Prints the
 API URL, an API key with $100 of credit, and the environment to point the CLI at it. Ctrl-C
 stops every process and deletes the cluster's directory.
@@ -42,7 +42,7 @@ def main() -> None:
         print(f"prefect server: {cluster.server.api_url}", flush=True)
         key = cluster.make_key("demo", 100_000_000)
         url = cluster.start_api(port=args.port)
-        print(f"API (EPHEMERAL_EXECUTOR=prefect): {url}", flush=True)
+        print(f"API (EPHEMERAL_EXECUTOR=dispatch): {url}", flush=True)
         for host in ("a", "b"):
             cluster.start_worker(host, limit=args.limit, pool=1)
             print(f"worker {host}: state dir {cluster.state_dir(host)}", flush=True)

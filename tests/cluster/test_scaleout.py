@@ -1,7 +1,7 @@
 """Scale-out on one machine, from real processes (docs/deploy.md, "Scale-out"; issue 9).
 
 A real PostgreSQL 15 holds our store; one ``prefect server start`` (SQLite); one ``ephemeral
-serve`` with ``EPHEMERAL_EXECUTOR=prefect``; two ``ephemeral worker`` processes, hosts ``a`` and
+serve`` with ``EPHEMERAL_EXECUTOR=dispatch``; two ``ephemeral worker`` processes, hosts ``a`` and
 ``b``, each with its own state dir. The tests run in file order against one cluster (module
 fixture): sample runs, cancel, host death, API death, an eval suite, zero data retention.
 """
