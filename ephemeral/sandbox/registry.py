@@ -39,7 +39,7 @@ def get_driver(isolation: str, settings: Settings) -> SandboxDriver:
 
         return MicroVMDriver(settings, accel="kvm" if name == "microvm-kvm" else "tcg")
     if name == FAKE:
-        from ephemeral.sandbox.fake import FakeDriver
+        from ephemeral.testing.sandbox import FakeDriver
 
         return FakeDriver()
     raise errors.InvalidRequest.field(

@@ -12,6 +12,7 @@ from ephemeral.broker import Broker
 from ephemeral.broker.connections import Denied, check_path, join
 from ephemeral.policy import Connection, Policy, RunRequest
 from ephemeral.service import Runtime
+from ephemeral.testing.broker import FakeContext, ask
 from tests.broker.conftest import (
     CANARY,
     Upstream,
@@ -21,7 +22,6 @@ from tests.broker.conftest import (
     events_of,
     state_bytes_contain,
 )
-from tests.broker.fake_context import FakeContext, ask
 
 GITHUB = {"name": "github", "methods": ["GET", "POST"], "paths": ["/repos/*"]}
 

@@ -18,7 +18,7 @@ from cryptography.x509.oid import NameOID
 
 from ephemeral.broker import Broker
 from ephemeral.policy import Policy
-from tests.broker.fake_context import FakeContext, ask
+from ephemeral.testing.broker import FakeContext, ask
 
 
 def _self_signed(tmp: Path) -> tuple[Path, Path]:

@@ -11,8 +11,8 @@ from ephemeral.broker.outbound import BODY_CAP
 from ephemeral.policy import Policy
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
+from ephemeral.testing.broker import PRICE, FakeContext, OutOfBudget, ask
 from tests.broker.conftest import Upstream, build_run, call, events_of
-from tests.broker.fake_context import PRICE, FakeContext, OutOfBudget, ask
 
 
 async def test_fetch_returns_text_charges_and_strips_the_query(

@@ -6,13 +6,13 @@ from pathlib import Path
 
 from ephemeral.providers.anthropic import AnthropicProvider
 from ephemeral.providers.base import Message, ToolCall
-from ephemeral.providers.fakeserver import (
+from ephemeral.providers.registry import provider_for
+from ephemeral.settings import Settings
+from ephemeral.testing.providers import (
     FakeAnthropicServer,
     FakeReply,
     anthropic_message_response,
 )
-from ephemeral.providers.registry import provider_for
-from ephemeral.settings import Settings
 
 from .conftest import KEY, SHELL, conversation
 

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 from ephemeral.providers.base import Message, ToolCall
-from ephemeral.providers.fakeserver import FakeOpenAIServer, FakeReply, openai_chat_response
 from ephemeral.providers.openai import OpenAIProvider
 from ephemeral.providers.registry import provider_for
 from ephemeral.settings import Settings
+from ephemeral.testing.providers import FakeOpenAIServer, FakeReply, openai_chat_response
 
 from .conftest import KEY, SHELL, conversation
 

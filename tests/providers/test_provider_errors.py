@@ -14,15 +14,15 @@ import pytest
 from ephemeral.errors import ModelError, TransientModelError
 from ephemeral.providers.anthropic import AnthropicProvider
 from ephemeral.providers.base import Provider
-from ephemeral.providers.fakeserver import (
+from ephemeral.providers.http import MAX_RESPONSE_BYTES
+from ephemeral.providers.openai import OpenAIProvider
+from ephemeral.testing.providers import (
     FakeAnthropicServer,
     FakeOpenAIServer,
     FakeReply,
     anthropic_message_response,
     openai_chat_response,
 )
-from ephemeral.providers.http import MAX_RESPONSE_BYTES
-from ephemeral.providers.openai import OpenAIProvider
 
 from .conftest import KEY, SHELL, conversation
 

@@ -9,11 +9,11 @@ import pytest
 
 from ephemeral.errors import UnknownModel
 from ephemeral.providers.anthropic import AnthropicProvider
-from ephemeral.providers.fakeserver import openai_chat_response
 from ephemeral.providers.openai import OpenAIProvider
 from ephemeral.providers.registry import provider_for
 from ephemeral.providers.replay import ReplayProvider
 from ephemeral.settings import REPO_ROOT, Settings
+from ephemeral.testing.providers import openai_chat_response
 
 from .conftest import KEY, conversation
 

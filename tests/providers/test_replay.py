@@ -14,7 +14,6 @@ from ephemeral.errors import InvalidRequest, ModelError, UnknownModel
 from ephemeral.pricing import PriceBook
 from ephemeral.providers.anthropic import AnthropicProvider
 from ephemeral.providers.base import Message, ModelReply, Provider, ToolSpec
-from ephemeral.providers.fakeserver import FakeAnthropicServer, FakeOpenAIServer
 from ephemeral.providers.openai import OpenAIProvider
 from ephemeral.providers.replay import (
     ReplayProvider,
@@ -24,6 +23,7 @@ from ephemeral.providers.replay import (
     save_cassette,
 )
 from ephemeral.settings import REPO_ROOT, Settings
+from ephemeral.testing.providers import FakeAnthropicServer, FakeOpenAIServer
 
 from .conftest import SHELL
 

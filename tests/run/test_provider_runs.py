@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 
 from ephemeral.policy import RunRequest
-from ephemeral.providers.fakeserver import (
+from ephemeral.providers.replay import load_cassette
+from ephemeral.service import Runtime
+from ephemeral.settings import Settings
+from ephemeral.testing.providers import (
     FakeAnthropicServer,
     FakeOpenAIServer,
     FakeReply,
     openai_chat_response,
 )
-from ephemeral.providers.replay import load_cassette
-from ephemeral.service import Runtime
-from ephemeral.settings import Settings
 
 pytestmark = [pytest.mark.sandbox]
 

@@ -9,8 +9,8 @@ import pytest
 from ephemeral import errors
 from ephemeral.sandbox import registry
 from ephemeral.sandbox.base import ExecResult, Limits
-from ephemeral.sandbox.fake import FakeDriver
 from ephemeral.settings import Settings
+from ephemeral.testing.sandbox import FakeDriver
 from tests.drivers import unavailable
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from ephemeral import errors
 from ephemeral.sandbox.base import Limits, Sandbox
-from ephemeral.sandbox.fake import FakeDriver, FakeSandbox
 from ephemeral.sandbox.pool import WarmPool
+from ephemeral.testing.sandbox import FakeDriver, FakeSandbox
 
 
 class CountingSandbox(FakeSandbox):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 
 from ephemeral.sandbox.base import Limits
-from ephemeral.sandbox.fake import FakeDriver
 from ephemeral.sandbox.pool import WarmPool
+from ephemeral.testing.sandbox import FakeDriver
 
 
 async def test_claim_takes_the_owners_lifetime() -> None:
