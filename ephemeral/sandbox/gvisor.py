@@ -161,6 +161,7 @@ class GVisorDriver(ProcessDriver):
         if runsc is None:
             raise errors.IsolationUnavailable(f"gvisor: {self.binary} not found")
         runtime = await asyncio.to_thread(runtime_version, self.isolation, runsc)
+        helper = await asyncio.to_thread(writable_root.helper, self.settings.image_cache_dir)
         handle = new_handle(self.isolation, owner)
         run_dir = self.settings.state_dir / "run" / handle.id
         state_root, bundle = run_dir / "state", run_dir / "bundle"
@@ -200,7 +201,7 @@ class GVisorDriver(ProcessDriver):
             )
             await sbx._start(
                 [
-                    *writable_root.launcher(rootfs, limits.disk_mib, handle.id),
+                    *writable_root.launcher(rootfs, limits.disk_mib, handle.id, helper),
                     *self.runsc_argv(runsc, state_root, bundle, handle.id),
                 ]
             )

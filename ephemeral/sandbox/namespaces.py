@@ -49,10 +49,12 @@ sandbox is labelled ``namespaces-privileged``, and its agent refuses any user of
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import uuid
+from pathlib import Path
 
 from ephemeral.sandbox import cgroups, handles, seccomp, writable_root
 from ephemeral.sandbox.base import AGENT_CAPS, Limits, Sandbox
@@ -76,7 +78,12 @@ def _memfd(name: str, data: bytes) -> int:
 
 
 def _launcher(
-    rootfs: str, host_base: int | None, passed: list[int], disk_mib: int, sandbox_id: str
+    rootfs: str,
+    host_base: int | None,
+    passed: list[int],
+    disk_mib: int,
+    sandbox_id: str,
+    helper: Path | None,
 ) -> list[str]:
     """argv prefix: private mount namespace, then (unless privileged) the user namespace, the
     writable root's overlay (over an image idmapped into that namespace), and the namespace
@@ -86,7 +93,7 @@ def _launcher(
     writable_root.prepare_dirs()
     head = writable_root.ARGS + "base=$1\nnsfd=$2\nshift 2\n"
     if host_base is None:
-        script = head + writable_root.mount_script(idmap_userns=None) + 'exec "$@"'
+        script = head + writable_root.mount_script(helper=helper, idmap_userns=None) + 'exec "$@"'
     else:
         # The holder unshares; we (root outside) write its maps; its namespace is kept by an fd
         # while nsenter makes us its uid 0. Capabilities are recomputed at exec, so the map must
@@ -102,7 +109,9 @@ def _launcher(
             'echo "0 $base 65536" >"/proc/$h/gid_map" || exit 1\n'
             'eval "exec $nsfd<\\"/proc/$h/ns/user\\"" || exit 1\n'
             "{ kill -9 $h; wait $h; } 2>/dev/null\n"
-            + writable_root.mount_script(idmap_userns='"/proc/self/fd/$nsfd"', owner='"$base"')
+            + writable_root.mount_script(
+                helper=helper, idmap_userns='"/proc/self/fd/$nsfd"', owner='"$base"'
+            )
             + 'exec nsenter --user="/proc/self/fd/$nsfd" --setuid=0 --setgid=0 -- /bin/sh -c '
             '\'eval "exec $0<&-" && echo 0 >/proc/sys/user/max_user_namespaces && '
             'exec "$@"\' "$nsfd" "$@"'
@@ -205,6 +214,7 @@ class NamespacesDriver(ProcessDriver):
     async def create(self, *, owner: str, limits: Limits) -> Sandbox:
         """Start one sandbox; any failure is a SandboxError and never a weaker sandbox."""
         rootfs = await self._image()
+        helper = await asyncio.to_thread(writable_root.helper, self.settings.image_cache_dir)
         handle = new_handle(self.isolation, owner)
         cg = cgroups.CgroupSet.for_id(handle.id)
         handle.cgroups = [str(d) for d in cg.dirs]
@@ -234,7 +244,7 @@ class NamespacesDriver(ProcessDriver):
             )
             slot_fd = None  # the sandbox's destroy releases it now
             argv = [
-                *_launcher(rootfs, host_base, [*fds.values()], limits.disk_mib, handle.id),
+                *_launcher(rootfs, host_base, [*fds.values()], limits.disk_mib, handle.id, helper),
                 *self.argv(str(writable_root.MOUNT_POINT), limits, fds),
             ]
             await sbx._start(argv, pass_fds=list(fds.values()))

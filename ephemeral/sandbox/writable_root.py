@@ -5,9 +5,11 @@ Docker, E2B, Modal, Daytona, Inspect and Harbor all give a task a root it can wr
 (``apt-get install``, ``adduser``, ``pip install`` as root at run time), so it is always on:
 a read-only root would buy nothing, since the upper layer is the sandbox's own and discarded.
 
-How (shell run by host root in the launcher's private mount namespace, :func:`mount_script`):
+How (run by host root in the launcher's private mount namespace, :func:`mount_script`: one
+exec of ``mount_root.c``, compiled with the host's gcc on first use, which the image builds
+need anyway; without it, the same steps as shell commands and a Python idmap helper):
 
-- the image is bound at :data:`LOWER`; for ``namespaces`` through an *idmapped* mount that
+- the image is bound read-only at :data:`LOWER`; for ``namespaces`` through an *idmapped* mount that
   shifts its owners into the sandbox's uid slot (host uid 0 shows as the slot's base, which
   is root inside the sandbox's user namespace), so the sandbox's root owns the image's files
   as it sees them, while on the host it stays an unprivileged uid owning nothing;
@@ -24,7 +26,13 @@ included. Nothing is written to the image or anywhere else on the host.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import logging
+import os
 import shlex
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +42,9 @@ LOWER = RUN_DIR / "lower"  # the image, bound at a path that says nothing about 
 UPPER = RUN_DIR / "upper"  # the sandbox's tmpfs: upper and work directories of the overlay
 MOUNT_POINT = RUN_DIR / "rootfs"  # the overlay the runtime makes the sandbox's /
 UPPER_TAG = "sandbox-upper-"
+SOURCE = Path(__file__).with_name("mount_root.c")
+log = logging.getLogger(__name__)
+_helpers: dict[Path, Path | None] = {}
 
 # An idmapped bind mount (open_tree + mount_setattr(MOUNT_ATTR_IDMAP) + move_mount): this
 # host's util-linux (2.38) ignores X-mount.idmap. argv: user namespace file, source, target.
@@ -48,10 +59,42 @@ def call(*args):
     return r
 ns = os.open(sys.argv[1], os.O_RDONLY | os.O_CLOEXEC)
 tree = call(428, -100, sys.argv[2].encode(), 1 | os.O_CLOEXEC)  # open_tree(CLONE)
-attr = struct.pack("QQQQ", 0x00100000, 0, 0, ns)  # attr_set=MOUNT_ATTR_IDMAP, userns_fd
+attr = struct.pack("QQQQ", 0x00100001, 0, 0, ns)  # MOUNT_ATTR_IDMAP|RDONLY, userns_fd
 call(442, tree, b"", 0x1000, attr, len(attr))  # mount_setattr(AT_EMPTY_PATH)
 call(429, tree, b"", -100, sys.argv[3].encode(), 4)  # move_mount(F_EMPTY_PATH)
 """
+
+
+def helper(cache_dir: Path) -> Path | None:
+    """The compiled ``mount_root.c`` under ``cache_dir/helpers`` (built once per source hash,
+    atomically), or None where it cannot be built: the shell fallback then runs."""
+    if cache_dir in _helpers:
+        return _helpers[cache_dir]
+    found: Path | None = None
+    source = SOURCE.read_bytes()
+    target = cache_dir / "helpers" / f"mount-root-{hashlib.sha256(source).hexdigest()[:16]}"
+    if target.is_file() and os.access(target, os.X_OK):
+        found = target
+    elif shutil.which("gcc") is not None:
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run(
+                ["gcc", "-O2", "-Wall", "-o", str(tmp), str(SOURCE)],
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
+            os.replace(tmp, target)
+            found = target
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning(
+                "writable root: cannot build %s (%s); using the shell fallback", SOURCE, exc
+            )
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+    _helpers[cache_dir] = found
+    return found
 
 
 def prepare_dirs() -> None:
@@ -71,12 +114,17 @@ def args(rootfs: str, disk_mib: int, sandbox_id: str) -> list[str]:
     return [rootfs, str(disk_mib << 20), tag(sandbox_id)]
 
 
-def mount_script(*, idmap_userns: str | None, owner: str = "0") -> str:
+def mount_script(*, helper: Path | None, idmap_userns: str | None, owner: str = "0") -> str:
     """Shell that mounts the overlay; expects ``$rootfs $size $tag`` set. ``idmap_userns``: a
     path (shell word) of the user namespace the image's owners are shifted into, and
     ``owner`` the host uid that is root there (the upper root directory's owner)."""
+    if helper is not None:
+        return (
+            f'{shlex.quote(str(helper))} "$rootfs" {LOWER} {UPPER} {MOUNT_POINT} "$size" "$tag" '
+            f"{owner} {idmap_userns or ''} || exit 1\n"
+        )
     if idmap_userns is None:
-        bind = f'mount --bind "$rootfs" {LOWER} || exit 1\n'
+        bind = f'mount --bind "$rootfs" {LOWER} && mount -o remount,bind,ro {LOWER} || exit 1\n'
     else:
         bind = (
             f"{shlex.quote(sys.executable)} -I -S -c {shlex.quote(_IDMAP)} {idmap_userns} "
@@ -84,7 +132,7 @@ def mount_script(*, idmap_userns: str | None, owner: str = "0") -> str:
         )
     return (
         bind
-        + f'mount -t tmpfs -o "size=$size,mode=0700" "$tag" {UPPER} || exit 1\n'
+        + f'mount -t tmpfs -o "size=$size,mode=0700,nosuid,nodev" "$tag" {UPPER} || exit 1\n'
         + f"mkdir {UPPER}/root {UPPER}/work || exit 1\n"
         + f"chown {owner}:{owner} {UPPER}/root && chmod 0755 {UPPER}/root || exit 1\n"
         + f"mount -t overlay sandbox -o lowerdir={LOWER},upperdir={UPPER}/root,"
@@ -92,11 +140,11 @@ def mount_script(*, idmap_userns: str | None, owner: str = "0") -> str:
     )
 
 
-def launcher(rootfs: str, disk_mib: int, sandbox_id: str) -> list[str]:
+def launcher(rootfs: str, disk_mib: int, sandbox_id: str, helper: Path | None) -> list[str]:
     """argv prefix for a runtime that needs nothing else: a private mount namespace with the
     overlay at :data:`MOUNT_POINT`, then the runtime's argv (which follows)."""
     prepare_dirs()
-    script = ARGS + mount_script(idmap_userns=None) + 'exec "$@"'
+    script = ARGS + mount_script(helper=helper, idmap_userns=None) + 'exec "$@"'
     return [
         "unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", script, "sh",
         *args(rootfs, disk_mib, sandbox_id),

@@ -163,3 +163,23 @@ async def test_the_reaper_frees_the_upper_layer_of_a_crashed_host(
     assert sandbox_id in await reaper.reap(sandbox_settings)
     assert _mount_namespaces_holding(writable_root.tag(sandbox_id)) == []
     assert not (rootfs / "etc/crash-mark").exists()
+
+
+async def test_without_the_compiled_helper_the_shell_makes_the_same_root(
+    driver: SandboxDriver, make_sandbox: Factory, rootfs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if driver.isolation.startswith("microvm"):
+        pytest.skip("a microVM's overlay is made by its stage 0, not by the host")
+    monkeypatch.setattr(writable_root, "helper", lambda cache_dir: None)  # as without gcc
+    sbx = await make_sandbox(disk_mib=16)
+    res = await sbx.exec(
+        "echo fallback > /etc/fallback-mark && cat /etc/fallback-mark && stat -c %U /etc/passwd "
+        "&& df -k / | tail -1",
+        user="root",
+    )
+    assert res.exit_code == 0, res
+    mark, owner, *df = res.stdout.split()
+    assert (mark, owner) == ("fallback", "root")
+    assert int(df[1]) <= 16 * 1024  # the disk limit's tmpfs
+    assert (await sbx.exec("touch /etc/worker-file")).exit_code != 0
+    assert not (rootfs / "etc/fallback-mark").exists()
