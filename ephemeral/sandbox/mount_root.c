@@ -1,0 +1,80 @@
+/* The writable root's mounts (writable_root.py), run by host root in a sandbox launcher's
+ * private mount namespace: one exec instead of a shell's six, and the idmapped mount this
+ * host's util-linux cannot make.
+ *
+ *   mount-root ROOTFS LOWER UPPER TARGET SIZE_BYTES TAG OWNER [USERNS]
+ *
+ * ROOTFS is bound read-only at LOWER (idmapped into the user namespace file USERNS when given),
+ * a tmpfs of SIZE_BYTES named TAG at UPPER holds the overlay's upper and work directories (the
+ * upper one owned by OWNER, who is root inside), and the overlay is mounted at TARGET. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#ifndef SYS_open_tree
+#define SYS_open_tree 428
+#endif
+#ifndef SYS_move_mount
+#define SYS_move_mount 429
+#endif
+#ifndef SYS_mount_setattr
+#define SYS_mount_setattr 442
+#endif
+#define OPEN_TREE_CLONE_ 1
+#define MOVE_MOUNT_F_EMPTY_PATH_ 0x4
+#define MOUNT_ATTR_RDONLY_ 0x1
+#define MOUNT_ATTR_IDMAP_ 0x00100000
+
+struct attr {
+    uint64_t attr_set, attr_clr, propagation, userns_fd;
+};
+
+static void fail(const char *what) {
+    fprintf(stderr, "writable root: %s: %s\n", what, strerror(errno));
+    exit(1);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 8 && argc != 9) {
+        fprintf(stderr, "usage: mount-root ROOTFS LOWER UPPER TARGET SIZE TAG OWNER [USERNS]\n");
+        return 2;
+    }
+    const char *rootfs = argv[1], *lower = argv[2], *upper = argv[3], *target = argv[4];
+    const char *size = argv[5], *tag = argv[6];
+    unsigned owner = (unsigned)strtoul(argv[7], NULL, 10);
+    char buf[4096];
+
+    if (argc == 9) {
+        int ns = open(argv[8], O_RDONLY | O_CLOEXEC);
+        if (ns < 0) fail("open the user namespace");
+        int tree = (int)syscall(SYS_open_tree, AT_FDCWD, rootfs, OPEN_TREE_CLONE_ | O_CLOEXEC);
+        if (tree < 0) fail("open_tree of the image");
+        struct attr a = {MOUNT_ATTR_IDMAP_ | MOUNT_ATTR_RDONLY_, 0, 0, (uint64_t)ns};
+        if (syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH, &a, sizeof a) < 0)
+            fail("idmapped mount of the image");
+        if (syscall(SYS_move_mount, tree, "", AT_FDCWD, lower, MOVE_MOUNT_F_EMPTY_PATH_) < 0)
+            fail("move the image's mount");
+    } else {
+        if (mount(rootfs, lower, NULL, MS_BIND, NULL) < 0) fail("bind the image");
+        if (mount(NULL, lower, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL) < 0)
+            fail("make the image's bind read-only");
+    }
+    snprintf(buf, sizeof buf, "size=%s,mode=0700", size);
+    if (mount(tag, upper, "tmpfs", MS_NOSUID | MS_NODEV, buf) < 0) fail("tmpfs for the upper layer");
+    snprintf(buf, sizeof buf, "%s/root", upper);
+    if (mkdir(buf, 0755) < 0 || chown(buf, owner, owner) < 0 || chmod(buf, 0755) < 0)
+        fail("the upper directory");
+    snprintf(buf, sizeof buf, "%s/work", upper);
+    if (mkdir(buf, 0700) < 0) fail("the work directory");
+    snprintf(buf, sizeof buf, "lowerdir=%s,upperdir=%s/root,workdir=%s/work", lower, upper, upper);
+    if (mount("sandbox", target, "overlay", 0, buf) < 0) fail("the overlay");
+    return 0;
+}
