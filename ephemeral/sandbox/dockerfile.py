@@ -849,108 +849,148 @@ _SEPARATORS = {"&&", "||", ";", "|", "&", "(", ")", "\n", ";;", "{", "}"}
 
 def _commands(
     ins: Instruction, text: str, env: Mapping[str, str], path: str
-) -> Iterator[list[str]]:
-    """The simple commands of a shell line, words with the RUN's variables expanded, for
-    reading package names. A word the builder cannot know (``$(...)``, backticks, a glob) is
-    kept raw: a package list holding one is refused by the caller."""
-    lex = shlex.shlex(text.replace("\n", " ; "), posix=True, punctuation_chars=";&|()")
-    lex.whitespace_split = True
-    lex.commenters = "#"
-    try:
-        tokens = list(lex)
-    except ValueError as exc:
-        raise fail(path, ins.line, "RUN", f"cannot read the command: {exc}") from None
-    cmd: list[str] = []
-    for tok in tokens:
-        if tok in _SEPARATORS or set(tok) <= set(";&|()"):
+) -> Iterator[list[str | None]]:
+    """The simple commands of a shell line, each word as the shell would make it from the
+    RUN's variables, or None when it needs more (``$(...)``, backticks, an unquoted glob):
+    for reading package names, which the caller refuses when it cannot read one."""
+    cmd: list[str | None] = []
+    for tok in _shell_tokens(ins, text, path):
+        if tok is _SEP:
             if cmd:
                 yield cmd
             cmd = []
             continue
-        cmd.append(tok)
+        cmd.append(_expand_shell_word(str(tok), env))
     if cmd:
         yield cmd
 
 
-def _strip_prefix(cmd: list[str]) -> list[str]:
-    """Drop leading ``VAR=value`` assignments and ``env``/``sudo``/``exec`` wrappers."""
+_SEP = object()
+
+
+def _shell_tokens(ins: Instruction, text: str, path: str) -> Iterator[object]:
+    """Words (quotes and escapes kept) and command separators (``;``, ``&``, ``|``, ``(``,
+    ``)``, newlines) of a shell line; ``#`` at a word's start comments out the rest."""
+    word: list[str] = []
+    quote: str | None = None
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if quote is not None:
+            word.append(ch)
+            if ch == "\\" and quote == '"' and i + 1 < len(text):
+                word.append(text[i + 1])
+                i += 1
+            elif ch == quote:
+                quote = None
+        elif ch == "\\" and i + 1 < len(text):
+            word.append(ch + text[i + 1])
+            i += 1
+        elif ch in "'\"":
+            quote = ch
+            word.append(ch)
+        elif ch == "#" and not word:
+            nl = text.find("\n", i)
+            i = len(text) if nl < 0 else nl
+            continue
+        elif ch in " \t" or ch in ";&|()\n":
+            if word:
+                yield "".join(word)
+                word = []
+            if ch not in " \t":
+                yield _SEP
+        else:
+            word.append(ch)
+        i += 1
+    if quote is not None:
+        raise fail(path, ins.line, "RUN", "cannot read the command: unterminated quote")
+    if word:
+        yield "".join(word)
+
+
+_WRAPPERS = {"sudo", "exec", "env", "command", "nohup", "then", "do", "else", "if", "while"}
+_WRAPPERS |= {"!", "time", "xargs"}
+
+
+def _strip_prefix(cmd: list[str | None]) -> list[str | None]:
+    """Drop leading ``VAR=value`` assignments and wrappers (``env``, ``sudo``, ``if`` ...)."""
     i = 0
     while i < len(cmd):
         w = cmd[i]
-        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", w) or w in (
-            "sudo",
-            "exec",
-            "env",
-            "command",
-            "nohup",
-        ):
-            i += 1
-            continue
-        if w in ("then", "do", "else", "if", "while", "!", "time"):
+        if w is not None and (re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", w) or w in _WRAPPERS):
             i += 1
             continue
         break
     return cmd[i:]
 
 
-def _needs_runtime(word: str) -> bool:
-    return any(c in word for c in "$`*?[]{}")
+_APT_VALUE_OPTS = {"-o", "-c", "-t", "--option", "--config-file", "--target-release"}
+_APT_VALUE_OPTS |= {"--default-release"}
 
 
 def _apt_packages(ins: Instruction, text: str, env: Mapping[str, str], path: str) -> list[str]:
+    """The packages of every ``apt-get install`` / ``apt install`` of a RUN line."""
     out: list[str] = []
     for cmd in _commands(ins, text, env, path):
         cmd = _strip_prefix(cmd)
-        if not cmd or os.path.basename(cmd[0]) not in ("apt-get", "apt"):
+        if not cmd or cmd[0] is None or os.path.basename(cmd[0]) not in ("apt-get", "apt"):
             continue
-        words: list[str] = []
+        words: list[str | None] = []
         skip = False
         for w in cmd[1:]:
             if skip:
                 skip = False
                 continue
-            if w in (
-                "-o",
-                "-c",
-                "-t",
-                "--option",
-                "--config-file",
-                "--target-release",
-                "--default-release",
-            ):
+            if w in _APT_VALUE_OPTS:
                 skip = True
                 continue
-            if w.startswith("-"):
+            if w is not None and w.startswith("-"):
                 continue
             words.append(w)
         if not words or words[0] != "install":
             continue
-        for pkg in words[1:]:
-            value = _expand_shell_word(pkg, env)
-            names = value.split() if value is not None else [pkg]
-            for name in names:
-                if value is None or not _PACKAGE.fullmatch(name):
+        for value in words[1:]:
+            for name in value.split() if value is not None else [None]:
+                if name is None or not _PACKAGE.fullmatch(name):
                     raise fail(
                         path,
                         ins.line,
                         "RUN",
-                        f"apt-get install {pkg!r}: only plain package names are honoured (the "
-                        "builder reads them to fetch them; it cannot run a shell expansion or "
-                        "install a local .deb)",
+                        f"apt-get install {name or value!r}: only plain package names are "
+                        "honoured (the builder reads them to fetch them before the build; it "
+                        "cannot run a command substitution, a glob or install a local .deb)",
                     )
                 out.append(name.split("=", 1)[0].split("/", 1)[0])
     return out
 
 
 def _expand_shell_word(word: str, env: Mapping[str, str]) -> str | None:
-    """A word's value as the shell would make it from the RUN's variables, or None when it
-    needs more than variables (command substitution, globs, braces)."""
-    if "`" in word or "$(" in word or any(c in word for c in "*?[]"):
+    """A word's value as the shell would make it from the RUN's variables (quotes removed),
+    or None when it needs more than variables (command substitution, an unquoted glob)."""
+    if "`" in word or "$(" in word or _unquoted_glob(word):
         return None
     try:
-        return expand(word, env) if "$" in word else word
+        return expand(word, env)
     except ValueError:
         return None
+
+
+def _unquoted_glob(word: str) -> bool:
+    quote: str | None = None
+    i = 0
+    while i < len(word):
+        ch = word[i]
+        if quote is None and ch == "\\":
+            i += 2
+            continue
+        if quote is None and ch in "'\"":
+            quote = ch
+        elif ch == quote:
+            quote = None
+        elif quote is None and ch in "*?[{":
+            return True
+        i += 1
+    return False
 
 
 _PIP = re.compile(r"pip(3(\.[0-9]+)?)?")
@@ -1001,19 +1041,23 @@ def _pip_requirements(
     """For each ``pip install`` of a RUN line, what the host's pip must fetch (requirement
     specifiers, plus ``--no-deps``/``--pre``); local paths are left to the pip inside."""
     out: list[list[str]] = []
+
+    def err(message: str) -> errors.DockerfileError:
+        return fail(path, ins.line, "RUN", message)
+
     for cmd in _commands(ins, text, env, path):
         cmd = _strip_prefix(cmd)
-        if not cmd:
+        if not cmd or cmd[0] is None:
             continue
         prog = os.path.basename(cmd[0])
-        rest: list[str]
+        rest: list[str | None]
         if _PIP.fullmatch(prog):
             rest = cmd[1:]
         elif _PYTHON.fullmatch(prog) and cmd[1:3] == ["-m", "pip"]:
             rest = cmd[3:]
         else:
             continue
-        while rest and rest[0].startswith("-"):
+        while rest and rest[0] is not None and rest[0].startswith("-"):
             rest = rest[1:]  # pip's general options (-q, --no-cache-dir, --isolated)
         if not rest or rest[0] != "install":
             continue
@@ -1024,14 +1068,13 @@ def _pip_requirements(
             if skip:
                 skip = False
                 continue
+            if w is None:
+                raise err("pip install: the builder cannot read a requirement of this command")
             opt = w.split("=", 1)[0]
             if opt in _PIP_REFUSED:
-                raise fail(
-                    path,
-                    ins.line,
-                    "RUN",
+                raise err(
                     f"pip install {w}: {_PIP_REFUSED[opt]} is not honoured (the host's pip "
-                    "fetches the named requirements from the mirrors it is configured for)",
+                    "fetches the named requirements from the mirrors it is configured for)"
                 )
             if opt in _PIP_VALUE_OPTS:
                 skip = "=" not in w
@@ -1041,27 +1084,17 @@ def _pip_requirements(
                 continue
             if w.startswith("-"):
                 continue
-            value = _expand_shell_word(w, env)
-            if value is None:
-                raise fail(
-                    path,
-                    ins.line,
-                    "RUN",
-                    f"pip install {w!r}: the builder cannot read this requirement",
-                )
-            if value.startswith((".", "/", "~")) or value.endswith((".whl", ".tar.gz", ".zip")):
+            if "://" in w:
+                raise err(f"pip install {w!r}: URLs are not honoured")
+            if w.startswith((".", "/", "~")) or w.endswith((".whl", ".tar.gz", ".zip")):
                 continue  # a local path in the image: the pip inside installs it
-            if "://" in value:
-                raise fail(path, ins.line, "RUN", f"pip install {value!r}: URLs are not honoured")
             try:
-                req = Requirement(value)
+                req = Requirement(w)
             except InvalidRequirement:
-                raise fail(
-                    path, ins.line, "RUN", f"pip install {value!r}: not a requirement specifier"
-                ) from None
+                raise err(f"pip install {w!r}: not a requirement specifier") from None
             if req.url is not None:
-                raise fail(path, ins.line, "RUN", f"pip install {value!r}: URLs are not honoured")
-            reqs.append(value)
+                raise err(f"pip install {w!r}: URLs are not honoured")
+            reqs.append(w)
         if reqs:
             out.append([*extra, "--", *reqs])
     return out
@@ -1186,6 +1219,9 @@ def load(
 
     plan = translate(parse(text, path), build_args, resolve_base, base_env)
     ctx = scan_context(root, rules, path)
+    for step in plan.steps:
+        if isinstance(step, CopyStep):
+            resolve_copy(ctx, plan, step)  # a missing or escaping source fails before a build
     return plan, ctx, data
 
 
@@ -1621,10 +1657,11 @@ def _copy_file(src: Path, dst: Path) -> None:
     os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-async def _copy(box: BuildSandbox, staged: Path, plan: Plan, ctx: Context, step: CopyStep) -> None:
-    """Docker's COPY rules: a directory's contents (not itself) are copied; several sources
-    (or a glob's matches) need a destination ending in ``/``; a file copied to a path ending
-    in ``/`` (or to an existing directory) keeps its name; missing directories are made."""
+def resolve_copy(
+    ctx: Context, plan: Plan, step: CopyStep
+) -> tuple[list[tuple[str, Path, str]], bool]:
+    """The sources of a COPY/ADD (context path, host path, kind) and whether the destination
+    is a directory, checked against Docker's rules before anything is built."""
     found: list[str] = []
     for s in step.sources:
         matches = _match_sources(ctx, s)
@@ -1633,7 +1670,7 @@ async def _copy(box: BuildSandbox, staged: Path, plan: Plan, ctx: Context, step:
         found += matches
     resolved = [(rel, *_inside(ctx, rel, plan, step)) for rel in found]
     as_dir = step.as_dir or any(kind == "d" for _, _, kind in resolved)
-    if len(resolved) > 1 and not step.dest.endswith("/") and not step.as_dir:
+    if len(resolved) > 1 and not step.as_dir:
         raise fail(
             plan.path,
             step.line,
@@ -1650,6 +1687,14 @@ async def _copy(box: BuildSandbox, staged: Path, plan: Plan, ctx: Context, step:
                     f"{rel!r} is an archive: ADD's extraction is not honoured (COPY it and "
                     "RUN tar)",
                 )
+    return resolved, as_dir
+
+
+async def _copy(box: BuildSandbox, staged: Path, plan: Plan, ctx: Context, step: CopyStep) -> None:
+    """Docker's COPY rules: a directory's contents (not itself) are copied; several sources
+    (or a glob's matches) need a destination ending in ``/``; a file copied to a path ending
+    in ``/`` (or to an existing directory) keeps its name; missing directories are made."""
+    resolved, as_dir = await asyncio.to_thread(resolve_copy, ctx, plan, step)
 
     def stage() -> None:
         staged.mkdir()
