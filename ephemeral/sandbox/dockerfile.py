@@ -719,7 +719,7 @@ def translate(
             run_env = {**args, **env}
             script = rest if form is None else _script_of(form)
             plan.packages += _apt_packages(ins, script, run_env, path)
-            pip = _pip_requirements(ins, script, run_env, path)
+            pip = _pip_requirements(ins, script, run_env, path, workdir)
             plan.steps.append(RunStep(ins.line, argv, run_env, user, workdir, pip))
         elif kw in ("COPY", "ADD"):
             plan.steps.append(_copy_step(ins, sub, workdir, esc, path))
@@ -1028,18 +1028,17 @@ _PIP_REFUSED = {
     "--trusted-host": "a host",
     "-e": "an editable install",
     "--editable": "an editable install",
-    "-r": "a requirements file",
-    "--requirement": "a requirements file",
     "-c": "a constraints file",
     "--constraint": "a constraints file",
 }
 
 
 def _pip_requirements(
-    ins: Instruction, text: str, env: Mapping[str, str], path: str
+    ins: Instruction, text: str, env: Mapping[str, str], path: str, workdir: str = "/"
 ) -> list[list[str]]:
-    """For each ``pip install`` of a RUN line, what the host's pip must fetch (requirement
-    specifiers, plus ``--no-deps``/``--pre``); local paths are left to the pip inside."""
+    """For each ``pip install`` of a RUN line, what the host's pip must fetch: requirement
+    specifiers, ``-r FILE`` (a file of the image, read when the RUN comes; relative to
+    ``workdir``), ``--no-deps``/``--pre``. Local paths are left to the pip inside."""
     out: list[list[str]] = []
 
     def err(message: str) -> errors.DockerfileError:
@@ -1064,9 +1063,18 @@ def _pip_requirements(
         reqs: list[str] = []
         extra: list[str] = []
         skip = False
-        for w in rest[1:]:
+        words = rest[1:]
+        for n, w in enumerate(words):
             if skip:
                 skip = False
+                continue
+            if w in ("-r", "--requirement") or (w or "").startswith("--requirement="):
+                assert w is not None
+                value = w.partition("=")[2] if "=" in w else (words[n + 1 : n + 2] or [None])[0]
+                skip = "=" not in w
+                if not value:
+                    raise err("pip install -r: the builder cannot read the file's name")
+                extra += ["-r", _join(workdir, value)]
                 continue
             if w is None:
                 raise err("pip install: the builder cannot read a requirement of this command")
@@ -1095,8 +1103,66 @@ def _pip_requirements(
             if req.url is not None:
                 raise err(f"pip install {w!r}: URLs are not honoured")
             reqs.append(w)
-        if reqs:
+        if reqs or "-r" in extra:
             out.append([*extra, "--", *reqs])
+    return out
+
+
+MAX_REQUIREMENTS_BYTES = 1 << 20
+
+
+def read_in_image(rootfs: Path, path: str) -> bytes:
+    """File ``path`` of the image being built, read without following any link (the image is
+    untrusted: a link could name a host path); OSError when it cannot be read so."""
+    parts = [p for p in path.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts):
+        raise OSError(f"{path}: not a plain path")
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(rootfs, flags | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            nxt = os.open(part, flags | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        f = os.open(parts[-1], flags | os.O_NONBLOCK, dir_fd=fd)
+    finally:
+        os.close(fd)
+    with os.fdopen(f, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            raise OSError(f"{path}: not a regular file")
+        data = fh.read(MAX_REQUIREMENTS_BYTES + 1)
+    if len(data) > MAX_REQUIREMENTS_BYTES:
+        raise OSError(f"{path}: larger than {MAX_REQUIREMENTS_BYTES} bytes")
+    return data
+
+
+def requirements_file(text: str) -> list[str]:
+    """The requirement specifiers of a pip requirements file; ValueError naming the line for
+    what is not honoured (indexes, links, nested files, editables, URLs)."""
+    out: list[str] = []
+    joined = re.sub(r"\\\n", "", text)
+    for n, raw in enumerate(joined.splitlines(), 1):
+        line = re.sub(r"(^|\s)#.*$", "", raw).strip()
+        if not line:
+            continue
+        words = line.split()
+        if words[0].startswith("-"):
+            opt = words[0].split("=", 1)[0]
+            if opt in ("--pre", "--only-binary", "--prefer-binary", "--no-binary"):
+                continue
+            raise ValueError(f"line {n}: {opt} is not honoured in a requirements file")
+        spec = " ".join(w for w in words if not w.startswith("--hash"))
+        if "://" in spec:
+            raise ValueError(f"line {n}: URLs are not honoured")
+        if spec.startswith((".", "/", "~")):
+            raise ValueError(f"line {n}: a local path is not honoured in a requirements file")
+        try:
+            req = Requirement(spec)
+        except InvalidRequirement:
+            raise ValueError(f"line {n}: {spec!r} is not a requirement specifier") from None
+        if req.url is not None:
+            raise ValueError(f"line {n}: URLs are not honoured")
+        out.append(spec)
     return out
 
 
@@ -1500,7 +1566,9 @@ async def _run_step(
     if step.pip:
         version = images.image_python(rootfs)
         for reqs in step.pip:
-            await _pip_download(plan, step, version, reqs, wheels)
+            full = _with_files(rootfs, plan, step, reqs)
+            if full[-1] != "--":  # a requirements file may name nothing
+                await _pip_download(plan, step, version, full, wheels)
         ro.append((wheels, WHEELS))
         env.setdefault("PIP_NO_INDEX", "1")
         env["PIP_FIND_LINKS"] = WHEELS
@@ -1509,6 +1577,28 @@ async def _run_step(
         await box.run(argv, f"RUN at line {step.line}", env=env, timeout=RUN_TIMEOUT_S, ro=ro)
     except errors.SandboxError as exc:
         raise fail(plan.path, step.line, "RUN", exc.detail.removeprefix("image build: ")) from None
+
+
+def _with_files(rootfs: Path, plan: Plan, step: RunStep, reqs: list[str]) -> list[str]:
+    """``reqs`` with each ``-r FILE`` replaced by the file's requirements (read in the image
+    as it is when the RUN comes)."""
+    out: list[str] = []
+    files: list[str] = []
+    it = iter(reqs)
+    for w in it:
+        if w == "-r":
+            files.append(next(it))
+        else:
+            out.append(w)
+    for f in files:
+        try:
+            text = read_in_image(rootfs, f).decode("utf-8", "replace")
+            out += requirements_file(text)
+        except OSError as exc:
+            raise fail(plan.path, step.line, "RUN", f"pip install -r {f}: {exc}") from None
+        except ValueError as exc:
+            raise fail(plan.path, step.line, "RUN", f"pip install -r {f}: {exc}") from None
+    return out
 
 
 async def _pip_download(

@@ -419,7 +419,7 @@ def test_the_context_digest_covers_included_files_only(tmp_path: Path) -> None:
         ("FROM debian:bookworm\nRUN apt-get install -y $(cat pkgs)\n", 2, "RUN", "plain package"),
         ("FROM debian:bookworm\nRUN apt-get install -y ./local.deb\n", 2, "RUN", "plain package"),
         ("FROM debian:bookworm\nRUN pip install -i http://x/simple a\n", 2, "RUN", "an index"),
-        ("FROM debian:bookworm\nRUN pip install -r req.txt\n", 2, "RUN", "requirements file"),
+        ("FROM debian:bookworm\nRUN pip install -c c.txt x\n", 2, "RUN", "constraints file"),
         ("FROM debian:bookworm\nRUN pip install git+https://x/y\n", 2, "RUN", "URL"),
     ],
 )
@@ -462,18 +462,43 @@ def test_apt_get_install_packages_go_into_the_package_layer(
     assert images._base_hash(same) == images._base_hash(default_spec)
 
 
+def test_requirements_files_are_read_in_the_image_without_links(tmp_path: Path) -> None:
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "app").mkdir(parents=True)
+    (rootfs / "app" / "req.txt").write_text(
+        "# tools\nsix==1.16  # pinned\n\npytest>=7 \\\n  ; python_version >= '3.8'\n"
+        "attrs --hash=sha256:00\n--prefer-binary\n"
+    )
+    text = df.read_in_image(rootfs, "/app/req.txt").decode()
+    assert df.requirements_file(text) == [
+        "six==1.16",
+        "pytest>=7 ; python_version >= '3.8'",
+        "attrs",
+    ]
+    os.symlink("/etc", rootfs / "etc")
+    with pytest.raises(OSError):
+        df.read_in_image(rootfs, "/etc/hostname")  # never through a link of the image
+    for bad in ("-i http://x/simple", "-r other.txt", "-e .", "https://x/a.whl", "./pkg"):
+        with pytest.raises(ValueError, match="line 2"):
+            df.requirements_file(f"six\n{bad}\n")
+
+
 def test_pip_installs_are_read_for_the_hosts_pip(settings: Settings, tmp_path: Path) -> None:
     plan = plan_of(
         "FROM python-dev\n"
         "ARG V=8.0\n"
         "RUN pip install --no-cache-dir pytest==$V 'requests[socks]>=2' && \\\n"
         "    python3 -m pip install --no-deps --target /opt/lib six . /src/pkg\n"
-        "RUN /opt/venv/bin/pip3 install --upgrade --pre attrs\n",
+        "RUN /opt/venv/bin/pip3 install --upgrade --pre attrs\n"
+        "WORKDIR /app\n"
+        "RUN pip install -r requirements.txt --requirement=/abs.txt\n",
         settings,
         tmp_path,
     )
-    first, second = plan.steps
+    first, second, _, third = plan.steps
     assert isinstance(first, df.RunStep) and isinstance(second, df.RunStep)
+    assert isinstance(third, df.RunStep)
+    assert third.pip == [["-r", "/app/requirements.txt", "-r", "/abs.txt", "--"]]
     assert first.pip == [["--", "pytest==8.0", "requests[socks]>=2"], ["--no-deps", "--", "six"]]
     assert second.pip == [["--pre", "--", "attrs"]]
 

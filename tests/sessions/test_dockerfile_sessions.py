@@ -36,6 +36,7 @@ RUN apt-get update \\
 RUN pip install --no-cache-dir --break-system-packages six
 WORKDIR /app
 COPY . .
+RUN pip install --break-system-packages -r requirements.txt
 COPY --chown=1500:1500 data/ /srv/data/
 RUN useradd -m -u 1500 alice \\
  && echo "$GREETING ${FLAVOUR:-plain}" > /app/greeting \\
@@ -58,6 +59,7 @@ def _context(root: Path) -> Path:
     (ctx / "debug.log").write_text("ignored\n")
     (ctx / "keep.log").write_text("kept by an exception\n")
     (ctx / "data" / "x.csv").write_text("a,b\n")
+    (ctx / "requirements.txt").write_text("# read in the image when the RUN comes\nappdirs\n")
     (ctx / ".dockerignore").write_text("secret.txt\n*.log\n!keep.log\n")
     return ctx
 
@@ -107,6 +109,7 @@ def test_the_built_image_records_what_the_dockerfile_says(
     assert (rootfs / "srv/data/x.csv").stat().st_uid == 1500
     assert (rootfs / "app/hello.txt").stat().st_uid == 0
     assert list((rootfs / "usr/local/lib").glob("python3*/dist-packages/six.py"))
+    assert list((rootfs / "usr/local/lib").glob("python3*/dist-packages/appdirs.py"))
 
 
 def test_a_second_build_is_a_cache_hit(built: tuple[Settings, images.ImageConfig]) -> None:
