@@ -4,6 +4,7 @@ parsing, substitution, ENV/ARG scoping, WORKDIR, COPY's rules, .dockerignore, wh
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -605,3 +606,73 @@ def test_a_failing_build_names_file_line_and_instruction(
     assert why in caught.detail
     assert caught.detail.startswith(f"{ctx / 'Dockerfile'}:{line}: {instruction}: ")
     assert images.built_image(settings, "failing") is None  # nothing half-built is an image
+
+
+# ------------------------------------------------------------------ listing, removal, CLI
+
+
+def _fake_build(settings: Settings, name: str, digest: str = "ab" * 32) -> Path:
+    """A build directory as build_dockerfile leaves it (marker last) and the name's pointer."""
+    out = settings.image_cache_dir / f"{name}-{digest[:16]}"
+    (out / "rootfs").mkdir(parents=True)
+    meta = {"name": name, "hash": digest, "built_at": 1, "base": "default", "exec_user": "root"}
+    meta["dockerfile"] = {"cmd": None}
+    (out / "image.json").write_text(json.dumps(meta))
+    images.point_name(settings, name, out)
+    return out
+
+
+def test_a_dockerfile_image_is_listed_resolved_and_removed_by_name(settings: Settings) -> None:
+    from ephemeral.sandbox.image_bases import microvm_definition_dir
+
+    old = _fake_build(settings, "task-env", "cd" * 32)
+    out = _fake_build(settings, "task-env")
+    listed = {i.path: i.current for i in images.list_images(settings)}
+    assert listed == {old: False, out: True}  # the name points at the newer build
+    built = images.built_image(settings, "task-env")
+    assert built is not None and (built.user, built.base) == ("root", "default")
+    assert images.available(settings) == ["task-env"]
+    assert microvm_definition_dir(settings, "task-env") == settings.images_dir / "default/microvm"
+    removed = images.remove_images(settings, "task-env")
+    assert out in removed and old in removed
+    assert images.built_image(settings, "task-env") is None
+    with pytest.raises(errors.InvalidRequest, match="image"):
+        images.require_built(settings, "task-env")
+
+
+def _cli(tmp_path: Path, *args: str) -> tuple[int, str]:
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(repo),
+        "EPHEMERAL_STATE_DIR": str(tmp_path / "state"),
+        "EPHEMERAL_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "ephemeral.cli", "images", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_the_cli_refuses_a_dockerfile_naming_the_line_and_maps_aliases(
+    settings: Settings, tmp_path: Path
+) -> None:
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text("FROM debian:bookworm\nVOLUME /data\n")
+    code, out = _cli(tmp_path, "build", "--dockerfile", str(ctx / "Dockerfile"))
+    assert code != 0 and f"{ctx / 'Dockerfile'}:2: VOLUME: " in out, out
+    code, out = _cli(tmp_path, "build", "--context", str(ctx))
+    assert code != 0 and "--dockerfile" in out, out
+    code, out = _cli(tmp_path, "alias", "python:3.12", "no-such-image")
+    assert code != 0 and "no-such-image" in out, out
+    code, out = _cli(tmp_path, "alias", "python:3.12", "python-dev")
+    assert code == 0, out
+    assert df.resolve_image(settings, "python:3.12") == "python-dev"
