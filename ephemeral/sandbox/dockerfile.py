@@ -30,6 +30,7 @@ What each instruction does here, with Docker's documented semantics:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -1327,12 +1328,25 @@ def build_dockerfile(
     ``dockerfile`` (``cmd``, ``entrypoint``, ``expose``, ``labels``, ``shell``, ``path``).
 
     Raises :class:`ephemeral.errors.DockerfileError` (with ``path``, ``line``, ``instruction``)
-    for what is not honoured and for a step that fails. Blocking: it runs its own event loop
-    (from async code, ``await asyncio.to_thread(build_dockerfile, ...)``).
+    for what is not honoured and for a step that fails. Blocking: it runs its own event loop,
+    in a thread of its own when the caller is inside one (async code should rather
+    ``await abuild_dockerfile(...)`` or ``await asyncio.to_thread(build_dockerfile, ...)``,
+    which do not hold up the caller's loop).
     """
-    return asyncio.run(
-        abuild_dockerfile(dockerfile, context, name=name, build_args=build_args, settings=settings)
-    )
+
+    def run() -> images.ImageConfig:
+        return asyncio.run(
+            abuild_dockerfile(
+                dockerfile, context, name=name, build_args=build_args, settings=settings
+            )
+        )
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return run()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dockerfile") as pool:
+        return pool.submit(run).result()
 
 
 async def abuild_dockerfile(

@@ -129,6 +129,17 @@ def test_a_second_build_is_a_cache_hit(built: tuple[Settings, images.ImageConfig
     assert dockerfile._digest(data, {"FLAVOUR": "mint"}, ctx_files, base) == config.hash
 
 
+async def test_build_dockerfile_is_callable_from_a_running_loop(
+    built: tuple[Settings, images.ImageConfig],
+) -> None:
+    """Harbor's environment calls it from async code: a cache hit, there too."""
+    settings, config = built
+    ctx = Path(json.loads((config.rootfs.parent / "image.json").read_text())["dockerfile"]["path"])
+    kwargs = {"name": "df-session", "build_args": {"FLAVOUR": "mint"}, "settings": settings}
+    assert dockerfile.build_dockerfile(ctx, **kwargs) == config  # type: ignore[arg-type]
+    assert await dockerfile.abuild_dockerfile(ctx, **kwargs) == config  # type: ignore[arg-type]
+
+
 @pytest.fixture
 def session_settings(built: tuple[Settings, images.ImageConfig], tmp_path: Path) -> Settings:
     settings, _ = built
