@@ -28,8 +28,31 @@ def base_name(defdir: Path) -> str | None:
     return base
 
 
+def dockerfile_base(settings: Settings, name: str) -> str | None:
+    """The image a Dockerfile image (no definition directory) was built on, or None."""
+    import json
+    import re
+
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,40}", name):
+        return None
+    try:
+        pointer = json.loads((settings.image_cache_dir / "dockerfile" / f"{name}.json").read_text())
+        target = str(pointer["dir"])
+        if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,40}-[0-9a-f]{16}", target):
+            return None
+        base = json.loads((settings.image_cache_dir / target / "image.json").read_text())["base"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (
+        base if isinstance(base, str) and re.fullmatch(r"[a-z0-9][a-z0-9-]{0,40}", base) else None
+    )
+
+
 def microvm_definition_dir(settings: Settings, name: str) -> Path:
-    """The ``microvm/`` boot definition of an image: its own, or the nearest base's."""
+    """The ``microvm/`` boot definition of an image: its own, or the nearest base's (for an
+    image built from a Dockerfile, its base's)."""
+    if not (settings.images_dir / name / "image.yaml").is_file():
+        name = dockerfile_base(settings, name) or name
     d = settings.images_dir / name
     seen: set[str] = set()
     while d.name not in seen:
