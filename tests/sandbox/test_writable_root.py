@@ -8,17 +8,21 @@ the ``tcg_slow`` set, where the overlay is the guest's own tmpfs).
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import io
 import json
 import os
 import signal
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from ephemeral.sandbox import reaper, writable_root
-from ephemeral.sandbox.base import SandboxDriver
+from ephemeral.sandbox import reaper, registry, writable_root
+from ephemeral.sandbox.base import Limits, SandboxDriver
 from ephemeral.settings import Settings
 from tests.sandbox.conftest import Factory
 
@@ -38,6 +42,30 @@ DPKG_INSTALL = textwrap.dedent("""\
     dpkg-deb --root-owner-group --build "$d/pkg" "$d/hello.deb" >/dev/null
     dpkg -i "$d/hello.deb" >/dev/null
 """)
+
+
+def _wheel() -> bytes:
+    """A minimal pure-Python wheel (``ephemeral_probe``), made here: pip installs it offline."""
+    files = {
+        "ephemeral_probe/__init__.py": b"VALUE = 42\n",
+        "ephemeral_probe-1.0.dist-info/METADATA": (
+            b"Metadata-Version: 2.1\nName: ephemeral-probe\nVersion: 1.0\n"
+        ),
+        "ephemeral_probe-1.0.dist-info/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = []
+    for name, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(data)}")
+    record.append("ephemeral_probe-1.0.dist-info/RECORD,,")
+    files["ephemeral_probe-1.0.dist-info/RECORD"] = ("\n".join(record) + "\n").encode()
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return out.getvalue()
 
 
 def _mount_namespaces_holding(tag: str) -> list[int]:
@@ -109,6 +137,28 @@ async def test_root_installs_a_package_and_adds_a_user(make_sandbox: Factory) ->
     assert (name, home) == ("tester", "/home/tester") and int(uid) >= 1000 and uid != "1000"
     assert (await sbx.exec("whoami")).stdout == "worker\n"  # the default user is unchanged
     assert (await sbx.exec("whoami", user="root")).stdout == "root\n"
+
+
+async def test_root_pip_installs_into_the_system_site(
+    driver: SandboxDriver, sandbox_settings: Settings
+) -> None:
+    settings = sandbox_settings.model_copy(update={"image": "python-dev"})
+    async with await registry.get_driver(driver.isolation, settings).create(
+        owner="test", limits=Limits()
+    ) as sbx:
+        await sbx.put_file("/tmp/ephemeral_probe-1.0-py3-none-any.whl", _wheel())
+        # Debian marks its Python externally managed (PEP 668): as in a debian:bookworm
+        # container, a system-wide install says so
+        res = await sbx.exec(
+            "python3 -m pip install --break-system-packages "
+            "/tmp/ephemeral_probe-1.0-py3-none-any.whl",
+            user="root",
+            timeout=120,
+        )
+        assert res.exit_code == 0, res
+        res = await sbx.exec("python3 -c 'import ephemeral_probe as p; print(p.VALUE, p.__file__)'")
+        value, path = res.stdout.split()
+        assert value == "42" and path.startswith("/usr/local/lib/python3"), res
 
 
 async def test_the_upper_layer_is_gone_at_destroy(
