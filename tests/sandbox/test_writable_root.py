@@ -13,7 +13,9 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import textwrap
 import zipfile
@@ -233,3 +235,14 @@ async def test_without_the_compiled_helper_the_shell_makes_the_same_root(
     assert int(df[1]) <= 16 * 1024  # the disk limit's tmpfs
     assert (await sbx.exec("touch /etc/worker-file")).exit_code != 0
     assert not (rootfs / "etc/fallback-mark").exists()
+
+
+def test_the_helper_is_built_once_into_the_cache(tmp_path: Path) -> None:
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc here: sandboxes use the shell fallback (tested above)")
+    built = writable_root.helper(tmp_path)
+    assert built is not None and built.parent == tmp_path / "helpers"
+    assert writable_root.helper(tmp_path) == built  # memoised
+    usage = subprocess.run([str(built)], capture_output=True, text=True, check=False)
+    assert usage.returncode == 2 and "usage: mount-root" in usage.stderr
+    assert [p.name for p in built.parent.iterdir()] == [built.name]  # no temporary left
