@@ -34,6 +34,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 # Empty directories on the host; the mounts on them exist only in each launcher's namespace.
@@ -45,6 +46,7 @@ UPPER_TAG = "sandbox-upper-"
 SOURCE = Path(__file__).with_name("mount_root.c")
 log = logging.getLogger(__name__)
 _helpers: dict[Path, Path | None] = {}
+_helpers_lock = threading.Lock()  # creates call helper() from threads: one build at a time
 
 # An idmapped bind mount (open_tree + mount_setattr(MOUNT_ATTR_IDMAP) + move_mount): this
 # host's util-linux (2.38) ignores X-mount.idmap. argv: user namespace file, source, target.
@@ -68,8 +70,13 @@ call(429, tree, b"", -100, sys.argv[3].encode(), 4)  # move_mount(F_EMPTY_PATH)
 def helper(cache_dir: Path) -> Path | None:
     """The compiled ``mount_root.c`` under ``cache_dir/helpers`` (built once per source hash,
     atomically), or None where it cannot be built: the shell fallback then runs."""
-    if cache_dir in _helpers:
+    with _helpers_lock:
+        if cache_dir not in _helpers:
+            _helpers[cache_dir] = _build_helper(cache_dir)
         return _helpers[cache_dir]
+
+
+def _build_helper(cache_dir: Path) -> Path | None:
     found: Path | None = None
     source = SOURCE.read_bytes()
     target = cache_dir / "helpers" / f"mount-root-{hashlib.sha256(source).hexdigest()[:16]}"
@@ -93,7 +100,6 @@ def helper(cache_dir: Path) -> Path | None:
             )
             with contextlib.suppress(OSError):
                 tmp.unlink()
-    _helpers[cache_dir] = found
     return found
 
 

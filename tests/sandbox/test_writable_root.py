@@ -8,17 +8,23 @@ the ``tcg_slow`` set, where the overlay is the guest's own tmpfs).
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import io
 import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from ephemeral.sandbox import reaper, writable_root
-from ephemeral.sandbox.base import SandboxDriver
+from ephemeral.sandbox import reaper, registry, writable_root
+from ephemeral.sandbox.base import Limits, SandboxDriver
 from ephemeral.settings import Settings
 from tests.sandbox.conftest import Factory
 
@@ -38,6 +44,30 @@ DPKG_INSTALL = textwrap.dedent("""\
     dpkg-deb --root-owner-group --build "$d/pkg" "$d/hello.deb" >/dev/null
     dpkg -i "$d/hello.deb" >/dev/null
 """)
+
+
+def _wheel() -> bytes:
+    """A minimal pure-Python wheel (``ephemeral_probe``), made here: pip installs it offline."""
+    files = {
+        "ephemeral_probe/__init__.py": b"VALUE = 42\n",
+        "ephemeral_probe-1.0.dist-info/METADATA": (
+            b"Metadata-Version: 2.1\nName: ephemeral-probe\nVersion: 1.0\n"
+        ),
+        "ephemeral_probe-1.0.dist-info/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = []
+    for name, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(data)}")
+    record.append("ephemeral_probe-1.0.dist-info/RECORD,,")
+    files["ephemeral_probe-1.0.dist-info/RECORD"] = ("\n".join(record) + "\n").encode()
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return out.getvalue()
 
 
 def _mount_namespaces_holding(tag: str) -> list[int]:
@@ -109,6 +139,28 @@ async def test_root_installs_a_package_and_adds_a_user(make_sandbox: Factory) ->
     assert (name, home) == ("tester", "/home/tester") and int(uid) >= 1000 and uid != "1000"
     assert (await sbx.exec("whoami")).stdout == "worker\n"  # the default user is unchanged
     assert (await sbx.exec("whoami", user="root")).stdout == "root\n"
+
+
+async def test_root_pip_installs_into_the_system_site(
+    driver: SandboxDriver, sandbox_settings: Settings
+) -> None:
+    settings = sandbox_settings.model_copy(update={"image": "python-dev"})
+    async with await registry.get_driver(driver.isolation, settings).create(
+        owner="test", limits=Limits()
+    ) as sbx:
+        await sbx.put_file("/tmp/ephemeral_probe-1.0-py3-none-any.whl", _wheel())
+        # Debian marks its Python externally managed (PEP 668): as in a debian:bookworm
+        # container, a system-wide install says so
+        res = await sbx.exec(
+            "python3 -m pip install --break-system-packages "
+            "/tmp/ephemeral_probe-1.0-py3-none-any.whl",
+            user="root",
+            timeout=120,
+        )
+        assert res.exit_code == 0, res
+        res = await sbx.exec("python3 -c 'import ephemeral_probe as p; print(p.VALUE, p.__file__)'")
+        value, path = res.stdout.split()
+        assert value == "42" and path.startswith("/usr/local/lib/python3"), res
 
 
 async def test_the_upper_layer_is_gone_at_destroy(
@@ -183,3 +235,14 @@ async def test_without_the_compiled_helper_the_shell_makes_the_same_root(
     assert int(df[1]) <= 16 * 1024  # the disk limit's tmpfs
     assert (await sbx.exec("touch /etc/worker-file")).exit_code != 0
     assert not (rootfs / "etc/fallback-mark").exists()
+
+
+def test_the_helper_is_built_once_into_the_cache(tmp_path: Path) -> None:
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc here: sandboxes use the shell fallback (tested above)")
+    built = writable_root.helper(tmp_path)
+    assert built is not None and built.parent == tmp_path / "helpers"
+    assert writable_root.helper(tmp_path) == built  # memoised
+    usage = subprocess.run([str(built)], capture_output=True, text=True, check=False)
+    assert usage.returncode == 2 and "usage: mount-root" in usage.stderr
+    assert [p.name for p in built.parent.iterdir()] == [built.name]  # no temporary left
