@@ -403,7 +403,22 @@ def test_the_context_digest_covers_included_files_only(tmp_path: Path) -> None:
         ("FROM ubuntu:22.04\n", 1, "FROM", "not an image this builder can make"),
         ("FROM debian:bullseye\n", 1, "FROM", "not an image this builder can make"),
         ("FROM --platform=linux/arm64 debian:bookworm\n", 1, "FROM", "--platform"),
-        ("FROM debian:bookworm AS a\nFROM debian:bookworm\n", 2, "FROM", "multi-stage"),
+        ("FROM debian:bookworm AS a\nFROM a\n", 2, "FROM", "earlier stage 'a'"),
+        ("FROM debian:bookworm AS a\nFROM debian:bookworm AS A\n", 2, "FROM", "taken"),
+        ("FROM debian:bookworm\nCOPY --from=0 /x /y\n", 2, "COPY", "not an earlier stage"),
+        ("FROM debian:bookworm\nCOPY --from=python:3 /x /y\n", 2, "COPY", "an image"),
+        (
+            "FROM debian:bookworm AS b\nFROM debian:bookworm\nADD --from=b /x /y\n",
+            3,
+            "ADD",
+            "--from",
+        ),
+        (
+            "FROM debian:bookworm AS b\nFROM debian:bookworm\nCOPY --from=b /a;b /y\n",
+            3,
+            "COPY",
+            "shell",
+        ),
         ("RUN echo\n", 1, "RUN", "first instruction must be FROM"),
         ("FROM debian:bookworm\nRUN --mount=type=cache,target=/x true\n", 2, "RUN", "--mount"),
         ("FROM debian:bookworm\nRUN --network=host true\n", 2, "RUN", "--network"),
@@ -676,3 +691,74 @@ def test_the_cli_refuses_a_dockerfile_naming_the_line_and_maps_aliases(
     code, out = _cli(tmp_path, "alias", "python:3.12", "python-dev")
     assert code == 0, out
     assert df.resolve_image(settings, "python:3.12") == "python-dev"
+
+
+# ------------------------------------------------------------------ multi-stage
+
+
+def test_stages_are_planned_apart_and_only_the_needed_ones_built(
+    settings: Settings, tmp_path: Path
+) -> None:
+    plan = plan_of(
+        "ARG V=1\n"
+        "FROM python-dev AS build\n"
+        "ENV IN_BUILD=1\n"
+        "WORKDIR /src\n"
+        "FROM debian:bookworm AS unused\n"
+        "RUN exit 1\n"
+        "FROM debian:bookworm AS second\n"
+        "COPY --from=BUILD /src/out /mid/\n"
+        "FROM debian:bookworm\n"
+        "ARG V\n"
+        "COPY --from=second mid/ /app/\n"
+        "COPY --from=0 /src/out/result.txt .\n",
+        settings,
+        tmp_path,
+    )
+    assert [s.name for s in plan.stages] == ["build", "unused", "second"]
+    assert [s.base for s in plan.stages] == ["python-dev", "default", "default"]
+    assert plan.stages[0].env["IN_BUILD"] == "1" and "IN_BUILD" not in plan.env
+    assert plan.stages[0].workdir == "/src" and plan.workdir is None
+    assert plan.needed() == [0, 2]  # `unused` is never built
+    first, second = plan.steps
+    assert isinstance(first, df.CopyStep) and isinstance(second, df.CopyStep)
+    assert (first.from_stage, first.sources, first.dest) == (2, ["/mid"], "/app")
+    assert (second.from_stage, second.sources, second.dest, second.as_dir) == (
+        0,
+        ["/src/out/result.txt"],
+        "/",
+        True,
+    )
+
+
+@pytest.mark.sandbox
+def test_copy_from_an_earlier_stage(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(images, "build_with_image", lambda *_: None)
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text(
+        "FROM debian:bookworm AS build\n"
+        "RUN mkdir -p /out/sub && echo built > /out/result.txt && echo deep > /out/sub/d.txt"
+        " && ln -s /etc/hostname /out/link && chown -R worker /out\n"
+        "FROM debian:bookworm AS unused\n"
+        "RUN exit 1\n"
+        "FROM debian:bookworm\n"
+        "COPY --from=build /out/ /app/\n"
+        "COPY --from=0 --chown=worker /out/result.txt /single.txt\n"
+        "COPY --from=build /out/*.txt /globbed/\n"
+    )
+    plan, _, _ = df.load(ctx / "Dockerfile", None, {}, settings)
+    _linked(settings, plan)
+    built = df.build_dockerfile(ctx / "Dockerfile", name="staged", settings=settings)
+    root = built.rootfs
+    assert (root / "app/result.txt").read_text() == "built\n"
+    assert (root / "app/sub/d.txt").read_text() == "deep\n"
+    assert os.readlink(root / "app/link") == "/etc/hostname"  # a link of the stage stays one
+    assert (root / "app/result.txt").stat().st_uid == 0  # COPY --from without --chown: root
+    assert (root / "single.txt").read_text() == "built\n"
+    assert (root / "single.txt").stat().st_uid == 1000
+    assert sorted(p.name for p in (root / "globbed").iterdir()) == ["result.txt"]
+    leftovers = [p.name for p in settings.image_cache_dir.iterdir() if "stages" in p.name]
+    assert leftovers == []  # the stages' rootfs are gone
