@@ -57,7 +57,12 @@ from ephemeral.settings import Settings
 TRANSLATOR_VERSION = 1
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_SHELL = ("/bin/sh", "-c")
-DEBIAN_BASES = re.compile(r"debian:(bookworm|bookworm-slim|12|12-slim|12\.[0-9]+|12\.[0-9]+-slim)")
+# Debian 12 by any of its tags (dated, slim, pinned by digest): our mmdebstrap base of the
+# host's mirror stands for all of them (a pinned digest is not reproduced)
+DEBIAN_BASES = re.compile(
+    r"((docker\.io/)?library/)?debian:(bookworm|12(\.[0-9]+)?)(-[0-9]{8})?(-slim)?"
+    r"(@sha256:[0-9a-f]{64})?"
+)
 NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,40}")
 # what a context may hold (it is hashed and copied on the host): bounded like every input
 MAX_CONTEXT_FILES = 100_000
@@ -1294,7 +1299,7 @@ def resolve_image(settings: Settings, docker_image: str) -> str:
 
 
 def _resolve(settings: Settings, image: str) -> str | None:
-    if DEBIAN_BASES.fullmatch(image) or image in ("docker.io/library/debian:bookworm",):
+    if DEBIAN_BASES.fullmatch(image):
         return "default"
     alias = aliases(settings).get(image)
     if alias is not None:
@@ -1759,7 +1764,10 @@ async def _run_step(
         except OSError:
             pass
     if step.pip:
-        version = images.image_python(rootfs)
+        try:
+            version = images.image_python(rootfs)
+        except errors.SandboxError as exc:
+            raise fail(plan.path, step.line, "RUN", exc.detail) from None
         for reqs in step.pip:
             full = _with_files(rootfs, plan, step, reqs)
             if full[-1] != "--":  # a requirements file may name nothing

@@ -525,6 +525,17 @@ def test_pip_installs_are_read_for_the_hosts_pip(settings: Settings, tmp_path: P
 def test_aliases_and_unknown_docker_images(settings: Settings, tmp_path: Path) -> None:
     assert df.resolve_image(settings, "debian:bookworm-slim") == "default"
     assert df.resolve_image(settings, "debian:12.5") == "default"
+    for tag in (
+        "debian:12-slim",
+        "debian:bookworm-20240110-slim",
+        "docker.io/library/debian:bookworm",
+        "library/debian:12.4",
+        "debian:bookworm@sha256:" + "a" * 64,
+    ):
+        assert df.resolve_image(settings, tag) == "default", tag
+    for tag in ("debian:bullseye", "debian:13", "debian:bookworm-backports", "debian"):
+        with pytest.raises(errors.DockerfileError):
+            df.resolve_image(settings, tag)
     assert df.resolve_image(settings, "python-dev") == "python-dev"
     with pytest.raises(errors.DockerfileError, match=re.escape("docker_image 'python:3.12'")):
         df.resolve_image(settings, "python:3.12")
