@@ -1972,13 +1972,13 @@ def resolve_copy(
         )
     if step.keyword == "ADD":
         for rel, host, kind in resolved:
-            if kind == "f" and _is_archive(host):
+            if kind == "f" and _is_archive(host) and (step.chown or step.chmod):
                 raise fail(
                     plan.path,
                     step.line,
                     "ADD",
-                    f"{rel!r} is an archive: ADD's extraction is not honoured (COPY it and "
-                    "RUN tar)",
+                    f"{rel!r} is an archive: --chown and --chmod of what ADD unpacks are not "
+                    "honoured",
                 )
     return resolved, as_dir
 
@@ -1988,6 +1988,15 @@ async def _copy(box: BuildSandbox, staged: Path, plan: Plan, ctx: Context, step:
     (or a glob's matches) need a destination ending in ``/``; a file copied to a path ending
     in ``/`` (or to an existing directory) keeps its name; missing directories are made."""
     resolved, as_dir = await asyncio.to_thread(resolve_copy, ctx, plan, step)
+    if step.keyword == "ADD":
+        archives = [
+            (rel, host) for rel, host, kind in resolved if kind == "f" and _is_archive(host)
+        ]
+        for rel, host in archives:
+            await _unpack(box, plan, step, rel, host)
+        resolved = [r for r in resolved if (r[0], r[1]) not in archives]
+        if not resolved:
+            return
 
     def stage() -> None:
         staged.mkdir()
@@ -2036,13 +2045,46 @@ async def _copy_in(
         raise fail(plan.path, step.line, step.keyword, detail) from None
 
 
-def _is_archive(path: Path) -> bool:
+_TAR_FLAGS = {b"\x1f\x8b": "-z", b"BZh": "-j", b"\xfd7zXZ\x00": "-J"}
+
+
+def _archive_flag(path: Path) -> str | None:
+    """tar's decompression flag for a local archive ADD unpacks (Docker's formats: tar,
+    gzip, bzip2 and xz tars), ``""`` for a plain tar, None for anything else."""
     with open(path, "rb") as f:
         head = f.read(512)
-    return (
-        head.startswith((b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd"))
-        or head[257:262] == b"ustar"
-    )
+    for magic, flag in _TAR_FLAGS.items():
+        if head.startswith(magic):
+            return flag
+    return "" if head[257:262] == b"ustar" else None
+
+
+def _is_archive(path: Path) -> bool:
+    return _archive_flag(path) is not None
+
+
+_UNPACK_SH = r"""
+src=$1 dst=$2 flag=$3
+mkdir -p -- "$dst"
+tar -x $flag --no-same-owner --no-same-permissions -f "$src" -C "$dst"
+"""
+
+
+async def _unpack(box: BuildSandbox, plan: Plan, step: CopyStep, rel: str, host: Path) -> None:
+    """ADD of a local archive: unpacked into the destination as a directory, by the image's
+    tar inside the build sandbox (a member's path resolves in the image), owned by root."""
+    flag = _archive_flag(host) or ""
+    try:
+        await box.run(
+            ["/bin/sh", "-ec", _UNPACK_SH, "sh", f"{IN_DIR}/archive", step.dest, flag],
+            f"ADD {rel} at line {step.line}",
+            env={"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"},
+            timeout=COPY_TIMEOUT_S,
+            ro=[(host, f"{IN_DIR}/archive")],
+        )
+    except errors.SandboxError as exc:
+        detail = exc.detail.removeprefix("image build: ")
+        raise fail(plan.path, step.line, "ADD", detail) from None
 
 
 _WORKDIR_SH = r"""

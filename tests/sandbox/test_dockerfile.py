@@ -595,7 +595,7 @@ def _linked(settings: Settings, plan: df.Plan) -> None:
         ("FROM debian:bookworm\nCOPY missing.txt /x\n", 2, "COPY", "not found"),
         ("FROM debian:bookworm\nCOPY a.txt b.txt /x\n", 2, "COPY", "end with '/'"),
         ("FROM debian:bookworm\nCOPY *.txt /x\n", 2, "COPY", "end with '/'"),
-        ("FROM debian:bookworm\nADD a.tar /x/\n", 2, "ADD", "archive"),
+        ("FROM debian:bookworm\nADD --chown=worker a.tar /x/\n", 2, "ADD", "archive"),
         ("FROM debian:bookworm\nCOPY link /x\n", 2, "COPY", "symlink out of the context"),
     ],
 )
@@ -740,6 +740,36 @@ def test_stages_are_planned_apart_and_only_the_needed_ones_built(
         "/",
         True,
     )
+
+
+@pytest.mark.sandbox
+def test_add_unpacks_local_archives_and_copies_other_files(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tarfile
+
+    monkeypatch.setattr(images, "build_with_image", lambda *_: None)
+    ctx = tmp_path / "ctx"
+    (ctx / "tree" / "pkg").mkdir(parents=True)
+    (ctx / "tree" / "pkg" / "m.py").write_text("x = 1\n")
+    for name, mode in (("plain.tar", "w"), ("gz.tar.gz", "w:gz")):
+        with tarfile.open(ctx / name, mode) as tar:
+            tar.add(ctx / "tree", arcname=".")
+    (ctx / "notes.txt").write_text("just a file\n")
+    (ctx / "Dockerfile").write_text(
+        "FROM debian:bookworm\n"
+        "ADD plain.tar /plain\n"
+        "ADD gz.tar.gz notes.txt /gz/\n"
+        "COPY gz.tar.gz /kept/\n"  # COPY never unpacks
+    )
+    plan, _, _ = df.load(ctx / "Dockerfile", None, {}, settings)
+    _linked(settings, plan)
+    root = df.build_dockerfile(ctx / "Dockerfile", name="added", settings=settings).rootfs
+    assert (root / "plain/pkg/m.py").read_text() == "x = 1\n"
+    assert (root / "gz/pkg/m.py").read_text() == "x = 1\n"
+    assert (root / "gz/notes.txt").read_text() == "just a file\n"
+    assert (root / "gz/pkg/m.py").stat().st_uid == 0
+    assert (root / "kept/gz.tar.gz").read_bytes() == (ctx / "gz.tar.gz").read_bytes()
 
 
 @pytest.mark.sandbox
