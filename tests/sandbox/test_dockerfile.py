@@ -803,3 +803,36 @@ def test_copy_from_an_earlier_stage(
     assert sorted(p.name for p in (root / "globbed").iterdir()) == ["result.txt"]
     leftovers = [p.name for p in settings.image_cache_dir.iterdir() if "stages" in p.name]
     assert leftovers == []  # the stages' rootfs are gone
+
+
+@pytest.mark.sandbox
+def test_run_steps_are_not_host_root_and_have_no_network(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Dockerfile's RUN is root of its own user namespace (mapped to an unprivileged host
+    uid slot), with a loopback of its own: a host service on 127.0.0.1 is out of reach."""
+    import socket
+
+    monkeypatch.setattr(images, "build_with_image", lambda *_: None)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text(
+        "FROM debian:bookworm\n"
+        "RUN id -u > /uid && cat /proc/self/uid_map > /uidmap\n"
+        'RUN python3 -c "import socket; s = socket.socket(); '
+        f"print(s.connect_ex(('127.0.0.1', {port})))\" > /net\n"
+    )
+    try:
+        plan, _, _ = df.load(ctx / "Dockerfile", None, {}, settings)
+        _linked(settings, plan)
+        root = df.build_dockerfile(ctx / "Dockerfile", name="hostile", settings=settings).rootfs
+    finally:
+        listener.close()
+    assert (root / "uid").read_text() == "0\n"
+    inside, outside, count = (int(x) for x in (root / "uidmap").read_text().split())
+    assert inside == 0 and outside >= 1 << 30 and count == 65536  # never host uid 0
+    assert (root / "net").read_text() == "111\n"  # ECONNREFUSED: not the host's loopback
