@@ -9,8 +9,9 @@ What each instruction does here, with Docker's documented semantics:
 
 - ``FROM debian:bookworm`` (``-slim``, ``debian:12*``) is our ``default`` image (Debian bookworm
   minbase with python3, the guest agent and user ``worker``); ``FROM NAME`` of one of our images
-  (``sandbox_images/NAME``, or a name given by ``ephemeral images alias``) is that image. One
-  stage: a second ``FROM`` and ``COPY --from`` are refused.
+  (``sandbox_images/NAME``, or a name given by ``ephemeral images alias``) is that image.
+  Multi-stage: ``COPY --from=STAGE`` copies out of an earlier stage (built in a sandbox of its
+  own, then deleted); ``FROM`` an earlier stage is refused.
 - ``RUN`` runs in the build sandbox as the current ``USER``, in ``WORKDIR``, with ``ENV`` and the
   stage's ``ARG`` values. The sandbox has no network: the packages of every ``apt-get install``
   (``apt install``) the translator reads in the ``RUN`` lines go into the image's mmdebstrap
@@ -49,14 +50,19 @@ from packaging.requirements import InvalidRequirement, Requirement
 
 from ephemeral import errors
 from ephemeral.sandbox import images, users
-from ephemeral.sandbox.build_sandbox import IN_DIR, BuildSandbox
+from ephemeral.sandbox.build_sandbox import IN_DIR, OUT_DIR, BuildSandbox
 from ephemeral.settings import Settings
 
 # Bumped when the translation's output changes for the same Dockerfile (part of the hash).
 TRANSLATOR_VERSION = 1
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_SHELL = ("/bin/sh", "-c")
-DEBIAN_BASES = re.compile(r"debian:(bookworm|bookworm-slim|12|12-slim|12\.[0-9]+|12\.[0-9]+-slim)")
+# Debian 12 by any of its tags (dated, slim, pinned by digest): our mmdebstrap base of the
+# host's mirror stands for all of them (a pinned digest is not reproduced)
+DEBIAN_BASES = re.compile(
+    r"((docker\.io/)?library/)?debian:(bookworm|12(\.[0-9]+)?)(-[0-9]{8})?(-slim)?"
+    r"(@sha256:[0-9a-f]{64})?"
+)
 NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,40}")
 # what a context may hold (it is hashed and copied on the host): bounded like every input
 MAX_CONTEXT_FILES = 100_000
@@ -543,11 +549,12 @@ class RunStep:
 class CopyStep:
     line: int
     keyword: str
-    sources: list[str]  # context paths (cleaned, relative)
+    sources: list[str]  # context paths (cleaned, relative), or absolute paths of a stage
     dest: str  # absolute
     as_dir: bool
     chown: str | None
     chmod: str | None
+    from_stage: int | None = None  # COPY --from: the index of an earlier stage
 
 
 @dataclass
@@ -579,6 +586,20 @@ class Plan:
     cmd: list[str] | None = None
     entrypoint: list[str] | None = None
     args_used: dict[str, str] = field(default_factory=dict)
+    name: str | None = None  # FROM ... AS NAME
+    stages: list[Plan] = field(default_factory=list)  # the final stage's: those before it
+
+    def needed(self) -> list[int]:
+        """The earlier stages the final one copies from, directly or through another."""
+        todo = [self]
+        seen: set[int] = set()
+        while todo:
+            for step in todo.pop().steps:
+                k = step.from_stage if isinstance(step, CopyStep) else None
+                if k is not None and k not in seen:
+                    seen.add(k)
+                    todo.append(self.stages[k])
+        return sorted(seen)
 
 
 def _key_values(
@@ -621,6 +642,16 @@ def translate(
     path, esc = parsed.path, parsed.escape
     global_args: dict[str, str | None] = {}
     plan: Plan | None = None
+    stages: list[Plan] = []
+    stage_names: dict[str, int] = {}
+
+    def finish(stage: Plan) -> None:
+        stage.env = env
+        stage.workdir = workdir if any(isinstance(s, WorkdirStep) for s in stage.steps) else None
+        stage.user = user
+        stage.shell = shell
+        stage.packages = list(dict.fromkeys(stage.packages))
+
     env: dict[str, str] = {}
     args: dict[str, str] = {}
     workdir = "/"
@@ -682,7 +713,12 @@ def translate(
             continue
         if kw == "FROM":
             if plan is not None:
-                raise err(ins, "multi-stage builds are not honoured (one FROM per Dockerfile)")
+                finish(plan)
+                stages.append(plan)
+                args = {}
+                workdir = "/"
+                user = None
+                shell = list(DEFAULT_SHELL)
             flags, rest = split_flags(ins.args)
             no_flags(ins, flags)
             words = split_words(rest, esc)
@@ -694,6 +730,11 @@ def translate(
                 )
             except ValueError as exc:
                 raise err(ins, str(exc)) from None
+            if image.lower() in stage_names:
+                raise err(
+                    ins,
+                    f"FROM the earlier stage {image!r} is not honoured (COPY --from={image} is)",
+                )
             base = resolve_base(image)
             if base is None:
                 raise err(
@@ -702,7 +743,12 @@ def translate(
                     "debian:bookworm-slim, debian:12 or one of our images (ephemeral images list; "
                     "ephemeral images alias NAME IMAGE)",
                 )
-            plan = Plan(path=path, base=base)
+            alias = words[2].lower() if len(words) == 3 else None
+            if alias is not None and (alias in stage_names or alias.isdigit()):
+                raise err(ins, f"stage name {alias!r} is taken or a number")
+            plan = Plan(path=path, base=base, name=alias)
+            if alias is not None:
+                stage_names[alias] = len(stages)
             env = {"PATH": DEFAULT_PATH, **base_env(base)}
             continue
         assert plan is not None
@@ -723,7 +769,7 @@ def translate(
             pip = _pip_requirements(ins, script, run_env, path, workdir)
             plan.steps.append(RunStep(ins.line, argv, run_env, user, workdir, pip))
         elif kw in ("COPY", "ADD"):
-            plan.steps.append(_copy_step(ins, sub, workdir, esc, path))
+            plan.steps.append(_copy_step(ins, sub, workdir, esc, path, stage_names, len(stages)))
         elif kw == "ENV":
             for k, v in _key_values(ins, {**args, **env}, esc, path):
                 if not _ENV_KEY.fullmatch(k):
@@ -776,11 +822,8 @@ def translate(
                 plan.cmd = None  # ENTRYPOINT resets an inherited CMD (none here: one stage)
     if plan is None:
         raise fail(path, None, None, "no FROM instruction")
-    plan.env = env
-    plan.workdir = workdir if any(isinstance(s, WorkdirStep) for s in plan.steps) else None
-    plan.user = user
-    plan.shell = shell
-    plan.packages = list(dict.fromkeys(plan.packages))
+    finish(plan)
+    plan.stages = stages
     return plan
 
 
@@ -798,15 +841,33 @@ def _join(base: str, path: str) -> str:
     return "/" + _clean(joined.lstrip("/")) if _clean(joined.lstrip("/")) != "." else "/"
 
 
-def _copy_step(ins: Instruction, sub: Any, workdir: str, esc: str, path: str) -> CopyStep:
+def _copy_step(
+    ins: Instruction,
+    sub: Any,
+    workdir: str,
+    esc: str,
+    path: str,
+    stage_names: Mapping[str, int] | None = None,
+    n_stages: int = 0,
+) -> CopyStep:
     def err(message: str) -> errors.DockerfileError:
         return fail(path, ins.line, ins.keyword, message)
 
     flags, rest = split_flags(ins.args)
+    from_stage: int | None = None
     for k in flags:
-        if k == "from":
-            raise err("--from is not honoured (multi-stage builds and copies from images)")
-        if k not in ("chown", "chmod", "link"):
+        if k == "from" and ins.keyword == "COPY":
+            ref = sub(ins, flags["from"]).lower()
+            if ref.isdigit() and int(ref) < n_stages:
+                from_stage = int(ref)
+            elif stage_names and ref in stage_names:
+                from_stage = stage_names[ref]
+            else:
+                raise err(
+                    f"--from={ref}: not an earlier stage of this Dockerfile (copying from "
+                    "an image is not honoured)"
+                )
+        elif k not in ("chown", "chmod", "link"):
             raise err(f"--{k} is not honoured")
     form = exec_form(rest)
     words = form if form is not None else split_words(rest, esc)
@@ -825,12 +886,22 @@ def _copy_step(ins: Instruction, sub: Any, workdir: str, esc: str, path: str) ->
     chmod = flags.get("chmod")
     if chmod is not None and not re.fullmatch(r"[0-7]{3,4}", chmod):
         raise err(f"--chmod={chmod!r}: only octal modes (such as 0755) are honoured")
+    as_dir = dest.endswith("/") or dest in (".", "..") or dest.endswith("/.")
+    if from_stage is not None:
+        for s in sources:
+            if ".." in s.split("/") or not re.fullmatch(r"[A-Za-z0-9._/+@:=,~*?\[\] -]+", s):
+                raise err(f"{s!r}: a path of the stage without '..' and shell characters")
+        staged = [
+            "/" + _clean(s.lstrip("/")) if _clean(s.lstrip("/")) != "." else "/" for s in sources
+        ]
+        return CopyStep(
+            ins.line, ins.keyword, staged, _join(workdir, dest), as_dir, chown, chmod, from_stage
+        )
     for s in sources:
         if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", s) or s.startswith("git@"):
             raise err(f"{s!r}: URL sources are not honoured (copy local files of the context)")
         if s.startswith("/") or ".." in s.split("/"):
             raise err(f"{s!r}: sources must be paths inside the context (no '/' start, no '..')")
-    as_dir = dest.endswith("/") or dest in (".", "..") or dest.endswith("/.")
     return CopyStep(
         ins.line,
         ins.keyword,
@@ -1228,7 +1299,7 @@ def resolve_image(settings: Settings, docker_image: str) -> str:
 
 
 def _resolve(settings: Settings, image: str) -> str | None:
-    if DEBIAN_BASES.fullmatch(image) or image in ("docker.io/library/debian:bookworm",):
+    if DEBIAN_BASES.fullmatch(image):
         return "default"
     alias = aliases(settings).get(image)
     if alias is not None:
@@ -1286,9 +1357,10 @@ def load(
 
     plan = translate(parse(text, path), build_args, resolve_base, base_env)
     ctx = scan_context(root, rules, path)
-    for step in plan.steps:
-        if isinstance(step, CopyStep):
-            resolve_copy(ctx, plan, step)  # a missing or escaping source fails before a build
+    for stage in [*plan.stages, plan]:
+        for step in stage.steps:
+            if isinstance(step, CopyStep) and step.from_stage is None:
+                resolve_copy(ctx, plan, step)  # a missing or escaping source fails first
     return plan, ctx, data
 
 
@@ -1363,7 +1435,11 @@ async def abuild_dockerfile(
     dockerfile = Path(dockerfile)
     plan, ctx, data = await asyncio.to_thread(load, dockerfile, context, build_args, settings)
     base_dir = images.definition_dir(settings, plan.base)
-    digest = _digest(data, build_args, ctx, images.definition_hash(base_dir))
+    base_hash = images.definition_hash(base_dir)
+    for k in plan.needed():  # a stage copied from is part of the image
+        stage_dir = images.definition_dir(settings, plan.stages[k].base)
+        base_hash += f"+{k}:{images.definition_hash(stage_dir)}"
+    digest = _digest(data, build_args, ctx, base_hash)
     name = name or f"dockerfile-{digest[:12]}"
     if not NAME.fullmatch(name):
         raise errors.InvalidRequest.field(
@@ -1396,15 +1472,15 @@ async def _build(
     digest: str,
     name: str,
 ) -> None:
-    layers = images.chain(base_dir)
-    spec = images._layer_spec([d for _, d in layers], tuple(plan.packages))
-    base = await images._ensure_base(settings, spec)
-
-    async def steps(box: BuildSandbox, rootfs: Path, stage: Path, _env: dict[str, str]) -> None:
-        await _apply(box, rootfs, stage, plan, ctx)
-        _check_user(rootfs, plan)
-
-    info = await images._assemble(layers, base, out, then=steps)
+    scratch = out.with_name(f".{out.name}.stages")
+    shutil.rmtree(scratch, ignore_errors=True)
+    extracted: dict[int, tuple[Path, bool]] = {}
+    try:
+        for k in plan.needed():
+            await _build_stage(settings, plan, k, ctx, scratch, extracted)
+        info = await _assemble_stage(settings, plan, plan, ctx, out, extracted, [])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     meta = {
         "name": name,
         "hash": digest,
@@ -1429,6 +1505,106 @@ async def _build(
         "size_bytes": await asyncio.to_thread(images._du, out),
     }
     (out / "image.json").write_text(json.dumps(meta, indent=1))
+
+
+async def _assemble_stage(
+    settings: Settings,
+    final: Plan,
+    stage: Plan,
+    ctx: Context,
+    out: Path,
+    extracted: dict[int, tuple[Path, bool]],
+    exports: list[tuple[CopyStep, Path]],
+) -> dict[str, Any]:
+    """Build one stage's rootfs in ``out`` (its base's chain, then its steps); before the
+    build sandbox closes, copy what later stages' ``COPY --from`` take into ``exports``."""
+    layers = images.chain(images.definition_dir(settings, stage.base))
+    spec = images._layer_spec([d for _, d in layers], tuple(stage.packages))
+    base = await images._ensure_base(settings, spec)
+
+    async def steps(box: BuildSandbox, rootfs: Path, staging: Path, _env: dict[str, str]) -> None:
+        await _apply(box, rootfs, staging, stage, ctx, extracted)
+        if stage is final:
+            _check_user(rootfs, stage)
+        for step, into in exports:
+            extracted[id(step)] = (into / "data", await _export(box, final, step, into))
+
+    return await images._assemble(layers, base, out, then=steps)
+
+
+async def _build_stage(
+    settings: Settings,
+    final: Plan,
+    k: int,
+    ctx: Context,
+    scratch: Path,
+    extracted: dict[int, tuple[Path, bool]],
+) -> None:
+    """An earlier stage: built, what is copied from it exported, its rootfs deleted."""
+    consumers = [
+        step
+        for later in [*final.stages[k + 1 :], final]
+        for step in later.steps
+        if isinstance(step, CopyStep) and step.from_stage == k
+    ]
+    exports = [(step, scratch / f"from-{k}-{n}") for n, step in enumerate(consumers)]
+    for _, into in exports:
+        into.mkdir(parents=True)
+    await _assemble_stage(
+        settings, final, final.stages[k], ctx, scratch / f"stage-{k}", extracted, exports
+    )
+    shutil.rmtree(scratch / f"stage-{k}", ignore_errors=True)
+
+
+_EXPORT_SH = r"""
+out=$1 meta=$2; shift 2
+IFS=''
+n=0 kind=file
+for p in "$@"; do
+  found=
+  for m in $p; do
+    [ -e "$m" ] || [ -L "$m" ] || continue
+    found=1 n=$((n + 1))
+    if [ -d "$m" ] && [ ! -L "$m" ]; then kind=dir; cp -a -- "$m"/. "$out"/
+    else cp -a -- "$m" "$out"/
+    fi
+  done
+  if [ -z "$found" ]; then echo "$p: no such file in the stage" >&2; exit 1; fi
+done
+if [ "$n" -gt 1 ]; then kind=many; fi
+echo "$kind" > "$meta/kind"
+"""
+
+
+async def _export(box: BuildSandbox, final: Plan, step: CopyStep, into: Path) -> bool:
+    """Copy a ``COPY --from``'s sources out of the stage (inside its build sandbox, where its
+    links resolve in it) into ``into/data``; whether the destination is a directory."""
+    (into / "data").mkdir()
+    (into / "meta").mkdir()
+    await box.own(into)
+    try:
+        await box.run(
+            ["/bin/sh", "-ec", _EXPORT_SH, "sh", OUT_DIR, OUT_DIR + "-meta", *step.sources],
+            f"COPY --from at line {step.line}",
+            env={"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"},
+            timeout=COPY_TIMEOUT_S,
+            rw=[(into / "data", OUT_DIR), (into / "meta", OUT_DIR + "-meta")],
+        )
+    except errors.SandboxError as exc:
+        detail = exc.detail.removeprefix("image build: ")
+        raise fail(final.path, step.line, step.keyword, detail) from None
+    try:
+        kind = read_in_image(into, "/meta/kind").decode(errors="replace").strip()
+    except OSError:
+        kind = ""
+    if kind == "many" and not step.as_dir:
+        raise fail(
+            final.path,
+            step.line,
+            step.keyword,
+            "with more than one source file the destination must be a directory and end with '/'",
+        )
+    return step.as_dir or kind in ("dir", "many")
 
 
 def _check_user(rootfs: Path, plan: Plan) -> str | None:
@@ -1473,7 +1649,14 @@ esac
 """
 
 
-async def _apply(box: BuildSandbox, rootfs: Path, stage: Path, plan: Plan, ctx: Context) -> None:
+async def _apply(
+    box: BuildSandbox,
+    rootfs: Path,
+    stage: Path,
+    plan: Plan,
+    ctx: Context,
+    extracted: dict[int, tuple[Path, bool]],
+) -> None:
     shim = stage / "apt-get"
     shim.write_text(_APT_SHIM_TEXT)
     shim.chmod(0o755)
@@ -1482,6 +1665,9 @@ async def _apply(box: BuildSandbox, rootfs: Path, stage: Path, plan: Plan, ctx: 
     for n, step in enumerate(plan.steps):
         if isinstance(step, RunStep):
             await _run_step(box, rootfs, stage, plan, step, shim, wheels)
+        elif isinstance(step, CopyStep) and step.from_stage is not None:
+            data, as_dir = extracted[id(step)]
+            await _copy_in(box, data, plan, step, as_dir)
         elif isinstance(step, CopyStep):
             await _copy(box, stage / f"copy-{n}", plan, ctx, step)
         else:
@@ -1578,7 +1764,10 @@ async def _run_step(
         except OSError:
             pass
     if step.pip:
-        version = images.image_python(rootfs)
+        try:
+            version = images.image_python(rootfs)
+        except errors.SandboxError as exc:
+            raise fail(plan.path, step.line, "RUN", exc.detail) from None
         for reqs in step.pip:
             full = _with_files(rootfs, plan, step, reqs)
             if full[-1] != "--":  # a requirements file may name nothing
@@ -1783,13 +1972,13 @@ def resolve_copy(
         )
     if step.keyword == "ADD":
         for rel, host, kind in resolved:
-            if kind == "f" and _is_archive(host):
+            if kind == "f" and _is_archive(host) and (step.chown or step.chmod):
                 raise fail(
                     plan.path,
                     step.line,
                     "ADD",
-                    f"{rel!r} is an archive: ADD's extraction is not honoured (COPY it and "
-                    "RUN tar)",
+                    f"{rel!r} is an archive: --chown and --chmod of what ADD unpacks are not "
+                    "honoured",
                 )
     return resolved, as_dir
 
@@ -1799,6 +1988,15 @@ async def _copy(box: BuildSandbox, staged: Path, plan: Plan, ctx: Context, step:
     (or a glob's matches) need a destination ending in ``/``; a file copied to a path ending
     in ``/`` (or to an existing directory) keeps its name; missing directories are made."""
     resolved, as_dir = await asyncio.to_thread(resolve_copy, ctx, plan, step)
+    if step.keyword == "ADD":
+        archives = [
+            (rel, host) for rel, host, kind in resolved if kind == "f" and _is_archive(host)
+        ]
+        for rel, host in archives:
+            await _unpack(box, plan, step, rel, host)
+        resolved = [r for r in resolved if (r[0], r[1]) not in archives]
+        if not resolved:
+            return
 
     def stage() -> None:
         staged.mkdir()
@@ -1815,8 +2013,15 @@ async def _copy(box: BuildSandbox, staged: Path, plan: Plan, ctx: Context, step:
         await asyncio.to_thread(stage)
     except OSError as exc:
         raise fail(plan.path, step.line, step.keyword, f"cannot read the source: {exc}") from None
+    await _copy_in(box, staged, plan, step, as_dir)
+
+
+async def _copy_in(
+    box: BuildSandbox, staged: Path, plan: Plan, step: CopyStep, as_dir: bool
+) -> None:
+    """Copy the staged sources into the image from inside the build sandbox (where a link
+    the image holds resolves in the image), owned by ``--chown`` or root."""
     await box.own(staged)
-    dest = step.dest
     try:
         await box.run(
             [
@@ -1825,7 +2030,7 @@ async def _copy(box: BuildSandbox, staged: Path, plan: Plan, ctx: Context, step:
                 _COPY_SH,
                 "sh",
                 f"{IN_DIR}/src",
-                dest,
+                step.dest,
                 "dir" if as_dir else "file",
                 step.chown or "",
                 step.chmod or "",
@@ -1836,18 +2041,50 @@ async def _copy(box: BuildSandbox, staged: Path, plan: Plan, ctx: Context, step:
             ro=[(staged, f"{IN_DIR}/src")],
         )
     except errors.SandboxError as exc:
-        raise fail(
-            plan.path, step.line, step.keyword, exc.detail.removeprefix("image build: ")
-        ) from None
+        detail = exc.detail.removeprefix("image build: ")
+        raise fail(plan.path, step.line, step.keyword, detail) from None
+
+
+_TAR_FLAGS = {b"\x1f\x8b": "-z", b"BZh": "-j", b"\xfd7zXZ\x00": "-J"}
+
+
+def _archive_flag(path: Path) -> str | None:
+    """tar's decompression flag for a local archive ADD unpacks (Docker's formats: tar,
+    gzip, bzip2 and xz tars), ``""`` for a plain tar, None for anything else."""
+    with open(path, "rb") as f:
+        head = f.read(512)
+    for magic, flag in _TAR_FLAGS.items():
+        if head.startswith(magic):
+            return flag
+    return "" if head[257:262] == b"ustar" else None
 
 
 def _is_archive(path: Path) -> bool:
-    with open(path, "rb") as f:
-        head = f.read(512)
-    return (
-        head.startswith((b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd"))
-        or head[257:262] == b"ustar"
-    )
+    return _archive_flag(path) is not None
+
+
+_UNPACK_SH = r"""
+src=$1 dst=$2 flag=$3
+mkdir -p -- "$dst"
+tar -x $flag --no-same-owner --no-same-permissions -f "$src" -C "$dst"
+"""
+
+
+async def _unpack(box: BuildSandbox, plan: Plan, step: CopyStep, rel: str, host: Path) -> None:
+    """ADD of a local archive: unpacked into the destination as a directory, by the image's
+    tar inside the build sandbox (a member's path resolves in the image), owned by root."""
+    flag = _archive_flag(host) or ""
+    try:
+        await box.run(
+            ["/bin/sh", "-ec", _UNPACK_SH, "sh", f"{IN_DIR}/archive", step.dest, flag],
+            f"ADD {rel} at line {step.line}",
+            env={"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"},
+            timeout=COPY_TIMEOUT_S,
+            ro=[(host, f"{IN_DIR}/archive")],
+        )
+    except errors.SandboxError as exc:
+        detail = exc.detail.removeprefix("image build: ")
+        raise fail(plan.path, step.line, "ADD", detail) from None
 
 
 _WORKDIR_SH = r"""

@@ -403,7 +403,22 @@ def test_the_context_digest_covers_included_files_only(tmp_path: Path) -> None:
         ("FROM ubuntu:22.04\n", 1, "FROM", "not an image this builder can make"),
         ("FROM debian:bullseye\n", 1, "FROM", "not an image this builder can make"),
         ("FROM --platform=linux/arm64 debian:bookworm\n", 1, "FROM", "--platform"),
-        ("FROM debian:bookworm AS a\nFROM debian:bookworm\n", 2, "FROM", "multi-stage"),
+        ("FROM debian:bookworm AS a\nFROM a\n", 2, "FROM", "earlier stage 'a'"),
+        ("FROM debian:bookworm AS a\nFROM debian:bookworm AS A\n", 2, "FROM", "taken"),
+        ("FROM debian:bookworm\nCOPY --from=0 /x /y\n", 2, "COPY", "not an earlier stage"),
+        ("FROM debian:bookworm\nCOPY --from=python:3 /x /y\n", 2, "COPY", "an image"),
+        (
+            "FROM debian:bookworm AS b\nFROM debian:bookworm\nADD --from=b /x /y\n",
+            3,
+            "ADD",
+            "--from",
+        ),
+        (
+            "FROM debian:bookworm AS b\nFROM debian:bookworm\nCOPY --from=b /a;b /y\n",
+            3,
+            "COPY",
+            "shell",
+        ),
         ("RUN echo\n", 1, "RUN", "first instruction must be FROM"),
         ("FROM debian:bookworm\nRUN --mount=type=cache,target=/x true\n", 2, "RUN", "--mount"),
         ("FROM debian:bookworm\nRUN --network=host true\n", 2, "RUN", "--network"),
@@ -510,6 +525,17 @@ def test_pip_installs_are_read_for_the_hosts_pip(settings: Settings, tmp_path: P
 def test_aliases_and_unknown_docker_images(settings: Settings, tmp_path: Path) -> None:
     assert df.resolve_image(settings, "debian:bookworm-slim") == "default"
     assert df.resolve_image(settings, "debian:12.5") == "default"
+    for tag in (
+        "debian:12-slim",
+        "debian:bookworm-20240110-slim",
+        "docker.io/library/debian:bookworm",
+        "library/debian:12.4",
+        "debian:bookworm@sha256:" + "a" * 64,
+    ):
+        assert df.resolve_image(settings, tag) == "default", tag
+    for tag in ("debian:bullseye", "debian:13", "debian:bookworm-backports", "debian"):
+        with pytest.raises(errors.DockerfileError):
+            df.resolve_image(settings, tag)
     assert df.resolve_image(settings, "python-dev") == "python-dev"
     with pytest.raises(errors.DockerfileError, match=re.escape("docker_image 'python:3.12'")):
         df.resolve_image(settings, "python:3.12")
@@ -569,7 +595,7 @@ def _linked(settings: Settings, plan: df.Plan) -> None:
         ("FROM debian:bookworm\nCOPY missing.txt /x\n", 2, "COPY", "not found"),
         ("FROM debian:bookworm\nCOPY a.txt b.txt /x\n", 2, "COPY", "end with '/'"),
         ("FROM debian:bookworm\nCOPY *.txt /x\n", 2, "COPY", "end with '/'"),
-        ("FROM debian:bookworm\nADD a.tar /x/\n", 2, "ADD", "archive"),
+        ("FROM debian:bookworm\nADD --chown=worker a.tar /x/\n", 2, "ADD", "archive"),
         ("FROM debian:bookworm\nCOPY link /x\n", 2, "COPY", "symlink out of the context"),
     ],
 )
@@ -676,3 +702,137 @@ def test_the_cli_refuses_a_dockerfile_naming_the_line_and_maps_aliases(
     code, out = _cli(tmp_path, "alias", "python:3.12", "python-dev")
     assert code == 0, out
     assert df.resolve_image(settings, "python:3.12") == "python-dev"
+
+
+# ------------------------------------------------------------------ multi-stage
+
+
+def test_stages_are_planned_apart_and_only_the_needed_ones_built(
+    settings: Settings, tmp_path: Path
+) -> None:
+    plan = plan_of(
+        "ARG V=1\n"
+        "FROM python-dev AS build\n"
+        "ENV IN_BUILD=1\n"
+        "WORKDIR /src\n"
+        "FROM debian:bookworm AS unused\n"
+        "RUN exit 1\n"
+        "FROM debian:bookworm AS second\n"
+        "COPY --from=BUILD /src/out /mid/\n"
+        "FROM debian:bookworm\n"
+        "ARG V\n"
+        "COPY --from=second mid/ /app/\n"
+        "COPY --from=0 /src/out/result.txt .\n",
+        settings,
+        tmp_path,
+    )
+    assert [s.name for s in plan.stages] == ["build", "unused", "second"]
+    assert [s.base for s in plan.stages] == ["python-dev", "default", "default"]
+    assert plan.stages[0].env["IN_BUILD"] == "1" and "IN_BUILD" not in plan.env
+    assert plan.stages[0].workdir == "/src" and plan.workdir is None
+    assert plan.needed() == [0, 2]  # `unused` is never built
+    first, second = plan.steps
+    assert isinstance(first, df.CopyStep) and isinstance(second, df.CopyStep)
+    assert (first.from_stage, first.sources, first.dest) == (2, ["/mid"], "/app")
+    assert (second.from_stage, second.sources, second.dest, second.as_dir) == (
+        0,
+        ["/src/out/result.txt"],
+        "/",
+        True,
+    )
+
+
+@pytest.mark.sandbox
+def test_add_unpacks_local_archives_and_copies_other_files(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tarfile
+
+    monkeypatch.setattr(images, "build_with_image", lambda *_: None)
+    ctx = tmp_path / "ctx"
+    (ctx / "tree" / "pkg").mkdir(parents=True)
+    (ctx / "tree" / "pkg" / "m.py").write_text("x = 1\n")
+    for name, mode in (("plain.tar", "w"), ("gz.tar.gz", "w:gz")):
+        with tarfile.open(ctx / name, mode) as tar:
+            tar.add(ctx / "tree", arcname=".")
+    (ctx / "notes.txt").write_text("just a file\n")
+    (ctx / "Dockerfile").write_text(
+        "FROM debian:bookworm\n"
+        "ADD plain.tar /plain\n"
+        "ADD gz.tar.gz notes.txt /gz/\n"
+        "COPY gz.tar.gz /kept/\n"  # COPY never unpacks
+    )
+    plan, _, _ = df.load(ctx / "Dockerfile", None, {}, settings)
+    _linked(settings, plan)
+    root = df.build_dockerfile(ctx / "Dockerfile", name="added", settings=settings).rootfs
+    assert (root / "plain/pkg/m.py").read_text() == "x = 1\n"
+    assert (root / "gz/pkg/m.py").read_text() == "x = 1\n"
+    assert (root / "gz/notes.txt").read_text() == "just a file\n"
+    assert (root / "gz/pkg/m.py").stat().st_uid == 0
+    assert (root / "kept/gz.tar.gz").read_bytes() == (ctx / "gz.tar.gz").read_bytes()
+
+
+@pytest.mark.sandbox
+def test_copy_from_an_earlier_stage(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(images, "build_with_image", lambda *_: None)
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text(
+        "FROM debian:bookworm AS build\n"
+        "RUN mkdir -p /out/sub && echo built > /out/result.txt && echo deep > /out/sub/d.txt"
+        " && ln -s /etc/hostname /out/link && chown -R worker /out\n"
+        "FROM debian:bookworm AS unused\n"
+        "RUN exit 1\n"
+        "FROM debian:bookworm\n"
+        "COPY --from=build /out/ /app/\n"
+        "COPY --from=0 --chown=worker /out/result.txt /single.txt\n"
+        "COPY --from=build /out/*.txt /globbed/\n"
+    )
+    plan, _, _ = df.load(ctx / "Dockerfile", None, {}, settings)
+    _linked(settings, plan)
+    built = df.build_dockerfile(ctx / "Dockerfile", name="staged", settings=settings)
+    root = built.rootfs
+    assert (root / "app/result.txt").read_text() == "built\n"
+    assert (root / "app/sub/d.txt").read_text() == "deep\n"
+    assert os.readlink(root / "app/link") == "/etc/hostname"  # a link of the stage stays one
+    assert (root / "app/result.txt").stat().st_uid == 0  # COPY --from without --chown: root
+    assert (root / "single.txt").read_text() == "built\n"
+    assert (root / "single.txt").stat().st_uid == 1000
+    assert sorted(p.name for p in (root / "globbed").iterdir()) == ["result.txt"]
+    leftovers = [p.name for p in settings.image_cache_dir.iterdir() if "stages" in p.name]
+    assert leftovers == []  # the stages' rootfs are gone
+
+
+@pytest.mark.sandbox
+def test_run_steps_are_not_host_root_and_have_no_network(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Dockerfile's RUN is root of its own user namespace (mapped to an unprivileged host
+    uid slot), with a loopback of its own: a host service on 127.0.0.1 is out of reach."""
+    import socket
+
+    monkeypatch.setattr(images, "build_with_image", lambda *_: None)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text(
+        "FROM debian:bookworm\n"
+        "RUN id -u > /uid && cat /proc/self/uid_map > /uidmap\n"
+        'RUN python3 -c "import socket; s = socket.socket(); '
+        f"print(s.connect_ex(('127.0.0.1', {port})))\" > /net\n"
+    )
+    try:
+        plan, _, _ = df.load(ctx / "Dockerfile", None, {}, settings)
+        _linked(settings, plan)
+        root = df.build_dockerfile(ctx / "Dockerfile", name="hostile", settings=settings).rootfs
+    finally:
+        listener.close()
+    assert (root / "uid").read_text() == "0\n"
+    inside, outside, count = (int(x) for x in (root / "uidmap").read_text().split())
+    assert inside == 0 and outside >= 1 << 30 and count == 65536  # never host uid 0
+    assert (root / "net").read_text() == "111\n"  # ECONNREFUSED: not the host's loopback

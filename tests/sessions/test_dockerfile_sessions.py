@@ -135,9 +135,13 @@ async def test_build_dockerfile_is_callable_from_a_running_loop(
     """Harbor's environment calls it from async code: a cache hit, there too."""
     settings, config = built
     ctx = Path(json.loads((config.rootfs.parent / "image.json").read_text())["dockerfile"]["path"])
-    kwargs = {"name": "df-session", "build_args": {"FLAVOUR": "mint"}, "settings": settings}
-    assert dockerfile.build_dockerfile(ctx, **kwargs) == config  # type: ignore[arg-type]
-    assert await dockerfile.abuild_dockerfile(ctx, **kwargs) == config  # type: ignore[arg-type]
+    args = {"FLAVOUR": "mint"}
+    again = dockerfile.build_dockerfile(ctx, name="df-session", build_args=args, settings=settings)
+    assert again == config
+    found = await dockerfile.abuild_dockerfile(
+        ctx, name="df-session", build_args=args, settings=settings
+    )
+    assert found == config
 
 
 @pytest.fixture
