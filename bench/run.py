@@ -41,7 +41,8 @@ class Timers:
 
 
 def instrument(runtime: Any, timers: Timers) -> None:
-    build = runtime.build
+    engine = runtime.engine  # the run engine builds each run (ephemeral/engine.py)
+    build = engine.build
 
     async def timed_build(run_id: str) -> Any:
         agent = await build(run_id)
@@ -82,7 +83,7 @@ def instrument(runtime: Any, timers: Timers) -> None:
         agent.provider = TimedProvider()
         return agent
 
-    runtime.build = timed_build
+    engine.build = timed_build
 
 
 async def sequential(settings: Settings, runs: int) -> dict[str, list[float]]:

@@ -107,6 +107,10 @@ class AgentRun:
     _web: WebCharges = field(init=False)  # the web charges (ephemeral.broker.attach)
     compute: tuple[int, int] | None = None  # (micros, lifetime_ms) of its sandbox, at teardown
     settings: Settings | None = None  # where its record goes (None: the caller records it)
+    # Takes a zero-data-retention output into custody for its one reader, before the close:
+    # whoever sees the run settled must find it there (the engine's, set at the build).
+    deliver_output: Callable[[str], Awaitable[None]] | None = None
+    _delivered: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         rate = self.price_book.compute_micros(
@@ -561,6 +565,9 @@ class AgentRun:
     async def settle(self) -> RunRow:
         """End the run: the one close (:func:`ephemeral.closing.close`), then its record."""
         await self._flush_charges()
+        if self.zdr and self.output is not None and self.deliver_output and not self._delivered:
+            await self.deliver_output(self.output)
+            self._delivered = True
         return await close(
             self.store,
             self.settings,
@@ -597,10 +604,11 @@ class Steps:
     (the default of each)."""
 
     provision: Callable[[AgentRun], Awaitable[None]] = AgentRun.provision
-    setup: Callable[[AgentRun], Awaitable[None]] = AgentRun.setup
+    # Setup and verify are looked up on the run when called (a test may patch the method).
+    setup: Callable[[AgentRun], Awaitable[None]] = lambda run: run.setup()
     model_step: Callable[[AgentRun], Awaitable[ModelReply | None]] = AgentRun.model_step
     tool_step: Callable[[AgentRun, ToolCall], Awaitable[None]] = AgentRun.tool_step
-    verify: Callable[[AgentRun], Awaitable[None]] = AgentRun.verify
+    verify: Callable[[AgentRun], Awaitable[None]] = lambda run: run.verify()
     teardown: Callable[[AgentRun], Awaitable[None]] = AgentRun.teardown
     settle: Callable[[AgentRun], Awaitable[RunRow]] = AgentRun.settle
     # A whole turn (the model call and the tool calls it asked for) as one step: Prefect makes

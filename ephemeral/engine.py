@@ -7,35 +7,41 @@ One run, top to bottom (``file:function`` for each stage)::
                                                  transaction: idempotency claim, hold
                                                  max_cost_micros on the org, run ``queued``
     launch    service.py:Runtime.submit          → engine.py:Engine.launch (a task per run), or
-                                                 Runtime.dispatch (a worker on some host runs it)
+                                                 Engine.dispatch (a worker on some host runs it)
     slot      engine.py:Engine.execute           waits ``queued`` for one of
                                                  max_concurrent_runs slots, then hands a
-                                                 RunHandle to the executor (executor.py)
+                                                 RunHandle to the executor (executor.py;
+                                                 flows/executor.py:executor_for picks it)
     grant     engine.py:RunHandle.grant          ``queued → provisioning``: its clock starts
     build     engine.py:Engine.build             the run row (+ its zero-data-retention prompt)
                                                  → agent.py:AgentRun
-    steps     agent.py:drive                     provision → setup → turn* → verify →
-                                                 teardown → settle, each a Steps callable
-                                                 (plain methods, or Prefect tasks in
+    steps     engine.py:Engine.drive             → agent.py:drive: provision → setup → turn* →
+                                                 verify → teardown → settle, each a Steps
+                                                 callable (plain methods, or Prefect tasks in
                                                  flows/agent_run.py)
-      provision   agent.py:AgentRun.provision    sandbox.source.SandboxSource.acquire (warm
+      provision   agent.py:AgentRun.provision    sandbox/source.py:SandboxSource.acquire (warm
                                                  pool or boot) → ``running`` + sandbox.ready,
                                                  files, egress, worker.started
+      setup       agent.py:AgentRun.setup        the request's setup commands
       turn        agent.py:take_turn             AgentRun.model_step, then AgentRun.tool_step
                                                  for each tool call
+      verify      agent.py:AgentRun.verify       the request's verify commands
       teardown    agent.py:AgentRun.teardown     destroy the sandbox, measure its compute
-      settle      agent.py:AgentRun.settle       engine.py:close
-    close     engine.py:close                    one transaction (store.Store.close_run):
+      settle      agent.py:AgentRun.settle       a zero-data-retention output into custody,
+                                                 then closing.py:close
+    close     closing.py:close                   one transaction (store.Store.close_run):
                                                  compute charge + sandbox.destroyed, terminal
                                                  status, run.<status>, settlement, run.output,
                                                  run.settled, transcript
-    record    engine.py:record                   Parquet rows (recording.py:record_run), then
+    record    closing.py:record                  Parquet rows (recording.py:record_run), then
                                                  store.Store.mark_recorded; a crash between the
-                                                 two is repaired by service.py:Runtime.recover
+                                                 close and the marker is repaired by
+                                                 service.py:Runtime.recover
 
 A run nothing executes any more (its process died, cancelled while waiting, an executor
 that raised) ends through :meth:`Engine.abandon`, which charges the compute its events show and
-calls the same :func:`close`; a sandbox session ends through it too (``ephemeral.sessions``).
+calls the same :func:`~ephemeral.closing.close`; a sandbox session ends through it too
+(``ephemeral.sessions``).
 
 Everything one run holds in this process (its task, its agent, its zero-data-retention
 prompt, whether it holds a slot, the signal that its body began) is one :class:`RunState`.
@@ -324,7 +330,15 @@ class Engine:
             workdir=built.workdir if built else None,
             broker=Broker(self.settings),
             settings=self.settings,
+            deliver_output=lambda output: self._deliver(run_id, output),
         )
+
+    async def _deliver(self, run_id: str, output: str) -> None:
+        """Custody of a zero-data-retention output, for its one reader."""
+        if self.lease_seconds is not None:  # a worker: the reader is in another process
+            await self.seal(run_id, "output", output)
+        else:
+            self.outputs[run_id] = output
 
     async def drive(self, agent: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
         """Drive one built run; the ``agent-run`` flow calls this with its task-wrapped steps."""
@@ -334,11 +348,8 @@ class Engine:
             row = await drive(agent, steps)
         finally:
             st.agent = None
-        if agent.zdr and agent.output is not None:
-            if self.lease_seconds is not None:  # a worker: the reader is in another process
-                await self.seal(agent.run_id, "output", agent.output)
-            else:
-                self.outputs[agent.run_id] = agent.output
+            if st.task is None:  # driven without the engine's execute (tests, a flow process)
+                self._release(agent.run_id, None)
         if row.recorded_at is None:  # the settle step records; a wrapper that failed may not
             await record(self.store, self.settings, row.id)
         return row

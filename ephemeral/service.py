@@ -165,12 +165,7 @@ class Runtime:
         await self.require_connections(org_id, policy)
         if policy.image is not None:
             images.require_built(self.settings, policy.image)  # 422 naming `image`
-        try:
-            await self.sandboxes.isolation_for(policy.isolation)
-        except errors.IsolationUnavailable as exc:
-            raise errors.IsolationUnavailable(
-                exc.detail, errors=[{"field": "isolation", "message": exc.detail}]
-            ) from exc
+        await self.sandboxes.require_isolation(policy.isolation)
         row, replayed = await self.store.admit_run(
             org_id=org_id,
             run_id=new_run_id(),

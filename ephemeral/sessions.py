@@ -266,12 +266,7 @@ class Sessions:
         """
         policy = request.policy()
         await require_connections(self.store, org_id, policy)
-        try:
-            await self.sandboxes.isolation_for(policy.isolation)
-        except errors.IsolationUnavailable as exc:
-            raise errors.IsolationUnavailable(
-                exc.detail, errors=[{"field": "isolation", "message": exc.detail}]
-            ) from exc
+        await self.sandboxes.require_isolation(policy.isolation)
         row, replayed = await self.store.admit_run(
             org_id=org_id,
             run_id=new_run_id(),

@@ -62,6 +62,16 @@ class SandboxSource:
         self._host_facts[("isolation", requested)] = (time.monotonic(), level)
         return level
 
+    async def require_isolation(self, requested: str) -> str:
+        """:meth:`isolation_for` at admission: a level that cannot run here is a 422 naming
+        the request's ``isolation`` (runs and sessions are admitted with the same check)."""
+        try:
+            return await self.isolation_for(requested)
+        except errors.IsolationUnavailable as exc:
+            raise errors.IsolationUnavailable(
+                exc.detail, errors=[{"field": "isolation", "message": exc.detail}]
+            ) from exc
+
     def built_image(self, name: str) -> images.ImageConfig | None:
         """The current build of image ``name`` (``images.built_image``), reused for
         ``HOST_FACTS_SECONDS``."""

@@ -36,7 +36,7 @@ def flow_run_names(names: list[str]) -> list[tuple[str, bool]]:
 
 def test_product_page_request_through_prefect_with_the_warm_pool(api_settings: Settings) -> None:
     settings = api_settings.model_copy(
-        update={"use_prefect": True, "pool_size": 1, "default_model": "replay/sandbox-proof"}
+        update={"executor": "flow", "pool_size": 1, "default_model": "replay/sandbox-proof"}
     )
     with live_server(settings, warm_pool=True) as srv:
         key = srv.member("acme")

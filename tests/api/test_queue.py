@@ -142,7 +142,7 @@ async def test_an_exception_on_the_execution_path_settles_the_run(
     async def broken_build(run_id: str) -> None:
         raise ConnectionError("database went away")
 
-    monkeypatch.setattr(runtime, "build", broken_build)
+    monkeypatch.setattr(runtime.engine, "build", broken_build)
     row, _ = await runtime.submit(member.org_id, RunRequest(prompt="hello"))
     done = await runtime.wait(row.id, timeout=30)
     assert done.status in TERMINAL_STATUSES and done.termination_reason == "infra_error"

@@ -11,6 +11,7 @@ import pytest
 
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
+from tests import runlevel
 
 
 def turn(*commands: str, final: str | None = None, tokens: tuple[int, int] = (1000, 50)) -> dict:
@@ -53,7 +54,11 @@ def run_settings(tmp_path: Path, cassettes: Path) -> Settings:
 @pytest.fixture
 async def runtime(run_settings: Settings) -> AsyncIterator[Runtime]:
     rt = await Runtime.start(run_settings)
+    left: list[str] = []
     try:
         yield rt
+        left = await runlevel.before_close(rt)
     finally:
         await rt.close()
+    left += await runlevel.after_close(rt)
+    assert not left, f"the test left: {left}"

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from ephemeral.executor import Dispatcher
+from ephemeral.executor import Dispatcher, RunHandle
 from ephemeral.ids import new_run_id, utcnow
 from ephemeral.lifecycle import RunStatus
 from ephemeral.policy import RunRequest
@@ -44,7 +44,7 @@ class ToWorker:
 
         self.tasks.append(asyncio.get_running_loop().create_task(execute_run()))
 
-    async def execute(self, runtime: Runtime, run_id: str) -> None:
+    async def execute(self, run: RunHandle) -> None:
         raise AssertionError("a dispatching runtime never executes")
 
     async def close(self) -> None:
@@ -207,7 +207,7 @@ async def test_a_taken_run_waiting_on_a_dead_worker_is_refunded_in_full(
         )
         assert await api.settle_expired_leases() == [row.id]
         settled = await api.store.get_run(row.id)
-        assert await worker.grant(row.id) is False  # nothing left to start
+        assert await worker.engine.grant(row.id) is False  # nothing left to start
     finally:
         await worker.close()
         await api.close()

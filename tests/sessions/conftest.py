@@ -13,6 +13,7 @@ from ephemeral.api import create_app
 from ephemeral.sandbox.registry import probe_level
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
+from tests import runlevel
 from tests.api.conftest import Member, new_member
 from tests.drivers import unavailable
 
@@ -34,10 +35,14 @@ def session_settings(tmp_path: Path) -> Settings:
 @pytest.fixture
 async def runtime(session_settings: Settings) -> AsyncIterator[Runtime]:
     rt = await Runtime.start(session_settings)
+    left: list[str] = []
     try:
         yield rt
+        left = await runlevel.before_close(rt)
     finally:
         await rt.close()
+    left += await runlevel.after_close(rt)
+    assert not left, f"the test left: {left}"
 
 
 @pytest.fixture

@@ -100,7 +100,9 @@ async def test_session_over_http(
         assert r.status_code == 404, (method, url, r.text)
     # sessions are not runs
     assert (await http.get("/v1/runs", headers=h)).json()["runs"] == []
-    assert (await http.get(f"/v1/sandboxes/{sid}", headers=h)).json()["status"] == "running"
+    live = (await http.get(f"/v1/sandboxes/{sid}", headers=h)).json()
+    assert live["status"] == "running"
+    assert live["usage"]["execs"] == 5  # counted as they run, not only at the end
 
     r = await http.delete(f"/v1/sandboxes/{sid}", headers=h)
     ended = r.json()

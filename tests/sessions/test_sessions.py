@@ -103,8 +103,7 @@ async def test_time_limit_ends_the_session(runtime: Runtime, org: str, isolation
             runtime.sessions.owns(row.id)
         ):
             await asyncio.sleep(0.1)
-    assert done.status == "timed_out"
-    assert list(runtime.settings.sandboxes_dir.glob("*.json")) == []
+    assert done.status == "timed_out"  # no sandbox handle left: the runtime fixture checks
 
 
 async def test_budget_cap_ends_the_session(runtime: Runtime, org: str, isolation: str) -> None:
@@ -129,7 +128,7 @@ async def test_insufficient_balance_is_refused(runtime: Runtime) -> None:
     await runtime.store.credit(poor.id, 100, note="test")
     with pytest.raises(errors.PaymentRequired):
         await runtime.sessions.create(poor.id, SessionRequest(max_cost_micros=1_000))
-    assert (await runtime.store.get_org(poor.id)).reserved_micros == 0
+    # Nothing reserved on any org: the runtime fixture checks (tests/runlevel.py).
 
 
 async def test_zero_data_retention_keeps_no_content(
@@ -165,8 +164,7 @@ async def test_cancel_through_the_runs_api_ends_the_session(
     assert pids
     done = await runtime.cancel(row.id, org)
     assert (done.status, done.termination_reason) == ("cancelled", "cancelled")
-    assert done.settled and not runtime.sessions.owns(row.id)
-    assert list(runtime.settings.sandboxes_dir.glob("*.json")) == []
+    assert done.settled and not runtime.sessions.owns(row.id)  # no handle left: the fixture
 
 
 async def test_root_is_refused_where_it_would_be_host_root(tmp_path: Path) -> None:

@@ -1,0 +1,49 @@
+"""What a test's runtime must not leave behind, at run level: the sandbox fixture's check
+(tests/sandbox/conftest.py) one level up. The ``runtime`` fixtures of tests/run and
+tests/sessions call it around closing the runtime, so a test need not check by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import sqlalchemy as sa
+
+from ephemeral.service import Runtime
+from ephemeral.store import Store
+from ephemeral.store.schema import orgs
+
+RECORD_WAIT_SECONDS = 30.0  # a session ended by its watchdog writes its record after it settles
+
+
+async def before_close(runtime: Runtime) -> list[str]:
+    """Every settled run is recorded (waiting for records still being written)."""
+    deadline = time.monotonic() + RECORD_WAIT_SECONDS
+    while unrecorded := await runtime.store.unrecorded_runs():
+        if time.monotonic() > deadline:
+            return [f"run {r.id} is settled but not recorded" for r in unrecorded]
+        await asyncio.sleep(0.1)
+    return []
+
+
+async def after_close(runtime: Runtime) -> list[str]:
+    """Once the runtime closed (its sessions ended): no open run, nothing reserved on any
+    org, no run state (handle) in the engine, no sandbox handle file."""
+    left = [f"the engine still holds run {r}" for r in runtime.engine.runs]
+    handles = runtime.settings.sandboxes_dir.glob("*.json")
+    left += [f"sandbox handle {p.name} is left" for p in handles]
+    store = await Store.open(runtime.settings.db_url)
+    try:
+        left += [f"run {r.id} is still {r.status}" for r in await store.open_runs()]
+        async with store.engine.connect() as conn:
+            held = (
+                await conn.execute(
+                    sa.select(orgs.c.name, orgs.c.reserved_micros).where(
+                        orgs.c.reserved_micros != 0
+                    )
+                )
+            ).all()
+    finally:
+        await store.close()
+    left += [f"org {name} still holds {micros} micros" for name, micros in held]
+    return left
