@@ -1,7 +1,11 @@
-"""``gvisor`` isolation: Debian's ``runsc`` (ptrace platform), no network, read-only image root.
+"""``gvisor`` isolation: Debian's ``runsc`` (ptrace platform), no network, a private writable root.
 
 The guest's syscalls go to gVisor's user-space kernel (the Sentry), not to the host kernel,
 which is why this is the strongest level on hosts without hardware virtualisation.
+
+``runsc run`` starts in a private mount namespace whose ``/run/ephemeral/rootfs`` is the
+sandbox's copy-on-write overlay of the image (``writable_root.py``): the Gofer serves the
+guest's root from it, so a write lands in the sandbox's own tmpfs, bounded by the disk limit.
 
 Each sandbox gets its own runsc ``--root`` state directory and OCI bundle under
 ``<state_dir>/run/<id>/``; ``runsc run`` is started inside the sandbox's host cgroup (joined
@@ -29,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ephemeral import errors
-from ephemeral.sandbox import cgroups, handles
+from ephemeral.sandbox import cgroups, handles, writable_root
 from ephemeral.sandbox.base import AGENT_CAPS, Limits, Sandbox
 from ephemeral.sandbox.probe import runtime_version
 from ephemeral.sandbox.process import ProcessDriver, ProcessSandbox, new_handle
@@ -90,7 +94,8 @@ def oci_spec(rootfs: str, agent_path: str, limits: Limits, cgroups_path: str) ->
             "noNewPrivileges": True,
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096}],
         },
-        "root": {"path": rootfs, "readonly": True},
+        # the writable root's overlay (writable_root.py), private to this sandbox
+        "root": {"path": rootfs, "readonly": False},
         "hostname": "sandbox",
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -170,7 +175,12 @@ class GVisorDriver(ProcessDriver):
         try:
             state_root.mkdir(parents=True, mode=0o700)
             bundle.mkdir(mode=0o700)
-            spec = oci_spec(rootfs, self._agent_path, limits, f"/{cgroups.PARENT}/{handle.id}")
+            spec = oci_spec(
+                str(writable_root.MOUNT_POINT),
+                self._agent_path,
+                limits,
+                f"/{cgroups.PARENT}/{handle.id}",
+            )
             (bundle / "config.json").write_text(json.dumps(spec))
             cg = cgroups.CgroupSet.create(
                 handle.id,
@@ -188,7 +198,12 @@ class GVisorDriver(ProcessDriver):
                 limits=limits,
                 runtime=runtime,
             )
-            await sbx._start(self.runsc_argv(runsc, state_root, bundle, handle.id))
+            await sbx._start(
+                [
+                    *writable_root.launcher(rootfs, limits.disk_mib, handle.id),
+                    *self.runsc_argv(runsc, state_root, bundle, handle.id),
+                ]
+            )
             return sbx
         except BaseException as exc:
             await self._failed_start(exc, sbx, handle, hfile)

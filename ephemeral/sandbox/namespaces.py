@@ -1,9 +1,10 @@
 """``namespaces`` isolation: bubblewrap in a user namespace of its own, cgroups and seccomp.
 
 Every namespace is unshared (user, pid, net, ipc, uts, cgroup, mount) and nested user namespaces
-are disabled; the image is seen through a read-only overlay; the writable paths are size-capped
-tmpfs. The host kernel is shared, so this is the weakest level: it is only picked when nothing
-stronger runs, and always labelled.
+are disabled; the root is the sandbox's own copy-on-write overlay of the image
+(``writable_root.py``); every writable path is a size-capped tmpfs. The host kernel is
+shared, so this is the weakest level: it is only picked when nothing stronger runs, and
+always labelled.
 
 Identities. The launcher (host root) gives each sandbox a user namespace mapping 65,536 ids,
 ``0..65535`` inside to ``base..base+65535`` on the host, where ``base`` is a slot of its own
@@ -16,17 +17,20 @@ uids, and none of those uids is host root or a real host user). Inside it:
 - every command runs as uid/gid 1000 (host ``base+1000``), with no capabilities, no fds but
   0-2, and no-new-privileges, so it can neither signal, ptrace nor read ``/proc/1/fd`` or
   ``/proc/1/mem`` of the agent, nor forge its replies;
-- the image's files belong to host root, unmapped here: they show as ``nobody`` and only their
-  world permissions apply (``/etc/shadow`` is unreadable even to the agent);
+- the image's files belong to host root; the overlay's lower layer is an idmapped mount of the
+  image that shows host uid ``n`` as ``base+n``, so inside they belong to their owners (root's
+  to the sandbox's root, which may change them: the change lands in the sandbox's own upper
+  layer), while on the host the sandbox's root is still ``base``, owning nothing;
 - ``user.max_user_namespaces`` is 0 in that namespace, so no process can make another.
 
-The sequence (:func:`_launcher`): in a private mount namespace, bind the image at a neutral path
-and mount a read-only overlay of it (so other tenants' opens of the shared image files are not
-inotify events on the inodes this sandbox sees, and ``/proc/self/mountinfo`` names no host
-path); start a holder process in a new user namespace, write its uid/gid maps from outside,
-keep its namespace by fd, enter it as uid 0 with ``nsenter``, forbid further user namespaces
-and exec bwrap, which makes the remaining namespaces and runs the agent. Everything vanishes
-with the sandbox's processes; nothing is mounted on the host.
+The sequence (:func:`_launcher`): in a private mount namespace, start a holder process in a
+new user namespace, write its uid/gid maps from outside and keep its namespace by fd; bind the
+image, idmapped into that namespace, at a neutral path and mount the writable overlay over it
+(its own inodes, so other tenants' opens of the shared image files are not inotify events on
+what this sandbox sees, and ``/proc/self/mountinfo`` names no host path); enter the namespace
+as uid 0 with ``nsenter``, forbid further user namespaces and exec bwrap, which makes the
+remaining namespaces and runs the agent. Everything vanishes with the sandbox's processes;
+nothing is mounted on the host.
 
 The kernel's view is masked like Docker's masked paths: ``/proc/cmdline``, ``loadavg`` and
 ``boot_id`` show per-sandbox values, ``kcore``/``keys``/``timer_list``/``sched_debug`` read
@@ -49,9 +53,8 @@ import contextlib
 import logging
 import os
 import uuid
-from pathlib import Path
 
-from ephemeral.sandbox import cgroups, handles, seccomp
+from ephemeral.sandbox import cgroups, handles, seccomp, writable_root
 from ephemeral.sandbox.base import AGENT_CAPS, Limits, Sandbox
 from ephemeral.sandbox.process import ProcessDriver, ProcessSandbox, new_handle
 from ephemeral.sandbox.uid_slots import allocate_slot
@@ -59,11 +62,6 @@ from ephemeral.settings import Settings
 
 AGENT_ARGV = ["/usr/bin/python3", "-I", "-S"]
 SMALL_TMPFS = 16 << 20
-# Empty directories on the host; the mounts on them exist only in each launcher's namespace.
-RUN_DIR = Path("/run/ephemeral")
-LOWER = RUN_DIR / "lower"  # the image, bound at a path that says nothing about the host
-EMPTY = RUN_DIR / "empty"  # overlayfs needs two lower layers when it has no upper one
-MOUNT_POINT = RUN_DIR / "rootfs"  # the overlay bwrap makes the sandbox's /
 # Docker's masked /proc paths that exist here read empty; these read per-sandbox values.
 MASKED = ("/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug")
 PRIVILEGED_LABEL = "namespaces-privileged"
@@ -77,26 +75,25 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def _launcher(rootfs: str, host_base: int | None, passed: list[int]) -> list[str]:
-    """argv prefix: private mount namespace + overlay, then (unless privileged) the user
-    namespace, entered as its root; the bwrap argv follows. ``passed`` are the fds bwrap reads:
-    the namespace is held on a free single-digit fd (all a POSIX shell can name)."""
+def _launcher(
+    rootfs: str, host_base: int | None, passed: list[int], disk_mib: int, sandbox_id: str
+) -> list[str]:
+    """argv prefix: private mount namespace, then (unless privileged) the user namespace, the
+    writable root's overlay (over an image idmapped into that namespace), and the namespace
+    entered as its root; the bwrap argv follows. ``passed`` are the fds bwrap reads: the
+    namespace is held on a free single-digit fd (all a POSIX shell can name)."""
     nsfd = next(n for n in range(3, 10) if n not in passed)
-    for d in (RUN_DIR, LOWER, EMPTY, MOUNT_POINT):
-        d.mkdir(mode=0o755, exist_ok=True)
-    mounts = (
-        'mount --bind "$1" "$2" || exit 1\n'
-        'mount -t overlay sandbox -o "ro,lowerdir=$3:$2" "$4" || exit 1\n'
-        "base=$5\nnsfd=$6\nshift 6\n"
-    )
+    writable_root.prepare_dirs()
+    head = writable_root.ARGS + "base=$1\nnsfd=$2\nshift 2\n"
     if host_base is None:
-        userns = 'exec "$@"'
+        script = head + writable_root.mount_script(idmap_userns=None) + 'exec "$@"'
     else:
         # The holder unshares; we (root outside) write its maps; its namespace is kept by an fd
         # while nsenter makes us its uid 0. Capabilities are recomputed at exec, so the map must
         # exist before anything runs inside as root: hence a holder instead of `unshare --user`.
-        userns = (
-            "unshare --user -- sleep 60 </dev/null >/dev/null 2>&1 &\nh=$!\ni=0\n"
+        # The image is idmapped into that namespace before the overlay is made of it.
+        script = (
+            head + "unshare --user -- sleep 60 </dev/null >/dev/null 2>&1 &\nh=$!\ni=0\n"
             'until echo "0 $base 65536" 2>/dev/null >"/proc/$h/uid_map"; do\n'
             "  i=$((i + 1))\n"
             "  if [ $i -gt 200000 ] || ! kill -0 $h 2>/dev/null; then\n"
@@ -105,14 +102,14 @@ def _launcher(rootfs: str, host_base: int | None, passed: list[int]) -> list[str
             'echo "0 $base 65536" >"/proc/$h/gid_map" || exit 1\n'
             'eval "exec $nsfd<\\"/proc/$h/ns/user\\"" || exit 1\n'
             "{ kill -9 $h; wait $h; } 2>/dev/null\n"
-            'exec nsenter --user="/proc/self/fd/$nsfd" --setuid=0 --setgid=0 -- /bin/sh -c '
+            + writable_root.mount_script(idmap_userns='"/proc/self/fd/$nsfd"', owner='"$base"')
+            + 'exec nsenter --user="/proc/self/fd/$nsfd" --setuid=0 --setgid=0 -- /bin/sh -c '
             '\'eval "exec $0<&-" && echo 0 >/proc/sys/user/max_user_namespaces && '
             'exec "$@"\' "$nsfd" "$@"'
         )
     return [
-        "unshare", "--mount", "--propagation", "private",
-        "/bin/sh", "-c", mounts + userns, "sh",
-        rootfs, str(LOWER), str(EMPTY), str(MOUNT_POINT), str(host_base or 0), str(nsfd),
+        "unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", script, "sh",
+        *writable_root.args(rootfs, disk_mib, sandbox_id), str(host_base or 0), str(nsfd),
     ]  # fmt: skip
 
 
@@ -152,7 +149,7 @@ class NamespacesDriver(ProcessDriver):
         argv += [
             "--hostname",
             "sandbox",
-            "--ro-bind",
+            "--bind",
             rootfs,
             "/",
             "--proc",
@@ -237,8 +234,8 @@ class NamespacesDriver(ProcessDriver):
             )
             slot_fd = None  # the sandbox's destroy releases it now
             argv = [
-                *_launcher(rootfs, host_base, [*fds.values()]),
-                *self.argv(str(MOUNT_POINT), limits, fds),
+                *_launcher(rootfs, host_base, [*fds.values()], limits.disk_mib, handle.id),
+                *self.argv(str(writable_root.MOUNT_POINT), limits, fds),
             ]
             await sbx._start(argv, pass_fds=list(fds.values()))
             return sbx

@@ -17,7 +17,10 @@ red team's ``open_tree_attr`` beside a blocked ``open_tree``) is refused by defa
   ptrace on kernels >= 4.8; we do not).
 - ``socket``: ``AF_UNIX``, ``AF_INET``, ``AF_INET6``, and ``AF_NETLINK`` only with
   ``NETLINK_ROUTE`` (glibc's ``getaddrinfo`` and ``ip`` on ``lo`` read interfaces through it);
-  never ``AF_VSOCK``, ``AF_PACKET`` or other netlink families. ``socketpair``: ``AF_UNIX`` only.
+  never ``AF_VSOCK``, ``AF_PACKET`` or other netlink families. ``NETLINK_AUDIT`` answers
+  ``EPROTONOSUPPORT``, as a kernel without audit would: libaudit's users (shadow's
+  ``useradd``/``groupadd``, which ``adduser`` runs as root in the writable root) then carry on,
+  where ``EPERM`` makes them abort. ``socketpair``: ``AF_UNIX`` only.
 - ``clone`` without any namespace flag; ``clone3`` answers ``ENOSYS`` (its flags live in memory
   a filter cannot read; libc then falls back to ``clone``); ``unshare`` and ``setns`` refused.
 - ``personality`` only with Docker's values (query, ``PER_LINUX``, ``PER_LINUX32``,
@@ -48,6 +51,7 @@ TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
 AF_UNIX, AF_INET, AF_INET6, AF_NETLINK = 1, 2, 10, 16
 NETLINK_ROUTE = 0
+NETLINK_AUDIT = 9
 # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET (Docker's mask)
 CLONE_NS_FLAGS = 0x7E020000
 PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)
@@ -138,6 +142,12 @@ def program() -> bytes:
     for family in (AF_UNIX, AF_INET, AF_INET6):
         f.add_rule(sc.ALLOW, "socket", sc.Arg(0, sc.EQ, family))
     f.add_rule(sc.ALLOW, "socket", sc.Arg(0, sc.EQ, AF_NETLINK), sc.Arg(2, sc.EQ, NETLINK_ROUTE))
+    f.add_rule(
+        sc.ERRNO(errno.EPROTONOSUPPORT),
+        "socket",
+        sc.Arg(0, sc.EQ, AF_NETLINK),
+        sc.Arg(2, sc.EQ, NETLINK_AUDIT),
+    )
     f.add_rule(sc.ALLOW, "socketpair", sc.Arg(0, sc.EQ, AF_UNIX))
     f.add_rule(sc.ALLOW, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_NS_FLAGS, 0))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")

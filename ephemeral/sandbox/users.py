@@ -2,10 +2,12 @@
 
 The agent (``sandbox_images/default/guest/agent.py``, ``lookup_user``) resolves a name through
 the image's ``/etc/passwd`` and a string of ASCII digits as a number ("00" and "0000" are uid
-0); a number with no entry is itself. The host applies the same rules to the same file (the
-image's rootfs is read-only in every sandbox) so that it compares users as ids, never as
-strings: where root would be host root, every spelling of uid 0 is refused before the agent
-is asked (which, under ``--no-root``, refuses it too). ``tests/sandbox/test_users.py`` runs
+0); a number with no entry is itself. The host applies the same rules to the image's file
+(a sandbox's root may add users to its own copy at run time: a name the image lacks is left
+to the agent, which reads the sandbox's; only root can change it, and root is refused where
+it would be host root) so that it compares users as ids, never as strings: where root would
+be host root, every spelling of uid 0 is refused before the agent is asked (which, under
+``--no-root``, refuses it too). ``tests/sandbox/test_users.py`` runs
 both implementations on the same inputs.
 """
 

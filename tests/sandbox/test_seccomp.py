@@ -62,6 +62,7 @@ PROBE = textwrap.dedent(r"""
         "socket(AF_PACKET)": sys(41, 17, 3, 0),
         "socket(AF_NETLINK, KOBJECT_UEVENT)": sys(41, 16, 2, 15),
         "socket(AF_NETLINK, ROUTE)": sys(41, 16, 2, 0),
+        "socket(AF_NETLINK, AUDIT)": sys(41, 16, 3, 9),
         "socket(AF_INET)": sys(41, 2, 1, 0),
         "socket(AF_INET6)": sys(41, 10, 2, 0),
         "socket(AF_UNIX)": sys(41, 1, 1, 0),
@@ -95,6 +96,7 @@ REFUSED = {
     "socket(AF_VSOCK)": "EPERM",
     "socket(AF_PACKET)": "EPERM",
     "socket(AF_NETLINK, KOBJECT_UEVENT)": "EPERM",
+    "socket(AF_NETLINK, AUDIT)": "EPROTONOSUPPORT",  # as without audit: useradd carries on
     "socketpair(AF_INET)": "EPERM",
 }
 ALLOWED = [

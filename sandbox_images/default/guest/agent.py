@@ -56,6 +56,9 @@ BASE_ENV = {
     "LANG": "C.UTF-8",
     "SHELL": "/bin/sh",
 }
+# root's PATH has the sbin directories (Debian's ENV_SUPATH, Docker's): adduser, useradd,
+# dpkg and ldconfig live there, and root may install software at run time
+ROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_DUMPABLE = 4
 SYS_CAPSET = 126  # x86_64
@@ -516,6 +519,7 @@ class Agent:
         if not isinstance(cap, int) or cap < 0:
             raise OpError("bad_request", "max_output must be a non-negative integer")
         ids = None
+        cwd_fallback: tuple[str, ...] = ()
         user = req.get("user")
         if user is not None:
             found = lookup_user(user)
@@ -529,11 +533,19 @@ class Agent:
             for key, value in (("HOME", home), ("USER", name), ("LOGNAME", name)):
                 if key not in extra:
                     env[key] = value
+            if uid == 0 and "PATH" not in extra:
+                env["PATH"] = ROOT_PATH
+            if not req.get("cwd"):
+                # the scratch directory is the worker's (its parent 0700): another user, say
+                # one root added at run time, starts in its home, else "/", like a login
+                cwd_fallback = (home, "/")
         stdin_path = req.get("stdin_path")
         if stdin_path is not None:
             stdin_path = resolve(stdin_path, self.workdir)
             stdin = b""
-        return run_command(argv, stdin, env, cwd, float(timeout), cap, ids, stdin_path)
+        return run_command(
+            argv, stdin, env, cwd, float(timeout), cap, ids, stdin_path, cwd_fallback
+        )
 
     def op_put(self, req):
         path = resolve(req.get("path"), self.workdir)
@@ -687,7 +699,7 @@ def _which(name, env):
     return None
 
 
-def _spawn(path, argv, env, cwd, ids=None, stdin_path=None):
+def _spawn(path, argv, env, cwd, ids=None, stdin_path=None, cwd_fallback=()):
     """fork + exec by hand: `subprocess` alone doubles the agent's start-up time.
 
     Returns (pid, stdin_w, stdout_r, stderr_r). The child gets its own session (so a deadline
@@ -719,7 +731,14 @@ def _spawn(path, argv, env, cwd, ids=None, stdin_path=None):
                 os.dup2(sfd, 0)
                 os.close(sfd)
             stage = "chdir"
-            os.chdir(cwd)
+            for alt in cwd_fallback:  # only when the request named no cwd
+                try:
+                    os.chdir(cwd)
+                    break
+                except OSError:
+                    cwd = alt
+            else:
+                os.chdir(cwd)
             stage = "exec"
             os.execve(path, argv, env)  # nothing here may import: the child may not read /usr
         except OSError as exc:
@@ -834,7 +853,7 @@ def _wait_exit(pid, deadline):
         delay = min(delay * 2, 0.02)
 
 
-def run_command(argv, stdin, env, cwd, timeout, cap, ids=None, stdin_path=None):
+def run_command(argv, stdin, env, cwd, timeout, cap, ids=None, stdin_path=None, cwd_fallback=()):
     started = time.monotonic()
     deadline = started + timeout
     preexisting = {pid for pid, _st in children_of_me()}
@@ -845,7 +864,7 @@ def run_command(argv, stdin, env, cwd, timeout, cap, ids=None, stdin_path=None):
         )
     try:
         if is_root():
-            pid, wfd, ofd, efd = _spawn(path, argv, env, cwd, ids, stdin_path)
+            pid, wfd, ofd, efd = _spawn(path, argv, env, cwd, ids, stdin_path, cwd_fallback)
         else:
             pid, wfd, ofd, efd = _spawn_fast(path, argv, env, cwd, stdin_path)
     except _SpawnError as exc:

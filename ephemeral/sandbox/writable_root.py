@@ -1,0 +1,103 @@
+"""The writable root of every ``namespaces`` and ``gvisor`` sandbox: a private copy-on-write
+overlay over the shared, read-only image, sized by the disk limit, gone with the sandbox.
+
+Docker, E2B, Modal, Daytona, Inspect and Harbor all give a task a root it can write
+(``apt-get install``, ``adduser``, ``pip install`` as root at run time), so it is always on:
+a read-only root would buy nothing, since the upper layer is the sandbox's own and discarded.
+
+How (shell run by host root in the launcher's private mount namespace, :func:`mount_script`):
+
+- the image is bound at :data:`LOWER`; for ``namespaces`` through an *idmapped* mount that
+  shifts its owners into the sandbox's uid slot (host uid 0 shows as the slot's base, which
+  is root inside the sandbox's user namespace), so the sandbox's root owns the image's files
+  as it sees them, while on the host it stays an unprivileged uid owning nothing;
+- a tmpfs of ``disk_mib`` at :data:`UPPER`, named ``sandbox-upper-<id>`` (so a test can look
+  for it in every mount namespace), holds the overlay's upper and work directories: a write
+  past it is ENOSPC inside, never host disk; its pages are charged to the sandbox's memory
+  cgroup like any tmpfs's;
+- the overlay of both is mounted at :data:`MOUNT_POINT` and becomes the sandbox's ``/``.
+
+The mounts exist only in that mount namespace: when the sandbox's last process dies (destroy,
+or the reaper killing the leftovers of a crashed host), the kernel frees them, upper layer
+included. Nothing is written to the image or anywhere else on the host.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+# Empty directories on the host; the mounts on them exist only in each launcher's namespace.
+RUN_DIR = Path("/run/ephemeral")
+LOWER = RUN_DIR / "lower"  # the image, bound at a path that says nothing about the host
+UPPER = RUN_DIR / "upper"  # the sandbox's tmpfs: upper and work directories of the overlay
+MOUNT_POINT = RUN_DIR / "rootfs"  # the overlay the runtime makes the sandbox's /
+UPPER_TAG = "sandbox-upper-"
+
+# An idmapped bind mount (open_tree + mount_setattr(MOUNT_ATTR_IDMAP) + move_mount): this
+# host's util-linux (2.38) ignores X-mount.idmap. argv: user namespace file, source, target.
+_IDMAP = """
+import ctypes, os, struct, sys
+libc = ctypes.CDLL(None, use_errno=True)
+def call(*args):
+    r = libc.syscall(*args)
+    if r < 0:
+        e = ctypes.get_errno()
+        sys.exit(f"namespaces: idmapped mount of the image failed: {os.strerror(e)}")
+    return r
+ns = os.open(sys.argv[1], os.O_RDONLY | os.O_CLOEXEC)
+tree = call(428, -100, sys.argv[2].encode(), 1 | os.O_CLOEXEC)  # open_tree(CLONE)
+attr = struct.pack("QQQQ", 0x00100000, 0, 0, ns)  # attr_set=MOUNT_ATTR_IDMAP, userns_fd
+call(442, tree, b"", 0x1000, attr, len(attr))  # mount_setattr(AT_EMPTY_PATH)
+call(429, tree, b"", -100, sys.argv[3].encode(), 4)  # move_mount(F_EMPTY_PATH)
+"""
+
+
+def prepare_dirs() -> None:
+    for d in (RUN_DIR, LOWER, UPPER, MOUNT_POINT):
+        d.mkdir(mode=0o755, exist_ok=True)
+
+
+def tag(sandbox_id: str) -> str:
+    return UPPER_TAG + sandbox_id
+
+
+# The launcher script's first three arguments, as :func:`args` gives them.
+ARGS = "rootfs=$1 size=$2 tag=$3\nshift 3\n"
+
+
+def args(rootfs: str, disk_mib: int, sandbox_id: str) -> list[str]:
+    return [rootfs, str(disk_mib << 20), tag(sandbox_id)]
+
+
+def mount_script(*, idmap_userns: str | None, owner: str = "0") -> str:
+    """Shell that mounts the overlay; expects ``$rootfs $size $tag`` set. ``idmap_userns``: a
+    path (shell word) of the user namespace the image's owners are shifted into, and
+    ``owner`` the host uid that is root there (the upper root directory's owner)."""
+    if idmap_userns is None:
+        bind = f'mount --bind "$rootfs" {LOWER} || exit 1\n'
+    else:
+        bind = (
+            f"{shlex.quote(sys.executable)} -I -S -c {shlex.quote(_IDMAP)} {idmap_userns} "
+            f'"$rootfs" {LOWER} || exit 1\n'
+        )
+    return (
+        bind
+        + f'mount -t tmpfs -o "size=$size,mode=0700" "$tag" {UPPER} || exit 1\n'
+        + f"mkdir {UPPER}/root {UPPER}/work || exit 1\n"
+        + f"chown {owner}:{owner} {UPPER}/root && chmod 0755 {UPPER}/root || exit 1\n"
+        + f"mount -t overlay sandbox -o lowerdir={LOWER},upperdir={UPPER}/root,"
+        + f"workdir={UPPER}/work {MOUNT_POINT} || exit 1\n"
+    )
+
+
+def launcher(rootfs: str, disk_mib: int, sandbox_id: str) -> list[str]:
+    """argv prefix for a runtime that needs nothing else: a private mount namespace with the
+    overlay at :data:`MOUNT_POINT`, then the runtime's argv (which follows)."""
+    prepare_dirs()
+    script = ARGS + mount_script(idmap_userns=None) + 'exec "$@"'
+    return [
+        "unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", script, "sh",
+        *args(rootfs, disk_mib, sandbox_id),
+    ]  # fmt: skip
