@@ -2,7 +2,8 @@
 
     EphemeralError                      500 generic
     ├── InvalidRequest                  422 with ``errors=[{field, message}]``
-    │   └── RecipeError                 422 names file, line and field
+    │   ├── RecipeError                 422 names file, line and field
+    │   └── DockerfileError             422 names the Dockerfile, line and instruction
     ├── Unauthorized                    401
     ├── NotFound                        404 (also another org's object: never 403)
     │   └── FileNotFound                404 a path inside a sandbox does not exist
@@ -74,6 +75,29 @@ class InvalidRequest(EphemeralError):
 class RecipeError(InvalidRequest):
     slug = "invalid-recipe"
     title = "Invalid recipe"
+
+
+class DockerfileError(InvalidRequest):
+    """A Dockerfile (or its context) asks for what the image builder does not honour, or a
+    step of its build failed; ``path``, ``line`` and ``instruction`` say where."""
+
+    slug = "invalid-dockerfile"
+    title = "Dockerfile not buildable"
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        path: str | None = None,
+        line: int | None = None,
+        instruction: str | None = None,
+        errors: list[dict[str, str]] | None = None,
+        cause: BaseException | None = None,
+    ) -> None:
+        super().__init__(detail, errors=errors, cause=cause)
+        self.path = path
+        self.line = line
+        self.instruction = instruction
 
 
 class Unauthorized(EphemeralError):
@@ -190,6 +214,7 @@ ALL_ERRORS: tuple[type[EphemeralError], ...] = (
     EphemeralError,
     InvalidRequest,
     RecipeError,
+    DockerfileError,
     Unauthorized,
     NotFound,
     Conflict,

@@ -176,9 +176,15 @@ class Runtime:
         ``HOST_FACTS_SECONDS``."""
         hit = self._host_facts.get(("image", name))
         if hit is not None and time.monotonic() - hit[0] < HOST_FACTS_SECONDS:
-            return cast(images.ImageConfig | None, hit[1])
+            found = cast(images.ImageConfig, hit[1])
+            # a Dockerfile image's name moves to its new build at once (build_dockerfile)
+            if found.dockerfile is None or (
+                images.dockerfile_image_dir(self.settings, name) == found.rootfs.parent
+            ):
+                return found
         built = images.built_image(self.settings, name)
-        self._host_facts[("image", name)] = (time.monotonic(), built)
+        if built is not None:  # one built a moment from now is seen at once
+            self._host_facts[("image", name)] = (time.monotonic(), built)
         return built
 
     async def _start_pool(self) -> None:

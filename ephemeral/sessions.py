@@ -179,6 +179,8 @@ class Live:
     egress_env: dict[str, str] = field(default_factory=dict)  # proxy variables for exec
     image_env: dict[str, str] = field(default_factory=dict)  # the image's `env` (image.yaml)
     passwd: str | None = None  # the image's /etc/passwd, to resolve exec users as the guest does
+    image_user: str | None = None  # a Dockerfile image's USER: exec's default user
+    image_cwd: str | None = None  # a Dockerfile image's WORKDIR: exec's default cwd
     execs: int = 0
     watchdog: asyncio.Task[None] | None = None
     ending: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -316,6 +318,7 @@ class Sessions:
             built = self.runtime.built_image(sandbox.image)
             live.image_env = dict(built.env) if built else {}
             live.passwd = users.read_passwd(built.rootfs) if built else None
+            live.image_user, live.image_cwd = (built.user, built.cwd) if built else (None, None)
             ready = {
                 "isolation": sandbox.isolation,
                 "image": sandbox.image,
@@ -404,6 +407,10 @@ class Sessions:
         live = await self._live_for(session_id, org_id)
         if not live.policy.shell:
             raise errors.InvalidRequest.field("command", "this sandbox's policy has shell: false")
+        if req.user is None and live.image_user is not None:
+            req = req.model_copy(update={"user": live.image_user})
+        if req.cwd is None and live.image_cwd is not None:
+            req = req.model_copy(update={"cwd": live.image_cwd})
         self._check_user(live, req.user)
         left = live.time_left()
         timeout = min(req.timeout_seconds or DEFAULT_EXEC_TIMEOUT, max(0.05, left))

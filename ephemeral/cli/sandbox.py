@@ -1,4 +1,5 @@
-"""CLI group: sandbox (``sandbox exec|shell|reap``, ``isolation``, ``images build|list|rm``)."""
+"""CLI group: sandbox (``sandbox exec|shell|reap``, ``isolation``,
+``images build|list|rm|alias``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Annotated, TypeVar
 
 import typer
@@ -204,14 +206,66 @@ def isolation_cmd(
 @images_app.command("build")
 def images_build(
     name: Annotated[
-        str, typer.Argument(help="The image (a folder of sandbox_images/).")
-    ] = "default",
+        str | None, typer.Argument(help="The image (a folder of sandbox_images/).")
+    ] = None,
+    dockerfile: Annotated[
+        Path | None,
+        typer.Option("--dockerfile", help="Build this Dockerfile instead (docs/images.md)."),
+    ] = None,
+    context: Annotated[
+        Path | None,
+        typer.Option("--context", help="The Dockerfile's build context (default: its folder)."),
+    ] = None,
+    image_name: Annotated[
+        str | None,
+        typer.Option("--name", help="The built Dockerfile image's name (default dockerfile-HASH)."),
+    ] = None,
+    build_arg: Annotated[
+        list[str] | None,
+        typer.Option("--build-arg", help="K=V for an ARG of the Dockerfile (repeatable)."),
+    ] = None,
 ) -> None:
-    """Build image NAME (cached by the hash of its definition: a second build takes seconds)."""
+    """Build image NAME, or a Dockerfile (cached by the hash of its inputs: a second build
+    takes seconds)."""
     settings = Settings.load()
     t0 = time.monotonic()
-    rootfs = _run(lambda: images.ensure_image(settings, name))
-    typer.echo(f"{rootfs}  ({time.monotonic() - t0:.1f}s)")
+    if dockerfile is None:
+        if context is not None or image_name is not None or build_arg:
+            raise fail(errors.InvalidRequest.field("--dockerfile", "needed by those options"))
+        image = name or "default"
+        rootfs = _run(lambda: images.ensure_image(settings, image))
+        typer.echo(f"{rootfs}  ({time.monotonic() - t0:.1f}s)")
+        return
+    from ephemeral.sandbox import dockerfile as df
+
+    args: dict[str, str] = {}
+    for item in build_arg or []:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise fail(errors.InvalidRequest.field("--build-arg", f"{item!r}: expected K=V"))
+        args[key] = value
+    built = _run(
+        lambda: df.abuild_dockerfile(
+            dockerfile, context, name=image_name or name, build_args=args, settings=settings
+        )
+    )
+    typer.echo(f"{built.name}  {built.hash[:16]}  {built.rootfs}  ({time.monotonic() - t0:.1f}s)")
+
+
+@images_app.command("alias")
+def images_alias(
+    name: Annotated[str, typer.Argument(help="A docker_image name (such as python:3.12).")],
+    image: Annotated[str, typer.Argument(help="One of our images it stands for.")],
+) -> None:
+    """Make a docker_image NAME (a task's image with no Dockerfile) resolve to IMAGE."""
+    from ephemeral.sandbox import dockerfile as df
+
+    settings = Settings.load()
+    try:
+        df.set_alias(settings, name, image)
+    except errors.EphemeralError as exc:
+        raise fail(exc) from exc
+    typer.echo(f"{name} -> {image}")
 
 
 @images_app.command("list")

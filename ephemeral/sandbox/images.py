@@ -25,10 +25,11 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -272,10 +273,11 @@ def definition_hash(defdir: Path, _seen: frozenset[str] = frozenset()) -> str:
     return h.hexdigest()
 
 
-def _layer_spec(defs: list[ImageDefinition]) -> dict[str, Any]:
-    """What mmdebstrap sees for a chain: the root's release and user, every layer's packages."""
+def _layer_spec(defs: list[ImageDefinition], extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """What mmdebstrap sees for a chain: the root's release and user, every layer's packages
+    (and ``extra``: a Dockerfile's ``apt-get install`` packages, dockerfile.py)."""
     root = defs[0]
-    packages = list(dict.fromkeys(p for d in defs for p in d.packages))
+    packages = list(dict.fromkeys([*(p for d in defs for p in d.packages), *extra]))
     spec = root.model_dump(include={"suite", "variant", "packages", "exclude_paths", "user"})
     spec["packages"] = packages
     return spec
@@ -286,8 +288,44 @@ def _base_hash(spec: dict[str, Any]) -> str:
 
 
 def image_dir(settings: Settings, name: str = "default") -> Path:
+    """The cache directory of the current build of ``name``: of its definition's hash, or, for
+    an image built from a Dockerfile (no definition directory), the one its name points at."""
+    if not (settings.images_dir / name / "image.yaml").is_file():
+        found = dockerfile_image_dir(settings, name)
+        if found is not None:
+            return found
     defdir = definition_dir(settings, name)
     return settings.image_cache_dir / f"{name}-{definition_hash(defdir)[:16]}"
+
+
+def _names_dir(settings: Settings) -> Path:
+    return settings.image_cache_dir / "dockerfile"
+
+
+def dockerfile_image_dir(settings: Settings, name: str) -> Path | None:
+    """The build a Dockerfile image's name points at (written by dockerfile.py), or None."""
+    if not _NAME.fullmatch(name):
+        return None
+    try:
+        target = json.loads((_names_dir(settings) / f"{name}.json").read_text())["dir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(target, str) or not _NAME_DIR.fullmatch(target):
+        return None
+    return settings.image_cache_dir / target
+
+
+def point_name(settings: Settings, name: str, out: Path) -> None:
+    """Make image ``name`` mean the build ``out`` (a Dockerfile image's current build)."""
+    d = _names_dir(settings)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".{name}.json.tmp"
+    tmp.write_text(json.dumps({"dir": out.name}))
+    os.replace(tmp, d / f"{name}.json")
+
+
+_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,40}")
+_NAME_DIR = re.compile(r"[a-z0-9][a-z0-9-]{0,40}-[0-9a-f]{16}")
 
 
 def built_rootfs(settings: Settings, name: str = "default") -> Path | None:
@@ -519,11 +557,16 @@ async def _run_build_steps(box: BuildSandbox, d: ImageDefinition, env: dict[str,
         )
 
 
+# what a Dockerfile build (dockerfile.py) does in the image after the chain: given the build
+# sandbox, the rootfs, a staging directory of the build and the chain's env
+Then = Callable[[BuildSandbox, Path, Path, dict[str, str]], Awaitable[None]]
+
+
 async def _assemble(
-    layers: list[tuple[Path, ImageDefinition]], base: Path, out: Path
+    layers: list[tuple[Path, ImageDefinition]], base: Path, out: Path, then: Then | None = None
 ) -> dict[str, Any]:
     """Copy the mmdebstrap layer, then apply every definition in the chain, root first, each
-    definition-controlled part inside the build sandbox.
+    definition-controlled part inside the build sandbox (then ``then``, in the same sandbox).
 
     Returns what the image's runs need to know (agent path, user, env, workdir)."""
     tmp = out.with_name(out.name + ".partial")
@@ -570,6 +613,9 @@ async def _assemble(
                     ro=[(step, f"{IN_DIR}/{_BUILD_STEP}")],
                     rw=[(step_out, OUT_DIR)],
                 )
+        if then is not None:
+            stage.mkdir(exist_ok=True)
+            await then(box, rootfs, stage, dict(env))
     shutil.rmtree(stage, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
     os.rename(tmp, out)
@@ -596,6 +642,10 @@ async def ensure_image(settings: Settings, name: str = "default") -> Path:
     its chain, then each definition of the chain is applied, root first; its hash covers its
     base's hash, so a changed base rebuilds it.
     """
+    if not (settings.images_dir / name / "image.yaml").is_file():
+        found = dockerfile_image_dir(settings, name)
+        if found is not None and (found / _MARKER).is_file():
+            return found / "rootfs"  # built from a Dockerfile: only build_dockerfile builds it
     defdir = definition_dir(settings, name)
     layers = chain(defdir)
     digest = definition_hash(defdir)
@@ -654,7 +704,12 @@ def _du(path: Path) -> int:
 
 
 class ImageConfig(BaseModel):
-    """What a run takes from its built image: identity, and how its commands run."""
+    """What a run takes from its built image: identity, and how its commands run.
+
+    ``user`` and ``cwd`` are set for an image built from a Dockerfile (its ``USER``, root when
+    it has none, as in Docker; its ``WORKDIR``): a session's exec that names no user or cwd
+    gets them. ``dockerfile`` holds what such an image records without acting on it (``CMD``,
+    ``ENTRYPOINT``, ``EXPOSE``, ``LABEL``, ``SHELL``), and the Dockerfile's path."""
 
     name: str
     hash: str
@@ -663,6 +718,9 @@ class ImageConfig(BaseModel):
     env: dict[str, str] = {}
     workdir: str | None = None
     base: str | None = None
+    user: str | None = None
+    cwd: str | None = None
+    dockerfile: dict[str, Any] | None = None
 
 
 def built_image(settings: Settings, name: str) -> ImageConfig | None:
@@ -683,6 +741,9 @@ def built_image(settings: Settings, name: str) -> ImageConfig | None:
         env=dict(meta.get("env") or {}),
         workdir=meta.get("workdir"),
         base=meta.get("base"),
+        user=meta.get("exec_user"),
+        cwd=meta.get("cwd"),
+        dockerfile=meta.get("dockerfile"),
     )
 
 
@@ -754,6 +815,10 @@ def remove_images(
             if ext4.is_file():
                 ext4.unlink()
                 removed.append(ext4)
+    pointer = _names_dir(settings) / f"{name}.json"
+    if all_versions and _NAME.fullmatch(name) and pointer.is_file():
+        pointer.unlink()  # a Dockerfile image's name: nothing left to point at
+        removed.append(pointer)
     if include_base and (settings.image_cache_dir / "base").is_dir():
         base = settings.image_cache_dir / "base"
         shutil.rmtree(base)
