@@ -108,6 +108,7 @@ bench: setup
 	$(PY) bench/throughput.py --runs 40 --clients 8,32
 	$(PY) bench/tti.py --n 30 --burst 100
 	$(PY) bench/inspect_sandbox.py
+	$(PY) bench/harbor.py
 
 lint: venv
 	$(VENV)/bin/ruff check .

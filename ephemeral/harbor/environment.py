@@ -53,8 +53,7 @@ INLINE_DOWNLOAD_BYTES = 3 << 20
 HOUSEKEEPING_TIMEOUT = 600.0
 MAX_OUTPUT_BYTES = 64 << 20  # per stream of one command
 CLEANUP_BATCH = 16  # finished commands whose files one rm removes (in the next starter)
-# One image build per environment (content hash) at a time in this process; the image
-# cache's own lock serialises builds across processes.
+# One image build per environment (content hash) at a time in this process.
 _builds: dict[str, asyncio.Lock] = {}
 
 
@@ -66,14 +65,6 @@ def _runtime_request_error(action: str, message: str) -> Exception:
     except ImportError:  # pragma: no cover - an older Harbor
         return RuntimeError(message)
     return RuntimeRequestError(action, 0, message)
-
-
-class _CancelledAfter(asyncio.CancelledError):
-    """Cancelled while a guest command was in flight; it has ended now, with ``result``."""
-
-    def __init__(self, result: Any) -> None:
-        super().__init__()
-        self.result = result
 
 
 class EphemeralEnvironment(BaseEnvironment):
@@ -254,8 +245,11 @@ class EphemeralEnvironment(BaseEnvironment):
                 )
         if not dockerfile.is_file():
             raise SandboxBuildFailedError(f"ephemeral: {dockerfile} not found")
-        lock = _builds.setdefault(self.environment_id, asyncio.Lock())
-        async with lock:
+        # Builds of different tasks also wait for each other (across processes too): two
+        # builds whose Dockerfiles install the same apt packages share one package layer,
+        # and images._ensure_base makes a layer unlocked (they would remove each other's).
+        every_build = images._AsyncFileLock(settings.image_cache_dir / ".harbor-builds.lock")
+        async with _builds.setdefault(self.environment_id, asyncio.Lock()), every_build:
             return await self._build(settings, dockerfile)
 
     @staticmethod
@@ -304,8 +298,9 @@ class EphemeralEnvironment(BaseEnvironment):
             return cwd
         if self.task_env_config.workdir:
             return self.task_env_config.workdir
-        image_dir = self._image.workdir if self._image is not None else None
-        return image_dir or "/"
+        # a Dockerfile's WORKDIR (absolute); an image.yaml's workdir is the worker's scratch
+        image_cwd = getattr(self._image, "cwd", None)
+        return image_cwd if isinstance(image_cwd, str) and image_cwd else "/"
 
     def _live(self) -> str:
         if self._session is None:
@@ -324,7 +319,21 @@ class EphemeralEnvironment(BaseEnvironment):
     ) -> Any:
         """One guest command through the session (an event); never cancelled halfway: the
         guest serves one request at a time, so a cancel waits for this reply."""
-        request = ExecRequest(
+        return await self._checked(
+            self._request(command, user=user, cwd=cwd, env=env, stdin=stdin, timeout=timeout)
+        )
+
+    @staticmethod
+    def _request(
+        command: list[str] | str,
+        *,
+        user: str,
+        cwd: str = "/",
+        env: dict[str, str] | None = None,
+        stdin: bytes = b"",
+        timeout: float = HOUSEKEEPING_TIMEOUT,
+    ) -> ExecRequest:
+        return ExecRequest(
             command=command,
             stdin_base64=base64.b64encode(stdin).decode(),
             env=env or {},
@@ -333,15 +342,26 @@ class EphemeralEnvironment(BaseEnvironment):
             timeout_seconds=timeout,
             max_output_bytes=MAX_EXEC_OUTPUT,
         )
+
+    async def _checked(self, request: ExecRequest) -> Any:
+        result, cancelled = await self._through(request)
+        if cancelled:
+            raise asyncio.CancelledError()
+        return result
+
+    async def _through(self, request: ExecRequest) -> tuple[Any, bool]:
+        """(the result, whether this task was cancelled meanwhile): the call always ends."""
         call = asyncio.ensure_future(self._runtime.sessions.exec(self._live(), self._org, request))
-        try:
-            return await asyncio.shield(call)
-        except asyncio.CancelledError:
+        cancelled = False
+        while not call.done():
             try:
-                done = await call
-            except Exception:  # noqa: BLE001 - cancelled: what failed after does not matter
-                raise asyncio.CancelledError() from None
-            raise _CancelledAfter(done) from None
+                await asyncio.shield(call)
+            except asyncio.CancelledError:
+                cancelled = cancelled or not call.done()
+            except Exception:  # noqa: BLE001 - the call's own error, raised below
+                break
+        try:
+            return call.result(), cancelled
         except errors.InvalidRequest as exc:
             raise ValueError(f"ephemeral exec: {exc.detail}") from exc
         except errors.EphemeralError as exc:
@@ -364,18 +384,19 @@ class EphemeralEnvironment(BaseEnvironment):
         argv, stdin = commands.start_argv(
             exec_id, command, slice_s=self._slice(deadline), cleanup=cleanup
         )
+        request = self._request(
+            argv, user=as_user, cwd=self._cwd(cwd), env=self._merge_env(env), stdin=stdin
+        )
         try:
-            started = await self._call(
-                argv, user=as_user, cwd=self._cwd(cwd), env=self._merge_env(env), stdin=stdin
-            )
+            started, cancelled = await self._through(request)
         except ValueError as exc:  # a missing cwd, a uid outside the sandbox: as docker exec
             return ExecResult(stdout="", stderr=f"{exc}\n", return_code=126)
-        except _CancelledAfter as cancel:  # cancelled while it started: it dies now
-            if cancel.result.exit_code == 0:
-                sid, _ = commands.parse_started(cancel.result.stdout)
+        if cancelled:  # while it started: it dies now
+            if started.exit_code == 0:
+                sid, _ = commands.parse_started(started.stdout)
                 with contextlib.suppress(Exception):
                     await self._kill(exec_id, sid)
-            raise
+            raise asyncio.CancelledError()
         if started.exit_code != 0:
             # the command never ran: an unknown user, say, as Docker reports it
             return ExecResult(

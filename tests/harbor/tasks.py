@@ -55,8 +55,10 @@ def _write(root: Path, files: dict[str, str]) -> None:
 REWARD = "then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n"
 
 # The apt packages of every Dockerfile here are the same list: one package layer for them all.
-APT = "RUN apt-get update && apt-get install -y --no-install-recommends python3-pytest \\\n" \
-      "    && rm -rf /var/lib/apt/lists/*\n"  # fmt: skip
+APT = (
+    "RUN apt-get update && apt-get install -y --no-install-recommends \\\n"
+    "    python3-pytest python3-pip && rm -rf /var/lib/apt/lists/*\n"
+)
 
 
 def toolbox(root: Path) -> None:
@@ -66,7 +68,7 @@ def toolbox(root: Path) -> None:
         "instruction.md": "Write /work/app/report.txt as the oracle does.\n",
         "environment/Dockerfile": (
             "FROM debian:bookworm-slim\n" + APT
-            + "RUN pip install --no-cache-dir six\n"
+            + "RUN pip install --no-cache-dir --break-system-packages six\n"
             "COPY greet.txt /opt/greet.txt\n"
             "COPY data/ /opt/data/\n"
             "ENV GREETING_FILE=/opt/greet.txt\n"
@@ -150,6 +152,16 @@ def timeout(root: Path) -> None:
     })  # fmt: skip
 
 
+def sleeper(root: Path) -> None:
+    """An agent phase that sleeps for a minute (the tests interrupt Harbor meanwhile)."""
+    _write(root / "sleeper", {
+        "task.toml": _toml("sleeper", 'docker_image = "debian:bookworm"\n'),
+        "instruction.md": "Sleep.\n",
+        "solution/solve.sh": "#!/bin/bash\nsleep 60\n",
+        "tests/test.sh": "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n",
+    })  # fmt: skip
+
+
 def unsupported(root: Path) -> None:
     """A Dockerfile instruction the builder does not honour: the trial ends at build."""
     _write(root / "unsupported", {
@@ -182,6 +194,32 @@ class Trial:
     result: dict[str, object]
 
 
+def harbor_env(state: Path) -> dict[str, str]:
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("EPHEMERAL_URL", "VIRTUAL_ENV"))
+    }
+    env |= {
+        "HARBOR_TELEMETRY": "0",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no fetch (and retries) of a price list
+        "PYTHONPATH": str(REPO),
+        "EPHEMERAL_STATE_DIR": str(state),
+        "COLUMNS": "200",
+    }
+    return env
+
+
+def harbor_argv(
+    tasks: Path, jobs: Path, *, agents: list[str], ek: dict[str, str], n: int, job: str
+) -> list[str]:
+    argv = [str(HARBOR), "run", "-p", str(tasks), "-e", ENVIRONMENT, "-n", str(n),
+            "-o", str(jobs), "--job-name", job, "-y", "-q"]  # fmt: skip
+    for agent in agents:
+        argv += ["-a", agent]
+    for key, value in ek.items():
+        argv += ["--ek", f"{key}={value}"]
+    return argv
+
+
 def run_harbor(
     tasks: Path,
     jobs: Path,
@@ -192,22 +230,10 @@ def run_harbor(
     n: int = 4,
     timeout: float = 900,
     job: str = "job",
+    extra: list[str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("EPHEMERAL_URL", "VIRTUAL_ENV"))
-    }
-    env |= {
-        "HARBOR_TELEMETRY": "0",
-        "PYTHONPATH": str(REPO),
-        "EPHEMERAL_STATE_DIR": str(state),
-        "COLUMNS": "200",
-    }
-    argv = [str(HARBOR), "run", "-p", str(tasks), "-e", ENVIRONMENT, "-n", str(n),
-            "-o", str(jobs), "--job-name", job, "-y", "-q"]  # fmt: skip
-    for agent in agents:
-        argv += ["-a", agent]
-    for key, value in ek.items():
-        argv += ["--ek", f"{key}={value}"]
+    argv = harbor_argv(tasks, jobs, agents=agents, ek=ek, n=n, job=job) + (extra or [])
+    env = harbor_env(state)
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
 
 
