@@ -237,6 +237,36 @@ def run_harbor(
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def run_job(
+    task_dirs: list[Path],
+    jobs: Path,
+    state: Path,
+    *,
+    agents: list[str],
+    ek: dict[str, object],
+    n: int = 4,
+    timeout: float = 900,
+    job: str = "job",
+) -> subprocess.CompletedProcess[str]:
+    """One ``harbor run -c JOB.yaml``: every agent on every task (the CLI takes one agent)."""
+    config = {
+        "job_name": job,
+        "jobs_dir": str(jobs),
+        "n_concurrent_trials": n,
+        "quiet": True,
+        "environment": {"import_path": ENVIRONMENT, "kwargs": ek},
+        "agents": [{"name": a} for a in agents],
+        "tasks": [{"path": str(d)} for d in task_dirs],
+    }
+    jobs.mkdir(parents=True, exist_ok=True)
+    path = jobs / f"{job}.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    argv = [str(HARBOR), "run", "-c", str(path), "-y"]
+    return subprocess.run(
+        argv, env=harbor_env(state), capture_output=True, text=True, timeout=timeout
+    )
+
+
 def trials(jobs: Path, job: str = "job") -> list[Trial]:
     """Every trial's result.json (``harbor run`` exits 0 even when trials fail)."""
     out = []
