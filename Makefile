@@ -56,7 +56,7 @@ $(VENV)/.runtime: pyproject.toml
 # package get a second venv of their own: `harbor run -e ephemeral.harbor:EphemeralEnvironment`
 # runs from it (docs/integrations.md). Skipped, with a notice, when no Python 3.12 is found.
 HARBOR_VENV ?= .venv-harbor
-HARBOR_PYTHON ?= $(firstword $(wildcard /root/.pyenv/versions/3.12*/bin/python3) $(shell command -v python3.12))
+HARBOR_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3) $(shell command -v python3.12))
 harbor-venv: $(HARBOR_VENV)/.installed
 $(HARBOR_VENV)/.installed: pyproject.toml
 	@if [ -z "$(HARBOR_PYTHON)" ]; then echo "harbor-venv: no Python 3.12 found: the Harbor tests will skip"; exit 0; fi; \
