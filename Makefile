@@ -14,11 +14,11 @@ TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 PYTEST_XDIST := -n $(TEST_WORKERS) --dist loadfile --durations=10
 PYTEST_ARGS ?=
 
-.PHONY: setup demo-setup apt apt-runtime venv venv-runtime image image-default prefect-template \
+.PHONY: setup demo-setup apt apt-runtime venv venv-runtime harbor-venv image image-default prefect-template \
         demo test test-slow test-fast bench lint fmt serve serve-prefect cluster clean
 
 # Everything the tests need (both images, every package, the dev extra).
-setup: apt venv image prefect-template
+setup: apt venv image prefect-template harbor-venv
 # Only what the demo needs: runtime packages and dependencies, the `default` image. Another
 # image builds with `ephemeral images build NAME`; a run naming one that is not built is refused
 # with that command in the error.
@@ -50,6 +50,19 @@ $(VENV)/.installed: pyproject.toml
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	[ $(VENV)/.installed -nt pyproject.toml ] || $(PY) -m pip install -q -e .
+	touch $@
+
+# Harbor (issue 23) needs Python >= 3.12; the project venv stays on 3.11, so Harbor and this
+# package get a second venv of their own: `harbor run -e ephemeral.harbor:EphemeralEnvironment`
+# runs from it (docs/integrations.md). Skipped, with a notice, when no Python 3.12 is found.
+HARBOR_VENV ?= .venv-harbor
+HARBOR_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3) $(shell command -v python3.12))
+harbor-venv: $(HARBOR_VENV)/.installed
+$(HARBOR_VENV)/.installed: pyproject.toml
+	@if [ -z "$(HARBOR_PYTHON)" ]; then echo "harbor-venv: no Python 3.12 found: the Harbor tests will skip"; exit 0; fi; \
+	set -e; test -x $(HARBOR_VENV)/bin/python || $(HARBOR_PYTHON) -m venv $(HARBOR_VENV); \
+	$(HARBOR_VENV)/bin/python -m pip install -q -U pip; \
+	$(HARBOR_VENV)/bin/python -m pip install -q "harbor==0.25.0" -e .; \
 	touch $@
 
 # The sandbox image is cached by the hash of its definition: a second build takes seconds.
@@ -95,6 +108,7 @@ bench: setup
 	$(PY) bench/throughput.py --runs 40 --clients 8,32
 	$(PY) bench/tti.py --n 30 --burst 100
 	$(PY) bench/inspect_sandbox.py
+	$(PY) bench/harbor.py
 
 lint: venv
 	$(VENV)/bin/ruff check .
@@ -133,4 +147,4 @@ cluster: setup
 	$(PY) -m tests.cluster.run --port $${EPHEMERAL_PORT:-8000}
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache test-artifacts
+	rm -rf $(VENV) $(HARBOR_VENV) .pytest_cache .mypy_cache .ruff_cache test-artifacts

@@ -51,7 +51,7 @@ from ephemeral.policy import Policy, _fail, _Strict
 from ephemeral.pricing import PriceBook
 from ephemeral.runview import cost_view, termination_view, timestamp
 from ephemeral.sandbox import users
-from ephemeral.sandbox.base import ExecResult, Sandbox
+from ephemeral.sandbox.base import ExecResult, Limits, Sandbox
 from ephemeral.sandbox.source import SandboxSource
 from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
@@ -257,8 +257,12 @@ class Sessions:
         idempotency_key: str | None = None,
         body_hash: str | None = None,
         labels: dict[str, Any] | None = None,
+        limits: Limits | None = None,
     ) -> tuple[RunRow, bool]:
         """Admit (reserve the budget) and start the sandbox; returns ``(row, replayed)``.
+
+        ``limits``: the sandbox's cpus, memory, pids and disk (in-process callers such as the
+        Harbor environment; the lifetime always follows ``timeout_seconds``), priced as such.
 
         The row is ``running`` with its sandbox ready, or already settled ``failed`` when the
         sandbox could not start (refunded in full, less the compute of a sandbox that came up
@@ -287,16 +291,18 @@ class Sessions:
             return row, True
         self._starting.add(row.id)
         try:
-            return await self._start(row, policy), False
+            return await self._start(row, policy, limits), False
         finally:
             self._starting.discard(row.id)
 
-    async def _start(self, row: RunRow, policy: Policy) -> RunRow:
+    async def _start(self, row: RunRow, policy: Policy, asked: Limits | None = None) -> RunRow:
         # Two store commits in all (admission, then running with its two events): nobody waits
         # on a session's provisioning, the create call itself does. A crash in between leaves
         # it queued with its sandbox handle owned by it: recovery settles it and reaps that.
         started_at = utcnow()
         limits = self.sandboxes.limits(policy.timeout_seconds)
+        if asked is not None:
+            limits = asked.model_copy(update={"lifetime_seconds": limits.lifetime_seconds})
         sandbox: Sandbox | None = None
         t0 = time.monotonic()
         try:

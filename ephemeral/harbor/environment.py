@@ -1,0 +1,546 @@
+"""``ephemeral.harbor:EphemeralEnvironment``: Harbor's ``BaseEnvironment`` over sandbox sessions.
+
+Each trial is one sandbox session (docs/integrations.md): admitted with its policy and money
+cap, limited in time, every command an event, settled and recorded at ``stop``. The image is
+the task's Dockerfile built into one of our images (cached by content), a ``docker_image``
+mapped to a built image (``--ek images=...``), or ``--ek image=NAME``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import inspect
+import io
+import logging
+import re
+import secrets
+import shlex
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from harbor.environments.base import (
+    BaseEnvironment,
+    ExecResult,
+    SandboxBuildFailedError,
+    transfer_tar_filter,
+)
+from harbor.environments.capabilities import (
+    EnvironmentCapabilities,
+    EnvironmentResourceCapabilities,
+)
+from harbor.models.task.config import NetworkMode
+from harbor.models.trial.config import ResourceMode
+
+from ephemeral import errors
+from ephemeral.harbor import backend, commands
+from ephemeral.harbor.config import HarborConfig, load_config
+from ephemeral.sandbox import images
+from ephemeral.sandbox.base import Limits
+from ephemeral.sessions import MAX_EXEC_OUTPUT, NO_ROOT_ISOLATIONS, ExecRequest, SessionRequest
+
+log = logging.getLogger("ephemeral.harbor")
+
+DOCKERFILE = "Dockerfile"
+COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml")
+# A file up to this size comes back as base64 on stdout (one exec); a larger one is copied
+# to /tmp and read as a file (the session's file limit, 128 MiB).
+INLINE_DOWNLOAD_BYTES = 3 << 20
+HOUSEKEEPING_TIMEOUT = 600.0
+MAX_OUTPUT_BYTES = 64 << 20  # per stream of one command
+CLEANUP_BATCH = 16  # finished commands whose files one rm removes (in the next starter)
+# One image build per environment (content hash) at a time in this process.
+_builds: dict[str, asyncio.Lock] = {}
+
+
+def _runtime_request_error(action: str, message: str) -> Exception:
+    """Harbor classifies failures by class name: RuntimeRequestError is a sandbox failure
+    (retried, not graded), never the agent's."""
+    try:
+        from harbor.agents.computer_1.runtime import RuntimeRequestError
+    except ImportError:  # pragma: no cover - an older Harbor
+        return RuntimeError(message)
+    return RuntimeRequestError(action, 0, message)
+
+
+class EphemeralEnvironment(BaseEnvironment):
+    """One Ephemeral sandbox session per trial (gVisor, namespaces or a microVM)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        own = {k: kwargs.pop(k) for k in list(kwargs) if k in HarborConfig.model_fields}
+        known = set(inspect.signature(BaseEnvironment.__init__).parameters)
+        unknown = sorted(set(kwargs) - known - {"suppress_override_warnings"})
+        if unknown:
+            raise ValueError(
+                f"ephemeral environment: unknown --ek {', '.join(unknown)} "
+                f"(known: {', '.join(HarborConfig.model_fields)})"
+            )
+        self.config = load_config(own)
+        self._session: str | None = None
+        self._runtime: Any = None
+        self._org: str | None = None
+        self._image: images.ImageConfig | None = None
+        self._holding = False
+        self._finished: list[str] = []  # exec ids whose output files are still in /tmp
+        super().__init__(*args, **kwargs)
+
+    # what Harbor asks first -----------------------------------------------------------------
+    @staticmethod
+    def type() -> str:
+        return "ephemeral"
+
+    @property
+    def capabilities(self) -> EnvironmentCapabilities:
+        # No network device at all; egress only through the broker, by host name (web: an
+        # allow list). Wildcards are not declared: the broker's "*.d" never matches d itself.
+        return EnvironmentCapabilities(
+            disable_internet=True, network_allowlist=True, network_allowlist_hostnames=True
+        )
+
+    @classmethod
+    def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
+        # cgroup limits (CPU quota, memory.max) on the sandbox's host cgroup
+        return EnvironmentResourceCapabilities(
+            cpu_limit=True, memory_limit=True, fractional_cpus=True
+        )
+
+    def _validate_definition(self) -> None:
+        env_dir = Path(self.environment_dir)
+        for name in COMPOSE_FILES:
+            if (env_dir / name).exists():
+                raise ValueError(
+                    f"ephemeral environment: {env_dir / name}: docker-compose tasks (sidecar "
+                    "services) are not supported"
+                )
+        if (
+            not (env_dir / DOCKERFILE).is_file()
+            and not self.task_env_config.docker_image
+            and not self.config.image
+        ):
+            raise FileNotFoundError(
+                f"ephemeral environment: {env_dir} has no {DOCKERFILE}, the task sets no "
+                "docker_image, and no --ek image=NAME was given"
+            )
+        if self.config.isolation in NO_ROOT_ISOLATIONS:
+            raise ValueError(
+                f"ephemeral environment: --ek isolation={self.config.isolation}: Harbor runs "
+                "its own commands as root, which that level refuses (there root is host root)"
+            )
+        self._check_network(self.network_policy)
+        for policy in self._phase_network_policies:
+            self._check_network(policy)
+
+    def _check_network(self, policy: Any) -> None:
+        mode = policy.network_mode
+        if mode != NetworkMode.NO_NETWORK and not self.config.web:
+            raise ValueError(
+                f"ephemeral environment: the task asks for network_mode={mode.value!r}, and web "
+                "is off: sandboxes have no network. Pass --ek web=true to let it out through "
+                "the broker (docs/broker.md), or set network_mode = 'no-network' in task.toml"
+            )
+
+    # lifecycle ------------------------------------------------------------------------------
+    async def start(self, force_build: bool) -> None:
+        runtime, org = await backend.acquire()
+        self._runtime, self._org, self._holding = runtime, org, True
+        image = await self._resolve_image(force_build)
+        self._image = image
+        request = self._session_request(image.name)
+        try:
+            row, _ = await runtime.sessions.create(
+                org,
+                request,
+                labels={"harbor_session": self.session_id, "harbor_task": self.environment_name},
+                limits=self._limits(),
+            )
+        except errors.EphemeralError as exc:
+            raise SandboxBuildFailedError(
+                f"ephemeral: the sandbox was refused: {exc.detail}"
+            ) from exc
+        self._session = row.id
+        if row.status != "running":
+            self._session = None
+            raise SandboxBuildFailedError(
+                f"ephemeral: the sandbox did not start ({row.termination_reason}: "
+                f"{row.termination_detail})"
+            )
+        log.info("%s: sandbox session %s (image %s)", self.session_id, row.id, image.name)
+        if self.task_env_config.workdir:  # as Docker's WORKDIR: made when missing
+            made = await self._call(
+                ["mkdir", "-p", "--", self.task_env_config.workdir], user="root"
+            )
+            _check(made, f"mkdir {self.task_env_config.workdir}")
+        result = await self.ensure_dirs(self._mount_targets(writable_only=True))
+        if result is not None and result.return_code != 0:
+            raise SandboxBuildFailedError(
+                f"ephemeral: cannot create Harbor's directories: {result.stderr or result.stdout}"
+            )
+        await self._upload_environment_dir_after_start()
+
+    async def stop(self, delete: bool) -> None:
+        # Always destroyed: a sandbox never outlives its session (--no-delete has no effect).
+        session, self._session = self._session, None
+        try:
+            if session is not None and self._runtime is not None:
+                await asyncio.shield(self._runtime.sessions.end(session, self._org))
+        finally:
+            if self._holding:
+                self._holding = False
+                backend.release()
+
+    def _session_request(self, image: str) -> SessionRequest:
+        policy = self.network_policy
+        web: bool | dict[str, list[str]] = False
+        if policy.network_mode == NetworkMode.PUBLIC:
+            web = True
+        elif policy.network_mode == NetworkMode.ALLOWLIST:
+            web = {"allow": list(policy.allowed_hosts)} if policy.allowed_hosts else False
+        fields: dict[str, Any] = {
+            "isolation": self.config.isolation,
+            "web": web,
+            "timeout_seconds": self.config.timeout_seconds,
+            "max_cost_micros": self.config.max_cost_micros,
+            "zero_data_retention": self.config.zero_data_retention,
+            "image": image,
+        }
+        try:
+            return SessionRequest.model_validate(fields)
+        except ValueError as exc:  # pydantic's message names the field
+            raise SandboxBuildFailedError(f"ephemeral: bad session settings: {exc}") from exc
+
+    def _limits(self) -> Limits:
+        cpus = self._resource_limit_value("cpu", auto_mode=ResourceMode.LIMIT)
+        memory = self._resource_limit_value("memory", auto_mode=ResourceMode.LIMIT)
+        storage = self._effective_storage_mb or self.config.storage_mb
+        return Limits(
+            cpus=float(cpus) if cpus else self.config.cpus,
+            memory_mib=int(memory) if memory else self.config.memory_mb,
+            pids=self.config.pids,
+            disk_mib=min(int(storage), self.config.max_storage_mb),
+        )
+
+    # images ---------------------------------------------------------------------------------
+    async def _resolve_image(self, force_build: bool) -> images.ImageConfig:
+        settings = self._runtime.settings
+        if self.config.image:
+            return self._built(settings, self.config.image, "--ek image")
+        dockerfile = Path(self.environment_dir) / DOCKERFILE
+        docker_image = self.task_env_config.docker_image
+        if docker_image and not (force_build and dockerfile.is_file()):
+            name = self.config.images.get(docker_image)
+            if name is not None:
+                return self._built(settings, name, f"--ek images[{docker_image!r}]")
+            found = _our_image(settings, docker_image)
+            if found is not None:
+                return self._built(settings, found, f"docker_image {docker_image!r}")
+            if not dockerfile.is_file():
+                raise SandboxBuildFailedError(
+                    f"ephemeral: docker_image {docker_image!r} is not an image here (no "
+                    "registry is reached): map it to a built image with --ek "
+                    f'\'images={{"{docker_image}": "NAME"}}\', or add environment/{DOCKERFILE}'
+                )
+        if not dockerfile.is_file():
+            raise SandboxBuildFailedError(f"ephemeral: {dockerfile} not found")
+        # Builds of different tasks also wait for each other (across processes too): two
+        # builds whose Dockerfiles install the same apt packages share one package layer,
+        # and images._ensure_base makes a layer unlocked (they would remove each other's).
+        every_build = images._AsyncFileLock(settings.image_cache_dir / ".harbor-builds.lock")
+        async with _builds.setdefault(self.environment_id, asyncio.Lock()), every_build:
+            return await self._build(settings, dockerfile)
+
+    @staticmethod
+    def _built(settings: Any, name: str, where: str) -> images.ImageConfig:
+        found = images.built_image(settings, name)
+        if found is None:
+            raise SandboxBuildFailedError(
+                f"ephemeral: {where}: image {name!r} is not built here "
+                f"(ephemeral images build {name}; built: {', '.join(images.available(settings))})"
+            )
+        return found
+
+    def _image_name(self) -> str:
+        slug = re.sub(r"[^a-z0-9]+", "-", self.environment_name.lower()).strip("-")[:20]
+        return f"harbor-{slug.rstrip('-') or 'task'}-{self.environment_id[:8]}"
+
+    async def _build(self, settings: Any, dockerfile: Path) -> images.ImageConfig:
+        try:
+            from ephemeral.sandbox.dockerfile import abuild_dockerfile
+        except ImportError as exc:
+            raise SandboxBuildFailedError(
+                f"ephemeral: {dockerfile}: this version cannot build Dockerfiles"
+            ) from exc
+        t0 = time.monotonic()
+        try:
+            built = await abuild_dockerfile(
+                dockerfile, Path(self.environment_dir), name=self._image_name(), settings=settings
+            )
+        except errors.EphemeralError as exc:  # DockerfileError names the file, line, instruction
+            raise SandboxBuildFailedError(f"ephemeral: {exc.detail}") from exc
+        log.info("%s: image %s in %.1f s", self.session_id, built.name, time.monotonic() - t0)
+        return built
+
+    # commands -------------------------------------------------------------------------------
+    def _user(self, user: str | int | None) -> str:
+        resolved = self._resolve_user(user)
+        if resolved is None:
+            default = getattr(self._image, "user", None)
+            if isinstance(default, str | int) and str(default):
+                return str(default)
+            return "root"  # Docker's default user
+        return str(resolved)
+
+    def _cwd(self, cwd: str | None) -> str:
+        if cwd:
+            return cwd
+        if self.task_env_config.workdir:
+            return self.task_env_config.workdir
+        # a Dockerfile's WORKDIR (absolute); an image.yaml's workdir is the worker's scratch
+        image_cwd = getattr(self._image, "cwd", None)
+        return image_cwd if isinstance(image_cwd, str) and image_cwd else "/"
+
+    def _live(self) -> str:
+        if self._session is None:
+            raise _runtime_request_error("exec", "ephemeral: the environment is not started")
+        return self._session
+
+    async def _call(
+        self,
+        command: list[str] | str,
+        *,
+        user: str,
+        cwd: str = "/",
+        env: dict[str, str] | None = None,
+        stdin: bytes = b"",
+        timeout: float = HOUSEKEEPING_TIMEOUT,
+    ) -> Any:
+        """One guest command through the session (an event); never cancelled halfway: the
+        guest serves one request at a time, so a cancel waits for this reply."""
+        return await self._checked(
+            self._request(command, user=user, cwd=cwd, env=env, stdin=stdin, timeout=timeout)
+        )
+
+    @staticmethod
+    def _request(
+        command: list[str] | str,
+        *,
+        user: str,
+        cwd: str = "/",
+        env: dict[str, str] | None = None,
+        stdin: bytes = b"",
+        timeout: float = HOUSEKEEPING_TIMEOUT,
+    ) -> ExecRequest:
+        return ExecRequest(
+            command=command,
+            stdin_base64=base64.b64encode(stdin).decode(),
+            env=env or {},
+            cwd=cwd,
+            user=user,
+            timeout_seconds=timeout,
+            max_output_bytes=MAX_EXEC_OUTPUT,
+        )
+
+    async def _checked(self, request: ExecRequest) -> Any:
+        result, cancelled = await self._through(request)
+        if cancelled:
+            raise asyncio.CancelledError()
+        return result
+
+    async def _through(self, request: ExecRequest) -> tuple[Any, bool]:
+        """(the result, whether this task was cancelled meanwhile): the call always ends."""
+        call = asyncio.ensure_future(self._runtime.sessions.exec(self._live(), self._org, request))
+        cancelled = False
+        while not call.done():
+            try:
+                await asyncio.shield(call)
+            except asyncio.CancelledError:
+                cancelled = cancelled or not call.done()
+            except Exception:  # noqa: BLE001 - the call's own error, raised below
+                break
+        try:
+            return call.result(), cancelled
+        except errors.InvalidRequest as exc:
+            raise ValueError(f"ephemeral exec: {exc.detail}") from exc
+        except errors.EphemeralError as exc:
+            raise _runtime_request_error("exec", f"ephemeral: {exc.detail}") from exc
+
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: int | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        as_user = self._user(user)
+        exec_id = secrets.token_hex(16)
+        deadline = None if timeout_sec is None else time.monotonic() + timeout_sec
+        cleanup: list[str] = []
+        if len(self._finished) >= CLEANUP_BATCH:
+            cleanup, self._finished = self._finished, []
+        argv, stdin = commands.start_argv(
+            exec_id, command, slice_s=self._slice(deadline), cleanup=cleanup
+        )
+        request = self._request(
+            argv, user=as_user, cwd=self._cwd(cwd), env=self._merge_env(env), stdin=stdin
+        )
+        try:
+            started, cancelled = await self._through(request)
+        except ValueError as exc:  # a missing cwd, a uid outside the sandbox: as docker exec
+            return ExecResult(stdout="", stderr=f"{exc}\n", return_code=126)
+        if cancelled:  # while it started: it dies now
+            if started.exit_code == 0:
+                sid, _ = commands.parse_started(started.stdout)
+                with contextlib.suppress(Exception):
+                    await self._kill(exec_id, sid)
+            raise asyncio.CancelledError()
+        if started.exit_code != 0:
+            # the command never ran: an unknown user, say, as Docker reports it
+            return ExecResult(
+                stdout=started.stdout, stderr=started.stderr, return_code=started.exit_code
+            )
+        sid, waited = commands.parse_started(started.stdout)
+        try:
+            code = commands.parse_wait(waited)
+            while code is None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RuntimeError(f"Command timed out after {timeout_sec} seconds")
+                res = await self._call(
+                    commands.wait_argv(exec_id, self._slice(deadline)), user="root"
+                )
+                code = commands.parse_wait(res.stdout)
+            stdout, stderr = await self._outputs(exec_id)
+        except BaseException:
+            # cancelled (a phase timeout), timed out or failed: the command dies now
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._kill(exec_id, sid))
+            raise
+        self._finished.append(exec_id)
+        return ExecResult(stdout=stdout, stderr=stderr, return_code=code)
+
+    @staticmethod
+    def _slice(deadline: float | None) -> float:
+        if deadline is None:
+            return commands.WAIT_SLICE_SECONDS
+        return max(
+            commands.POLL_SECONDS, min(commands.WAIT_SLICE_SECONDS, deadline - time.monotonic())
+        )
+
+    async def _outputs(self, exec_id: str) -> tuple[str, str]:
+        out_path, err_path, _ = commands.paths(exec_id)
+        texts = []
+        for path in (out_path, err_path):
+            try:
+                data = await self._runtime.sessions.read_file(
+                    self._live(), self._org, path, MAX_OUTPUT_BYTES
+                )
+            except errors.FilePermissionDenied:  # a umask that left it unreadable: root reads
+                data = await self._fetch(f"cat -- {shlex.quote(path)}", path)
+            except errors.PayloadTooLarge as exc:
+                raise _runtime_request_error(
+                    "exec", f"ephemeral: the command's output is over {MAX_OUTPUT_BYTES} bytes"
+                ) from exc
+            except errors.EphemeralError as exc:
+                raise _runtime_request_error("exec", f"ephemeral: {exc.detail}") from exc
+            texts.append(bytes(data).decode("utf-8", errors="replace"))
+        return texts[0], texts[1]
+
+    async def _kill(self, exec_id: str, sid: int) -> None:
+        await self._call(["bash", "-c", commands.kill_script(exec_id, sid)], user="root")
+
+    # files ----------------------------------------------------------------------------------
+    async def upload_file(self, source_path: Path | str, target_path: str) -> None:
+        data = await asyncio.to_thread(Path(source_path).read_bytes)
+        t = shlex.quote(target_path)
+        res = await self._call(
+            ["bash", "-c", f'mkdir -p -- "$(dirname -- {t})" && cat > {t}'],
+            user="root",
+            stdin=data,
+        )
+        _check(res, f"upload {source_path} to {target_path}")
+
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        data = await asyncio.to_thread(_pack, Path(source_dir))
+        t = shlex.quote(target_dir)
+        res = await self._call(
+            ["bash", "-c", f"mkdir -p -- {t} && tar xzf - -C {t} --no-same-owner"],
+            user="root",
+            stdin=data,
+        )
+        _check(res, f"upload {source_dir} to {target_dir}")
+
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        data = await self._fetch(f"cat -- {shlex.quote(source_path)}", source_path)
+        target = Path(target_path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(target.write_bytes, data)
+
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        data = await self._fetch(f"tar czf - -C {shlex.quote(source_dir)} .", source_dir)
+        await asyncio.to_thread(_unpack, data, Path(target_dir))
+
+    async def _fetch(self, producer: str, what: str) -> bytes:
+        """The bytes ``producer`` writes, read as root: base64 on stdout when small, else
+        through a file in /tmp that the session reads (as the worker, so it is made readable)."""
+        tmp = f"/tmp/.ephemeral-dl-{secrets.token_hex(6)}"
+        script = (
+            f"set -e; umask 077; {producer} > {tmp}\n"
+            f'if [ "$(stat -c %s {tmp})" -le {INLINE_DOWNLOAD_BYTES} ]; then '
+            f"base64 -w0 {tmp}; rm -f {tmp}; else chmod 644 {tmp}; echo SPILL; fi\n"
+        )
+        res = await self._call(["bash", "-c", script], user="root")
+        if res.exit_code != 0:
+            await self._call(["rm", "-f", "--", tmp], user="root")
+            said = (res.stderr or res.stdout).strip()[:500]
+            raise _runtime_request_error("download", f"ephemeral: cannot read {what}: {said}")
+        if res.stdout.strip() != "SPILL":
+            return base64.b64decode(res.stdout.strip(), validate=True)
+        try:
+            return bytes(await self._runtime.sessions.read_file(self._live(), self._org, tmp))
+        except errors.EphemeralError as exc:
+            raise _runtime_request_error(
+                "download", f"ephemeral: cannot read {what}: {exc.detail}"
+            ) from exc
+        finally:
+            await self._call(["rm", "-f", "--", tmp], user="root")
+
+
+def _our_image(settings: Any, docker_image: str) -> str | None:
+    """Our image for a ``docker_image`` name: a Debian bookworm base is ``default``, an alias
+    (``ephemeral images alias``) what it names, one of our images itself; else None."""
+    try:
+        from ephemeral.sandbox.dockerfile import resolve_image
+    except ImportError:  # this version has no Dockerfile images: only our own names
+        ok = re.match(r"^[a-z0-9][a-z0-9-]{0,40}$", docker_image)
+        return docker_image if ok and images.built_image(settings, docker_image) else None
+    try:
+        return resolve_image(settings, docker_image)
+    except errors.EphemeralError:
+        return None
+
+
+def _check(res: Any, what: str) -> None:
+    if res.exit_code != 0:
+        said = (res.stderr or res.stdout)[:500]
+        raise _runtime_request_error("upload", f"ephemeral: {what}: exit {res.exit_code}: {said}")
+
+
+def _pack(source: Path) -> bytes:
+    """``source``'s contents (not the directory itself), modes and symlinks kept."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for child in sorted(source.iterdir()):
+            tar.add(child, arcname=child.name)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes, target: Path) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile() as fh:
+        fh.write(data)
+        fh.seek(0)
+        with tarfile.open(fileobj=fh, mode="r:gz") as tar:
+            tar.extractall(path=target, filter=transfer_tar_filter)
