@@ -121,5 +121,17 @@ def kill_script(exec_id: str, sid: int) -> str:
         f'    [ "${{4-}}" = {int(sid)} ] && kill -KILL "${{p#/proc/}}" 2>/dev/null\n'
         "  done\n"
         "done\n"
+        # SIGKILL is asynchronous: return once no live process of the session is left (a
+        # zombie is dead), so the caller's next command never sees it (at most ~2 s)
+        "for wait in $(seq 40); do\n"
+        "  left=0\n"
+        "  for p in /proc/[0-9]*; do\n"
+        '    read -r line < "$p/stat" 2>/dev/null || continue\n'
+        "    set -f; set -- ${line##*) }; set +f\n"
+        f'    [ "${{4-}}" = {int(sid)} ] && [ "$1" != Z ] && left=1 && kill -KILL "${{p#/proc/}}" 2>/dev/null\n'
+        "  done\n"
+        '  [ "$left" = 0 ] && break\n'
+        "  sleep 0.05\n"
+        "done\n"
         f"rm -f -- {shlex.quote(PREFIX + exec_id)}.*\n"
     )

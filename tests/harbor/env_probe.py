@@ -53,7 +53,8 @@ async def main(isolation: str) -> dict[str, object]:
             await task
         except asyncio.CancelledError:
             out["cancelled"] = True
-        r = await env.exec("pgrep -c -x sleep || true")
+        # live ones only: a killed command's zombie waits for the sandbox's init to reap it
+        r = await env.exec("pgrep -c -x -r D,R,S,T sleep || true")
         out["left"] = r.stdout.strip()
         src = d / "up"
         (src / "sub").mkdir(parents=True)
