@@ -108,6 +108,7 @@ class Runtime:
         self.dispatcher: Callable[[str], Awaitable[None]] | None = None
         self.lease_expired_hooks: list[Callable[[str], Awaitable[None]]] = []
         self._leases: asyncio.Task[None] | None = None
+        self.draining = False  # a draining worker takes no new runs (ephemeral.flows.worker)
 
     # lifecycle -----------------------------------------------------------------------------
     @classmethod
@@ -735,7 +736,25 @@ class Runtime:
             async with asyncio.timeout(30):
                 await asyncio.shield(task)
 
-    # recovery ------------------------------------------------------------------------------
+    # drain (ephemeral.flows.worker) -----------------------------------------------------------
+    def executing(self) -> dict[str, bool]:
+        """The runs taken here, each with whether its body began (a slot grant or an agent)."""
+        return {r: r in self._granted or r in self._agents for r in self._running}
+
+    async def stop(self, run_id: str, detail: str | None = None) -> None:
+        """End a run taken here now; ``detail`` replaces "cancelled by request" as its reason.
+        One whose body never began is only let go (its task cancelled, nothing settled)."""
+        agent, task = self._agents.get(run_id), self._running.pop(run_id, None)
+        if agent is not None:
+            agent.stop_detail = detail
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        row = await self.store.get_run(run_id)
+        if detail is not None and row.status != RunStatus.QUEUED and not row.settled:
+            await self._abandon(run_id, TerminationReason.CANCELLED, detail)
+
     async def recover(self) -> list[str]:
         """Finish runs whose owning process died: reap their sandboxes, fail, settle, record."""
         from ephemeral.sandbox.reaper import reap

@@ -59,8 +59,10 @@ async def start_runtime(settings: Settings, *, warm_pool: bool) -> Runtime:
         # Dispatch: this process admits, streams and cancels; workers execute. No warm pool.
         from ephemeral.flows.dispatch import DispatchExecutor, mark_crashed
 
-        runtime = await Runtime.start(settings, executor=DispatchExecutor(), recover=True)
+        dispatcher = DispatchExecutor()
+        runtime = await Runtime.start(settings, executor=dispatcher, recover=True)
         runtime.lease_expired_hooks.append(mark_crashed)
+        dispatcher.redrive(runtime)  # runs another API process admitted and did not hand over
         return runtime
     if not settings.use_prefect:
         return await Runtime.start(settings, warm_pool=warm_pool, recover=True)

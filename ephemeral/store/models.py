@@ -80,6 +80,8 @@ class RunRow(_Row):
     lease_renewed_at: datetime | None = None
     lease_expires_at: datetime | None = None
     cancel_requested_at: datetime | None = None
+    dispatched_at: datetime | None = None
+    dispatches: int | None = None
 
     @property
     def settled(self) -> bool:

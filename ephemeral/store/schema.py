@@ -120,6 +120,11 @@ runs = sa.Table(
     sa.Column("lease_renewed_at", UTCDateTime, nullable=True),
     sa.Column("lease_expires_at", UTCDateTime, nullable=True),
     sa.Column("cancel_requested_at", UTCDateTime, nullable=True),
+    # The admission outbox (ephemeral.outbox): when the run's Prefect task run was created
+    # (NULL: not yet, or handed back by a draining worker), and which hand-over this is (its
+    # task run's id is derived from the run id and this number, so a re-drive is idempotent).
+    sa.Column("dispatched_at", UTCDateTime, nullable=True),
+    sa.Column("dispatches", sa.Integer, nullable=True),
     sa.CheckConstraint("reserved_micros >= 0", name="runs_reserved_nonneg"),
     sa.CheckConstraint(
         "charged_micros >= 0 AND charged_micros <= reserved_micros", name="runs_charged_in_budget"
@@ -199,6 +204,17 @@ sealed_content = sa.Table(
     sa.Column("sealed", sa.Text, nullable=False),
     sa.Column("expires_at", UTCDateTime, nullable=False, index=True),
     sa.CheckConstraint("kind IN ('prompt', 'output')", name="sealed_content_kind"),
+)
+
+
+# Facts every process of a cluster must agree on (ephemeral.sharing): the records root's
+# marker, the seal key's fingerprint. The first process to start writes them.
+cluster_facts = sa.Table(
+    "cluster_facts",
+    metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("value", sa.String(200), nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
 )
 
 
