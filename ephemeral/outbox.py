@@ -57,7 +57,7 @@ async def redrive(store: Store, create: Create) -> list[str]:
         except Exception:
             log.exception("run %s: re-driving its hand-over to Prefect failed", row.id)
             continue
-        log.warning("run %s: handed over to Prefect again (its admitting process died)", row.id)
+        log.warning("run %s: handed over to Prefect by the outbox", row.id)
         done.append(row.id)
     return done
 

@@ -94,21 +94,26 @@ class HostWorker(TaskWorker):
 
     async def _acquire_token(self, task_run_id: UUID) -> bool:
         if self._limiter is not None and self._limiter.available_tokens < 1:
-            run_id = (await self._client.read_task_run(task_run_id)).name
-            self._held[task_run_id] = run_id
-            now = utcnow()
-            lease = self.runtime.settings.lease_seconds
-            await self.runtime.store.hold_run(
-                run_id,
-                host=self.runtime.host,
-                owner=self.runtime.owner,
-                renewed_at=now,
-                expires_at=now + _seconds(lease),
-            )
+            try:
+                await self._hold(task_run_id)
+            except Exception:  # unclaimed it is still served when a token frees
+                log.exception("task run %s: could not claim the run it carries", task_run_id)
         try:
             return await super()._acquire_token(task_run_id)
         finally:
             self._held.pop(task_run_id, None)
+
+    async def _hold(self, task_run_id: UUID) -> None:
+        run_id = (await self._client.read_task_run(task_run_id)).name  # named for its run
+        self._held[task_run_id] = run_id
+        now = utcnow()
+        await self.runtime.store.hold_run(
+            run_id,
+            host=self.runtime.host,
+            owner=self.runtime.owner,
+            renewed_at=now,
+            expires_at=now + _seconds(self.runtime.settings.lease_seconds),
+        )
 
     async def _subscribe_to_task_scheduling(self) -> None:
         subscription = asyncio.ensure_future(super()._subscribe_to_task_scheduling())
@@ -118,13 +123,13 @@ class HostWorker(TaskWorker):
             await asyncio.wait({subscription, drain}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             drain.cancel()
+        if subscription.done():  # it ended by itself (an error): no drain, the error is raised
+            renew.cancel()
+            return subscription.result()
         held = list(self._held.values())
         subscription.cancel()
         with contextlib.suppress(BaseException):
             await subscription
-        if not self.runtime.draining:  # the subscription itself ended (an error): no drain
-            renew.cancel()
-            return
         try:
             await self._drain_runs(held)
         finally:
