@@ -208,7 +208,12 @@ async def serve(settings: Settings, *, limit: int, total: int) -> None:
     redrive = asyncio.create_task(outbox.redrive_forever(runtime.store, create_task_run))
     pid_file = settings.state_dir / PID_FILE
     pid_file.write_text(this_process() + "\n")
-    log.warning("worker %s serving execute-run (limit %d)", settings.host_id, limit)
+    log.warning(
+        "worker %s serving execute-run (limit %d) as task worker %s",
+        settings.host_id,
+        limit,
+        worker.client_id,
+    )
     try:
         await worker.astart()
     finally:
