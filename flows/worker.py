@@ -45,6 +45,7 @@ log = logging.getLogger("ephemeral.flows.worker")
 
 PID_FILE = "worker.pid"
 DRAIN_POLL_SECONDS = 0.2
+TAKE_SECONDS = 60.0  # from a held run's token to the runtime's take, at most (seconds, loaded)
 
 
 async def ensure_limits(host: str, limit: int, total: int) -> None:
@@ -80,6 +81,9 @@ class HostWorker(TaskWorker):
         self._drain = asyncio.Event()
         self._now = asyncio.Event()
         self._held: dict[UUID, str] = {}  # task run id -> run id, waiting for a token
+        # run id -> when its token came: renewed here until the runtime took it (its parameters
+        # are read and Prefect's engine starts in between: seconds on a loaded host)
+        self._claimed: dict[str, float | None] = {}
         self._loop = asyncio.get_running_loop()
 
     def handle_sigterm(self, signum: int, frame: object) -> None:
@@ -101,11 +105,14 @@ class HostWorker(TaskWorker):
         try:
             return await super()._acquire_token(task_run_id)
         finally:
-            self._held.pop(task_run_id, None)
+            run_id = self._held.pop(task_run_id, None)
+            if run_id is not None:
+                self._claimed[run_id] = time.monotonic()
 
     async def _hold(self, task_run_id: UUID) -> None:
         run_id = (await self._client.read_task_run(task_run_id)).name  # named for its run
         self._held[task_run_id] = run_id
+        self._claimed[run_id] = None
         now = utcnow()
         await self.runtime.store.hold_run(
             run_id,
@@ -176,14 +183,21 @@ class HostWorker(TaskWorker):
         return f"host {self.runtime.host} was stopped (drained): {why}"
 
     async def _renew(self) -> None:
-        """Keep the leases of the runs held for a token (the runtime renews the taken ones)."""
+        """Keep the leases of the runs claimed at receipt until the runtime takes them (and
+        renews them itself). One the runtime has not taken ``TAKE_SECONDS`` after its token (its
+        task run failed to start) is let go: its lease then expires and it is settled."""
         lease = self.runtime.settings.lease_seconds
         while True:
             await asyncio.sleep(lease / 3)
+            taken = self.runtime.executing()
+            for run_id, token_at in list(self._claimed.items()):
+                late = token_at is not None and time.monotonic() - token_at > TAKE_SECONDS
+                if run_id in taken or late:
+                    del self._claimed[run_id]
             with contextlib.suppress(Exception):
                 now = utcnow()
                 await self.runtime.store.renew_leases(
-                    list(self._held.values()), renewed_at=now, expires_at=now + _seconds(lease)
+                    list(self._claimed), renewed_at=now, expires_at=now + _seconds(lease)
                 )
 
 
