@@ -101,6 +101,7 @@ class AgentRun:
     reason: Reason | None = None
     detail: str | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_detail: str | None = None  # why a cancel ends the run, when not a client's request
     broker: Broker | None = None  # serves web_fetch / connection_call (ephemeral.broker)
     egress: Egress | None = None  # the sandbox's proxy, when web or connections are granted
     egress_env: dict[str, str] = field(default_factory=dict)  # proxy variables for commands
@@ -651,7 +652,7 @@ async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
                 pass
         run.reason, run.detail = Reason.COMPLETED, None
     except asyncio.CancelledError:
-        run.reason, run.detail = Reason.CANCELLED, "cancelled by request"
+        run.reason, run.detail = Reason.CANCELLED, run.stop_detail or "cancelled by request"
         await _finish(run, steps)
         raise
     except Exception as exc:

@@ -41,7 +41,9 @@ One run, top to bottom (``file:function`` for each stage)::
 A run nothing executes any more (its process died, cancelled while waiting, an executor
 that raised) ends through :meth:`Engine.abandon`, which charges the compute its events show and
 calls the same :func:`~ephemeral.closing.close`; a sandbox session ends through it too
-(``ephemeral.sessions``).
+(``ephemeral.sessions``). A draining worker (``flows/worker.py``) sees which of its runs began
+(:meth:`Engine.began`) and ends them through :meth:`Engine.stop`: one that never began is let go
+for another host, one that outlives the drain is cancelled with the drain as its reason.
 
 Everything one run holds in this process (its task, its agent, its zero-data-retention
 prompt, whether it holds a slot, the signal that its body began) is one :class:`RunState`.
@@ -205,6 +207,15 @@ class Engine:
     def executing(self) -> list[str]:
         """The runs a task of this process executes (or waits with for a slot)."""
         return [r for r, st in self.runs.items() if st.task is not None]
+
+    def began(self) -> dict[str, bool]:
+        """The runs of :meth:`executing`, each with whether its body began (a slot grant or its
+        build): a draining worker hands back the others and lets these finish."""
+        return {
+            r: st.granted or st.started.is_set() or st.agent is not None
+            for r, st in self.runs.items()
+            if st.task is not None
+        }
 
     def _release(self, run_id: str, task: asyncio.Task[Any] | None) -> None:
         st = self.runs.get(run_id)
@@ -455,6 +466,23 @@ class Engine:
         with contextlib.suppress(TimeoutError):
             return await self.wait(run_id, timeout=CANCEL_WAIT_SECONDS)
         return await self.store.get_run(run_id)
+
+    async def stop(self, run_id: str, detail: str | None = None) -> None:
+        """End a run this process executes, now (a draining worker, ``ephemeral.flows.worker``);
+        ``detail`` replaces "cancelled by request" as its reason. One whose body never began is
+        only let go: its task cancelled and its state dropped, nothing settled (``detail``
+        None; the caller hands it back to the queue)."""
+        st = self.runs.pop(run_id, None)  # off executing() at once: no lease renewal, no cancel
+        task = st.task if st is not None else None
+        if st is not None and st.agent is not None:
+            st.agent.stop_detail = detail
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        row = await self.store.get_run(run_id)
+        if detail is not None and row.status != RunStatus.QUEUED and not row.settled:
+            await self.abandon(run_id, TerminationReason.CANCELLED, detail)
 
     async def fail(self, run_id: str, exc: BaseException) -> None:
         """An exception escaped the execution path: end the run ``infra_error`` with the reason."""

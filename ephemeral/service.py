@@ -79,6 +79,7 @@ class Runtime:
         self.lease_expired_hooks: list[Callable[[str], Awaitable[None]]] = []
         self._watchdog: asyncio.Task[None] | None = None
         self._leases: asyncio.Task[None] | None = None
+        self.draining = False  # a draining worker takes no new runs (ephemeral.flows.worker)
 
     @property
     def dispatcher(self) -> Callable[[str], Awaitable[None]] | None:

@@ -150,6 +150,14 @@ class Settings(BaseSettings):
         "a run whose lease expired (its host died) is settled `failed`/`infra_error` by any live "
         "worker or API process.",
     )
+    drain_seconds: float = Field(
+        default=60.0,
+        ge=0.0,
+        le=86_400.0,
+        description="How long a draining worker (SIGTERM, `ephemeral worker --drain`) lets its "
+        "running runs finish before it ends the rest `cancelled` (settled at once, sandboxes "
+        "destroyed); runs it holds but has not started go back to the queue at once.",
+    )
     zdr_ttl_seconds: int = Field(
         default=900,
         ge=10,

@@ -59,10 +59,12 @@ async def start_runtime(settings: Settings, *, warm_pool: bool) -> Runtime:
     executor = executor_for(settings)
     if settings.executor == "dispatch":
         # This process admits, streams and cancels; workers execute. No warm pool.
-        from ephemeral.flows.dispatch import mark_crashed
+        from ephemeral.flows.dispatch import DispatchExecutor, mark_crashed
 
+        assert isinstance(executor, DispatchExecutor)
         runtime = await Runtime.start(settings, executor=executor, recover=True)
         runtime.lease_expired_hooks.append(mark_crashed)
+        executor.redrive(runtime.store)  # runs another API process admitted and did not hand over
         return runtime
     if settings.executor == "plain":
         return await Runtime.start(settings, executor=executor, warm_pool=warm_pool, recover=True)

@@ -54,6 +54,14 @@ class Sealer:
             raise errors.EphemeralError(f"the broker key file {self.key_path} is empty")
         return key
 
+    def fingerprint(self) -> str:
+        """A one-way digest of the key, for processes to compare keys (ephemeral.sharing)."""
+        import hashlib
+
+        self._key()  # created on first use
+        key = self.key_path.read_bytes().strip()
+        return hashlib.sha256(b"ephemeral seal key fingerprint\0" + key).hexdigest()[:32]
+
     def seal(self, headers: dict[str, str]) -> str:
         return self._key().encrypt(json.dumps(headers).encode()).decode()
 

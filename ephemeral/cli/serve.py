@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated
 
 import typer
 
+from ephemeral import errors
+from ephemeral.cli.output import fail
 from ephemeral.settings import Settings
 
 DEFAULT_POOL = 2
@@ -51,6 +54,13 @@ def register(app: typer.Typer) -> None:
             from ephemeral.prefect_setup import configure
 
             configure(settings)
+        if settings.executor == "dispatch":
+            from ephemeral import sharing
+
+            try:  # a records root or seal key the cluster's other processes do not share
+                asyncio.run(sharing.check(settings))
+            except errors.EphemeralError as exc:
+                raise fail(exc) from exc
         app = create_app(settings, warm_pool=size > 0)
         config = uvicorn.Config(
             app,

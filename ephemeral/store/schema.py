@@ -123,6 +123,11 @@ runs = sa.Table(
     # Set once the run's analysis records are written (after its close): recovery records a
     # settled run whose process died before this, so every run is recorded exactly once.
     sa.Column("recorded_at", UTCDateTime, nullable=True),
+    # The admission outbox (ephemeral.outbox): when the run's Prefect task run was created
+    # (NULL: not yet, or handed back by a draining worker), and which hand-over this is (its
+    # task run's id is derived from the run id and this number, so a re-drive is idempotent).
+    sa.Column("dispatched_at", UTCDateTime, nullable=True),
+    sa.Column("dispatches", sa.Integer, nullable=True),
     sa.CheckConstraint("reserved_micros >= 0", name="runs_reserved_nonneg"),
     sa.CheckConstraint(
         "charged_micros >= 0 AND charged_micros <= reserved_micros", name="runs_charged_in_budget"
@@ -205,6 +210,17 @@ sealed_content = sa.Table(
 )
 
 
+# Facts every process of a cluster must agree on (ephemeral.sharing): the records root's
+# marker, the seal key's fingerprint. The first process to start writes them.
+cluster_facts = sa.Table(
+    "cluster_facts",
+    metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("value", sa.String(200), nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+)
+
+
 def upgrade(conn: sa.Connection) -> None:
     """Bring a database made by an older release up to :data:`metadata`, additively.
 
@@ -231,6 +247,10 @@ def upgrade(conn: sa.Connection) -> None:
                             "UPDATE runs SET recorded_at = settled_at WHERE settled_at IS NOT NULL"
                         )
                     )
+                if (table.name, column.name) == ("runs", "dispatched_at"):
+                    # An older release handed every run over as it admitted it: none is the
+                    # outbox's to re-drive (that would make a second task run).
+                    conn.execute(sa.text("UPDATE runs SET dispatched_at = created_at"))
                 continue
             old = getattr(have[column.name]["type"], "length", None)
             new = getattr(column.type, "length", None)

@@ -38,6 +38,7 @@ from ephemeral.store.engine import create_engine, reader
 from ephemeral.store.models import ApiKey, Org, Principal, RunRow, Settlement
 from ephemeral.store.schema import (
     api_keys,
+    cluster_facts,
     idempotency,
     metadata,
     orgs,
@@ -677,6 +678,93 @@ class Store:
                 sa.delete(sealed_content).where(sealed_content.c.expires_at < now)
             )
         return int(gone.rowcount or 0)
+
+    # -- the admission outbox (ephemeral.outbox) -------------------------------------------------
+
+    async def mark_dispatched(self, run_id: str, generation: int) -> None:
+        """Its task run of hand-over ``generation`` exists in Prefect now."""
+        async with self._engine.begin() as conn:
+            await conn.execute(
+                sa.update(runs)
+                .where(
+                    runs.c.id == run_id,
+                    sa.func.coalesce(runs.c.dispatches, 0) == generation,
+                    runs.c.dispatched_at.is_(None),
+                )
+                .values(dispatched_at=utcnow())
+            )
+
+    async def undispatched_runs(self, created_before: datetime) -> list[RunRow]:
+        """Runs waiting for a worker that no Prefect task run is known to carry: admitted by a
+        process that died before (or while) handing them over, or handed back by a drain."""
+        return await self._runs_where(
+            runs.c.status == RunStatus.QUEUED,
+            runs.c.owner.is_(None),
+            runs.c.kind.is_(None),
+            runs.c.dispatched_at.is_(None),
+            runs.c.created_at < created_before,
+        )
+
+    async def hold_run(
+        self, run_id: str, *, host: str, owner: str, renewed_at: datetime, expires_at: datetime
+    ) -> bool:
+        """A worker received the run's task run and holds it, still ``queued``, until it has a
+        slot: it carries this host, owner and a lease. False if it no longer waits."""
+        async with self._engine.begin() as conn:
+            done = await conn.execute(
+                sa.update(runs)
+                .where(runs.c.id == run_id, runs.c.status == RunStatus.QUEUED)
+                .values(
+                    host=host,
+                    owner=owner,
+                    lease_renewed_at=renewed_at,
+                    lease_expires_at=expires_at,
+                )
+            )
+        return bool(done.rowcount)
+
+    async def release_run(self, run_id: str, owner: str) -> int | None:
+        """Hand a run this owner took (or received untaken) but never started back to the queue
+        (a draining worker): no host, owner or lease, not dispatched, under the next hand-over
+        number, which is returned; None if it is no longer ``queued`` and this owner's."""
+        async with self._engine.begin() as conn:
+            row = (
+                await conn.execute(
+                    sa.update(runs)
+                    .where(
+                        runs.c.id == run_id,
+                        runs.c.status == RunStatus.QUEUED,
+                        sa.or_(runs.c.owner == owner, runs.c.owner.is_(None)),
+                    )
+                    .values(
+                        host=None,
+                        owner=None,
+                        lease_renewed_at=None,
+                        lease_expires_at=None,
+                        dispatched_at=None,
+                        dispatches=sa.func.coalesce(runs.c.dispatches, 0) + 1,
+                    )
+                    .returning(runs.c.dispatches)
+                )
+            ).first()
+        return None if row is None else int(row[0])
+
+    # -- facts every process of a cluster shares (ephemeral.sharing) ----------------------------
+
+    async def claim_fact(self, name: str, value: str) -> str:
+        """Store ``value`` under ``name`` unless some process did first; returns the stored one."""
+        async with self._engine.begin() as conn:
+            stmt = ledger.insert(conn, cluster_facts).values(
+                name=name, value=value, created_at=utcnow()
+            )
+            await conn.execute(stmt.on_conflict_do_nothing(index_elements=[cluster_facts.c.name]))
+            row = (
+                await conn.execute(
+                    sa.select(cluster_facts.c.value).where(cluster_facts.c.name == name)
+                )
+            ).first()
+        assert row is not None
+        return str(row[0])
 
     async def open_runs(self) -> list[RunRow]:
         """Runs not yet in a terminal status (what crash recovery has to finish)."""

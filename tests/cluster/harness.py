@@ -112,6 +112,16 @@ class Cluster:
         start = log.stat().st_size if log.exists() else 0  # a restarted worker appends
         self.spawn(host, *EPHEMERAL, "worker", "--limit", str(limit), "--pool", str(pool))
         self._wait(host, lambda: b"serving execute-run" in log.read_bytes()[start:])
+        # That line comes before the worker's websocket subscribes: until the server lists it,
+        # every task run goes to the other workers.
+        line = log.read_bytes()[start:].split(b"serving execute-run")[1].split(b"\n")[0]
+        client = line.rsplit(b" ", 1)[-1].decode()
+
+        def subscribed() -> bool:
+            workers = self.server.api("POST", "/task_workers/filter", json={})
+            return client in {w["identifier"] for w in workers}
+
+        self._wait(host, subscribed)
 
     def _wait(self, name: str, ready: Any, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout

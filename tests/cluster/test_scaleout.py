@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -224,21 +225,25 @@ def test_cancel_from_the_api_of_a_run_on_b_and_host_a_dies(cluster: Cluster, api
     # sleepy run sleeps far longer than this test lasts)
     row = asyncio.run(_row(cluster.db_url, on["a"]))
     assert row.status == "running" and row.sandbox_id, row
-    [old] = [
-        h
-        for _, h in handles.read_all(cluster.state_dir("a") / "sandboxes")
-        if h is not None and h.id == row.sandbox_id
-    ]
+    left = handles.read_all(cluster.state_dir("a") / "sandboxes")
+    found = [h for _, h in left if h is not None and h.id == row.sandbox_id]
+    assert len(found) == 1, (row.sandbox_id, left)
+    old = found[0]
+    killed_at = datetime.now(UTC)
     cluster.kill("a")
-    killed_at = time.monotonic()
     # meanwhile b keeps taking runs
     more = [api.post(SAMPLE) for _ in range(2)]
     for run in more:
         obj = api.settled(run["id"])
         assert (obj["status"], obj["host"]) == ("succeeded", "b")
-    # within the lease + 10 s of the kill
-    obj = api.settled(on["a"], timeout=max(1.0, killed_at + LEASE_SECONDS + 10 - time.monotonic()))
-    print(f"kill -9 -> settled: {time.monotonic() - killed_at:.1f} s")
+    # within the lease + 10 s of the kill, by the store's clock of the settlement (the runs on b
+    # above may take longer than that on a loaded box, so the time this test sees it is not it)
+    obj = api.settled(on["a"], timeout=120)
+    settled = asyncio.run(_row(cluster.db_url, on["a"])).settled_at
+    assert settled is not None
+    took = (settled - killed_at).total_seconds()
+    print(f"kill -9 -> settled: {took:.1f} s")
+    assert took <= LEASE_SECONDS + 10
     assert obj["status"] == "failed"
     assert obj["termination"]["reason"] == "infra_error"
     assert "host a stopped renewing" in obj["termination"]["detail"]

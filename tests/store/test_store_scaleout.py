@@ -108,3 +108,37 @@ async def test_sealed_content_past_its_ttl_is_never_read_and_purged(store: Store
     assert await store.purge_sealed(utcnow()) == 1
     await store.erase_content(run.id)  # erasure takes what is left too
     assert await store.take_sealed(run.id, "output") is None
+
+
+async def test_the_outbox_finds_undispatched_ownerless_runs_and_a_release_renumbers(
+    store: Store, org: Org
+) -> None:
+    waiting, dispatched, owned = [await _run(store, org) for _ in range(3)]
+    await store.mark_dispatched(dispatched.id, 0)
+    await store.hold_run(
+        owned.id, host="a", owner="a:1:2", renewed_at=utcnow(), expires_at=utcnow()
+    )
+    later = utcnow() + timedelta(seconds=1)
+    assert [r.id for r in await store.undispatched_runs(later)] == [waiting.id]
+    assert await store.undispatched_runs(waiting.created_at) == []  # not yet due
+    await store.mark_dispatched(waiting.id, 1)  # another hand-over's number: not this one
+    assert [r.id for r in await store.undispatched_runs(later)] == [waiting.id]
+
+    # a draining worker hands back what it holds: ownerless, undispatched, the next number
+    assert await store.release_run(owned.id, "b:1:2") is None  # not b's
+    assert await store.release_run(owned.id, "a:1:2") == 1
+    back = await store.get_run(owned.id)
+    assert (back.owner, back.host, back.lease_expires_at, back.dispatches) == (None,) * 3 + (1,)
+    assert await store.release_run(dispatched.id, "a:1:2") == 1  # received untaken
+    assert {r.id for r in await store.undispatched_runs(later)} == {
+        waiting.id,
+        owned.id,
+        dispatched.id,
+    }
+    await _claim(store, waiting.id, timedelta(seconds=30))
+    assert await store.release_run(waiting.id, "a:1:2") is None  # began: not handed back
+
+
+async def test_a_cluster_fact_is_the_first_one_claimed(store: Store) -> None:
+    assert await store.claim_fact("records_root", "x") == "x"
+    assert await store.claim_fact("records_root", "y") == "x"
