@@ -19,6 +19,7 @@ from typing import Any, cast
 from ephemeral import errors
 from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps, drive
 from ephemeral.broker import Broker
+from ephemeral.broker import journal as charge_journal
 from ephemeral.events import Event
 from ephemeral.executor import Dispatcher, Executor, PlainExecutor
 from ephemeral.ids import new_run_id, rfc3339, utcnow
@@ -800,6 +801,8 @@ class Runtime:
         Any number of processes may abandon the same run at once: the compute charge is
         idempotent on its ledger key and the close is a compare-and-set, so it settles once.
         """
+        # Egress charges made before the process died, not yet in the ledger (broker/journal).
+        await charge_journal.replay(self.store, self.settings.state_dir, run_id)
         row = await self.store.get_run(run_id)
         events = await self.store.list_events(run_id)
         types = [e.type for e in events]

@@ -299,7 +299,13 @@ class Sessions:
                 budget=budget,
                 deadline=budget.sandbox_started + policy.timeout_seconds,
                 store=self.store,
-                web=WebCharges(self.store, row.id, budget, self.runtime.price_book),
+                web=WebCharges(
+                    self.store,
+                    row.id,
+                    budget,
+                    self.runtime.price_book,
+                    self.runtime.settings.state_dir,
+                ),
             )
             self._live[row.id] = live
             attached = await start_egress(
