@@ -54,7 +54,6 @@ class GuestStream:
         self.eof = False  # the guest shut its sending side
         self.closed = False  # either side closed: no more data either way
         self.unacked_in = 0  # bytes received and not yet acknowledged
-        self._to_ack = 0  # of those, read by the broker (acknowledged in batches)
         self.unacked_out = 0  # bytes sent and not yet acknowledged by the guest
         self._credit = asyncio.Event()
         self._credit.set()
@@ -68,13 +67,9 @@ class GuestStream:
             await self._ready.wait()
         data = bytes(self._buf[:n])
         del self._buf[:n]
-        self._to_ack += len(data)
-        # Acknowledged in quarters of the window, not per read: the guest always has at least
-        # three quarters of it to send into, and a short request costs no ack frame at all.
-        if self._to_ack >= self.mux.window // 4 and not self.closed:
-            n_acked, self._to_ack = self._to_ack, 0
-            self.unacked_in -= n_acked
-            await self.mux.send({"s": self.sid, "t": "ack", "n": n_acked})
+        self.unacked_in -= len(data)
+        if not self.closed:
+            await self.mux.send({"s": self.sid, "t": "ack", "n": len(data)})
         return data
 
     async def write(self, data: bytes) -> None:
