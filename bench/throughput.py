@@ -107,7 +107,9 @@ async def drive(url: str, key: str, body: dict[str, Any], runs: int, clients: in
     return out
 
 
-async def config(args: argparse.Namespace, level: str, executor: str, slots: int) -> list[Row]:
+async def config(
+    args: argparse.Namespace, level: str, executor: str, slots: int, prefect_db: str = "sqlite"
+) -> list[Row]:
     state = Path(tempfile.mkdtemp(prefix=f"ephemeral-tp-{level}-{executor}-"))
     key = await make_key(Settings.load(state_dir=state))
     floor = await asyncio.to_thread(background_cpu, 3.0)
@@ -117,6 +119,10 @@ async def config(args: argparse.Namespace, level: str, executor: str, slots: int
         "EPHEMERAL_MAX_CONCURRENT_RUNS": str(slots),
         "EPHEMERAL_MAX_QUEUED_RUNS": str(max(args.clients) * 2),
     }
+    if executor == "prefect" and prefect_db == "postgres":
+        # Prefect's own server on a fresh PostgreSQL database (its first start migrates it)
+        env["EPHEMERAL_PREFECT_DATABASE_URL"] = args.pg.url(args.pg.create_database(f"p{slots}"))
+        executor = "prefect/pg"
     served = serve(state, pool=args.pool, env=env)
     body = {**SEED_BODY, "isolation": level}
     rows = []
@@ -184,7 +190,7 @@ def summary(rows: list[Row]) -> None:
         )
     print()
     for r in rows:
-        if r.executor != "prefect":
+        if not r.executor.startswith("prefect"):
             continue
         plain = next(
             (
@@ -198,7 +204,7 @@ def summary(rows: list[Row]) -> None:
         if plain is None:
             continue
         print(
-            f"{r.level} slots={r.slots} clients={r.clients}: Prefect {r.rate:.2f} runs/s = "
+            f"{r.level} slots={r.slots} clients={r.clients}: {r.executor} {r.rate:.2f} runs/s = "
             f"{r.rate / plain.rate:.2f}x plain ({plain.rate:.2f}); Prefect adds "
             f"{r.machine_net - plain.machine_net:+.2f} CPU-s/run on the machine (net of floors), "
             f"{r.per_run('serve') + r.per_run('prefect') - plain.per_run('serve'):+.2f} in "
@@ -211,7 +217,8 @@ async def main_async(args: argparse.Namespace) -> None:
     for level in args.levels:
         for slots in args.slots:
             for executor in args.executors:
-                rows += await config(args, level, executor, slots)
+                for db in args.prefect_db if executor == "prefect" else ["sqlite"]:
+                    rows += await config(args, level, executor, slots, db)
     summary(rows)
 
 
@@ -223,12 +230,28 @@ def main() -> None:
     ap.add_argument("--executors", default="plain,prefect", help="plain and/or prefect")
     ap.add_argument("--slots", default="8", help="EPHEMERAL_MAX_CONCURRENT_RUNS, comma-separated")
     ap.add_argument("--pool", type=int, default=2, help="warm sandboxes")
+    ap.add_argument(
+        "--prefect-db",
+        default="sqlite",
+        help="the embedded Prefect server's database: sqlite and/or postgres (a throwaway "
+        "PostgreSQL 15 from tests/fixtures_pg.py), comma-separated",
+    )
     args = ap.parse_args()
+    args.prefect_db = args.prefect_db.split(",")
     args.clients = [int(x) for x in args.clients.split(",")]
     args.levels = args.levels.split(",")
     args.executors = args.executors.split(",")
     args.slots = [int(x) for x in args.slots.split(",")]
-    asyncio.run(main_async(args))
+    args.pg = None
+    if "postgres" in args.prefect_db:
+        from tests.fixtures_pg import PgCluster
+
+        args.pg = PgCluster().start()
+    try:
+        asyncio.run(main_async(args))
+    finally:
+        if args.pg is not None:
+            args.pg.stop()
 
 
 if __name__ == "__main__":

@@ -122,7 +122,8 @@ class AgentRun:
         )
         self.deadline = time.monotonic() + self.policy.timeout_seconds
         self.agent_deadline = self.deadline - self.policy.verify_reserve_seconds()
-        self._web = WebCharges(self.store, self.row.id, self.budget, self.price_book)
+        journal = self.broker.settings.state_dir if self.broker is not None else None
+        self._web = WebCharges(self.store, self.row.id, self.budget, self.price_book, journal)
 
     @property
     def run_id(self) -> str:

@@ -65,6 +65,7 @@ from typing import Any
 from ephemeral import errors
 from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps, drive
 from ephemeral.broker import Broker
+from ephemeral.broker import journal as charge_journal
 from ephemeral.closing import abandoned_compute, close, record
 from ephemeral.executor import Dispatcher, Executor
 from ephemeral.ids import utcnow
@@ -510,6 +511,8 @@ class Engine:
         Any number of processes may abandon the same run at once: the compute charge is
         idempotent on its ledger key and the close is a compare-and-set, so it settles once.
         """
+        # Egress charges made before the process died, not yet in the ledger (broker/journal).
+        await charge_journal.replay(self.store, self.settings.state_dir, run_id)
         row = await self.store.get_run(run_id)
         events = await self.store.list_events(run_id)
         limits = self.sandboxes.limits(Policy.model_validate(row.policy).timeout_seconds)

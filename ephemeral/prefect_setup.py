@@ -90,6 +90,19 @@ def configure(settings: Settings) -> None:
     os.environ.setdefault("PREFECT_API_TLS_INSECURE_SKIP_VERIFY", "true")
     for key, value in _EMBEDDED_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    if settings.prefect_database_url is not None:
+        url = settings.prefect_database_url.get_secret_value()
+        if not url.startswith("postgresql+asyncpg://"):
+            raise errors.InvalidRequest.field(
+                "prefect_database_url", "must be a postgresql+asyncpg:// URL"
+            )
+        # Prefect's server reads this; the subprocess it starts inherits it. Migrating an
+        # empty database takes minutes here, so the start may wait that long once.
+        os.environ.setdefault("PREFECT_SERVER_DATABASE_CONNECTION_URL", url)
+        os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = str(
+            max(600, int(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "0")))
+        )
+        return
     db = Path(os.environ["PREFECT_HOME"]) / "prefect.db"
     db.parent.mkdir(parents=True, exist_ok=True)
     if not db.exists():

@@ -321,7 +321,13 @@ class Sessions:
                 budget=budget,
                 deadline=budget.sandbox_started + policy.timeout_seconds,
                 store=self.store,
-                web=WebCharges(self.store, row.id, budget, self.price_book),
+                web=WebCharges(
+                    self.store,
+                    row.id,
+                    budget,
+                    self.price_book,
+                    self.settings.state_dir,
+                ),
             )
             self._live[row.id] = live
             attached = await start_egress(Broker(self.settings), live, sandbox, self.price_book)

@@ -125,6 +125,14 @@ class Settings(BaseSettings):
     openrouter_base_url: str = "https://openrouter.ai/api/v1"
     anthropic_base_url: str = "https://api.anthropic.com"
 
+    prefect_database_url: SecretStr | None = Field(
+        default=None,
+        description="PostgreSQL (`postgresql+asyncpg://…`) for the Prefect server that "
+        "`ephemeral serve`/`run` start themselves (no `PREFECT_API_URL`), instead of SQLite in "
+        "the state dir: flow-run writes then no longer queue behind SQLite's one writer. The "
+        "first start migrates an empty database (minutes).",
+    )
+
     # scale-out (docs/deploy.md): where runs execute and how hosts share them
     executor: ExecutorName = Field(
         default="flow",

@@ -13,9 +13,12 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ephemeral import errors
+from ephemeral.broker import journal
+from ephemeral.broker.journal import ChargeJournal
 from ephemeral.lifecycle import StopRun, TerminationReason
 
 if TYPE_CHECKING:
@@ -29,16 +32,32 @@ if TYPE_CHECKING:
 log = logging.getLogger("ephemeral.broker")
 
 
+# A batch that fails (the store busy: "database is locked" under load) is tried again after
+# these pauses; its keys are idempotent, so a batch that did commit counts once.
+WRITE_RETRY_SECONDS = (0.05, 0.2, 1.0, 3.0)
+
+
 @dataclass
 class WebCharges:
-    """Web charges of one run or session: decided against its budget, written to its ledger."""
+    """Web charges of one run or session: decided against its budget, written to its ledger.
+
+    Egress charges (a request and its first MiB, each further MiB) are decided here in memory,
+    journalled (``ephemeral.broker.journal``) and written to the ledger in batches: one writer
+    task per run takes every charge decided since its last commit and writes them in one
+    transaction (``Store.charge_batch``). :meth:`flush` waits until all of them are in the
+    ledger; the owner calls it before it charges compute and settles.
+    """
 
     store: Store
     run_id: str
     budget: RunBudget
     price_book: PriceBook
+    journal_dir: Path | None = None  # the state dir: where the journal lives (None: none kept)
     error: str | None = None  # a byte charge that was not written (the owner must stop)
-    _writes: set[asyncio.Task[None]] = field(default_factory=set)
+    batches: int = 0  # ledger transactions the byte charges took (for tests and the bench)
+    _pending: list[tuple[str, int]] = field(default_factory=list)
+    _writer: asyncio.Task[None] | None = None
+    _journal: ChargeJournal | None = None
 
     async def charge_request(self, seq: int) -> int:
         """``BrokerContext.charge_web``: one request, written before it is sent."""
@@ -60,28 +79,50 @@ class WebCharges:
         """``BrokerContext.charge_web_bytes``, decided here, synchronously.
 
         The budget holds the same reservation as the ledger, less compute accrued, so it is the
-        stricter of the two. The ledger row is written beside the request (a SQLite commit
-        would double a proxied request's latency); :meth:`flush` waits for every such write,
-        and teardown calls it before settling.
+        stricter of the two. The charge is journalled before this returns (so before the bytes
+        it pays for move) and joins the next ledger batch.
         """
         if not self.budget.fits(micros):
             raise StopRun(TerminationReason.BUDGET_EXHAUSTED, "egress traffic used up the budget")
+        full = f"{self.run_id}:{key}"
+        if self.journal_dir is not None:
+            if self._journal is None:
+                self._journal = ChargeJournal(journal.path_for(self.journal_dir, self.run_id))
+            self._journal.write(full, micros)
         self.budget.charged["web_micros"] += micros
-        task = asyncio.create_task(self._write(f"{self.run_id}:{key}", micros))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        self._pending.append((full, micros))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_all(), name=f"web-charges-{self.run_id}")
         return micros
 
-    async def _write(self, key: str, micros: int) -> None:
-        try:
-            await self.store.charge(self.run_id, "web", micros, key=key)
-        except Exception as exc:  # noqa: BLE001 - recorded; the owner stops at its next step
-            log.error("%s: an egress charge was not written: %s", self.run_id, exc)
-            self.error = type(exc).__name__
+    async def _write_all(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            for pause in (*WRITE_RETRY_SECONDS, None):
+                try:
+                    await self.store.charge_batch(self.run_id, "web", batch)
+                    self.batches += 1
+                    break
+                except (errors.BudgetExhausted, errors.Conflict) as exc:
+                    pause = None  # not transient: the run is settled or the ledger disagrees
+                    failure: Exception = exc
+                except Exception as exc:  # noqa: BLE001 - the store, busy or broken
+                    failure = exc
+                if pause is None:
+                    log.error("%s: egress charges were not written: %s", self.run_id, failure)
+                    self.error = type(failure).__name__
+                    return  # the journal keeps them; the owner stops at its next step
+                await asyncio.sleep(pause)
 
     async def flush(self) -> None:
-        while self._writes:
-            await asyncio.gather(*list(self._writes), return_exceptions=True)
+        """Wait until every charge decided so far is in the ledger (then the journal goes)."""
+        while self._writer is not None and not self._writer.done():
+            await asyncio.gather(self._writer, return_exceptions=True)
+            if self._pending and self.error is None:
+                self._writer = asyncio.create_task(self._write_all())
+        if self.error is None and not self._pending and self._journal is not None:
+            self._journal.remove()
+            self._journal = None
 
 
 def egress_stop(egress: Egress | None, charges: WebCharges) -> StopRun | None:

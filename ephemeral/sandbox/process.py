@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import shlex
 import shutil
@@ -92,6 +93,7 @@ class ProcessSandbox(GuestBacked):
         self._handle.pids = [self._proc.pid]
         handles.write(self._handle_file.parent, self._handle)
         assert self._proc.stdout is not None and self._proc.stdin is not None
+        _widen_pipes(self._proc)
         self._stderr_task = asyncio.create_task(self._drain_stderr())
         self._client = GuestClient(self._proc.stdout, self._proc.stdin, label=self.id)
         try:
@@ -148,6 +150,27 @@ class ProcessSandbox(GuestBacked):
                 os.killpg(self._handle.pgid, 9)
         if self._cgroups is not None:
             self._cgroups.kill_all()
+
+
+PIPE_BYTES = 1 << 20  # the channel's pipes: room for several whole egress data frames
+F_SETPIPE_SZ = 1031
+
+
+def _widen_pipes(proc: asyncio.subprocess.Process) -> None:
+    """Grow the channel's pipes from the kernel's 64 KiB to 1 MiB (the unprivileged maximum by
+    default). A 128 KiB egress data frame then goes in one write and one wakeup instead of
+    several; gVisor's guest cannot do this itself (its stdio are the host's pipes, which
+    ``fcntl`` inside the Sentry does not reach). Best effort: a smaller pipe still works."""
+    transport = getattr(proc, "_transport", None)
+    if transport is None:
+        return
+    for fd in (0, 1):
+        pipe = transport.get_pipe_transport(fd)
+        info = pipe.get_extra_info("pipe") if pipe is not None else None
+        if info is None:
+            continue
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(info.fileno(), F_SETPIPE_SZ, PIPE_BYTES)
 
 
 def close_pipes(proc: asyncio.subprocess.Process) -> None:

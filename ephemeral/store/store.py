@@ -902,6 +902,16 @@ class Store:
             await self._append(conn, run_id, *event)
         return total
 
+    async def charge_batch(self, run_id: str, kind: str, charges: list[tuple[str, int]]) -> int:
+        """Several charges ``(key, micros)`` in one transaction (one commit), each as
+        :meth:`charge`: idempotent on its key, inside the reservation. All or none: raises
+        BudgetExhausted or Conflict (settled) and charges nothing. Returns the run's total."""
+        async with self._engine.begin() as conn:
+            total = 0
+            for key, micros in charges:
+                total = await ledger.charge(conn, run_id=run_id, kind=kind, micros=micros, key=key)
+            return total
+
     async def charged(self, run_id: str) -> dict[str, int]:
         async with self._reader.connect() as conn:
             await self._run(conn, run_id)
