@@ -128,7 +128,8 @@ def kill_script(exec_id: str, sid: int) -> str:
         "  for p in /proc/[0-9]*; do\n"
         '    read -r line < "$p/stat" 2>/dev/null || continue\n'
         "    set -f; set -- ${line##*) }; set +f\n"
-        f'    [ "${{4-}}" = {int(sid)} ] && [ "$1" != Z ] && left=1 && kill -KILL "${{p#/proc/}}" 2>/dev/null\n'
+        f'    [ "${{4-}}" = {int(sid)} ] && [ "$1" != Z ] && left=1 &&'
+        ' kill -KILL "${p#/proc/}" 2>/dev/null\n'
         "  done\n"
         '  [ "$left" = 0 ] && break\n'
         "  sleep 0.05\n"
