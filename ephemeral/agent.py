@@ -151,7 +151,9 @@ class AgentRun:
     async def _start_egress(self, sandbox: Sandbox) -> None:
         """The forwarder inside and the proxy outside, only when web or connections are on."""
         try:
-            attached = await start_egress(self.broker, self, sandbox, self.price_book)
+            attached = await start_egress(
+                self.broker, self, sandbox, self.price_book, charges=self._web
+            )
         except errors.SandboxError as exc:
             raise StopRun(Reason.SANDBOX_ERROR, f"egress did not start: {exc.detail}") from exc
         if attached is not None:
@@ -577,7 +579,10 @@ class AgentRun:
             keep_output=not self.zdr,
         )
         if not self.zdr:
-            await self.store.save_transcript(self.run_id, self.turns)
+            # A run whose model calls were its sandbox code's (the gateway) records those.
+            gateway = self.egress.gateway if self.egress is not None else None
+            turns = self.turns or (gateway.turns if gateway is not None else [])
+            await self.store.save_transcript(self.run_id, turns)
         return row
 
 

@@ -202,8 +202,12 @@ class Runtime:
         return org.id
 
     async def require_connections(self, org_id: str, policy: Policy) -> None:
-        """A 422 naming ``connections[i].name`` when the org has no connection of that name
-        (runs and sandbox sessions are admitted with the same check)."""
+        """A 422 naming ``connections[i].name`` when the org has no connection of that name,
+        or ``models[i]`` for a granted model this host cannot serve or price (runs and sandbox
+        sessions are admitted with the same check)."""
+        from ephemeral.broker.gateway import check_grants
+
+        check_grants(policy.models, self.price_book, self.settings)
         names = [c.name for c in policy.connections]
         missing = await self.store.missing_connections(org_id, names)
         if missing:

@@ -303,7 +303,11 @@ class Sessions:
             )
             self._live[row.id] = live
             attached = await start_egress(
-                Broker(self.runtime.settings), live, sandbox, self.runtime.price_book
+                Broker(self.runtime.settings),
+                live,
+                sandbox,
+                self.runtime.price_book,
+                charges=live.web,
             )
             if attached is not None:
                 live.egress, live.egress_env = attached
@@ -568,14 +572,15 @@ class Sessions:
                 key=f"{live.id}:compute",
                 event=("sandbox.destroyed", {"lifetime_ms": int(budget.sandbox_seconds() * 1000)}),
             )
+            gateway = live.egress.gateway if live.egress is not None else None
             await self.store.close_run(
                 live.id,
                 reason=reason,
                 detail=detail,
-                usage={
-                    "model_calls": 0,
-                    "input_tokens": 0,
-                    "output_tokens": 0,
+                usage={  # model calls: those its code made through the gateway
+                    "model_calls": gateway.calls if gateway else 0,
+                    "input_tokens": gateway.usage.input_tokens if gateway else 0,
+                    "output_tokens": gateway.usage.output_tokens if gateway else 0,
                     "execs": live.execs,
                 },
                 output=None,
