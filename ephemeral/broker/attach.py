@@ -79,6 +79,11 @@ class WebCharges:
             log.error("%s: an egress charge was not written: %s", self.run_id, exc)
             self.error = type(exc).__name__
 
+    def track(self, task: asyncio.Task[None]) -> None:
+        """A write made elsewhere (a model call's settlement) that :meth:`flush` waits for."""
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
     async def flush(self) -> None:
         while self._writes:
             await asyncio.gather(*list(self._writes), return_exceptions=True)

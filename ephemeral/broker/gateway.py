@@ -94,6 +94,10 @@ class Charges(Protocol):
     budget: RunBudget
     error: str | None  # set when a charge was not written: the owner stops
 
+    def track(self, task: asyncio.Task[None]) -> None:
+        """Have the owner wait for ``task`` before it settles."""
+        ...
+
 
 class _Answer(Exception):
     """An answer the gateway gives itself (an error in the provider's shape)."""
@@ -270,7 +274,11 @@ class Gateway:
         try:
             await self._run(call, stream, head)
         finally:
-            await self._settle(call)
+            # Settled even when this handler is cancelled (the owner ending mid-call: the
+            # provider may bill what it already did), before the owner's books close.
+            settle = asyncio.create_task(self._settle(call))
+            self.charges.track(settle)
+            await asyncio.shield(settle)
         await self._stop_if_spent(egress)
 
     async def _stop_if_spent(self, egress: Egress) -> None:

@@ -121,5 +121,64 @@ async def test_a_model_that_never_stops_ends_the_session_budget_exhausted(
     assert len(called) >= 3
     assert row.breakdown["model_micros"] == sum(c["cost_micros"] for c in called)
     assert any(e.type == "sandbox.destroyed" for e in events)
-    # the provider never saw a call past what was held
-    assert len(openai_server.requests) == len([c for c in called if c["status"] == 200])
+    # every call the provider saw is on the timeline and in the ledger (one cut as the session
+    # ended is charged its hold)
+    assert len(openai_server.requests) <= len(called)
+
+
+async def test_a_gateway_session_recorded_as_a_cassette_replays_offline(
+    http: httpx.AsyncClient,
+    runtime: Runtime,
+    member: Member,
+    openai_server: FakeOpenAIServer,
+    isolation: str,
+) -> None:
+    """``ephemeral record`` of a session whose code called the model makes a cassette; a new
+    session granted ``replay/NAME`` gets the same answers without the provider."""
+    from ephemeral.providers.fakeserver import openai_chat_stream
+    from ephemeral.providers.replay import load_cassette, save_cassette
+    from ephemeral.recording import cassette_of_run
+
+    openai_server.push(
+        FakeReply(
+            body=openai_chat_response(content="first answer", prompt_tokens=20, completion_tokens=2)
+        ),
+        FakeReply(
+            stream=openai_chat_stream(["second ", "answer"], prompt_tokens=30, completion_tokens=2)
+        ),
+    )
+    user = {"role": "user", "content": "q"}
+    first = {"model": "gpt-6-luna", "messages": [user]}
+    second = {
+        "model": "gpt-6-luna",
+        "messages": [user, {"role": "assistant", "content": "first answer"}, user],
+        "stream": True,
+    }
+    script = f"{_post('/chat/completions', first)}; echo; {_post('/chat/completions', second)}"
+    sid = await _create(http, member, isolation=isolation, models=[GPT], max_cost_micros=40_000)
+    live = await _exec(http, member, sid, script)
+    await http.delete(f"/v1/sandboxes/{sid}", headers=member.headers)
+    assert "first answer" in live["stdout"] and "second " in live["stdout"]
+
+    doc = await cassette_of_run(runtime.store, sid)
+    assert doc["model"] == GPT and len(doc["turns"]) == 2
+    assert doc["description"] == f"recorded from {sid}"
+    save_cassette(runtime.settings.cassettes_dir, "recorded-gw", doc)
+    assert [
+        t.message.content
+        for t in load_cassette(runtime.settings.cassettes_dir / "recorded-gw.json").turns
+    ] == [
+        "first answer",
+        "second answer",
+    ]
+    before = len(openai_server.requests)
+    sid2 = await _create(
+        http, member, isolation=isolation, models=["replay/recorded-gw"], max_cost_micros=40_000
+    )
+    script2 = script.replace('"gpt-6-luna"', '"replay/recorded-gw"')
+    replayed = await _exec(http, member, sid2, script2)
+    await http.delete(f"/v1/sandboxes/{sid2}", headers=member.headers)
+    assert "first answer" in replayed["stdout"] and "second " in replayed["stdout"]
+    assert len(openai_server.requests) == before  # offline: the provider was not called
+    called = [e.data for e in await runtime.store.list_events(sid2) if e.type == "model.called"]
+    assert sorted((c["input_tokens"], c["output_tokens"]) for c in called) == [(20, 2), (30, 2)]
