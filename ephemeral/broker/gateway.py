@@ -53,7 +53,7 @@ from ephemeral.broker.gateway_wire import (
     usage_of,
     write_json,
 )
-from ephemeral.broker.redact import redact
+from ephemeral.broker.redact import REDACTED, Redactor
 from ephemeral.lifecycle import StopRun, TerminationReason
 from ephemeral.providers.base import Usage
 from ephemeral.providers.replay import PREFIX as REPLAY_PREFIX
@@ -201,6 +201,8 @@ class Gateway:
         self.usage = Usage()
         self.turns: list[dict[str, Any]] = []
         self._client: httpx.AsyncClient | None = None
+        self._saving = False  # a transcript write is in flight
+        self._dirty = False  # turns came since it started
         self._secrets = [
             s.get_secret_value()
             for s in (
@@ -210,6 +212,28 @@ class Gateway:
             )
             if s is not None and s.get_secret_value()
         ]
+        # Built once: every answer and every event of a stream passes through it.
+        self._redaction = Redactor(self._secrets)._pattern
+
+    def _redact(self, data: bytes) -> bytes:
+        """``data`` with every form of each provider key replaced (``broker.redact``)."""
+        return data if self._redaction is None else self._redaction.sub(REDACTED, data)
+
+    async def _save_turns(self) -> None:
+        """Write the transcript; calls settling while a write is in flight share the next one,
+        so a long run does not rewrite its whole transcript once per call."""
+        if self._saving:
+            self._dirty = True
+            return
+        self._saving = True
+        try:
+            while True:
+                self._dirty = False
+                await self.charges.store.save_transcript(self.charges.run_id, list(self.turns))
+                if not self._dirty:
+                    return
+        finally:
+            self._saving = False
 
     # -- routing -------------------------------------------------------------------------------
     @staticmethod
@@ -273,6 +297,7 @@ class Gateway:
             return
         try:
             await self._run(call, stream, head)
+            await stream.close()  # the client's wait ends with the answer, not the bookkeeping
         finally:
             # Settled even when this handler is cancelled (the owner ending mid-call: the
             # provider may bill what it already did), before the owner's books close.
@@ -471,7 +496,7 @@ class Gateway:
                 call.usage = usage_of(call.api, doc)
                 call.final = call.usage is not None
                 call.turn = turn_of(call.api, doc)
-        shown = redact(raw, self._secrets) if self._secrets else raw
+        shown = self._redact(raw)
         with contextlib.suppress(ConnectionError):
             await stream.write(response_head(status, headers, len(shown)) + shown)
 
@@ -508,7 +533,7 @@ class Gateway:
                 if keep or asked_usage:
                     out += event
             if out and not gone:
-                data = redact(bytes(out), self._secrets) if self._secrets else bytes(out)
+                data = self._redact(bytes(out))
                 try:
                     await stream.write(b"%x\r\n%s\r\n" % (len(data), data))
                 except ConnectionError:
@@ -517,7 +542,7 @@ class Gateway:
                 call.cut = "the client hung up; the rest was read for its usage"
         if buf and not gone:
             with contextlib.suppress(ConnectionError):
-                data = redact(buf, self._secrets) if self._secrets else buf
+                data = self._redact(buf)
                 await stream.write(b"%x\r\n%s\r\n" % (len(data), data))
         if not gone:
             with contextlib.suppress(ConnectionError):
@@ -611,9 +636,9 @@ class Gateway:
                 call.turn["latency_ms"] = call.turn.get("latency_ms") or latency
                 turn = call.turn
                 if self._secrets:  # a model can say a key too (the provider echoing it back)
-                    turn = json.loads(redact(json.dumps(turn).encode(), self._secrets))
+                    turn = json.loads(self._redact(json.dumps(turn).encode()))
                 self.turns.append(turn)
-                await self.charges.store.save_transcript(self.charges.run_id, self.turns)
+                await self._save_turns()
         except Exception as exc:  # noqa: BLE001 - recorded; the owner stops at its next step
             log.error("%s: a model charge was not written: %s", self.charges.run_id, exc)
             self.charges.error = type(exc).__name__

@@ -209,6 +209,10 @@ class FakeAnthropicServer(_FakeModelServer):
 def _handler_for(fake: _FakeModelServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # One segment per answer, sent at once: with the head and the body written apart, a
+        # keep-alive client waits out Nagle and a delayed ACK (40 ms) on every call.
+        disable_nagle_algorithm = True
+        wbufsize = 1 << 16
 
         def do_POST(self) -> None:
             self._handle()
@@ -256,6 +260,7 @@ def _handler_for(fake: _FakeModelServer) -> type[BaseHTTPRequestHandler]:
                 for k, v in reply.headers.items():
                     self.send_header(k, v)
                 self.end_headers()
+                self.wfile.flush()
                 for chunk in reply.stream or ():
                     if reply.chunk_delay and fake._stopping.wait(reply.chunk_delay):
                         return
