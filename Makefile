@@ -104,6 +104,7 @@ bench: setup
 	$(PY) bench/side_channels.py
 	$(PY) bench/images.py
 	$(PY) bench/broker.py
+	$(PY) bench/gateway.py
 	$(PY) bench/soak.py --runs 100 --levels 16,64
 	$(PY) bench/throughput.py --runs 40 --clients 8,32
 	$(PY) bench/tti.py --n 30 --burst 100

@@ -161,7 +161,9 @@ class AgentRun:
     async def _start_egress(self, sandbox: Sandbox) -> None:
         """The forwarder inside and the proxy outside, only when web or connections are on."""
         try:
-            attached = await start_egress(self.broker, self, sandbox, self.price_book)
+            attached = await start_egress(
+                self.broker, self, sandbox, self.price_book, charges=self._web
+            )
         except errors.SandboxError as exc:
             raise StopRun(Reason.SANDBOX_ERROR, f"egress did not start: {exc.detail}") from exc
         if attached is not None:
@@ -566,6 +568,8 @@ class AgentRun:
 
     async def settle(self) -> RunRow:
         """End the run: the one close (:func:`ephemeral.closing.close`), then its record."""
+        # Every charge still landing (a model call through the gateway settling) first: the
+        # close's transcript and settlement count it.
         await self._flush_charges()
         if self.zdr and self.output is not None and self.deliver_output and not self._delivered:
             await self.deliver_output(self.output)
@@ -584,8 +588,13 @@ class AgentRun:
             output=self.output,
             keep_output=not self.zdr,
             compute=self.compute,
-            transcript=None if self.zdr else self.turns,
+            transcript=None if self.zdr else self._transcript(),
         )
+
+    def _transcript(self) -> list[dict[str, Any]]:
+        # A run whose model calls were its sandbox code's (the gateway) records those.
+        gateway = self.egress.gateway if self.egress is not None else None
+        return self.turns or (list(gateway.turns) if gateway is not None else [])
 
 
 def _tail(text: str, limit: int = 300) -> str:

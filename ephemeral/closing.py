@@ -9,6 +9,11 @@ while waiting, an executor that raised) and sandbox sessions (``Sessions``) all 
     record    the Parquet records (``recording.record_run``), then the ``recorded_at`` marker;
               a process that dies between the close and the marker leaves a settled,
               unrecorded run, which ``Runtime.recover`` records (rewriting the same files)
+
+Before the close, a live owner (``AgentRun.settle``, ``Sessions``) awaits every charge still
+landing (``broker.attach.WebCharges.flush``: egress charges, and a model call through the
+gateway that was in flight when the owner ended, settled to what the provider reported), so
+none lands after the books close and the close's usage and transcript count them.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ EVENT_TYPES: dict[str, tuple[str, ...]] = {
     "sandbox.ready": ("isolation", "image", "boot_ms", "runtime", "image_hash"),
     "worker.started": ("shell", "web", "connections", "files"),
     "model.called": ("model", "input_tokens", "output_tokens", "cost_micros", "latency_ms"),
+    "model.denied": ("model", "api", "reason"),
     "shell.executed": ("command", "exit_code", "stdout", "stderr", "duration_ms", "truncated"),
     "web.requested": ("method", "url", "status", "cost_micros"),
     "web.denied": ("method", "url", "reason", "cost_micros"),

@@ -34,6 +34,9 @@ MAX_COST_MICROS = 100_000_000  # $100 per run
 MAX_STEP_COMMANDS = 32  # setup / verify commands per run
 MAX_STEP_COMMAND_CHARS = 16_384
 IMAGE_PATTERN = r"^[a-z0-9][a-z0-9-]{0,40}$"
+MAX_GRANTED_MODELS = 16
+MODEL_PATTERN = r"^[a-z0-9][a-z0-9_.-]*/[A-Za-z0-9_.:/-]+$"
+ModelName = Annotated[str, Field(min_length=3, max_length=200, pattern=MODEL_PATTERN)]
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _HTTP_METHODS = {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"}
 
@@ -190,7 +193,7 @@ def _web_value(value: object) -> object:
 
 class _Prompt(_Strict):
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
-    model: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9_.-]*/[A-Za-z0-9_.:/-]+$")
+    model: str | None = Field(default=None, pattern=MODEL_PATTERN)
 
 
 class Policy(_Strict):
@@ -213,6 +216,9 @@ class Policy(_Strict):
     # Put under /tmp/verify after the agent's processes are killed, before verify: the agent
     # never sees them (ephemeral.verify). Paths relative to /tmp/verify; same limits as files.
     verify_files: list[FileSpec] = Field(default_factory=list, max_length=MAX_FILES)
+    # Models code inside the sandbox may call through the gateway (http://model.internal/,
+    # ephemeral.broker.gateway), metered against this budget. Checked at admission.
+    models: list[ModelName] = Field(default_factory=list, max_length=MAX_GRANTED_MODELS)
 
     def verify_reserve_seconds(self) -> int:
         """The slice of the time limit kept for verify (0 without verify commands)."""

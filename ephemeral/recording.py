@@ -9,11 +9,17 @@ from __future__ import annotations
 import json
 import socket
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ephemeral import errors
 from ephemeral.events import Event
+from ephemeral.ids import rfc3339, utcnow
+from ephemeral.providers.replay import PREFIX as REPLAY_PREFIX
 from ephemeral.records import EventRecord, RunRecord, StepRecord, write_run
 from ephemeral.settings import Settings
+
+if TYPE_CHECKING:
+    from ephemeral.store import Store
 
 
 def _dt(value: str) -> datetime:
@@ -160,6 +166,40 @@ def build_records(
         for e in events
     ]
     return run, steps, event_records
+
+
+async def cassette_of_run(store: Store, run_id: str) -> dict[str, Any]:
+    """A finished run's model turns as a replay cassette (``ephemeral record``).
+
+    The turns are our loop's, or, for a run or session whose sandbox code called the model
+    through the gateway, the gateway's; the cassette's model is then the one those calls used.
+    """
+    row = await store.get_run(run_id)
+    turns = await store.get_transcript(run_id)
+    if not turns:
+        raise errors.NotFound(
+            f"run {run_id} has no recorded model turns (zero data retention or erased)"
+        )
+    model = row.model
+    calls = [e.data for e in await store.list_events(run_id) if e.type == "model.called"]
+    through = [c.get("model") for c in calls if c.get("via") == "gateway"]
+    if calls and len(through) == len(calls):
+        models = sorted({str(m) for m in through})
+        if len(models) > 1:
+            raise errors.InvalidRequest.field(
+                "run_id", f"its gateway calls used several models ({', '.join(models)})"
+            )
+        model = str(through[0])
+    if model.startswith(REPLAY_PREFIX):
+        raise errors.InvalidRequest.field("run_id", "a replayed run is already a cassette")
+    return {
+        "version": 1,
+        "model": model,
+        "recorded_at": rfc3339(utcnow()),
+        # A cassette takes no other field (replay refuses unknown ones): the source goes here.
+        "description": f"recorded from {run_id}",
+        "turns": turns,
+    }
 
 
 def record_run(settings: Settings, row: Any, events: list[Event]) -> None:

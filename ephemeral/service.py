@@ -32,7 +32,7 @@ from ephemeral.providers.registry import provider_for
 from ephemeral.sandbox import images
 from ephemeral.sandbox.registry import get_driver, resolve_isolation
 from ephemeral.sandbox.source import SandboxSource
-from ephemeral.sessions import Sessions, require_connections
+from ephemeral.sessions import Sessions, require_grants
 from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
 
@@ -142,7 +142,8 @@ class Runtime:
         return org.id
 
     async def require_connections(self, org_id: str, policy: Policy) -> None:
-        await require_connections(self.store, org_id, policy)
+        """The grant checks runs and sandbox sessions share (``sessions.require_grants``)."""
+        await require_grants(self.store, org_id, policy, self.price_book, self.settings)
 
     async def admit(
         self,

@@ -63,7 +63,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ephemeral.sessions")
 
 KIND = "session"
-SESSION_MODEL = "(session)"  # the model column of a session: it calls no model
+# The model column of a session: it has no model loop (its code may call models through the
+# gateway, ephemeral.broker.gateway, whose calls its usage counts).
+SESSION_MODEL = "(session)"
 MAX_EXEC_OUTPUT = 4 << 20  # per stream: two capped streams must fit one 16 MiB guest frame
 DEFAULT_EXEC_OUTPUT = 1 << 20
 MAX_FILE_BYTES = 128 << 20  # per file read or written (the sandbox's /tmp is 256 MiB)
@@ -212,9 +214,15 @@ class Live:
         return egress_stop(self.egress, self.web)
 
 
-async def require_connections(store: Store, org_id: str, policy: Policy) -> None:
-    """A 422 naming ``connections[i].name`` when the org has no connection of that name
-    (runs and sandbox sessions are admitted with the same check)."""
+async def require_grants(
+    store: Store, org_id: str, policy: Policy, price_book: PriceBook, settings: Settings
+) -> None:
+    """A 422 naming ``connections[i].name`` when the org has no connection of that name, or
+    ``models[i]`` for a granted model this host cannot serve or price (runs and sandbox
+    sessions are admitted with the same check)."""
+    from ephemeral.broker.gateway import check_grants
+
+    check_grants(policy.models, price_book, settings)
     names = [c.name for c in policy.connections]
     missing = await store.missing_connections(org_id, names)
     if missing:
@@ -269,7 +277,7 @@ class Sessions:
         before the failure).
         """
         policy = request.policy()
-        await require_connections(self.store, org_id, policy)
+        await require_grants(self.store, org_id, policy, self.price_book, self.settings)
         await self.sandboxes.require_isolation(policy.isolation)
         row, replayed = await self.store.admit_run(
             org_id=org_id,
@@ -330,7 +338,9 @@ class Sessions:
                 ),
             )
             self._live[row.id] = live
-            attached = await start_egress(Broker(self.settings), live, sandbox, self.price_book)
+            attached = await start_egress(
+                Broker(self.settings), live, sandbox, self.price_book, charges=live.web
+            )
             if attached is not None:
                 live.egress, live.egress_env = attached
             built = self.sandboxes.built_image(sandbox.image)
@@ -614,7 +624,16 @@ class Sessions:
 
 
 def _usage(live: Live) -> dict[str, int]:
-    return {"model_calls": 0, "input_tokens": 0, "output_tokens": 0, "execs": live.execs}
+    """A session's usage: its execs, and the model calls its code made through the gateway."""
+    gateway = live.egress.gateway if live.egress is not None else None
+    if gateway is None:
+        return {"model_calls": 0, "input_tokens": 0, "output_tokens": 0, "execs": live.execs}
+    return {
+        "model_calls": gateway.calls,
+        "input_tokens": gateway.usage.input_tokens,
+        "output_tokens": gateway.usage.output_tokens,
+        "execs": live.execs,
+    }
 
 
 def _cap(text: str) -> str:

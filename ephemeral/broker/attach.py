@@ -114,6 +114,11 @@ class WebCharges:
                     return  # the journal keeps them; the owner stops at its next step
                 await asyncio.sleep(pause)
 
+    def track(self, task: asyncio.Task[None]) -> None:
+        """A write made elsewhere (a model call's settlement) that :meth:`flush` waits for."""
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
     async def flush(self) -> None:
         """Wait until every charge decided so far is in the ledger (then the journal goes)."""
         while self._writer is not None and not self._writer.done():
@@ -142,9 +147,15 @@ def egress_stop(egress: Egress | None, charges: WebCharges) -> StopRun | None:
 
 
 async def start_egress(
-    broker: Broker | None, ctx: BrokerContext, sandbox: object, price_book: PriceBook
+    broker: Broker | None,
+    ctx: BrokerContext,
+    sandbox: object,
+    price_book: PriceBook,
+    charges: WebCharges | None = None,
 ) -> tuple[Egress, dict[str, str]] | None:
-    """The forwarder inside and the proxy outside, only when web or connections are granted.
+    """The forwarder inside and the proxy outside, only when web, connections or models are
+    granted. With models (and ``charges``, the owner's budget and ledger) the proxy serves the
+    model gateway too (``ephemeral.broker.gateway``), and the variables include its base URLs.
 
     ``sandbox`` is any sandbox (the broker imports no sandbox module); one with a guest channel
     has ``start_egress``/``stop_egress``. Returns the proxy and the variables for the sandbox's
@@ -164,13 +175,25 @@ async def start_egress(
         mib_micros=price_book.web_mib_micros(),
     )
     egress.cut_all = getattr(sandbox, "stop_egress", None)
+    env = broker.egress_env()
+    if ctx.policy.models and charges is not None:
+        from ephemeral.broker import gateway
+
+        egress.gateway = gateway.Gateway(
+            ctx,
+            grants=list(ctx.policy.models),
+            settings=broker.settings,
+            price_book=price_book,
+            charges=charges,
+        )
+        env |= gateway.env()
     await start(
         egress.handle,
         port=broker.settings.egress_port,
         max_streams=broker.settings.egress_max_streams,
         window=WINDOW,
     )
-    return egress, broker.egress_env()
+    return egress, env
 
 
 async def cut_egress(egress: Egress | None) -> None:
@@ -178,3 +201,5 @@ async def cut_egress(egress: Egress | None) -> None:
     if egress is not None and egress.cut_all is not None:
         with contextlib.suppress(errors.SandboxError, ConnectionError):
             await egress.cut_all()
+    if egress is not None and egress.gateway is not None:
+        await egress.gateway.aclose()

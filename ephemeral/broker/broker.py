@@ -30,8 +30,9 @@ class Broker:
         self.settings = settings
 
     def wants_egress(self, policy: Policy) -> bool:
-        """Whether a run gets the egress proxy in its sandbox: only with web or connections."""
-        return policy.web_on or bool(policy.connections)
+        """Whether a run gets the egress proxy in its sandbox: only with web, connections or
+        models (the gateway) granted."""
+        return policy.web_on or bool(policy.connections) or bool(policy.models)
 
     def egress(self, ctx: BrokerContext, *, request_micros: int, mib_micros: int) -> Egress:
         """The run's egress proxy (``ephemeral.broker.egress``), charging through ``ctx``."""

@@ -53,6 +53,7 @@ from ephemeral.policy import WebAllow
 
 if TYPE_CHECKING:
     from ephemeral.broker.context import BrokerContext
+    from ephemeral.providers.base import Usage
 
 HEAD_CAP = 16 * 1024  # a request head larger than this is refused
 MAX_HEADERS = 100
@@ -111,6 +112,21 @@ class GuestStream(Protocol):
     async def write(self, data: bytes) -> None: ...
 
     async def close(self) -> None: ...
+
+
+class ModelGateway(Protocol):
+    """The model gateway (``ephemeral.broker.gateway.Gateway``), as the proxy and the
+    sandbox's owner see it."""
+
+    calls: int
+    usage: Usage
+    turns: list[dict[str, Any]]  # the assistant turns, in a cassette's shape
+
+    async def aclose(self) -> None: ...
+
+    def serves(self, head: Head, host: str | None) -> bool: ...
+
+    async def handle(self, stream: GuestStream, head: Head, egress: Egress) -> None: ...
 
 
 class _Refusal(Exception):
@@ -205,6 +221,7 @@ class Egress:
         self.stopped: StopRun | None = None  # set when a charge did not fit: the run must end
         self.failed: str | None = None  # set when the broker itself failed: egress is closed
         self.cut_all: Callable[[], Awaitable[None]] | None = None  # set by whoever owns streams
+        self.gateway: ModelGateway | None = None  # http://model.internal/, when models are granted
 
     # -- one stream -------------------------------------------------------------------------
     async def handle(self, stream: GuestStream) -> None:
@@ -233,7 +250,9 @@ class Egress:
         except (TimeoutError, _Cut):
             return
         host = _host_of(head)
-        if host is not None and host.lower().endswith(CONNECTIONS_SUFFIX):
+        if self.gateway is not None and self.gateway.serves(head, host):
+            await self.gateway.handle(stream, head, self)
+        elif host is not None and host.lower().endswith(CONNECTIONS_SUFFIX):
             await self._connection(stream, head, host)
         else:
             await self._web(stream, head)

@@ -15,7 +15,6 @@ from rich.markup import escape
 from ephemeral import errors
 from ephemeral.cli import exits
 from ephemeral.cli.output import err, fail, out, print_event
-from ephemeral.ids import rfc3339, utcnow
 from ephemeral.money import parse_usd, usd
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
@@ -242,25 +241,14 @@ def register(app: typer.Typer) -> None:
         settings = Settings.load()
 
         async def go() -> dict[str, Any]:
+            from ephemeral.recording import cassette_of_run
             from ephemeral.store import Store
 
             store = await Store.open(settings.db_url)
             try:
-                row = await store.get_run(run_id)
-                turns = await store.get_transcript(run_id)
+                return await cassette_of_run(store, run_id)
             finally:
                 await store.close()
-            if not turns:
-                raise errors.NotFound(
-                    f"run {run_id} has no recorded model turns (zero data retention or erased)"
-                )
-            return {
-                "version": 1,
-                "model": row.model,
-                "recorded_at": rfc3339(utcnow()),
-                "source_run": run_id,
-                "turns": turns,
-            }
 
         try:
             cassette = asyncio.run(go())

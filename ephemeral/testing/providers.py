@@ -37,6 +37,11 @@ class FakeReply:
     body: dict[str, Any] | list[Any] | str | bytes | None = None
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0  # seconds to wait before answering (cut short when the server stops)
+    # Server-sent events instead of ``body``: each item is written and flushed on its own,
+    # ``chunk_delay`` seconds apart, and the connection closed after the last (a generator may
+    # never end: a model that never stops).
+    stream: Iterable[bytes] | None = None
+    chunk_delay: float = 0.0
 
 
 @dataclass
@@ -54,7 +59,7 @@ Script = FakeReply | Callable[[RecordedRequest], FakeReply]
 
 
 class _FakeModelServer:
-    endpoint: ClassVar[str]
+    endpoints: ClassVar[frozenset[str]]
     url_suffix: ClassVar[str]
 
     def __init__(self, replies: Iterable[Script] = (), *, api_key: str | None = None) -> None:
@@ -118,7 +123,7 @@ class _FakeModelServer:
     def _answer(self, req: RecordedRequest) -> FakeReply:
         with self._lock:
             self.requests.append(req)
-        if req.method != "POST" or req.path != self.endpoint:
+        if req.method != "POST" or req.path not in self.endpoints:
             return FakeReply(404, self.error_body(404, f"no route {req.method} {req.path}"))
         if self.api_key is not None and not self.authorized(req.headers):
             return FakeReply(401, self.error_body(401, "invalid api key"))
@@ -132,9 +137,10 @@ class _FakeModelServer:
 
 
 class FakeOpenAIServer(_FakeModelServer):
-    """``POST /v1/chat/completions``; base URL ends in ``/v1`` like OpenAI's."""
+    """``POST /v1/chat/completions`` and ``/v1/responses``; base URL ends in ``/v1`` like
+    OpenAI's."""
 
-    endpoint = "/v1/chat/completions"
+    endpoints = frozenset({"/v1/chat/completions", "/v1/responses"})
     url_suffix = "/v1"
 
     def authorized(self, headers: dict[str, str]) -> bool:
@@ -167,7 +173,7 @@ class FakeOpenAIServer(_FakeModelServer):
 class FakeAnthropicServer(_FakeModelServer):
     """``POST /v1/messages``; base URL without ``/v1`` like Anthropic's."""
 
-    endpoint = "/v1/messages"
+    endpoints = frozenset({"/v1/messages"})
     url_suffix = ""
 
     def authorized(self, headers: dict[str, str]) -> bool:
@@ -203,6 +209,10 @@ class FakeAnthropicServer(_FakeModelServer):
 def _handler_for(fake: _FakeModelServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # One segment per answer, sent at once: with the head and the body written apart, a
+        # keep-alive client waits out Nagle and a delayed ACK (40 ms) on every call.
+        disable_nagle_algorithm = True
+        wbufsize = 1 << 16
 
         def do_POST(self) -> None:
             self._handle()
@@ -225,6 +235,9 @@ def _handler_for(fake: _FakeModelServer) -> type[BaseHTTPRequestHandler]:
             reply = fake._answer(req)
             if reply.delay and fake._stopping.wait(reply.delay):
                 return
+            if reply.stream is not None:
+                self._stream(reply)
+                return
             payload, ctype = _encode(reply.body)
             try:
                 self.send_response(reply.status)
@@ -236,6 +249,27 @@ def _handler_for(fake: _FakeModelServer) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(payload)
             except (BrokenPipeError, ConnectionResetError):
                 return  # the client gave up (timeout tests); nothing to tell it
+
+        def _stream(self, reply: FakeReply) -> None:
+            self.close_connection = True  # the body ends when the connection does
+            try:
+                self.send_response(reply.status)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("cache-control", "no-cache")
+                self.send_header("connection", "close")
+                for k, v in reply.headers.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.flush()
+                for chunk in reply.stream or ():
+                    if reply.chunk_delay and fake._stopping.wait(reply.chunk_delay):
+                        return
+                    if fake._stopping.is_set():
+                        return
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                return  # the client hung up mid-stream
 
         def log_message(self, format: str, *args: Any) -> None:
             return  # keep test output clean
@@ -344,3 +378,180 @@ def anthropic_message_response(
             "service_tier": "standard",
         },
     }
+
+
+# --- streams (server-sent events) in each provider's real shape ------------------------------
+
+
+def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
+    """One server-sent event (``data: [DONE]`` when ``data`` is a string)."""
+    text = data if isinstance(data, str) else json.dumps(data)
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {text}\n\n".encode()
+
+
+def openai_chat_stream(
+    pieces: Sequence[str],
+    *,
+    prompt_tokens: int = 0,
+    completion_tokens: int = 0,
+    include_usage: bool = True,
+    finish_reason: str = "stop",
+    model: str = "gpt-6-luna",
+) -> list[bytes]:
+    """A streamed Chat Completion: a role chunk, one chunk per piece, the finish chunk, the
+    usage chunk (``stream_options.include_usage``) and ``[DONE]``."""
+    base = {"id": "chatcmpl-fake0001", "object": "chat.completion.chunk", "created": 1_790_000_000}
+    base["model"] = model
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return sse({**base, "choices": [choice], "usage": None})
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    out += [chunk({"content": p}) for p in pieces]
+    out.append(chunk({}, finish_reason))
+    if include_usage:
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        out.append(sse({**base, "choices": [], "usage": usage}))
+    out.append(sse("[DONE]"))
+    return out
+
+
+def anthropic_message_stream(
+    pieces: Sequence[str],
+    *,
+    input_tokens: int = 0,
+    output_tokens: int = 0,
+    stop_reason: str = "end_turn",
+    model: str = "claude-sonnet-4-5",
+) -> list[bytes]:
+    """A streamed Messages API answer: message_start (input tokens), one text block in
+    deltas, message_delta (the output tokens) and message_stop."""
+    start = {
+        "type": "message_start",
+        "message": {
+            "id": "msg_fake0001",
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": input_tokens, "output_tokens": 1},
+        },
+    }
+    out = [
+        sse(start, "message_start"),
+        sse(
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+            "content_block_start",
+        ),
+    ]
+    out += [
+        sse(
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": p}},
+            "content_block_delta",
+        )
+        for p in pieces
+    ]
+    out += [
+        sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
+        sse(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+                "usage": {"output_tokens": output_tokens},
+            },
+            "message_delta",
+        ),
+        sse({"type": "message_stop"}, "message_stop"),
+    ]
+    return out
+
+
+def openai_responses_response(
+    *,
+    text: str | None = None,
+    function_calls: Sequence[tuple[str, str, dict[str, Any]]] = (),
+    input_tokens: int = 0,
+    output_tokens: int = 0,
+    cached_tokens: int = 0,
+    model: str = "gpt-6-luna",
+) -> dict[str, Any]:
+    """A Responses API answer (``POST /v1/responses``)."""
+    output: list[dict[str, Any]] = []
+    if text is not None:
+        output.append(
+            {
+                "type": "message",
+                "id": "msg_fake0001",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }
+        )
+    output.extend(
+        {
+            "type": "function_call",
+            "id": f"fc_{call_id}",
+            "call_id": call_id,
+            "name": name,
+            "arguments": json.dumps(args),
+            "status": "completed",
+        }
+        for call_id, name, args in function_calls
+    )
+    return {
+        "id": "resp_fake0001",
+        "object": "response",
+        "created_at": 1_790_000_000,
+        "status": "completed",
+        "model": model,
+        "output": output,
+        "usage": {
+            "input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens,
+        },
+    }
+
+
+def openai_responses_stream(
+    pieces: Sequence[str],
+    *,
+    input_tokens: int = 0,
+    output_tokens: int = 0,
+    model: str = "gpt-6-luna",
+) -> list[bytes]:
+    """A streamed Responses API answer: response.created, text deltas, response.completed."""
+    done = openai_responses_response(
+        text="".join(pieces), input_tokens=input_tokens, output_tokens=output_tokens, model=model
+    )
+    created = {**done, "status": "in_progress", "output": [], "usage": None}
+    out = [sse({"type": "response.created", "response": created}, "response.created")]
+    out += [
+        sse(
+            {
+                "type": "response.output_text.delta",
+                "item_id": "msg_fake0001",
+                "output_index": 0,
+                "content_index": 0,
+                "delta": p,
+            },
+            "response.output_text.delta",
+        )
+        for p in pieces
+    ]
+    out.append(sse({"type": "response.completed", "response": done}, "response.completed"))
+    return out

@@ -44,6 +44,7 @@ REQUEST_FIELDS: dict[str, set[str]] = {
     "verify": {"array"},
     "verify_timeout_seconds": {"integer", "null"},
     "verify_files": {"array"},
+    "models": {"array"},
 }
 FILE_FIELDS = {"path": {"string"}, "content_base64": {"string"}}
 CONNECTION_FIELDS = {"name": {"string"}, "methods": {"array"}, "paths": {"array"}}

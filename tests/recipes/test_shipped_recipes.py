@@ -70,6 +70,7 @@ def test_product_page_sample() -> None:
         "verify": [],
         "verify_timeout_seconds": None,
         "verify_files": [],
+        "models": [],
     }
 
 
