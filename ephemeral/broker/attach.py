@@ -58,6 +58,7 @@ class WebCharges:
     _pending: list[tuple[str, int]] = field(default_factory=list)
     _writer: asyncio.Task[None] | None = None
     _journal: ChargeJournal | None = None
+    _writes: set[asyncio.Task[None]] = field(default_factory=set)  # tracked (model.internal)
 
     async def charge_request(self, seq: int) -> int:
         """``BrokerContext.charge_web``: one request, written before it is sent."""
@@ -120,7 +121,10 @@ class WebCharges:
         task.add_done_callback(self._writes.discard)
 
     async def flush(self) -> None:
-        """Wait until every charge decided so far is in the ledger (then the journal goes)."""
+        """Wait until every charge decided so far is in the ledger (then the journal goes),
+        the tracked writes (a gateway call's settlement) included."""
+        while self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
         while self._writer is not None and not self._writer.done():
             await asyncio.gather(self._writer, return_exceptions=True)
             if self._pending and self.error is None:
