@@ -677,7 +677,7 @@ class Runtime:
         ``infra_error``, compute charged up to the last renewal. Safe from many processes."""
         finished = []
         for row in await self.store.expired_leases(utcnow()):
-            if row.id in self._running:
+            if row.id in self._running or self.sessions.owns(row.id):
                 continue  # ours and alive: the renewal is merely late
             log.error("run %s: the lease of host %s expired", row.id, row.host)
             try:

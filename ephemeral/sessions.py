@@ -273,6 +273,15 @@ class Sessions:
         finally:
             self._starting.discard(row.id)
 
+    async def start_admitted(self, row: RunRow) -> RunRow:
+        """Start the sandbox of a session another process admitted and this host claimed
+        (``ephemeral.session_host``): the path ``create`` takes after admission."""
+        self._starting.add(row.id)
+        try:
+            return await self._start(row, Policy.model_validate(row.policy))
+        finally:
+            self._starting.discard(row.id)
+
     async def _start(self, row: RunRow, policy: Policy) -> RunRow:
         # Two store commits in all (admission, then running with its two events): nobody waits
         # on a session's provisioning, the create call itself does. A crash in between leaves
@@ -328,7 +337,8 @@ class Sessions:
             }
             await self.store.transition(
                 row.id,
-                expect={RunStatus.QUEUED},
+                # provisioning: claimed by a worker host (ephemeral.session_host)
+                expect={RunStatus.QUEUED, RunStatus.PROVISIONING},
                 to=RunStatus.RUNNING,
                 events=[("sandbox.ready", ready), ("worker.started", started)],
                 started_at=started_at,

@@ -58,9 +58,11 @@ async def start_runtime(settings: Settings, *, warm_pool: bool) -> Runtime:
     if settings.executor == "prefect":
         # Dispatch: this process admits, streams and cancels; workers execute. No warm pool.
         from ephemeral.flows.dispatch import DispatchExecutor, mark_crashed
+        from ephemeral.placement import install
 
         runtime = await Runtime.start(settings, executor=DispatchExecutor(), recover=True)
         runtime.lease_expired_hooks.append(mark_crashed)
+        install(runtime)  # sandbox sessions are placed on worker hosts too
         return runtime
     if not settings.use_prefect:
         return await Runtime.start(settings, warm_pool=warm_pool, recover=True)
