@@ -54,6 +54,7 @@ class SessionHost:
         self.server = LinkServer(ensure_seal_key(runtime), runtime.host, self.handle)
         self._tend_task: asyncio.Task[None] | None = None
         self._cancelling: dict[str, asyncio.Task[Any]] = {}
+        self.taking = True  # False once draining: new sessions go to other hosts
 
     @classmethod
     async def start(cls, runtime: Runtime, *, slots: int) -> SessionHost:
@@ -64,6 +65,16 @@ class SessionHost:
         host._tend_task = asyncio.create_task(host._tend(), name="session-host")
         log.warning("host %s takes sessions on %s (%d slots)", runtime.host, address, slots)
         return host
+
+    async def stop_taking(self) -> None:
+        """Take no new session (a draining worker): the directory row goes, so API processes
+        place elsewhere, and a start that still arrives is answered as full. The sessions
+        already here carry on until they end or the runtime closes."""
+        self.taking = False
+        with contextlib.suppress(Exception):
+            await hosts.unregister(
+                self.runtime.store, host=self.runtime.host, instance=self.server.instance
+            )
 
     async def close(self) -> None:
         if self._tend_task is not None:
@@ -143,6 +154,8 @@ class SessionHost:
         row = await runtime.sessions.get(session_id)
         if row.kind != KIND:
             raise errors.NotFound(f"sandbox {session_id} not found")
+        if not self.taking:
+            raise errors.QueueFull(f"host {runtime.host} is draining", retry_after=1.0)
         if len(self.hosted) >= self.slots:
             raise errors.QueueFull(
                 f"host {runtime.host} hosts {len(self.hosted)} sessions, its limit",
@@ -203,8 +216,16 @@ class SessionHost:
                 now=now,
                 expires_at=expires,
             )
-            if not alive:  # the row expired and was replaced, or removed: take it again
+            if not alive and self.taking:  # the row expired or was replaced: take it again
                 await self._register()
+            # Settled by another process (this host's lease lapsed: a stall, a partition): its
+            # money is closed, so its sandbox must go too, now, not at its time limit.
+            for session_id in await hosts.ended_among(runtime.store, self.hosted):
+                if session_id not in self._cancelling and session_id not in self._claiming:
+                    log.error("session %s: settled elsewhere; ending it here", session_id)
+                    self._cancelling[session_id] = asyncio.create_task(
+                        runtime.sessions.end(session_id), name=f"end-{session_id}"
+                    )
         for session_id in await runtime.store.cancel_requested(self.hosted):
             if session_id not in self._cancelling:
                 self._cancelling[session_id] = asyncio.create_task(

@@ -11,8 +11,9 @@ from datetime import datetime
 import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict
 
+from ephemeral.lifecycle import TERMINAL_STATUSES
 from ephemeral.store import ledger
-from ephemeral.store.schema import worker_hosts
+from ephemeral.store.schema import runs, worker_hosts
 from ephemeral.store.store import Store
 
 
@@ -101,3 +102,16 @@ async def get_host(store: Store, host: str) -> HostRow | None:
             await conn.execute(sa.select(worker_hosts).where(worker_hosts.c.host == host))
         ).first()
     return None if row is None else HostRow.model_validate(row._mapping)
+
+
+async def ended_among(store: Store, run_ids: set[str]) -> list[str]:
+    """Which of these runs or sessions are over (another process may have settled them)."""
+    if not run_ids:
+        return []
+    async with store.engine.connect() as conn:
+        rows = await conn.execute(
+            sa.select(runs.c.id).where(
+                runs.c.id.in_(sorted(run_ids)), runs.c.status.in_(sorted(TERMINAL_STATUSES))
+            )
+        )
+        return [str(r[0]) for r in rows]
