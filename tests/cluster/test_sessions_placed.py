@@ -153,7 +153,19 @@ def test_forty_sessions_land_on_both_hosts_and_work_through_a_second_api(
     assert types[-3:] == ["sandbox.destroyed", "run.succeeded", "run.settled"]
     gone = second.exec(ended[0], "true")
     assert gone.status_code == 409 and "has ended" in gone.json()["detail"]
-    STATE["live"] = ids[N // 2 :]
+
+    # a cancel through the runs API reaches the host through the store
+    cancelled = ids[N // 2]
+    res = second.http.post(f"/v1/runs/{cancelled}/cancel")
+    assert res.status_code in (200, 202), res.text
+    deadline = time.monotonic() + 30
+    while second.get(cancelled)["status"] != "cancelled" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    obj = second.get(cancelled)
+    assert (obj["status"], obj["termination"]["reason"]) == ("cancelled", "cancelled"), obj
+    assert_money(obj)
+    assert "sandbox.destroyed" in second.events(cancelled)
+    STATE["live"] = ids[N // 2 + 1 :]
     STATE["hosts"] = by_host
 
 
