@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ephemeral.session_host")
 
 TEND_SECONDS = 0.5  # cancel requests are looked for this often (as for runs)
+# Expired leases are looked for this often here, besides every runtime's 5 s watchdog: the
+# sessions (and runs) of a dead host settle about a lease after its death, not lease + 5 s.
+SWEEP_SECONDS = 1.0
 
 
 def ensure_seal_key(runtime: Runtime) -> bytes:
@@ -189,15 +192,19 @@ class SessionHost:
     # leases, directory, cancel requests --------------------------------------------------------
     async def _tend(self) -> None:
         lease = self.runtime.settings.lease_seconds
-        renewed = time.monotonic()
+        renewed = swept = time.monotonic()
         while True:
             await asyncio.sleep(TEND_SECONDS)
             try:
-                await self._tend_once(renew=time.monotonic() - renewed >= lease / 3)
-                if time.monotonic() - renewed >= lease / 3:
+                due = time.monotonic() - renewed >= lease / 3
+                await self._tend_once(renew=due)
+                if due:
                     renewed = time.monotonic()
+                if time.monotonic() - swept >= SWEEP_SECONDS:
+                    swept = time.monotonic()
+                    await self.runtime.settle_expired_leases()
             except Exception:
-                log.exception("session host: lease renewal or cancel poll failed")
+                log.exception("session host: lease renewal, cancel poll or sweep failed")
 
     async def _tend_once(self, *, renew: bool) -> None:
         runtime = self.runtime
