@@ -689,6 +689,8 @@ class Runtime:
             except errors.Conflict:
                 continue
             finished.append(row.id)
+            if row.kind == "session":
+                continue  # the hooks are for runs' Prefect task runs: a session has none
             for hook in self.lease_expired_hooks:
                 try:
                     await hook(row.id)

@@ -757,6 +757,12 @@ class Store:
         if event is not None:
             self._check_event(*event)
         async with self._engine.begin() as conn:
+            if event is not None:
+                # Lock the run's row first: two settlers of one run (the lease sweeps of several
+                # processes) must not both see "not charged yet" and both write the event.
+                await conn.execute(
+                    sa.update(runs).where(runs.c.id == run_id).values(last_seq=runs.c.last_seq)
+                )
             replay = event is not None and await conn.scalar(
                 sa.select(sa.func.count())
                 .select_from(ledger_rows)
