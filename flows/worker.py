@@ -35,17 +35,23 @@ async def ensure_limits(host: str, limit: int, total: int) -> None:
                 )
 
 
-async def serve(settings: Settings, *, limit: int, total: int) -> None:
-    """Serve runs until interrupted; the runtime closes (sandboxes torn down) on the way out."""
+async def serve(settings: Settings, *, limit: int, total: int, sessions: int = 32) -> None:
+    """Serve runs (and, over the internal channel, up to ``sessions`` sandbox sessions) until
+    interrupted; the runtime closes (sandboxes torn down) on the way out."""
     from prefect.task_worker import TaskWorker
+
+    from ephemeral.session_host import SessionHost
 
     await ensure_limits(settings.host_id, limit, total)
     # recover=True: sandboxes left by this host's previous (killed) worker are reaped now.
     runtime = await Runtime.start(settings, warm_pool=settings.pool_size > 0, recover=True)
     runtime.hold_leases(settings.lease_seconds)
     runtime.lease_expired_hooks.append(mark_crashed)
+    host = await SessionHost.start(runtime, slots=sessions) if sessions else None
     log.warning("worker %s serving execute-run (limit %d)", settings.host_id, limit)
     try:
         await TaskWorker(execute_run, limit=limit).astart()
     finally:
+        if host is not None:
+            await host.close()
         await runtime.close()
