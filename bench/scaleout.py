@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/scaleout.py [--first-step 30] [--throughput 200] [--clients 16]
     .venv/bin/python bench/scaleout.py --mechanisms [--n 20]
+    .venv/bin/python bench/scaleout.py --sessions 30 [--session-burst 100] [--level namespaces]
 
 Default: one real cluster on this machine (``tests/cluster/harness.py``: PostgreSQL 15 holding
 the store, one ``prefect server start`` on SQLite, ``ephemeral serve`` and ``ephemeral worker``
@@ -16,6 +17,14 @@ processes, replay model ``replay/sandbox-proof``, warm pools of 2). Prints:
   workers (``--limit 4`` each): runs/s, failures, settle mismatches (charged + refunded ≠
   reserved), overshoot (more runs executing at once on a host than its limit, from the runs'
   ``started_at``/``ended_at``), and the org's reserved money at the end (must be 0).
+
+``--sessions N`` measures sandbox sessions placed on worker hosts (docs/deploy.md, "Sessions on
+worker hosts"), with ``bench/tti.py``'s probe (create, then exec ``python3 -V``; 5 % trimmed):
+create → first exec reply over N sequential sessions through ``ephemeral serve`` in local mode
+(the session in the API process) and through the cluster (API → internal channel → one of two
+workers), then a burst of ``--session-burst`` sessions at once through each (time until all
+are interactive). Floors, in the same run: the bare driver's warm acquire + exec in this
+process (sequential) and that many bare creates + exec at once (burst).
 
 ``--mechanisms`` chooses the dispatch mechanism (docs/deploy.md, "Scale-out"): one real
 ``prefect server start`` (SQLite, the pre-migrated template) and, in turn, (a) a ``process``
@@ -322,6 +331,109 @@ def cluster_bench(args: argparse.Namespace) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def sessions_bench(args: argparse.Namespace) -> None:
+    from bench.served import pct as pct100
+    from bench.served import trimmed
+    from bench.tti import (
+        burst_line,
+        client_for,
+        floor_burst,
+        floor_sequential,
+        seq_line,
+        sessions_burst,
+        sessions_sequential,
+    )
+    from tests.cluster.harness import Cluster
+    from tests.fixtures_pg import PgCluster
+
+    level, n, burst = args.level, args.sessions, args.session_burst
+    pg = PgCluster()
+    reason = pg.unavailable()
+    if reason:
+        raise SystemExit(reason)
+    pg.start()
+    root = Path(tempfile.mkdtemp(prefix="scaleout-sessions-"))
+    slots = str(max(32, burst))  # per host: one host could take the whole burst
+    c = Cluster(
+        root,
+        pg.url(pg.create_database("bench")),
+        lease_seconds=30,
+        isolation=level,
+        extra_env={"EPHEMERAL_HOST_SESSIONS": slots},
+    )
+
+    async def measure(url: str, key: str) -> tuple[list[float], tuple[list[float], int]]:
+        async with client_for(url, key, burst) as client:
+            seq = await sessions_sequential(client, level, n, args.pause)
+        async with client_for(url, key, burst) as client:
+            got = await sessions_burst(client, level, burst) if burst else ([], 0)
+        return seq, got
+
+    try:
+        print(f"== sessions, {level}: create -> first exec reply", flush=True)
+        floor = asyncio.run(floor_sequential(level, n, 2, args.pause))
+        print(seq_line("floor: warm pool acquire + exec", floor), flush=True)
+        c.start()
+        key = c.make_key("bench", 1_000_000_000)
+        port = _free_port()
+        local = c.spawn(
+            "local",
+            *EPHEMERAL_CMD,
+            "serve",
+            "--port",
+            str(port),
+            "--pool",
+            "2",
+            EPHEMERAL_EXECUTOR="plain",
+        )
+        _wait_http(f"http://127.0.0.1:{port}", local)
+        local_seq, local_burst = asyncio.run(measure(f"http://127.0.0.1:{port}", key))
+        c.kill("local", 15)
+        url = c.start_api()
+        c.start_worker("w1", limit=2, pool=2)
+        c.start_worker("w2", limit=2, pool=2)
+        time.sleep(2)  # the pools fill
+        placed_seq, placed_burst = asyncio.run(measure(url, key))
+        print(seq_line("local: session in the API process", local_seq))
+        print(seq_line("cluster: API -> channel -> worker", placed_seq))
+        p_seq, l_seq = trimmed(placed_seq), trimmed(local_seq)
+        print(
+            f"  cluster adds p50 {pct100(p_seq, 50) - pct100(l_seq, 50):+.1f} ms, "
+            f"p99 {pct100(p_seq, 99) - pct100(l_seq, 99):+.1f} ms (target p50 <= 50 ms)"
+        )
+        if burst:
+            floor_b, floor_failed = asyncio.run(floor_burst(level, burst))
+            print(burst_line("floor: bare create + exec at once", floor_b, floor_failed, burst))
+            print(burst_line("local burst: -> exec reply", *local_burst, burst))
+            print(burst_line("cluster burst, 2 workers", *placed_burst, burst))
+        hosts = asyncio.run(_session_hosts(c.db_url))
+        print(f"  sessions by host: {hosts};  org reserved at the end: {c.org_reserved('bench')}")
+        sys.stdout.flush()
+    finally:
+        c.stop()
+        pg.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def _session_hosts(db_url: str) -> dict[str, int]:
+    import sqlalchemy as sa
+
+    from ephemeral.store import Store
+    from ephemeral.store.schema import runs
+
+    store = await Store.open(db_url)
+    try:
+        async with store.engine.connect() as conn:
+            got = await conn.execute(
+                sa.select(runs.c.host, sa.func.count())
+                .where(runs.c.kind == "session")
+                .group_by(runs.c.host)
+            )
+            return {str(h): int(k) for h, k in got}
+    finally:
+        await store.close()
+
+
 def _free_port() -> int:
     from tests.evals.prefect_server import free_port
 
@@ -354,8 +466,14 @@ def main() -> None:
         default="sqlite",
         help="Prefect server's database (PostgreSQL: minutes of migrations first)",
     )
+    ap.add_argument("--sessions", type=int, default=0, help="sequential sandbox sessions")
+    ap.add_argument("--session-burst", type=int, default=100, help="sessions at once (0: none)")
+    ap.add_argument("--level", default="namespaces", help="the sessions' isolation")
+    ap.add_argument("--pause", type=float, default=0.5, help="between sequential sessions (s)")
     args = ap.parse_args()
-    if args.mechanisms:
+    if args.sessions:
+        sessions_bench(args)
+    elif args.mechanisms:
         mechanisms(args.n)
     else:
         cluster_bench(args)

@@ -332,7 +332,7 @@ class Runtime:
         ``infra_error``, compute charged up to the last renewal. Safe from many processes."""
         finished = []
         for row in await self.store.expired_leases(utcnow()):
-            if self.engine.task(row.id) is not None:
+            if self.engine.task(row.id) is not None or self.sessions.owns(row.id):
                 continue  # ours and alive: the renewal is merely late
             log.error("run %s: the lease of host %s expired", row.id, row.host)
             try:
@@ -344,6 +344,8 @@ class Runtime:
             except errors.Conflict:
                 continue
             finished.append(row.id)
+            if row.kind == "session":
+                continue  # the hooks are for runs' Prefect task runs: a session has none
             for hook in self.lease_expired_hooks:
                 try:
                     await hook(row.id)

@@ -12,9 +12,10 @@ recovery and the records treat it exactly as a run:
 
 A watchdog task per session ends it at its time limit (``timeout_seconds`` from its start) or
 when compute would pass what its reservation has left, whichever comes first; the sandbox's own
-lifetime (time limit + 10 s) is the backstop. A session lives in the process that created it:
-when that process dies, the next start of a runtime reaps its sandbox and settles it like an
-orphaned run (:meth:`ephemeral.service.Runtime.recover`).
+lifetime (time limit + 10 s) is the backstop. A session lives in the process that created it
+(in dispatch mode, the worker host that claimed it: ``ephemeral.placement``): when that process
+dies, the next start of a runtime reaps its sandbox and settles it like an orphaned run
+(:meth:`ephemeral.service.Runtime.recover`), or, on a worker host, any runtime's lease sweep.
 """
 
 from __future__ import annotations
@@ -303,6 +304,15 @@ class Sessions:
         finally:
             self._starting.discard(row.id)
 
+    async def start_admitted(self, row: RunRow) -> RunRow:
+        """Start the sandbox of a session another process admitted and this host claimed
+        (``ephemeral.session_host``): the path ``create`` takes after admission."""
+        self._starting.add(row.id)
+        try:
+            return await self._start(row, Policy.model_validate(row.policy))
+        finally:
+            self._starting.discard(row.id)
+
     async def _start(self, row: RunRow, policy: Policy, asked: Limits | None = None) -> RunRow:
         # Two store commits in all (admission, then running with its two events): nobody waits
         # on a session's provisioning, the create call itself does. A crash in between leaves
@@ -365,7 +375,8 @@ class Sessions:
             }
             await self.store.transition(
                 row.id,
-                expect={RunStatus.QUEUED},
+                # provisioning: claimed by a worker host (ephemeral.session_host)
+                expect={RunStatus.QUEUED, RunStatus.PROVISIONING},
                 to=RunStatus.RUNNING,
                 events=[("sandbox.ready", ready), ("worker.started", started)],
                 started_at=started_at,

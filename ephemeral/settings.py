@@ -139,10 +139,10 @@ class Settings(BaseSettings):
         description="How a run executes. `plain`: its steps in this process, no Prefect. "
         "`flow`: an `agent-run` Prefect flow run in this process, a task per step. `dispatch`: "
         "`ephemeral serve` admits runs and hands each to a Prefect task worker (`ephemeral "
-        "worker`), so the API process starts no sandbox for a run (sandbox sessions still live "
-        "in the API process that created them); `ephemeral run`/`eval` dispatch their runs the "
-        "same way. Old spellings, still accepted: `local` (`flow`, or `plain` with "
-        "`EPHEMERAL_USE_PREFECT=0`) and `prefect` (`dispatch`).",
+        "worker`), and places each sandbox session on a worker host, so the API process starts "
+        "no sandbox at all; `ephemeral run`/`eval` dispatch their runs the same way. Old "
+        "spellings, still accepted: `local` (`flow`, or `plain` with `EPHEMERAL_USE_PREFECT=0`) "
+        "and `prefect` (`dispatch`).",
     )
     host_id: str = Field(
         default_factory=socket.gethostname,
@@ -165,6 +165,33 @@ class Settings(BaseSettings):
         description="How long a draining worker (SIGTERM, `ephemeral worker --drain`) lets its "
         "running runs finish before it ends the rest `cancelled` (settled at once, sandboxes "
         "destroyed); runs it holds but has not started go back to the queue at once.",
+    )
+    link_address: str = Field(
+        default="127.0.0.1",
+        description="The IP address a worker's internal session channel listens on (API "
+        "processes reach the sessions it hosts there). Loopback or a private address only: a "
+        "public or wildcard address is refused at start.",
+    )
+    link_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="The internal channel's TCP port; 0 takes a free one (the worker registers "
+        "its address in the store's host directory).",
+    )
+    host_sessions: int = Field(
+        default=32,
+        ge=0,
+        le=512,
+        description="Sandbox sessions one worker hosts at once (`ephemeral worker --sessions`), "
+        "beside its runs; 0: it takes none.",
+    )
+    placement_timeout_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        le=600,
+        description="How long an API process tries to place a new sandbox session on a worker "
+        "host (all full or unreachable) before the session ends `failed`, refunded.",
     )
     zdr_ttl_seconds: int = Field(
         default=900,

@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 from uuid import UUID
 
@@ -85,6 +86,7 @@ class HostWorker(TaskWorker):
         # are read and Prefect's engine starts in between: seconds on a loaded host)
         self._claimed: dict[str, float | None] = {}
         self._loop = asyncio.get_running_loop()
+        self.on_drain: list[Callable[[], Awaitable[None]]] = []  # run as the drain begins
 
     def handle_sigterm(self, signum: int, frame: object) -> None:
         # Prefect installs this as it starts; its own exits at once. Ours drains, and a second
@@ -134,6 +136,9 @@ class HostWorker(TaskWorker):
             renew.cancel()
             return subscription.result()
         held = list(self._held.values())
+        for hook in self.on_drain:
+            with contextlib.suppress(Exception):
+                await hook()
         subscription.cancel()
         with contextlib.suppress(BaseException):
             await subscription
@@ -207,9 +212,11 @@ def _seconds(value: float) -> Any:
     return timedelta(seconds=value)
 
 
-async def serve(settings: Settings, *, limit: int, total: int) -> None:
-    """Serve runs until drained (a signal); the runtime closes (sandboxes torn down) after."""
+async def serve(settings: Settings, *, limit: int, total: int, sessions: int = 32) -> None:
+    """Serve runs (and, over the internal channel, up to ``sessions`` sandbox sessions) until
+    drained (a signal); the runtime closes (sandboxes torn down) after."""
     from ephemeral import sharing
+    from ephemeral.session_host import SessionHost
 
     await sharing.check(settings)  # a records root or seal key of its own is refused here
     await ensure_limits(settings.host_id, limit, total)
@@ -217,7 +224,10 @@ async def serve(settings: Settings, *, limit: int, total: int) -> None:
     runtime = await Runtime.start(settings, warm_pool=settings.pool_size > 0, recover=True)
     runtime.hold_leases(settings.lease_seconds)
     runtime.lease_expired_hooks.append(mark_crashed)
+    host = await SessionHost.start(runtime, slots=sessions) if sessions else None
     worker = HostWorker(runtime, settings.drain_seconds, limit)
+    if host is not None:  # a drain takes no new sessions either
+        worker.on_drain.append(host.stop_taking)
     asyncio.get_running_loop().add_signal_handler(signal.SIGINT, worker.signal)
     redrive = asyncio.create_task(outbox.redrive_forever(runtime.store, create_task_run))
     pid_file = settings.state_dir / PID_FILE
@@ -237,4 +247,6 @@ async def serve(settings: Settings, *, limit: int, total: int) -> None:
         with contextlib.suppress(OSError):
             if pid_file.read_text().strip() == this_process():
                 os.unlink(pid_file)
+        if host is not None:
+            await host.close()
         await runtime.close()

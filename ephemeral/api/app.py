@@ -60,11 +60,13 @@ async def start_runtime(settings: Settings, *, warm_pool: bool) -> Runtime:
     if settings.executor == "dispatch":
         # This process admits, streams and cancels; workers execute. No warm pool.
         from ephemeral.flows.dispatch import DispatchExecutor, mark_crashed
+        from ephemeral.placement import install
 
         assert isinstance(executor, DispatchExecutor)
         runtime = await Runtime.start(settings, executor=executor, recover=True)
         runtime.lease_expired_hooks.append(mark_crashed)
         executor.redrive(runtime.store)  # runs another API process admitted and did not hand over
+        install(runtime)  # sandbox sessions are placed on worker hosts too
         return runtime
     if settings.executor == "plain":
         return await Runtime.start(settings, executor=executor, warm_pool=warm_pool, recover=True)

@@ -32,6 +32,15 @@ def register(app: typer.Typer) -> None:
                 help="The microvm-total limit, if no host created it yet (an existing one stays).",
             ),
         ] = 64,
+        sessions: Annotated[
+            int | None,
+            typer.Option(
+                min=0,
+                max=512,
+                help="Sandbox sessions this host hosts at once, 0 for none "
+                "(default: EPHEMERAL_HOST_SESSIONS, else 32).",
+            ),
+        ] = None,
         pool: Annotated[
             int | None,
             typer.Option(help="Warm sandboxes kept ready (default: EPHEMERAL_POOL_SIZE, else 0)."),
@@ -45,7 +54,8 @@ def register(app: typer.Typer) -> None:
             ),
         ] = False,
     ) -> None:
-        """Take runs from Prefect and execute them here: sandboxes, leases, reaper, warm pool.
+        """Take runs from Prefect and execute them here: sandboxes, leases, reaper, warm pool;
+        host the sandbox sessions API processes place here (over the internal channel).
 
         One per host. Needs PREFECT_API_URL (the shared Prefect server) and, for several hosts,
         a shared EPHEMERAL_DATABASE_URL, records root and seal key (checked at start);
@@ -67,11 +77,15 @@ def register(app: typer.Typer) -> None:
             executor="prefect", pool_size=size, max_concurrent_runs=max(limit, 1)
         )
         try:
+            from ephemeral.hostlink import check_bind_address
+
+            check_bind_address(settings.link_address)  # refused before anything starts
             configure(settings)  # before Prefect is imported: it reads its settings once
             from ephemeral.flows.worker import serve
 
             with contextlib.suppress(KeyboardInterrupt):
-                asyncio.run(serve(settings, limit=limit, total=total))
+                slots = sessions if sessions is not None else settings.host_sessions
+                asyncio.run(serve(settings, limit=limit, total=total, sessions=slots))
         except errors.EphemeralError as exc:
             raise fail(exc) from exc
 

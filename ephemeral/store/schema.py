@@ -221,6 +221,21 @@ cluster_facts = sa.Table(
 )
 
 
+# Worker hosts that take sandbox sessions (ephemeral.placement): where each one's internal
+# channel listens, which process is there, its session slots, and a heartbeat like a lease.
+worker_hosts = sa.Table(
+    "worker_hosts",
+    metadata,
+    sa.Column("host", sa.String(100), primary_key=True),
+    sa.Column("address", sa.String(100), nullable=False),
+    sa.Column("instance", sa.String(64), nullable=False),
+    sa.Column("session_slots", sa.Integer, nullable=False),
+    sa.Column("sessions_live", sa.Integer, nullable=False),
+    sa.Column("heartbeat_at", UTCDateTime, nullable=False),
+    sa.Column("expires_at", UTCDateTime, nullable=False),
+)
+
+
 def upgrade(conn: sa.Connection) -> None:
     """Bring a database made by an older release up to :data:`metadata`, additively.
 

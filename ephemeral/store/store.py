@@ -892,6 +892,13 @@ class Store:
         key: str,
         event: tuple[str, dict[str, Any]] | None,
     ) -> int:
+        if event is not None:
+            # Lock the run's row first: two settlers of one run (the lease sweeps of several
+            # processes) must not both see "not charged yet" and both write the event. (The
+            # close's own compare-and-set took this lock already; again is harmless.)
+            await conn.execute(
+                sa.update(runs).where(runs.c.id == run_id).values(last_seq=runs.c.last_seq)
+            )
         replay = event is not None and await conn.scalar(
             sa.select(sa.func.count())
             .select_from(ledger_rows)

@@ -1,0 +1,221 @@
+"""The internal channel's security claims (docs/security.md, "The internal channel"): both ends
+authenticate, a request is good once, for one host process, within the time window, and the
+listener binds only loopback or private addresses. Real sockets on 127.0.0.1, no sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ephemeral import errors, hostlink
+from ephemeral.hostlink import LinkClient, LinkError, LinkRefused, LinkServer, Peer
+
+REPO = Path(__file__).resolve().parents[2]
+KEY = b"k" * 32
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, Any], bytes]] = []
+
+    async def __call__(
+        self, op: str, args: dict[str, Any], body: bytes
+    ) -> tuple[dict[str, Any], bytes]:
+        self.calls.append((op, args, body))
+        if op == "missing":
+            raise errors.FileNotFound("/nope: no such file")
+        return {"echo": args}, body[::-1]
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[LinkServer, Recorder, Peer]]:
+    handler = Recorder()
+    server = LinkServer(KEY, "a", handler)
+    address = await server.start("127.0.0.1")
+    try:
+        yield server, handler, Peer("a", address, server.instance)
+    finally:
+        await server.close()
+
+
+async def raw(peer: Peer, data: bytes) -> dict[str, Any]:
+    """Send bytes as they are; the first frame header that comes back."""
+    host, _, port = peer.address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(data)
+        await writer.drain()
+        (size,) = struct.unpack(">I", await asyncio.wait_for(reader.readexactly(4), 10))
+        return dict(json.loads(await reader.readexactly(size)))
+    finally:
+        writer.close()
+
+
+def signed_frame(header: dict[str, Any], body: bytes, key: bytes = KEY) -> bytes:
+    header = {**header, "body_len": len(body), "body_sha256": hostlink._sha(body)}
+    header["sig"] = hostlink._sign(key, hostlink._REQ, header)
+    return hostlink._frame(header, body)
+
+
+def request(peer: Peer, **over: Any) -> dict[str, Any]:
+    return {
+        "v": 1,
+        "op": "exec",
+        "args": {"session_id": "s"},
+        "from": "api",
+        "to": peer.host,
+        "instance": peer.instance,
+        "ts": time.time(),
+        "nonce": os.urandom(16).hex(),
+        **over,
+    }
+
+
+async def test_a_signed_call_round_trips_with_its_body(served: Any) -> None:
+    _, handler, peer = served
+    client = LinkClient(KEY, "api")
+    try:
+        result, body = await client.call(peer, "exec", {"x": 1}, b"abc", timeout=10)
+        again, _ = await client.call(peer, "exec", {"x": 2}, b"", timeout=10)  # pooled connection
+    finally:
+        await client.close()
+    assert result == {"echo": {"x": 1}} and body == b"cba"
+    assert again == {"echo": {"x": 2}}
+    assert [c[0] for c in handler.calls] == ["exec", "exec"]
+
+
+async def test_a_problem_on_the_host_is_the_same_error_here(served: Any) -> None:
+    _, _, peer = served
+    client = LinkClient(KEY, "api")
+    try:
+        with pytest.raises(errors.FileNotFound, match="no such file"):
+            await client.call(peer, "missing", {}, timeout=10)
+    finally:
+        await client.close()
+
+
+async def test_a_wrong_key_is_refused_and_nothing_runs(served: Any) -> None:
+    _, handler, peer = served
+    client = LinkClient(b"x" * 32, "api")
+    try:
+        with pytest.raises(LinkRefused, match="bad signature"):
+            await client.call(peer, "exec", {}, timeout=10)
+    finally:
+        await client.close()
+    assert handler.calls == []
+
+
+async def test_unsigned_tampered_replayed_stale_and_misaddressed_requests_are_refused(
+    served: Any,
+) -> None:
+    _, handler, peer = served
+    unsigned = request(peer)
+    unsigned.update(body_len=0, body_sha256=hostlink._sha(b""))
+    assert (await raw(peer, hostlink._frame(unsigned, b"")))["refused"] == "bad signature"
+
+    # a valid request is answered once; the same bytes again are a replay
+    good = signed_frame(request(peer), b"body")
+    first = await raw(peer, good)
+    assert first["status"] == 200 and "refused" not in first
+    assert (await raw(peer, good))["refused"] == "replayed"
+
+    # the body swapped under a signed header
+    frame = signed_frame(request(peer), b"body")
+    assert (await raw(peer, frame[: -len(b"body")] + b"evil"))["refused"].startswith("the body")
+
+    # an argument changed after signing
+    header = request(peer)
+    header.update(body_len=0, body_sha256=hostlink._sha(b""))
+    header["sig"] = hostlink._sign(KEY, hostlink._REQ, header)
+    header["args"] = {"session_id": "other"}
+    assert (await raw(peer, hostlink._frame(header, b"")))["refused"] == "bad signature"
+
+    stale = signed_frame(request(peer, ts=time.time() - hostlink.SKEW_SECONDS - 5), b"")
+    assert (await raw(peer, stale))["refused"] == "outside the time window"
+    for wrong in ({"to": "b"}, {"instance": "0" * 32}):  # another host, an earlier process
+        frame = signed_frame(request(peer, **wrong), b"")
+        assert (await raw(peer, frame))["refused"].startswith("addressed to another host")
+    # a response signature is not a request signature (domain separation)
+    header = request(peer)
+    header.update(body_len=0, body_sha256=hostlink._sha(b""))
+    header["sig"] = hostlink._sign(KEY, hostlink._RESP, header)
+    assert (await raw(peer, hostlink._frame(header, b"")))["refused"] == "bad signature"
+    # a huge header length is refused without reading it
+    assert "cap" in (await raw(peer, struct.pack(">I", 1 << 30)))["refused"]
+    assert len(handler.calls) == 1  # only the one good request ran
+
+
+async def test_the_client_refuses_an_answer_not_signed_by_the_host() -> None:
+    """Mutual: a process on the host's port without the key cannot answer for it."""
+    impostor = LinkServer(b"y" * 32, "a", Recorder())
+    address = await impostor.start("127.0.0.1")
+    # the impostor accepts anything: make it skip its own check
+    impostor._fresh = lambda header: None  # type: ignore[method-assign]
+    client = LinkClient(KEY, "api")
+    try:
+        with pytest.raises(LinkError, match="without a valid signature"):
+            await client.call(Peer("a", address, impostor.instance), "exec", {}, timeout=10)
+    finally:
+        await client.close()
+        await impostor.close()
+
+
+async def test_a_host_that_is_gone_is_an_error_at_once_not_a_hang(served: Any) -> None:
+    server, _, peer = served
+    await server.close()
+    client = LinkClient(KEY, "api")
+    t0 = time.monotonic()
+    with pytest.raises(LinkError, match="unreachable"):
+        await client.call(peer, "exec", {}, timeout=30)
+    assert time.monotonic() - t0 < 10  # well before the call's own timeout
+    await client.close()
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["0.0.0.0", "::", "8.8.8.8", "203.0.113.7", "2001:4860::1", "169.254.169.254", "localhost"],
+)
+def test_a_public_wildcard_or_named_address_is_refused(address: str) -> None:
+    with pytest.raises(errors.InvalidRequest, match="EPHEMERAL_LINK_ADDRESS"):
+        hostlink.check_bind_address(address)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "::1", "10.1.2.3", "192.168.0.4", "fd00::5"])
+def test_loopback_and_private_addresses_are_allowed(address: str) -> None:
+    assert hostlink.check_bind_address(address)
+
+
+async def test_the_client_will_not_connect_to_a_public_address() -> None:
+    client = LinkClient(KEY, "api")
+    with pytest.raises(LinkError, match="will not connect"):
+        await client.call(Peer("a", "8.8.8.8:4000", "i"), "exec", {}, timeout=5)
+
+
+def test_ephemeral_worker_refuses_to_start_on_a_public_address(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "EPHEMERAL_STATE_DIR": str(tmp_path / "state"),
+        "EPHEMERAL_LINK_ADDRESS": "0.0.0.0",
+        "PREFECT_API_URL": "http://127.0.0.1:9/api",
+    }
+    res = subprocess.run(
+        [sys.executable, "-m", "ephemeral.cli", "worker"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode != 0
+    assert "EPHEMERAL_LINK_ADDRESS" in res.stderr + res.stdout, res.stderr
