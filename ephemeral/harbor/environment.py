@@ -245,11 +245,7 @@ class EphemeralEnvironment(BaseEnvironment):
                 )
         if not dockerfile.is_file():
             raise SandboxBuildFailedError(f"ephemeral: {dockerfile} not found")
-        # Builds of different tasks also wait for each other (across processes too): two
-        # builds whose Dockerfiles install the same apt packages share one package layer,
-        # and images._ensure_base makes a layer unlocked (they would remove each other's).
-        every_build = images._AsyncFileLock(settings.image_cache_dir / ".harbor-builds.lock")
-        async with _builds.setdefault(self.environment_id, asyncio.Lock()), every_build:
+        async with _builds.setdefault(self.environment_id, asyncio.Lock()):
             return await self._build(settings, dockerfile)
 
     @staticmethod

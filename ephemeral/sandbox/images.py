@@ -367,11 +367,16 @@ async def _ensure_base(settings: Settings, spec: dict[str, Any]) -> Path:
         return rootfs
     if shutil.which("mmdebstrap") is None:
         raise errors.SandboxError("image build needs mmdebstrap (apt-get install mmdebstrap)")
-    if base.exists():
-        shutil.rmtree(base)
-    base.mkdir(parents=True)
-    await _run(_mmdebstrap_argv(spec, rootfs), "mmdebstrap")
-    (base / "done").write_text(str(time.time()))
+    # Images whose definitions name the same packages share this layer: one build makes it
+    # (across processes too), the others wait and reuse it instead of removing it mid-build.
+    async with _AsyncFileLock(base.parent / f".{base.name}.lock"):
+        if (base / "done").is_file():
+            return rootfs
+        if base.exists():
+            shutil.rmtree(base)
+        base.mkdir(parents=True)
+        await _run(_mmdebstrap_argv(spec, rootfs), "mmdebstrap")
+        (base / "done").write_text(str(time.time()))
     return rootfs
 
 
