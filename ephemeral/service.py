@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -24,6 +24,7 @@ from ephemeral.engine import EVENT_POLL_SECONDS, Engine, brief_error
 from ephemeral.events import Event
 from ephemeral.executor import Executor, PlainExecutor
 from ephemeral.ids import new_run_id, utcnow
+from ephemeral.leases import ProcessLease
 from ephemeral.lifecycle import TERMINAL_STATUSES, TerminationReason
 from ephemeral.owner import is_alive, this_process
 from ephemeral.policy import Policy, RunRequest
@@ -79,6 +80,10 @@ class Runtime:
         self.lease_expired_hooks: list[Callable[[str], Awaitable[None]]] = []
         self._watchdog: asyncio.Task[None] | None = None
         self._leases: asyncio.Task[None] | None = None
+        self.process_lease: ProcessLease | None = None  # a worker's (hold_leases)
+        # Runs a worker received from Prefect and holds until their task body takes them
+        # (flows.worker.HostWorker): nothing executes them yet, and that is not a fault.
+        self.holding: Collection[str] = ()
         self.draining = False  # a draining worker takes no new runs (ephemeral.flows.worker)
 
     @property
@@ -132,6 +137,8 @@ class Runtime:
         await self.executor.close()
         await self.sandboxes.close()
         await self.store.close()
+        if self.process_lease is not None:
+            await self.process_lease.stop()
         for loop, runtime in list(_by_loop.items()):
             if runtime is self:
                 del _by_loop[loop]
@@ -302,7 +309,7 @@ class Runtime:
         suspects: set[str] = set()
         now = utcnow()
         for row in await self.store.open_runs():
-            if row.owner != self.owner or self.sessions.owns(row.id):
+            if row.owner != self.owner or self.sessions.owns(row.id) or row.id in self.holding:
                 continue  # a live session has its own watchdog (ephemeral.sessions)
             task = self.engine.task(row.id)
             if task is None or task.done():
@@ -354,9 +361,15 @@ class Runtime:
         return finished
 
     # leases --------------------------------------------------------------------------------
-    def hold_leases(self, lease_seconds: float) -> None:
+    async def hold_leases(self, lease_seconds: float) -> None:
         """Make this runtime a worker: its slot grants take a lease, renewed every third of
-        ``lease_seconds`` while the run executes here (by the run watcher)."""
+        ``lease_seconds`` while the run executes here (by the run watcher), and this process
+        holds a lease of its own until :meth:`close` (ephemeral.leases)."""
+        if self.process_lease is None:
+            self.process_lease = ProcessLease(
+                self.settings.db_url, self.owner, self.host, lease_seconds
+            )
+            await self.process_lease.start()
         self.engine.lease_seconds = lease_seconds
 
     async def _watch_runs(self) -> None:
@@ -369,12 +382,26 @@ class Runtime:
             try:
                 mine = self.engine.executing()
                 lease = self.engine.lease_seconds
-                if lease is not None and time.monotonic() - renewed >= lease / 3:
+                since = time.monotonic() - renewed
+                if lease is not None and since >= lease / 3:
                     now = utcnow()
+                    t0 = time.monotonic()
                     await self.store.renew_leases(
-                        mine, renewed_at=now, expires_at=now + timedelta(seconds=lease)
+                        mine,
+                        owner=self.owner,
+                        renewed_at=now,
+                        expires_at=now + timedelta(seconds=lease),
                     )
                     renewed = time.monotonic()
+                    if since >= lease / 2 or renewed - t0 >= lease / 6:
+                        log.warning(
+                            "lease renewal late: %.2f s since the last one (due every %.2f s),"
+                            " the store write took %.2f s, %d runs",
+                            since,
+                            lease / 3,
+                            renewed - t0,
+                            len(mine),
+                        )
                 for run_id in await self.store.cancel_requested(mine):
                     if self.engine.task(run_id) is not None and run_id not in cancelling:
                         cancelling[run_id] = asyncio.create_task(

@@ -215,7 +215,9 @@ class SessionHost:
         if renew:
             now = utcnow()
             expires = now + timedelta(seconds=runtime.settings.lease_seconds)
-            await runtime.store.renew_leases(self.hosted, renewed_at=now, expires_at=expires)
+            await runtime.store.renew_leases(
+                self.hosted, owner=runtime.owner, renewed_at=now, expires_at=expires
+            )
             alive = await hosts.heartbeat(
                 runtime.store,
                 host=runtime.host,

@@ -85,6 +85,7 @@ class HostWorker(TaskWorker):
         # run id -> when its token came: renewed here until the runtime took it (its parameters
         # are read and Prefect's engine starts in between: seconds on a loaded host)
         self._claimed: dict[str, float | None] = {}
+        runtime.holding = self._claimed  # so its watchdog does not end them as unexecuted
         self._loop = asyncio.get_running_loop()
         self.on_drain: list[Callable[[], Awaitable[None]]] = []  # run as the drain begins
 
@@ -190,7 +191,8 @@ class HostWorker(TaskWorker):
     async def _renew(self) -> None:
         """Keep the leases of the runs claimed at receipt until the runtime takes them (and
         renews them itself). One the runtime has not taken ``TAKE_SECONDS`` after its token (its
-        task run failed to start) is let go: its lease then expires and it is settled."""
+        task run failed to start) is let go: disowned with its lease ended, it is settled by the
+        next sweep of any process."""
         lease = self.runtime.settings.lease_seconds
         while True:
             await asyncio.sleep(lease / 3)
@@ -199,10 +201,16 @@ class HostWorker(TaskWorker):
                 late = token_at is not None and time.monotonic() - token_at > TAKE_SECONDS
                 if run_id in taken or late:
                     del self._claimed[run_id]
+                if late and run_id not in taken:
+                    with contextlib.suppress(Exception):
+                        await self.runtime.store.let_go(run_id, self.runtime.owner, utcnow())
             with contextlib.suppress(Exception):
                 now = utcnow()
                 await self.runtime.store.renew_leases(
-                    list(self._claimed), renewed_at=now, expires_at=now + _seconds(lease)
+                    list(self._claimed),
+                    owner=self.runtime.owner,
+                    renewed_at=now,
+                    expires_at=now + _seconds(lease),
                 )
 
 
@@ -222,7 +230,7 @@ async def serve(settings: Settings, *, limit: int, total: int, sessions: int = 3
     await ensure_limits(settings.host_id, limit, total)
     # recover=True: sandboxes left by this host's previous (killed) worker are reaped now.
     runtime = await Runtime.start(settings, warm_pool=settings.pool_size > 0, recover=True)
-    runtime.hold_leases(settings.lease_seconds)
+    await runtime.hold_leases(settings.lease_seconds)
     runtime.lease_expired_hooks.append(mark_crashed)
     host = await SessionHost.start(runtime, slots=sessions) if sessions else None
     worker = HostWorker(runtime, settings.drain_seconds, limit)

@@ -236,6 +236,17 @@ worker_hosts = sa.Table(
 )
 
 
+# One row per worker process: its liveness, apart from the run rows (ephemeral.leases).
+process_leases = sa.Table(
+    "process_leases",
+    metadata,
+    sa.Column("owner", sa.String(300), primary_key=True),
+    sa.Column("host", sa.String(100), nullable=False),
+    sa.Column("renewed_at", UTCDateTime, nullable=False),
+    sa.Column("expires_at", UTCDateTime, nullable=False),
+)
+
+
 def upgrade(conn: sa.Connection) -> None:
     """Bring a database made by an older release up to :data:`metadata`, additively.
 

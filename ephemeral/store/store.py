@@ -42,6 +42,7 @@ from ephemeral.store.schema import (
     idempotency,
     metadata,
     orgs,
+    process_leases,
     run_events,
     run_transcripts,
     runs,
@@ -602,23 +603,55 @@ class Store:
     # -- scale-out: leases, cancel requests, sealed content -------------------------------------
 
     async def renew_leases(
-        self, run_ids: Collection[str], *, renewed_at: datetime, expires_at: datetime
+        self,
+        run_ids: Collection[str],
+        *,
+        owner: str,
+        renewed_at: datetime,
+        expires_at: datetime,
     ) -> None:
-        """Extend the leases of these open runs (their executing host is alive)."""
+        """Extend the leases of these open runs that ``owner`` holds (its host is alive). A
+        run it does not hold (yet, or any more: handed back, let go) is left alone: a renewal
+        must never put a lease on a row nobody claimed, which would expire as a host's death."""
         if not run_ids:
             return
         async with self._engine.begin() as conn:
             await conn.execute(
                 sa.update(runs)
-                .where(runs.c.id.in_(sorted(run_ids)), runs.c.status.in_(sorted(OPEN_STATUSES)))
+                .where(
+                    runs.c.id.in_(sorted(run_ids)),
+                    runs.c.owner == owner,
+                    runs.c.status.in_(sorted(OPEN_STATUSES)),
+                )
                 .values(lease_renewed_at=renewed_at, lease_expires_at=expires_at)
             )
 
     async def expired_leases(self, now: datetime) -> list[RunRow]:
-        """Open runs whose executing host stopped renewing their lease before ``now``."""
-        return await self._runs_where(
-            runs.c.status.in_(sorted(OPEN_STATUSES)), runs.c.lease_expires_at < now
+        """Open runs whose executing host stopped renewing their lease before ``now``, and
+        whose owning process's lease (ephemeral.leases) has lapsed too: a late run renewal of
+        a live process is not its death."""
+        owner_alive = sa.exists().where(
+            process_leases.c.owner == runs.c.owner, process_leases.c.expires_at >= now
         )
+        return await self._runs_where(
+            runs.c.status.in_(sorted(OPEN_STATUSES)), runs.c.lease_expires_at < now, ~owner_alive
+        )
+
+    async def let_go(self, run_id: str, owner: str, now: datetime) -> bool:
+        """This owner will not execute the run it holds: disown it with its lease ended, so
+        that the next sweep of any process settles it (its live process lease no longer
+        covers it). False if it is not this owner's or no longer open."""
+        async with self._engine.begin() as conn:
+            done = await conn.execute(
+                sa.update(runs)
+                .where(
+                    runs.c.id == run_id,
+                    runs.c.owner == owner,
+                    runs.c.status.in_(sorted(OPEN_STATUSES)),
+                )
+                .values(owner=None, lease_expires_at=now)
+            )
+        return bool(done.rowcount)
 
     async def request_cancel(self, run_id: str) -> bool:
         """Flag an open run for cancellation by the host executing it; False if it ended."""

@@ -57,7 +57,7 @@ async def _pair(settings: Settings) -> tuple[Runtime, Runtime, ToWorker]:
     api = await Runtime.start(settings, executor=fake)
     worker_settings = settings.model_copy(update={"host_id": "w1"})
     worker = await Runtime.start(worker_settings, recover=False)
-    worker.hold_leases(30)
+    await worker.hold_leases(30)
     fake.worker = worker
     return api, worker, fake
 
@@ -156,7 +156,10 @@ async def test_an_expired_lease_is_settled_once_up_to_its_last_renewal(
         ]
         renewed = _parse(ready_event.at) + timedelta(seconds=2)
         await api.store.renew_leases(
-            [row.id], renewed_at=renewed, expires_at=utcnow() - timedelta(seconds=1)
+            [row.id],
+            owner="elsewhere:1:1",
+            renewed_at=renewed,
+            expires_at=utcnow() - timedelta(seconds=1),
         )
         found = await asyncio.gather(api.settle_expired_leases(), other.settle_expired_leases())
         settled = await api.store.get_run(row.id)
@@ -187,7 +190,7 @@ async def test_a_taken_run_waiting_on_a_dead_worker_is_refunded_in_full(
     worker = await Runtime.start(
         run_settings.model_copy(update={"host_id": "w9"}), recover=False, watchdog=False
     )
-    worker.hold_leases(30)
+    await worker.hold_leases(30)
     try:
         org = await api.local_org()
         row, _ = await api.store.admit_run(
@@ -201,9 +204,24 @@ async def test_a_taken_run_waiting_on_a_dead_worker_is_refunded_in_full(
         taken = await api.store.get_run(row.id)
         assert (taken.status, taken.host, taken.owner) == ("queued", "w9", worker.owner)
         assert await worker.take(row.id) is True  # still queued: taking again is harmless
-        # the worker dies while the run waits for a slot: its lease runs out
+        # a late renewal of the run's lease (a busy worker, a locked row) is not the worker's
+        # death: its process lease still holds
         await api.store.renew_leases(
-            [row.id], renewed_at=utcnow(), expires_at=utcnow() - timedelta(seconds=1)
+            [row.id],
+            owner=worker.owner,
+            renewed_at=utcnow(),
+            expires_at=utcnow() - timedelta(seconds=1),
+        )
+        assert await api.settle_expired_leases() == []
+        # the worker dies while the run waits for a slot: its process lease goes, the run's
+        # lease runs out
+        assert worker.process_lease is not None
+        await worker.process_lease.stop()
+        await api.store.renew_leases(
+            [row.id],
+            owner=worker.owner,
+            renewed_at=utcnow(),
+            expires_at=utcnow() - timedelta(seconds=1),
         )
         assert await api.settle_expired_leases() == [row.id]
         settled = await api.store.get_run(row.id)
@@ -213,3 +231,44 @@ async def test_a_taken_run_waiting_on_a_dead_worker_is_refunded_in_full(
         await api.close()
     assert (settled.status, settled.termination_reason) == ("failed", "infra_error")
     assert (settled.charged_micros, settled.refunded_micros) == (0, settled.reserved_micros)
+
+
+async def test_a_run_a_worker_holds_before_its_task_body_takes_it_is_not_ended_by_its_watchdog(
+    run_settings: Settings,
+) -> None:
+    # Between a task run's receipt (HostWorker holds the run: owner, host, lease) and its
+    # body's take, nothing executes the run; on a loaded host that lasts longer than two
+    # watchdog sweeps, and the watchdog must not end it as "nothing was executing the run".
+    worker = await Runtime.start(
+        run_settings.model_copy(update={"host_id": "w7"}), recover=False, watchdog=False
+    )
+    try:
+        org = await worker.local_org()
+        held, stray = [
+            (
+                await worker.store.admit_run(
+                    org_id=org,
+                    run_id=new_run_id(),
+                    model="replay/sandbox-proof",
+                    prompt="p",
+                    policy=RunRequest(prompt="p").policy().model_dump(mode="json"),
+                )
+            )[0]
+            for _ in range(2)
+        ]
+        for row in (held, stray):
+            now = utcnow()
+            assert await worker.store.hold_run(
+                row.id,
+                host="w7",
+                owner=worker.owner,
+                renewed_at=now,
+                expires_at=now + timedelta(seconds=30),
+            )
+        worker.holding = {held.id: None}
+        assert await worker.sweep() == []  # both suspect once
+        assert await worker.sweep() == [stray.id]  # the one nobody holds is ended
+        assert (await worker.store.get_run(held.id)).status == "queued"
+        assert (await worker.store.get_run(stray.id)).termination_reason == "infra_error"
+    finally:
+        await worker.close()

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import timedelta
 
 import pytest
+import sqlalchemy as sa
 
-from ephemeral import errors
+from ephemeral import errors, leases
 from ephemeral.ids import new_run_id, utcnow
 from ephemeral.lifecycle import RunStatus, TerminationReason
 from ephemeral.store import Org, RunRow, Store
+from ephemeral.store.schema import process_leases
 from tests.store.storehelp import policy
 
 
@@ -21,7 +24,7 @@ async def _run(store: Store, org: Org) -> RunRow:
     return run
 
 
-async def _claim(store: Store, run_id: str, lease: timedelta) -> RunRow:
+async def _claim(store: Store, run_id: str, lease: timedelta, owner: str | None = None) -> RunRow:
     now = utcnow()
     return await store.transition(
         run_id,
@@ -30,6 +33,7 @@ async def _claim(store: Store, run_id: str, lease: timedelta) -> RunRow:
         events=[("run.claimed", {"host": "a"})],
         started_at=now,
         host="a",
+        owner=owner,
         lease_renewed_at=now,
         lease_expires_at=now + lease,
     )
@@ -39,20 +43,83 @@ async def test_a_lease_expires_unless_renewed_and_only_open_runs_count(
     store: Store, org: Org
 ) -> None:
     fresh, stale, done = [await _run(store, org) for _ in range(3)]
-    claimed = await _claim(store, fresh.id, timedelta(seconds=30))
+    claimed = await _claim(store, fresh.id, timedelta(seconds=30), owner="a:1:1")
     assert (claimed.host, claimed.lease_expires_at is not None) == ("a", True)
-    await _claim(store, stale.id, timedelta(seconds=-1))
-    await _claim(store, done.id, timedelta(seconds=-1))
+    await _claim(store, stale.id, timedelta(seconds=-1), owner="a:1:1")
+    await _claim(store, done.id, timedelta(seconds=-1), owner="a:1:1")
     await store.close_run(
         done.id, reason=TerminationReason.COMPLETED, detail=None, usage={}, output=None
     )
     assert [r.id for r in await store.expired_leases(utcnow())] == [stale.id]
     later = utcnow() + timedelta(seconds=60)
+    # only the holder renews: another process's renewal (a stale list) leaves the rows alone
     await store.renew_leases(
-        [fresh.id, stale.id, done.id], renewed_at=utcnow(), expires_at=later + timedelta(1)
+        [stale.id], owner="b:2:2", renewed_at=utcnow(), expires_at=later + timedelta(1)
+    )
+    assert [r.id for r in await store.expired_leases(utcnow())] == [stale.id]
+    await store.renew_leases(
+        [fresh.id, stale.id, done.id],
+        owner="a:1:1",
+        renewed_at=utcnow(),
+        expires_at=later + timedelta(1),
     )
     assert await store.expired_leases(later) == []
     assert (await store.get_run(done.id)).lease_expires_at < later  # a closed run is not renewed
+
+
+async def test_a_live_process_lease_covers_its_runs_until_it_lapses_or_lets_go(
+    store: Store, org: Org
+) -> None:
+    # A worker's run renewals can be late under load; its process lease (ephemeral.leases)
+    # says it is alive, so its runs are not settled as a dead host's.
+    mine, other, dropped = [await _run(store, org) for _ in range(3)]
+    await _claim(store, mine.id, timedelta(seconds=-1), owner="host-a:1:1")
+    await _claim(store, other.id, timedelta(seconds=-1), owner="host-b:2:2")
+    await _claim(store, dropped.id, timedelta(seconds=-1), owner="host-a:1:1")
+    await leases.renew(store.engine, "host-a:1:1", "a", 30)
+    assert {r.id for r in await store.expired_leases(utcnow())} == {other.id}
+    # a run the live process lets go of is no longer covered; of another owner, refused
+    assert await store.let_go(dropped.id, "host-b:2:2", utcnow()) is False
+    assert await store.let_go(dropped.id, "host-a:1:1", utcnow()) is True
+    assert (await store.get_run(dropped.id)).owner is None
+    assert {r.id for r in await store.expired_leases(utcnow())} == {other.id, dropped.id}
+    # the process lease lapses (the process died): its runs expire with their own leases
+    await leases.renew(store.engine, "host-a:1:1", "a", -1)
+    assert {r.id for r in await store.expired_leases(utcnow())} == {mine.id, other.id, dropped.id}
+    await leases.drop(store.engine, "host-a:1:1")
+    assert len(await store.expired_leases(utcnow())) == 3
+
+
+async def _lease_expires(store: Store, owner: str) -> object:
+    async with store.engine.connect() as conn:
+        return await conn.scalar(
+            sa.select(process_leases.c.expires_at).where(process_leases.c.owner == owner)
+        )
+
+
+async def test_a_process_lease_is_renewed_while_the_loop_turns_and_lapses_when_it_is_wedged(
+    store: Store, db_url: str
+) -> None:
+    lease = leases.ProcessLease(db_url, "host-a:9:9", "a", lease_seconds=0.6)
+    await lease.start()
+    try:
+        assert await _lease_expires(store, "host-a:9:9") is not None  # held from start()
+        renewals = lease.renewals
+        deadline = time.monotonic() + 60
+        while lease.renewals < renewals + 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert lease.renewals >= renewals + 2  # renewed by its thread, the loop only turning
+        # a loop wedged for several leases (blocking call): the thread stops renewing
+        time.sleep(0.6 * 6)
+        wedged = await _lease_expires(store, "host-a:9:9")
+        assert wedged < utcnow()  # type: ignore[operator]
+        renewals = lease.renewals
+        while lease.renewals == renewals and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # turning again: renewed again
+        assert (await _lease_expires(store, "host-a:9:9")) > wedged  # type: ignore[operator]
+    finally:
+        await lease.stop()
+    assert await _lease_expires(store, "host-a:9:9") is None  # dropped at stop
 
 
 async def test_cancel_requests_are_kept_for_open_runs_only(store: Store, org: Org) -> None:
