@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from ephemeral.sandbox import dockerfile, images
+from ephemeral.sandbox.dockerfile import builder as df_builder
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.api.conftest import Member
@@ -122,11 +123,11 @@ def test_a_second_build_is_a_cache_hit(built: tuple[Settings, images.ImageConfig
     (ctx.parent / "hello.txt").write_text("changed\n")
     plan, ctx_files, data = dockerfile.load(ctx, None, {"FLAVOUR": "mint"}, settings)
     base = images.definition_hash(images.definition_dir(settings, plan.base))
-    assert dockerfile._digest(data, {"FLAVOUR": "mint"}, ctx_files, base) != config.hash
+    assert df_builder._digest(data, {"FLAVOUR": "mint"}, ctx_files, base) != config.hash
     (ctx.parent / "hello.txt").write_text("hello from the context\n")
     (ctx.parent / "debug.log").write_text("an ignored file changes nothing\n")
     plan, ctx_files, data = dockerfile.load(ctx, None, {"FLAVOUR": "mint"}, settings)
-    assert dockerfile._digest(data, {"FLAVOUR": "mint"}, ctx_files, base) == config.hash
+    assert df_builder._digest(data, {"FLAVOUR": "mint"}, ctx_files, base) == config.hash
 
 
 async def test_build_dockerfile_is_callable_from_a_running_loop(
