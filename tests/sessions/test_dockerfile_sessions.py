@@ -18,6 +18,7 @@ from ephemeral.sandbox import dockerfile, images
 from ephemeral.sandbox.dockerfile import builder as df_builder
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
+from tests import runlevel
 from tests.api.conftest import Member
 from tests.drivers import unavailable
 
@@ -155,11 +156,8 @@ def session_settings(built: tuple[Settings, images.ImageConfig], tmp_path: Path)
 
 @pytest.fixture
 async def runtime(session_settings: Settings) -> AsyncIterator[Runtime]:
-    rt = await Runtime.start(session_settings)
-    try:
+    async with runlevel.started(session_settings) as rt:
         yield rt
-    finally:
-        await rt.close()
 
 
 async def test_a_session_sees_the_files_env_cwd_and_user(
