@@ -20,7 +20,7 @@ from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests import runlevel
 from tests.api.conftest import Member
-from tests.drivers import unavailable
+from tests.sandbox.image_cache import link_shared_layer
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -75,13 +75,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Settings, images.Im
     shared = Settings.load()
     layers = images.chain(images.definition_dir(settings, plan.base))
     spec = images._layer_spec([d for _, d in layers], tuple(plan.packages))
-    digest = images._base_hash(spec)[:16]
-    layer = shared.image_cache_dir / "base" / digest
-    if not (layer / "done").is_file():
-        unavailable(f"the mmdebstrap layer {layer} of python-dev is not built (make setup)")
-    link = settings.image_cache_dir / "base" / digest
-    link.parent.mkdir(parents=True, exist_ok=True)
-    link.symlink_to(layer)
+    link_shared_layer(settings, shared, spec, of=" of python-dev")
     config = dockerfile.build_dockerfile(
         ctx / "Dockerfile", name="df-session", build_args={"FLAVOUR": "mint"}, settings=settings
     )
