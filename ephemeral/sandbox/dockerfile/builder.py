@@ -482,35 +482,12 @@ def _image_ids(
 
 
 def _group_id(rootfs: Path, group: str) -> int | None:
-    text = _read_etc(rootfs, "group") or ""
+    text = users.read_etc(rootfs, "group") or ""
     for entry in text.splitlines():
         parts = entry.split(":")
         if len(parts) >= 3 and parts[0] == group and parts[2].isdigit():
             return int(parts[2])
     return None
-
-
-def _read_etc(rootfs: Path, name: str) -> str | None:
-    """``/etc/NAME`` of the image, read without following a link (the image is untrusted)."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        root = os.open(rootfs, flags | os.O_DIRECTORY)
-    except OSError:
-        return None
-    try:
-        etc = os.open("etc", flags | os.O_DIRECTORY, dir_fd=root)
-        try:
-            fd = os.open(name, flags | os.O_NONBLOCK, dir_fd=etc)
-        finally:
-            os.close(etc)
-        with os.fdopen(fd, "rb") as fh:
-            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-                return None
-            return fh.read(users.PASSWD_CAP).decode("utf-8", "replace")
-    except OSError:
-        return None
-    finally:
-        os.close(root)
 
 
 _IN_DIR_CD = 'cd -- "$0" || exit 1; exec "$@"'
