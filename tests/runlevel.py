@@ -1,15 +1,19 @@
 """What a test's runtime must not leave behind, at run level: the sandbox fixture's check
 (tests/sandbox/conftest.py) one level up. The ``runtime`` fixtures of tests/run and
-tests/sessions call it around closing the runtime, so a test need not check by hand."""
+tests/sessions call it around closing the runtime (through :func:`started`), so a test need not
+check by hand."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import sqlalchemy as sa
 
 from ephemeral.service import Runtime
+from ephemeral.settings import Settings
 from ephemeral.store import Store
 from ephemeral.store.schema import orgs
 
@@ -47,3 +51,20 @@ async def after_close(runtime: Runtime) -> list[str]:
         await store.close()
     left += [f"org {name} still holds {micros} micros" for name, micros in held]
     return left
+
+
+@contextlib.asynccontextmanager
+async def started(settings: Settings, *, check: bool = False) -> AsyncIterator[Runtime]:
+    """A runtime on ``settings`` for a test's fixture, closed after it; with ``check``, what it
+    left behind (:func:`before_close`, :func:`after_close`) fails the test."""
+    rt = await Runtime.start(settings)
+    left: list[str] = []
+    try:
+        yield rt
+        if check:
+            left = await before_close(rt)
+    finally:
+        await rt.close()
+    if check:
+        left += await after_close(rt)
+        assert not left, f"the test left: {left}"

@@ -275,7 +275,7 @@ def definition_hash(defdir: Path, _seen: frozenset[str] = frozenset()) -> str:
 
 def _layer_spec(defs: list[ImageDefinition], extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """What mmdebstrap sees for a chain: the root's release and user, every layer's packages
-    (and ``extra``: a Dockerfile's ``apt-get install`` packages, dockerfile.py)."""
+    (and ``extra``: a Dockerfile's ``apt-get install`` packages, dockerfile/installs.py)."""
     root = defs[0]
     packages = list(dict.fromkeys([*(p for d in defs for p in d.packages), *extra]))
     spec = root.model_dump(include={"suite", "variant", "packages", "exclude_paths", "user"})
@@ -303,7 +303,7 @@ def _names_dir(settings: Settings) -> Path:
 
 
 def dockerfile_image_dir(settings: Settings, name: str) -> Path | None:
-    """The build a Dockerfile image's name points at (written by dockerfile.py), or None."""
+    """The build a Dockerfile image's name points at (written by dockerfile/builder.py), or None."""
     if not _NAME.fullmatch(name):
         return None
     try:
@@ -562,7 +562,7 @@ async def _run_build_steps(box: BuildSandbox, d: ImageDefinition, env: dict[str,
         )
 
 
-# what a Dockerfile build (dockerfile.py) does in the image after the chain: given the build
+# what a Dockerfile build (dockerfile/builder.py) does in the image after the chain: given the build
 # sandbox, the rootfs, a staging directory of the build and the chain's env
 Then = Callable[[BuildSandbox, Path, Path, dict[str, str]], Awaitable[None]]
 

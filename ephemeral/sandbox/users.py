@@ -53,6 +53,12 @@ def read_passwd(rootfs: Path) -> str | None:
     """The image's ``/etc/passwd`` as the agent reads it (first MiB), or None when it is not a
     regular file reached without a symlink: an image is untrusted input, and the host must not
     follow its links into host paths."""
+    return read_etc(rootfs, "passwd")
+
+
+def read_etc(rootfs: Path, name: str) -> str | None:
+    """The image's ``/etc/NAME`` (first MiB), or None when it is not a regular file reached
+    without a symlink (the image is untrusted: its links must not lead the host anywhere)."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         root = os.open(rootfs, flags | os.O_DIRECTORY)
@@ -61,7 +67,7 @@ def read_passwd(rootfs: Path) -> str | None:
     try:
         etc = os.open("etc", flags | os.O_DIRECTORY, dir_fd=root)
         try:
-            fd = os.open("passwd", flags | os.O_NONBLOCK, dir_fd=etc)
+            fd = os.open(name, flags | os.O_NONBLOCK, dir_fd=etc)
         finally:
             os.close(etc)
         try:

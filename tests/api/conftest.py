@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from ephemeral.api import create_app
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
+from tests import runlevel
 
 QUICK = "replay/api-quick"
 
@@ -94,11 +95,8 @@ class Member:
 
 @pytest.fixture
 async def runtime(api_settings: Settings) -> AsyncIterator[Runtime]:
-    rt = await Runtime.start(api_settings)
-    try:
+    async with runlevel.started(api_settings) as rt:
         yield rt
-    finally:
-        await rt.close()
 
 
 async def new_member(runtime: Runtime, org: str, usd_micros: int = 10_000_000) -> Member:

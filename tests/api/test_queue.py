@@ -21,6 +21,7 @@ from ephemeral.policy import RunRequest
 from ephemeral.sandbox import handles
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
+from tests import runlevel
 from tests.api.conftest import SAMPLE_BODY, Member, new_member
 
 pytestmark = pytest.mark.sandbox
@@ -31,11 +32,8 @@ SLOW = {**SAMPLE_BODY, "model": "replay/api-slow"}
 @pytest.fixture
 async def one_slot(api_settings: Settings) -> AsyncIterator[Runtime]:
     settings = api_settings.model_copy(update={"max_concurrent_runs": 1, "max_queued_runs": 1})
-    rt = await Runtime.start(settings)
-    try:
+    async with runlevel.started(settings) as rt:
         yield rt
-    finally:
-        await rt.close()
 
 
 @pytest.fixture

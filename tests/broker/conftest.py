@@ -21,6 +21,7 @@ from ephemeral.policy import RunRequest
 from ephemeral.providers.base import ToolCall
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
+from tests import runlevel
 from tests.run.conftest import make_cassette  # noqa: F401  (a fixture the run test uses)
 
 CANARY = "canary-5f3a9c1e7b2d4068-secret"
@@ -130,11 +131,8 @@ def broker_settings(tmp_path: Path, cassettes: Path) -> Settings:
 
 @pytest.fixture
 async def runtime(broker_settings: Settings) -> AsyncIterator[Runtime]:
-    rt = await Runtime.start(broker_settings)
-    try:
+    async with runlevel.started(broker_settings) as rt:
         yield rt
-    finally:
-        await rt.close()
 
 
 _ids = itertools.count()

@@ -11,6 +11,7 @@ import pytest
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from ephemeral.testing.providers import FakeAnthropicServer, FakeOpenAIServer
+from tests import runlevel
 from tests.egress.conftest import isolation  # noqa: F401  (a fixture)
 from tests.run.conftest import make_cassette  # noqa: F401  (a fixture)
 
@@ -50,11 +51,8 @@ def broker_settings(
 
 @pytest.fixture
 async def runtime(broker_settings: Settings) -> AsyncIterator[Runtime]:
-    rt = await Runtime.start(broker_settings)
-    try:
+    async with runlevel.started(broker_settings) as rt:
         yield rt
-    finally:
-        await rt.close()
 
 
 from tests.sessions.conftest import http, member  # noqa: E402, F401  (fixtures, over our runtime)

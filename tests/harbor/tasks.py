@@ -53,6 +53,9 @@ def _write(root: Path, files: dict[str, str]) -> None:
 
 
 REWARD = "then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n"
+# the verifier of a task whose score the test does not look at, and a solution that does nothing
+SCORES_ONE = "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n"
+DOES_NOTHING = "#!/bin/bash\ntrue\n"
 
 # The apt packages of every Dockerfile here are the same list: one package layer for them all.
 APT = (
@@ -158,7 +161,7 @@ def sleeper(root: Path) -> None:
         "task.toml": _toml("sleeper", 'docker_image = "debian:bookworm"\n'),
         "instruction.md": "Sleep.\n",
         "solution/solve.sh": "#!/bin/bash\nsleep 60\n",
-        "tests/test.sh": "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n",
+        "tests/test.sh": SCORES_ONE,
     })  # fmt: skip
 
 
@@ -168,8 +171,8 @@ def unsupported(root: Path) -> None:
         "task.toml": _toml("unsupported", ""),
         "instruction.md": "Nothing.\n",
         "environment/Dockerfile": "FROM debian:bookworm\nRUN true\nHEALTHCHECK CMD true\n",
-        "solution/solve.sh": "#!/bin/bash\ntrue\n",
-        "tests/test.sh": "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n",
+        "solution/solve.sh": DOES_NOTHING,
+        "tests/test.sh": SCORES_ONE,
     })  # fmt: skip
 
 
@@ -179,8 +182,8 @@ def public(root: Path) -> None:
         "task.toml": _toml("public", "").replace('network_mode = "no-network"', ""),
         "instruction.md": "Nothing.\n",
         "environment/Dockerfile": "FROM debian:bookworm\n",
-        "solution/solve.sh": "#!/bin/bash\ntrue\n",
-        "tests/test.sh": "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n",
+        "solution/solve.sh": DOES_NOTHING,
+        "tests/test.sh": SCORES_ONE,
     })  # fmt: skip
 
 

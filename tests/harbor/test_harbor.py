@@ -8,16 +8,14 @@ on each task; ``harbor run`` exits 0 even when trials fail, so every trial's res
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests import costs
 from tests.harbor import tasks
-from tests.harbor.tasks import REPO, Trial, trials
+from tests.harbor.tasks import Trial, trials
 
 pytestmark = pytest.mark.sandbox
 
@@ -38,13 +36,7 @@ def _by_task(found: list[Trial]) -> dict[tuple[str, str], Trial]:
 def _sessions(state: Path) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPHEMERAL_URL")}
     env["EPHEMERAL_STATE_DIR"] = str(state)
-    costs = subprocess.run(
-        [sys.executable, "-m", "ephemeral.cli", "costs", "--by", "kind", "--since", "all",
-         "--format", "json"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert costs.returncode == 0, costs.stderr
-    rows = {r["key"]: r for r in json.loads(costs.stdout)}
+    rows = costs.by_kind(env)
     assert rows["session"]["compute_micros"] > 0
     return int(rows["session"]["runs"])
 

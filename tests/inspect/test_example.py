@@ -3,7 +3,6 @@ its sessions are in ``ephemeral costs --by kind``; an eval cut short leaves no s
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from inspect_ai.log import read_eval_log
 from ephemeral.inspect_provider import EphemeralSandboxConfig, EphemeralSandboxEnvironment
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
+from tests import costs
 
 pytestmark = pytest.mark.sandbox
 REPO = Path(__file__).resolve().parents[2]
@@ -40,13 +40,7 @@ def test_example_task_runs_offline_in_ephemeral_sandboxes(tmp_path: Path) -> Non
     assert log.results.scores[0].metrics["accuracy"].value == 1.0
     assert log.samples is not None and len(log.samples) == 3
 
-    costs = subprocess.run(
-        [sys.executable, "-m", "ephemeral.cli", "costs", "--by", "kind", "--since", "all",
-         "--format", "json"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert costs.returncode == 0, costs.stderr
-    rows = {r["key"]: r for r in json.loads(costs.stdout)}
+    rows = costs.by_kind(env)
     assert rows["session"]["runs"] == 3 and rows["session"]["compute_micros"] > 0
     assert list((state / "sandboxes").glob("*.json")) == []
 

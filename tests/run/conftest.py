@@ -53,12 +53,5 @@ def run_settings(tmp_path: Path, cassettes: Path) -> Settings:
 
 @pytest.fixture
 async def runtime(run_settings: Settings) -> AsyncIterator[Runtime]:
-    rt = await Runtime.start(run_settings)
-    left: list[str] = []
-    try:
+    async with runlevel.started(run_settings, check=True) as rt:
         yield rt
-        left = await runlevel.before_close(rt)
-    finally:
-        await rt.close()
-    left += await runlevel.after_close(rt)
-    assert not left, f"the test left: {left}"

@@ -7,6 +7,7 @@ test's tmp directory, so other users of the shared cache see nothing."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,13 +26,21 @@ def isolated_settings(
         state_dir=tmp_path / "state", cache_dir=tmp_path / "cache", images_dir=defs
     )
     layers = images.chain(images.definition_dir(settings, name))
-    digest = images._base_hash(images._layer_spec([d for _, d in layers]))[:16]
-    layer = shared.image_cache_dir / "base" / digest
-    if not (layer / "done").is_file():
-        unavailable(f"the mmdebstrap layer {layer} is not built (make setup)")
-    link = settings.image_cache_dir / "base" / digest
-    link.parent.mkdir(parents=True, exist_ok=True)
-    link.symlink_to(layer)
+    link_shared_layer(settings, shared, images._layer_spec([d for _, d in layers]))
     # the microVM's boot artifacts are another module's business and take minutes
     monkeypatch.setattr(images, "build_with_image", lambda *_: None)
     return settings
+
+
+def link_shared_layer(
+    settings: Settings, shared: Settings, spec: dict[str, Any], of: str = ""
+) -> None:
+    """Link the mmdebstrap layer of ``spec`` in ``shared``'s cache into ``settings``' cache
+    (skips when that layer is not built; ``of`` names its image in the reason)."""
+    digest = images._base_hash(spec)[:16]
+    layer = shared.image_cache_dir / "base" / digest
+    if not (layer / "done").is_file():
+        unavailable(f"the mmdebstrap layer {layer}{of} is not built (make setup)")
+    link = settings.image_cache_dir / "base" / digest
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(layer)

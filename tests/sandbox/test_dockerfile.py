@@ -14,6 +14,7 @@ import pytest
 from ephemeral import errors
 from ephemeral.sandbox import dockerfile as df
 from ephemeral.sandbox import images
+from ephemeral.sandbox.dockerfile import context as df_context
 from ephemeral.settings import Settings
 
 
@@ -294,11 +295,11 @@ def _copy_step(sources: list[str], dest: str = "/d/", as_dir: bool = True) -> df
 
 def test_globs_match_one_path_part_per_pattern_part(tmp_path: Path) -> None:
     ctx = _ctx(tmp_path, {"a.txt": "", "b.txt": "", "c.md": "", "sub/d.txt": "", "hom1": ""})
-    assert df._match_sources(ctx, "*.txt") == ["a.txt", "b.txt"]
-    assert df._match_sources(ctx, "*/*.txt") == ["sub/d.txt"]
-    assert df._match_sources(ctx, "hom?") == ["hom1"]
-    assert df._match_sources(ctx, "[ab].txt") == ["a.txt", "b.txt"]
-    assert df._match_sources(ctx, "nothing*") == []
+    assert df_context._match_sources(ctx, "*.txt") == ["a.txt", "b.txt"]
+    assert df_context._match_sources(ctx, "*/*.txt") == ["sub/d.txt"]
+    assert df_context._match_sources(ctx, "hom?") == ["hom1"]
+    assert df_context._match_sources(ctx, "[ab].txt") == ["a.txt", "b.txt"]
+    assert df_context._match_sources(ctx, "nothing*") == []
 
 
 def test_sources_stay_in_the_context_and_links_out_are_refused(tmp_path: Path) -> None:
@@ -312,14 +313,14 @@ def test_sources_stay_in_the_context_and_links_out_are_refused(tmp_path: Path) -
     assert ctx.entries["outdir"] == "l"  # a link to a directory is never walked
     plan = df.Plan(path="Dockerfile", base="default")
     with pytest.raises(errors.DockerfileError, match="symlink out of the context") as exc:
-        df._inside(ctx, "out", plan, _copy_step(["out"]))
+        df_context._inside(ctx, "out", plan, _copy_step(["out"]))
     assert (exc.value.line, exc.value.instruction) == (2, "COPY")
     with pytest.raises(errors.DockerfileError, match="symlink out of the context"):
-        df._inside(ctx, "outdir", plan, _copy_step(["outdir"]))
-    host, kind = df._inside(ctx, "inner", plan, _copy_step(["inner"]))
+        df_context._inside(ctx, "outdir", plan, _copy_step(["outdir"]))
+    host, kind = df_context._inside(ctx, "inner", plan, _copy_step(["inner"]))
     assert (host, kind) == ((root / "in.txt").resolve(), "f")
     with pytest.raises(errors.DockerfileError, match="not found in the build context"):
-        df._inside(ctx, "missing", plan, _copy_step(["missing"]))
+        df_context._inside(ctx, "missing", plan, _copy_step(["missing"]))
 
 
 def test_a_copied_tree_is_its_included_entries_and_links_stay_links(tmp_path: Path) -> None:
@@ -334,7 +335,7 @@ def test_a_copied_tree_is_its_included_entries_and_links_stay_links(tmp_path: Pa
     ctx = df.scan_context(root, df.parse_dockerignore("**/*.pyc\n!src/keep.pyc\n"), "D")
     out = tmp_path / "staged"
     out.mkdir()
-    df._stage_tree(ctx, "src", root / "src", out)
+    df_context._stage_tree(ctx, "src", root / "src", out)
     found = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
     assert found == ["a.py", "keep.pyc", "link", "sub", "sub/b.py"]
     assert os.readlink(out / "link") == "/etc/shadow"  # copied as a link, never followed

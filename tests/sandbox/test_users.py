@@ -108,3 +108,16 @@ def test_read_passwd_follows_no_link_of_the_image(tmp_path: Path) -> None:
     (rootfs / "etc").rmdir()
     (rootfs / "etc").symlink_to(other)
     assert users.read_passwd(rootfs) is None
+
+
+def test_the_group_file_is_read_as_passwd_is(tmp_path: Path) -> None:
+    # the Dockerfile builder's USER NAME:GROUP reads /etc/group through the same reader
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "etc").mkdir(parents=True)
+    (rootfs / "etc" / "group").write_text("staff:x:50:\n")
+    assert users.read_etc(rootfs, "group") == "staff:x:50:\n"
+    secret = tmp_path / "host-group"
+    secret.write_text("wheel:x:0:\n")
+    (rootfs / "etc" / "group").unlink()
+    (rootfs / "etc" / "group").symlink_to(secret)
+    assert users.read_etc(rootfs, "group") is None

@@ -34,15 +34,8 @@ def session_settings(tmp_path: Path) -> Settings:
 
 @pytest.fixture
 async def runtime(session_settings: Settings) -> AsyncIterator[Runtime]:
-    rt = await Runtime.start(session_settings)
-    left: list[str] = []
-    try:
+    async with runlevel.started(session_settings, check=True) as rt:
         yield rt
-        left = await runlevel.before_close(rt)
-    finally:
-        await rt.close()
-    left += await runlevel.after_close(rt)
-    assert not left, f"the test left: {left}"
 
 
 @pytest.fixture

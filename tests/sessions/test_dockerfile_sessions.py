@@ -15,10 +15,12 @@ import httpx
 import pytest
 
 from ephemeral.sandbox import dockerfile, images
+from ephemeral.sandbox.dockerfile import builder as df_builder
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
+from tests import runlevel
 from tests.api.conftest import Member
-from tests.drivers import unavailable
+from tests.sandbox.image_cache import link_shared_layer
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -73,13 +75,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Settings, images.Im
     shared = Settings.load()
     layers = images.chain(images.definition_dir(settings, plan.base))
     spec = images._layer_spec([d for _, d in layers], tuple(plan.packages))
-    digest = images._base_hash(spec)[:16]
-    layer = shared.image_cache_dir / "base" / digest
-    if not (layer / "done").is_file():
-        unavailable(f"the mmdebstrap layer {layer} of python-dev is not built (make setup)")
-    link = settings.image_cache_dir / "base" / digest
-    link.parent.mkdir(parents=True, exist_ok=True)
-    link.symlink_to(layer)
+    link_shared_layer(settings, shared, spec, of=" of python-dev")
     config = dockerfile.build_dockerfile(
         ctx / "Dockerfile", name="df-session", build_args={"FLAVOUR": "mint"}, settings=settings
     )
@@ -122,11 +118,11 @@ def test_a_second_build_is_a_cache_hit(built: tuple[Settings, images.ImageConfig
     (ctx.parent / "hello.txt").write_text("changed\n")
     plan, ctx_files, data = dockerfile.load(ctx, None, {"FLAVOUR": "mint"}, settings)
     base = images.definition_hash(images.definition_dir(settings, plan.base))
-    assert dockerfile._digest(data, {"FLAVOUR": "mint"}, ctx_files, base) != config.hash
+    assert df_builder._digest(data, {"FLAVOUR": "mint"}, ctx_files, base) != config.hash
     (ctx.parent / "hello.txt").write_text("hello from the context\n")
     (ctx.parent / "debug.log").write_text("an ignored file changes nothing\n")
     plan, ctx_files, data = dockerfile.load(ctx, None, {"FLAVOUR": "mint"}, settings)
-    assert dockerfile._digest(data, {"FLAVOUR": "mint"}, ctx_files, base) == config.hash
+    assert df_builder._digest(data, {"FLAVOUR": "mint"}, ctx_files, base) == config.hash
 
 
 async def test_build_dockerfile_is_callable_from_a_running_loop(
@@ -154,11 +150,8 @@ def session_settings(built: tuple[Settings, images.ImageConfig], tmp_path: Path)
 
 @pytest.fixture
 async def runtime(session_settings: Settings) -> AsyncIterator[Runtime]:
-    rt = await Runtime.start(session_settings)
-    try:
+    async with runlevel.started(session_settings) as rt:
         yield rt
-    finally:
-        await rt.close()
 
 
 async def test_a_session_sees_the_files_env_cwd_and_user(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -28,22 +29,25 @@ def db_url(request: pytest.FixtureRequest) -> str:
     return str(request.getfixturevalue("postgres_db_url"))
 
 
+@contextlib.asynccontextmanager
+async def open_store(url: str) -> AsyncIterator[Store]:
+    store = await Store.open(url)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
 @pytest.fixture
 async def store(db_url: str) -> AsyncIterator[Store]:
-    opened = await Store.open(db_url)
-    try:
-        yield opened
-    finally:
-        await opened.close()
+    async with open_store(db_url) as s:
+        yield s
 
 
 @pytest.fixture
 async def sqlite_store(sqlite_url: str) -> AsyncIterator[Store]:
-    opened = await Store.open(sqlite_url)
-    try:
-        yield opened
-    finally:
-        await opened.close()
+    async with open_store(sqlite_url) as s:
+        yield s
 
 
 @pytest.fixture
