@@ -28,9 +28,11 @@ floor beside the figure, and the summary prints the ratio.
 
 "Charged while queued": a run that never got a slot but was charged anything; or charged
 compute without a ``sandbox.ready`` event; or whose ``sandbox.ready`` is before its slot grant
-(``started_at``); or whose compute charge exceeds what its sandbox accrued, measured from the
-events (rate * (``sandbox.destroyed`` - ``sandbox.ready`` + 1 s of clock slack)). The sum of
-compute charged is printed beside rate * the summed measured sandbox time.
+(``started_at``); or whose sandbox lifetime (``sandbox.destroyed``'s ``lifetime_ms``, the
+host's clock from attach to destroy) does not fit between the slot grant and ``ended_at``; or
+whose compute charge exceeds rate * that lifetime. (``sandbox.ready``'s own timestamp is when
+its store write landed, up to seconds after the attach under load, so it is no measure of the
+lifetime.) The sum of compute charged is printed beside rate * the summed lifetimes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 import tempfile
@@ -150,21 +153,19 @@ def compute_rate(settings: Settings) -> int:
 
 
 def sandbox_seconds(events: list[dict[str, Any]]) -> tuple[Any, float | None]:
-    """(``sandbox.ready`` time, seconds from it to ``sandbox.destroyed``) from a run's events."""
+    """(``sandbox.ready`` time, the sandbox's lifetime in s from ``sandbox.destroyed``)."""
     ready = next((e for e in events if e["type"] == "sandbox.ready"), None)
     gone = next((e for e in events if e["type"] == "sandbox.destroyed"), None)
     if ready is None:
         return None, None
-    ready_at = at(ready["at"])
-    if gone is None or ready_at is None:
-        return ready_at, None
-    return ready_at, (at(gone["at"]) - ready_at).total_seconds()  # type: ignore[operator]
+    lifetime = (gone.get("data") or {}).get("lifetime_ms") if gone else None
+    return at(ready["at"]), None if lifetime is None else int(lifetime) / 1000
 
 
 def charged_while_queued(outcome: Outcome, rate: int) -> bool:
     run = outcome.run or {}
     cost = run.get("cost") or {}
-    started = at(run.get("started_at"))
+    started, ended = at(run.get("started_at")), at(run.get("ended_at"))
     if started is None:
         return int(cost.get("charged_micros") or 0) > 0
     compute = int((cost.get("breakdown") or {}).get("compute_micros") or 0)
@@ -173,9 +174,11 @@ def charged_while_queued(outcome: Outcome, rate: int) -> bool:
         return compute > 0
     if ready_at < started:
         return True  # a sandbox of this run before its slot grant
-    if seconds is None:
+    if seconds is None or ended is None:
         return False
-    return compute > rate * (seconds + 1.0) + 1
+    if seconds > (ended - started).total_seconds() + 0.01:
+        return True  # a sandbox lifetime that does not fit between slot grant and end
+    return compute > math.ceil(rate * (seconds + 0.001)) + 1  # lifetime_ms is rounded down
 
 
 def analyse(outcomes: list[Outcome], rate: int) -> dict[str, Any]:
@@ -225,6 +228,9 @@ def analyse(outcomes: list[Outcome], rate: int) -> dict[str, Any]:
     }
 
 
+# Server log lines worth counting after a soak; a lease that expired is logged by
+# ephemeral/service.py as "the lease of host … expired".
+NEEDLES = ("execution failed", "database is locked", "Traceback", "lease of host", "renewal failed")
 SANDBOX_COMMS = ("bwrap", "runsc", "runsc-gofer", "runsc-sandbox")
 
 
@@ -440,7 +446,7 @@ async def soak(
             f"{sum(rec.values())} µ$ vs {sum(ledger.values())} µ$",
         )
         log = served.log.read_text(errors="replace")
-        for needle in ("execution failed", "database is locked", "Traceback", "lease expired"):
+        for needle in NEEDLES:
             print(f"  server log: {log.count(needle)} {needle!r} lines")
         checks("no 'database is locked' in the server log", "database is locked" not in log)
         ids = set(ledger)
