@@ -77,12 +77,26 @@ class Row:
         return (self.cpu["machine"] - self.floor * self.wall) / self.runs
 
 
+async def get_json(client: httpx.AsyncClient, path: str, attempts: int = 5) -> Any:
+    """A GET, tried again after a dropped connection: a keep-alive connection the server closed
+    just as this client reused it ends in ``RemoteProtocolError`` (seen under load), and one
+    such drop must not end the whole bench."""
+    for attempt in range(attempts):
+        try:
+            return (await client.get(path)).json()
+        except httpx.TransportError:
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(0.5)
+    return None
+
+
 async def one(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[str, float | None]:
     run, _ = await post_run(client, body, f"tp-{uuid.uuid4().hex}")
     if run is None:
         return "never-admitted", None
     events = await follow(client, run["id"])
-    final = (await client.get(f"/v1/runs/{run['id']}")).json()
+    final = await get_json(client, f"/v1/runs/{run['id']}")
     status = final.get("status", "?")
     if status not in TERMINAL_STATUSES or not events or events[-1]["type"] != "run.settled":
         status = f"stuck:{status}"
