@@ -16,9 +16,12 @@ Measured the way the public cross-provider sandbox benchmark does it, on loopbac
   agent can act), over the seed-shaped request followed on its SSE stream.
 - **runs, burst**: ``--burst`` runs POSTed at once: burst start → each ``worker.started``.
 
-The floor, measured in this process in the same sitting: the bare driver, with a warm pool of
-the same size (acquire + exec ``python3 -V``, sequential), and ``--burst`` bare creates + exec
-at once for the bursts. One ``ephemeral serve`` subprocess per level (Prefect on unless
+The floors, measured in this process in the same sitting: the bare runtime (``runsc do true``
+for gvisor, ``bwrap ... true`` for namespaces: p50 of ``--n`` one after another, and
+``--burst`` of them at once), an exec on the in-process fake driver (the cost of the host side
+of an exec with no sandbox), the bare driver with a warm pool of the same size (acquire + exec
+``python3 -V``, sequential), and ``--burst`` bare creates + exec at once, each failure's reason
+printed. One ``ephemeral serve`` subprocess per level (Prefect on unless
 ``--no-prefect``; slots and queue sized to the burst). Asserts nothing.
 """
 
@@ -37,6 +40,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.sandbox import timed_proc
 from bench.served import (
     SEED_BODY,
     at,
@@ -98,22 +102,81 @@ async def floor_burst(level: str, n: int) -> tuple[list[float], int]:
     driver = get_driver(level, Settings.load(state_dir=state))
     t0 = time.monotonic()
 
+    whys: dict[str, int] = {}
+
+    def failed(why: str) -> None:
+        whys[why[:160]] = whys.get(why[:160], 0) + 1
+
     async def one() -> float | None:
         try:
             sbx = await driver.create(owner="floor", limits=Limits(lifetime_seconds=300))
-        except Exception:
+        except Exception as exc:
+            failed(f"create: {exc}")
             return None
         try:
             res = await sbx.exec(PROBE, timeout=120)
+            if res.exit_code != 0:
+                failed(f"exec exit {res.exit_code}")
             return (time.monotonic() - t0) * 1000 if res.exit_code == 0 else None
-        except Exception:
+        except Exception as exc:
+            failed(f"exec: {exc}")
             return None
         finally:
-            await sbx.destroy()
+            try:
+                await sbx.destroy()
+            except Exception as exc:  # a teardown slowed past its deadline by the load
+                failed(f"destroy: {exc}")
 
     got = await asyncio.gather(*(one() for _ in range(n)))
+    for why, count in whys.items():
+        print(f"    floor burst failures: {count} x {why}")
     ok = [g for g in got if g is not None]
     return ok, n - len(ok)
+
+
+def bare_argv(level: str, rootfs: Path, root: str) -> list[str]:
+    """The runtime alone starting ``true``: the floor of a cold start on ``level``."""
+    if level == "gvisor":
+        return ["runsc", f"--root={root}", "--network=none", "--platform=ptrace", "do", "true"]
+    return [
+        *("bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"),
+        *("--ro-bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev", "--", "/bin/true"),
+    ]
+
+
+async def floor_bare(level: str, n: int, burst: int) -> tuple[list[float], list[float]]:
+    """(ms of ``n`` bare runtime starts one after another, ms to each of ``burst`` at once)."""
+    from ephemeral.sandbox import images
+
+    settings = Settings.load()
+    rootfs = await images.ensure_image(settings, settings.image)
+    with tempfile.TemporaryDirectory() as root:
+        argv = bare_argv(level, rootfs, root)
+        seq = [await timed_proc(argv) for _ in range(n)]
+        t0 = time.monotonic()
+
+        async def one() -> float:
+            await timed_proc(argv)
+            return (time.monotonic() - t0) * 1000
+
+        at_once = list(await asyncio.gather(*(one() for _ in range(burst)))) if burst else []
+    return seq, at_once
+
+
+async def floor_fake_exec(n: int) -> list[float]:
+    """An exec on the in-process fake driver: the host side of an exec without a sandbox."""
+    from ephemeral.testing.sandbox import FakeDriver
+
+    sbx = await FakeDriver().create(owner="floor", limits=Limits(lifetime_seconds=60))
+    out = []
+    try:
+        for _ in range(n):
+            t0 = time.monotonic()
+            await sbx.exec(PROBE, timeout=30)
+            out.append((time.monotonic() - t0) * 1000)
+    finally:
+        await sbx.destroy()
+    return out
 
 
 # sessions through the API ------------------------------------------------------------------
@@ -243,6 +306,10 @@ def client_for(url: str, key: str, burst: int) -> httpx.AsyncClient:
 
 async def level_bench(args: argparse.Namespace, level: str) -> None:
     print(f"== {level}", flush=True)
+    bare_seq, bare_burst = await floor_bare(level, args.n, args.burst)
+    bare = "runsc do true" if level == "gvisor" else "bwrap true"
+    print(seq_line(f"floor: bare {bare}", bare_seq), flush=True)
+    print(seq_line("floor: fake driver exec (in process)", await floor_fake_exec(args.n)))
     floor_seq = await floor_sequential(level, args.n, args.pool, args.pause)
     print(seq_line("floor: warm pool acquire + exec", floor_seq), flush=True)
     state = Path(tempfile.mkdtemp(prefix=f"ephemeral-tti-{level}-"))
@@ -267,6 +334,11 @@ async def level_bench(args: argparse.Namespace, level: str) -> None:
         # the floor ran would fail the first request sent on it.
         async with client_for(served.url, key, args.burst) as client:
             if args.burst:
+                print(
+                    burst_line(
+                        f"floor: {args.burst} bare {bare} at once", bare_burst, 0, args.burst
+                    )
+                )
                 ms, failed = await floor_burst(level, args.burst)
                 print(burst_line("floor: bare create + exec at once", ms, failed, args.burst))
                 await asyncio.sleep(3)

@@ -19,14 +19,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ephemeral import errors, ids
-from ephemeral.sandbox import cgroups, handles, images, sidechannel
+from ephemeral.sandbox import cgroups, handles, images, sidechannel, spawn
 from ephemeral.sandbox.base import Handle, Limits, Sandbox
 from ephemeral.sandbox.cgroups import CgroupSet
 from ephemeral.sandbox.guest import GuestBacked, GuestClient
 from ephemeral.settings import Settings
 
 STDERR_KEEP = 64 * 1024  # the runtime's own log: kept for diagnostics, never unbounded
-HELLO_TIMEOUT = 20.0
+# From the spawn to the agent's hello. It only bounds a runtime that hangs (one that fails says
+# so at once: the channel closes). 20 s killed boots that were progressing: 100 runsc starts at
+# once under load 130 here had 3 still importing the agent's modules at 20 s (runsc's log).
+HELLO_TIMEOUT = 60.0
 
 
 class ProcessSandbox(GuestBacked):
@@ -58,7 +61,7 @@ class ProcessSandbox(GuestBacked):
         self._handle_file: Path = handle_file
         self._cgroups = cgroups
         self._cleanup = cleanup
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: spawn.Child | None = None
         self._stderr = bytearray()
         self._stderr_task: asyncio.Task[None] | None = None
         self._created = time.monotonic()
@@ -76,24 +79,17 @@ class ProcessSandbox(GuestBacked):
             join = " && ".join(f"echo $$ > {shlex.quote(f)}" for f in self._cgroups.procs_files)
             join += " && "
         script = join + 'exec "$@"'
-        self._proc = await asyncio.create_subprocess_exec(
-            "/bin/sh",
-            "-c",
-            script,
-            "sh",
-            *argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-            pass_fds=tuple(pass_fds),
+        # spawn, not the loop's subprocess_exec: only the stdio and pass_fds may reach the
+        # runtime, whatever the loop (spawn.py says what uvloop leaked into runsc's boots)
+        self._proc = await spawn.spawn(
+            ["/bin/sh", "-c", script, "sh", *argv],
+            pass_fds=pass_fds,
             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
         )
         self._handle.pgid = self._proc.pid
         self._handle.pids = [self._proc.pid]
         handles.write(self._handle_file.parent, self._handle)
-        assert self._proc.stdout is not None and self._proc.stdin is not None
-        _widen_pipes(self._proc)
+        _widen_pipes(self._proc.pipe_fds())
         self._stderr_task = asyncio.create_task(self._drain_stderr())
         self._client = GuestClient(self._proc.stdout, self._proc.stdin, label=self.id)
         try:
@@ -109,7 +105,7 @@ class ProcessSandbox(GuestBacked):
         self._start_lifetime()
 
     async def _drain_stderr(self) -> None:
-        assert self._proc is not None and self._proc.stderr is not None
+        assert self._proc is not None
         # rate-limited: a guest flooding this pipe blocks on it instead of costing host CPU
         await sidechannel.drain(self._proc.stderr, self._stderr, keep=STDERR_KEEP)
 
@@ -128,7 +124,7 @@ class ProcessSandbox(GuestBacked):
         return found
 
     async def _teardown(self) -> None:
-        if self._proc is not None and self._proc.stdin is not None:
+        if self._proc is not None:
             self._proc.stdin.close()
         # Everything the handle names, in the order that cannot leave orphans: kill the
         # process group and the cgroup's members, reap, then remove cgroups and files.
@@ -138,7 +134,7 @@ class ProcessSandbox(GuestBacked):
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(self._stderr_task, 0.5)
         if self._proc is not None:
-            close_pipes(self._proc)
+            self._proc.close_pipes()
             with contextlib.suppress(ProcessLookupError, TimeoutError):
                 await asyncio.wait_for(self._proc.wait(), 10.0)
         if self._cleanup is not None:
@@ -156,21 +152,14 @@ PIPE_BYTES = 1 << 20  # the channel's pipes: room for several whole egress data 
 F_SETPIPE_SZ = 1031
 
 
-def _widen_pipes(proc: asyncio.subprocess.Process) -> None:
+def _widen_pipes(fds: Sequence[int]) -> None:
     """Grow the channel's pipes from the kernel's 64 KiB to 1 MiB (the unprivileged maximum by
     default). A 128 KiB egress data frame then goes in one write and one wakeup instead of
     several; gVisor's guest cannot do this itself (its stdio are the host's pipes, which
     ``fcntl`` inside the Sentry does not reach). Best effort: a smaller pipe still works."""
-    transport = getattr(proc, "_transport", None)
-    if transport is None:
-        return
-    for fd in (0, 1):
-        pipe = transport.get_pipe_transport(fd)
-        info = pipe.get_extra_info("pipe") if pipe is not None else None
-        if info is None:
-            continue
+    for fd in fds:
         with contextlib.suppress(OSError):
-            fcntl.fcntl(info.fileno(), F_SETPIPE_SZ, PIPE_BYTES)
+            fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
 
 
 def close_pipes(proc: asyncio.subprocess.Process) -> None:

@@ -116,8 +116,9 @@ class SandboxSource:
         """A sandbox for the run or session ``owner``: warm from the pool, else booted.
 
         A boot that fails is tried again (``BOOT_ATTEMPTS`` in all): nothing has happened in a
-        sandbox that never started, and under a burst runsc now and then loses its own start
-        handshake ("cannot read client sync file"), measured by bench/tti.py."""
+        sandbox that never started. (The burst failures that made this necessary, runsc's
+        "cannot read client sync file", were the server's loop leaking fds into runsc: fixed
+        in ``spawn.py``; the retry stays for what a loaded host still throws at a boot.)"""
         for attempt in range(1, BOOT_ATTEMPTS + 1):
             try:
                 return await self._acquire_once(policy, owner, limits)
