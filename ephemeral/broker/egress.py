@@ -325,8 +325,6 @@ class Egress:
                     first += body
                     head.rest = b""
                 await self._pipe(stream, up_r, up_w, meter, first, event, head)
-                # The client's wait ends with the answer, not with the upstream's teardown.
-                await stream.close()
             finally:
                 up_w.close()
                 with contextlib.suppress(OSError, asyncio.CancelledError, TimeoutError):
