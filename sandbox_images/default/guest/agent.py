@@ -976,10 +976,15 @@ class Forwarder:
     host's broker decides what each stream may reach. Started only by the `egress` op, so a
     run without web or connections has no listener at all.
 
-    It replaces the agent's channel object: a reader thread takes every frame off the channel,
-    hands stream frames to their stream and queues requests for the (unchanged) serve loop;
-    writes are serialised by a lock. Stream frames (no "id"; the host speaks of them, and
-    checks every one it receives against the streams it knows):
+    It replaces the agent's channel object. One thread runs an epoll loop over the channel,
+    the listener and every accepted connection: it takes every frame off the channel, writes a
+    stream's bytes straight to its connection, reads connections into data frames and queues
+    requests for the (unchanged) serve loop. Nothing is spawned per connection and a byte
+    crosses no thread on its way (each hand-off is a wakeup, and on a loaded host a wakeup
+    waits for a core). Writes to the channel are non-blocking, from one buffer under a lock,
+    so the loop always goes back to reading the channel and neither side can wedge the other
+    with full pipes. Stream frames (no "id"; the host speaks of them, and checks every one it
+    receives against the streams it knows):
       agent -> {"s": N, "t": "open"}            a connection was accepted (N = 1, 2, 3, ...)
             |  {"s": N, "t": "data", "d": B64}  bytes from the connection (<= STREAM_CHUNK)
             |  {"s": N, "t": "eof"}             the connection shut its sending side
@@ -990,7 +995,8 @@ class Forwarder:
     Data travels in binary frames too (no base64, no JSON): a 4-byte length with the high bit
     set (BINARY), then a 4-byte stream number and the bytes. The agent sends its data so, and
     takes either form from the host. Each side sends at most `window` bytes not yet
-    acknowledged, per stream.
+    acknowledged, per stream; what the host sends is bounded by the same window here (a
+    connection that does not read cannot make the agent hold more).
     """
 
     def __init__(self, channel, port, max_streams, window):
@@ -998,29 +1004,37 @@ class Forwarder:
         import socket
         import threading
 
-        self.inner = channel
+        self.socket = socket
+        self.rfd = channel.rfd
+        self.wfd = channel.wfd
         self.max_streams = max_streams
         self.window = window
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards `out`: the serve loop writes replies too
+        self.out = bytearray()  # bytes for the host not yet written to the channel
+        self.inbuf = bytearray()  # bytes from the host not yet a whole frame
         self.requests: queue.Queue = queue.Queue()
-        self.streams = {}
+        self.streams = {}  # sid -> _Stream
+        self.by_fd = {}  # fd -> _Stream
         self.next_sid = 1
         self.closed = False
-        self.threading = threading
-        self.queue_mod = queue
-        for fd in {channel.rfd, channel.wfd}:
+        for fd in {self.rfd, self.wfd}:
             try:  # a pipe channel (namespaces): room for whole data frames, fewer wakeups
                 import fcntl
 
                 fcntl.fcntl(fd, 1031, 1 << 20)  # F_SETPIPE_SZ
             except (OSError, ImportError):
                 pass
+            os.set_blocking(fd, False)
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.listener.bind(("127.0.0.1", port))
         self.listener.listen(64)
-        threading.Thread(target=self._read_channel, daemon=True).start()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.listener.setblocking(False)
+        self.ep = select.epoll()
+        self.ep.register(self.listener.fileno(), select.EPOLLIN)
+        self.ep.register(self.rfd, select.EPOLLIN)
+        self.want_out = False  # EPOLLOUT asked for on wfd
+        threading.Thread(target=self._run, daemon=True).start()
 
     # the serve loop's channel interface
     def read_frame(self):
@@ -1030,57 +1044,112 @@ class Forwarder:
         return item
 
     def write_frame(self, obj):
+        """A reply, written before this returns (as the plain channel does)."""
+        body = json.dumps(obj, separators=(",", ":")).encode("utf-8")
         with self.lock:
-            self.inner.write_frame(obj)
+            self.out += len(body).to_bytes(4, "big") + body
+        while True:
+            with self.lock:
+                self._flush()
+                if not self.out:
+                    return
+            if self.closed:
+                raise EOFError
+            select.select([], [self.wfd], [], 1.0)
 
-    def write_data(self, sid, data):
-        """One binary data frame, written whole under the channel's lock."""
-        head = ((len(data) + 4) | BINARY).to_bytes(4, "big") + sid.to_bytes(4, "big")
-        view = memoryview(head + data)
-        with self.lock:
-            while view:
-                try:
-                    n = os.write(self.inner.wfd, view)
-                except BlockingIOError:
-                    select.select([], [self.inner.wfd], [], 1.0)
-                    continue
-                except InterruptedError:
-                    continue
-                view = view[n:]
-
-    def _next_frame(self):
-        """A JSON frame as a dict, or (sid, bytes) for a binary data frame."""
-        header = int.from_bytes(self.inner._read_exact(4), "big")
-        if header & BINARY:
-            size = header & ~BINARY
-            if not 4 <= size <= STREAM_CHUNK + 4:
-                raise ProtocolError(f"binary frame of {size} bytes")
-            body = self.inner._read_exact(size)
-            return int.from_bytes(body[:4], "big"), body[4:]
-        if header > MAX_FRAME:
-            raise ProtocolError(f"frame too large: {header}")
-        obj = json.loads(self.inner._read_exact(header).decode("utf-8"))
-        if not isinstance(obj, dict):
-            raise ProtocolError("frame is not an object")
-        return obj
-
-    def _read_channel(self):
+    # -- the loop -------------------------------------------------------------------------
+    def _run(self):
         try:
             while True:
-                frame = self._next_frame()
-                if isinstance(frame, tuple):
-                    stream = self.streams.get(frame[0])
-                    if stream is not None:
-                        stream.outq.put(frame[1])
-                elif "s" in frame and "id" not in frame:
-                    self._from_host(frame)
-                else:
-                    self.requests.put(frame)
+                for fd, ev in self.ep.poll():
+                    if fd == self.rfd or fd == self.wfd:
+                        if ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
+                            self._read_channel()
+                    elif fd == self.listener.fileno():
+                        self._accept()
+                    else:
+                        stream = self.by_fd.get(fd)
+                        if stream is not None:
+                            stream.ready(ev)
+                with self.lock:
+                    self._flush()
+                    want = bool(self.out)
+                if want != self.want_out:
+                    self.want_out = want
+                    mask = select.EPOLLOUT if want else 0
+                    if self.wfd == self.rfd:
+                        self.ep.modify(self.wfd, select.EPOLLIN | mask)
+                    elif want:
+                        self.ep.register(self.wfd, select.EPOLLOUT)
+                    else:
+                        self.ep.unregister(self.wfd)
         except BaseException as exc:  # noqa: BLE001 - EOF or a broken channel ends the agent
             self.closed = True
+            if not isinstance(exc, (EOFError, ProtocolError)):
+                log(f"forwarder failed: {type(exc).__name__}: {exc}")
             self.requests.put(exc if isinstance(exc, (EOFError, ProtocolError)) else EOFError())
             for stream in list(self.streams.values()):
-                stream.abort()
+                stream.end()
+
+    def _flush(self):
+        """Write what the channel takes now (under the lock)."""
+        while self.out:
+            try:
+                n = os.write(self.wfd, self.out)
+            except (BlockingIOError, InterruptedError):
+                return
+            del self.out[:n]
+
+    def send(self, frame):
+        body = json.dumps(frame, separators=(",", ":")).encode("utf-8")
+        with self.lock:
+            self.out += len(body).to_bytes(4, "big") + body
+
+    def send_data(self, sid, data):
+        with self.lock:
+            self.out += ((len(data) + 4) | BINARY).to_bytes(4, "big") + sid.to_bytes(4, "big")
+            self.out += data
+
+    def _read_channel(self):
+        while True:
+            try:
+                chunk = os.read(self.rfd, 1 << 20)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not chunk:
+                if self.inbuf:
+                    raise ProtocolError("channel closed mid-frame")
+                raise EOFError
+            self.inbuf += chunk
+            if len(chunk) < (1 << 20):
+                break
+        buf = self.inbuf
+        pos = 0
+        while len(buf) - pos >= 4:
+            header = int.from_bytes(buf[pos : pos + 4], "big")
+            binary = header & BINARY
+            size = header & ~BINARY if binary else header
+            if binary and not 4 <= size <= STREAM_CHUNK + 4:
+                raise ProtocolError(f"binary frame of {size} bytes")
+            if size > MAX_FRAME:
+                raise ProtocolError(f"frame too large: {size}")
+            if len(buf) - pos - 4 < size:
+                break
+            body = bytes(buf[pos + 4 : pos + 4 + size])
+            pos += 4 + size
+            if binary:
+                stream = self.streams.get(int.from_bytes(body[:4], "big"))
+                if stream is not None:
+                    stream.from_host(body[4:])
+                continue
+            obj = json.loads(body.decode("utf-8"))
+            if not isinstance(obj, dict):
+                raise ProtocolError("frame is not an object")
+            if "s" in obj and "id" not in obj:
+                self._from_host(obj)
+            else:
+                self.requests.put(obj)
+        del buf[:pos]
 
     def _from_host(self, frame):
         stream = self.streams.get(frame.get("s"))
@@ -1091,111 +1160,172 @@ class Forwarder:
             try:
                 data = unb64(frame.get("d"), "d")
             except OpError:
-                stream.abort()
+                stream.end()
                 return
-            stream.outq.put(data)
+            stream.from_host(data)
         elif kind == "ack":
             n = frame.get("n")
-            if isinstance(n, int) and n > 0:
-                with stream.cond:
-                    stream.unacked = max(0, stream.unacked - n)
-                    stream.cond.notify_all()
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                stream.unacked = max(0, stream.unacked - n)
+                stream.arm()
         elif kind == "close":
-            stream.outq.put(None)
+            stream.host_closed()
 
     def _accept(self):
-        while not self.closed:
+        socket = self.socket
+        while True:
             try:
                 conn, _addr = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError:
-                if self.closed:
-                    return
-                time.sleep(0.05)
-                continue
+                return  # e.g. EMFILE: the next readiness tries again
             if len(self.streams) >= self.max_streams:
                 conn.close()  # over the cap: refused here, the host never hears of it
                 continue
+            conn.setblocking(False)
+            try:  # small writes go at once: no Nagle wait on the client's delayed ACK
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
             sid = self.next_sid
             self.next_sid += 1
             stream = _Stream(self, sid, conn)
             self.streams[sid] = stream
-            try:
-                self.write_frame({"s": sid, "t": "open"})
-            except Exception:  # noqa: BLE001 - the channel is gone; the reader ends the agent
-                stream.abort()
-                return
-            stream.start()
+            self.by_fd[stream.fd] = stream
+            self.send({"s": sid, "t": "open"})
+            stream.arm()
 
 
 class _Stream:
+    """One accepted connection, driven by the forwarder's loop only."""
+
     def __init__(self, fwd, sid, conn):
         self.fwd = fwd
         self.sid = sid
         self.conn = conn
-        self.outq = fwd.queue_mod.Queue()
-        self.cond = fwd.threading.Condition()
-        self.unacked = 0
-        self.done = False
+        self.fd = conn.fileno()
+        self.pending = bytearray()  # from the host, not yet taken by the connection
+        self.unacked = 0  # sent to the host, not yet acknowledged
+        self.written = 0  # the host's bytes written out and not yet acknowledged to it
+        self.read_done = False  # the connection's sending side ended (eof sent)
+        self.closing = False  # the host closed: end once `pending` is written
+        self.mask = None  # what epoll watches for this fd (None: not registered)
 
-    def start(self):
-        self.fwd.threading.Thread(target=self._upstream, daemon=True).start()
-        self.fwd.threading.Thread(target=self._downstream, daemon=True).start()
+    def arm(self):
+        if self.fd < 0:
+            return
+        mask = 0
+        if not self.read_done and self.unacked < self.fwd.window:
+            mask |= select.EPOLLIN
+        if self.pending:
+            mask |= select.EPOLLOUT
+        if mask == (self.mask or 0):
+            return
+        ep = self.fwd.ep
+        if not mask:
+            ep.unregister(self.fd)  # nothing to wait for (a HUP would otherwise spin)
+            self.mask = None
+        elif self.mask is None:
+            ep.register(self.fd, mask)
+            self.mask = mask
+        else:
+            ep.modify(self.fd, mask)
+            self.mask = mask
 
-    def _send(self, frame):
+    def ready(self, ev):
+        broken = ev & (select.EPOLLERR | select.EPOLLHUP)
+        if (self.pending and ev & select.EPOLLOUT) or broken:
+            self._write()
+        got = False
+        if self.fd >= 0 and not self.read_done and ev & (select.EPOLLIN | broken):
+            got = self._read()
+        if broken and self.fd >= 0 and not got:
+            # Reset or hung up, with nothing left to read: the error stays reported
+            # (level-triggered) until the fd is gone.
+            self.fwd.send({"s": self.sid, "t": "close"})
+            self.end()
+        self.arm()
+
+    def _read(self):
+        """connection -> host, within the window; whether bytes came."""
+        room = min(STREAM_CHUNK, self.fwd.window - self.unacked)
+        if room <= 0:
+            return False
         try:
-            self.fwd.write_frame(frame)
-        except Exception:  # noqa: BLE001
-            self.abort()
+            data = self.conn.recv(room)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            self.fwd.send({"s": self.sid, "t": "close"})
+            self.end()
+            return False
+        if not data:
+            self.read_done = True
+            self.fwd.send({"s": self.sid, "t": "eof"})
+            return False
+        self.unacked += len(data)
+        self.fwd.send_data(self.sid, data)
+        return True
 
-    def _upstream(self):
-        """connection -> host, within the window."""
-        while True:
-            with self.cond:
-                while self.unacked >= self.fwd.window and not self.done:
-                    self.cond.wait(1.0)
-                if self.done:
-                    return
+    def from_host(self, data):
+        """host -> connection: written now if the connection takes it, else when it can."""
+        if self.closing or self.fd < 0:
+            return
+        if len(self.pending) + len(data) > self.fwd.window:
+            self.fwd.send({"s": self.sid, "t": "close"})  # the host overran its window
+            self.end()
+            return
+        self.pending += data
+        self._write()
+        self.arm()
+
+    def _write(self):
+        written = 0
+        while self.pending:
             try:
-                data = self.conn.recv(STREAM_CHUNK)
+                n = self.conn.send(self.pending)
+            except (BlockingIOError, InterruptedError):
+                break
             except OSError:
-                data = None
-            if not data:
-                if not self.done:
-                    self._send({"s": self.sid, "t": "eof" if data == b"" else "close"})
+                self.fwd.send({"s": self.sid, "t": "close"})
+                self.end()
                 return
-            with self.cond:
-                self.unacked += len(data)
-            try:
-                self.fwd.write_data(self.sid, data)
-            except Exception:  # noqa: BLE001
-                self.abort()
+            del self.pending[:n]
+            written += n
+        # Acknowledged a quarter window at a time: the host only waits for credit once a whole
+        # window is out, so a short answer costs it no wakeup for an ack it does not need.
+        self.written += written
+        if self.written >= max(1, self.fwd.window // 4):
+            self.fwd.send({"s": self.sid, "t": "ack", "n": self.written})
+            self.written = 0
+        if self.closing and not self.pending:
+            self.end()
 
-    def _downstream(self):
-        """host -> connection; acknowledges what was written."""
-        import socket
+    def host_closed(self):
+        self.closing = True
+        if not self.pending:
+            self.end()
 
-        while True:
-            data = self.outq.get()
-            if data is None:
-                break
+    def end(self):
+        """Close the connection (idempotent); the stream is forgotten here."""
+        if self.fd < 0:
+            return
+        fwd = self.fwd
+        if self.mask is not None:
             try:
-                self.conn.sendall(data)
+                fwd.ep.unregister(self.fd)
             except OSError:
-                self._send({"s": self.sid, "t": "close"})
-                break
-            self._send({"s": self.sid, "t": "ack", "n": len(data)})
-        self.done = True
-        with self.cond:
-            self.cond.notify_all()
+                pass
+            self.mask = None
+        fwd.by_fd.pop(self.fd, None)
+        fwd.streams.pop(self.sid, None)
+        self.fd = -1
         try:
-            self.conn.shutdown(socket.SHUT_RDWR)
+            self.conn.shutdown(fwd.socket.SHUT_RDWR)
         except OSError:
             pass
         self.conn.close()
-        self.fwd.streams.pop(self.sid, None)
-
-    def abort(self):
-        self.outq.put(None)
 
 
 # ----------------------------------------------------------------------------- main
