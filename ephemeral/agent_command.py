@@ -24,15 +24,16 @@ import asyncio
 import contextlib
 import logging
 import posixpath
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from ephemeral import errors
 from ephemeral.lifecycle import StopRun
 from ephemeral.lifecycle import TerminationReason as Reason
 
 if TYPE_CHECKING:
-    from ephemeral.agent import AgentRun
+    from ephemeral.policy import Policy
     from ephemeral.sandbox.base import ExecResult, Sandbox
+    from ephemeral.store import RunRow
 
 log = logging.getLogger("ephemeral.run")
 
@@ -44,6 +45,31 @@ ANSWER_CAP: Final = 256 * 1024  # bytes of the `output` file read
 STDERR_TAIL_CHARS: Final = 4_000  # of stderr, in agent.exited
 WATCH_SECONDS: Final = 0.2  # how often a running agent is checked against cancel and budget
 KILL_WAIT_SECONDS: Final = 10.0
+
+
+class AgentRun(Protocol):
+    """What the step needs of its run (``ephemeral.agent.AgentRun``, which imports this)."""
+
+    row: RunRow
+    policy: Policy
+    model: str
+    image: str
+    workdir: str | None
+    sandbox: Sandbox | None
+    output: str | None
+
+    @property
+    def run_id(self) -> str: ...
+
+    def exec_env(self) -> dict[str, str]: ...
+
+    async def emit(self, type_: str, data: dict[str, Any]) -> None: ...
+
+    def _check_time(self) -> float: ...
+
+    def _check_egress(self) -> None: ...
+
+    async def _maybe_warn(self) -> None: ...
 
 
 def environment(run: AgentRun) -> dict[str, str]:
