@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any, Final
 import httpx
 
 from ephemeral import errors
+from ephemeral.broker import wire_formats as wire
 from ephemeral.providers.anthropic import AnthropicProvider
 from ephemeral.providers.base import Message, ToolCall, Usage, decode_arguments
 from ephemeral.providers.openai import OpenAIProvider
-from ephemeral.testing import providers as wire
 
 if TYPE_CHECKING:
     from ephemeral.broker.egress import GuestStream
