@@ -1,5 +1,8 @@
 """One run's agent loop, without Prefect: provision → (model step, tool steps)* → teardown → settle.
 
+An agent run (``policy.agent``) has one agent step instead of the turns: its own program in the
+sandbox (``ephemeral.agent_command``), calling its model through the gateway.
+
 Each step is a coroutine method of :class:`AgentRun`. :func:`drive` sequences them; it is the
 only place that knows the order, and it takes the step callables as a parameter so that the
 Prefect flow (``flows/agent_run.py``) wraps each step in a task while tests and
@@ -369,6 +372,13 @@ class AgentRun:
             return None
         return reply
 
+    async def agent_step(self) -> None:
+        """An agent run's one step: its own program in place of our loop's turns
+        (``ephemeral.agent_command``)."""
+        from ephemeral.agent_command import agent_step
+
+        await agent_step(self)
+
     async def tool_step(self, call: ToolCall) -> None:
         """Run one tool call the model asked for; anything not granted answers a tool error."""
         self._check_time()
@@ -580,16 +590,28 @@ class AgentRun:
             self.run_id,
             reason=self.reason or Reason.INFRA_ERROR,
             detail=self.detail,
-            usage={
-                "model_calls": self.model_calls,
-                "input_tokens": self.usage.input_tokens,
-                "output_tokens": self.usage.output_tokens,
-            },
+            usage=self._usage(),
             output=self.output,
             keep_output=not self.zdr,
             compute=self.compute,
             transcript=None if self.zdr else self._transcript(),
         )
+
+    def _usage(self) -> dict[str, int]:
+        """Our loop's model calls and those the sandbox's code made through the gateway."""
+        gateway = self.egress.gateway if self.egress is not None else None
+        calls, usage = self.model_calls, self.usage
+        if gateway is not None:
+            calls += gateway.calls
+            usage = Usage(
+                input_tokens=usage.input_tokens + gateway.usage.input_tokens,
+                output_tokens=usage.output_tokens + gateway.usage.output_tokens,
+            )
+        return {
+            "model_calls": calls,
+            "input_tokens": usage.input_tokens,
+            "output_tokens": usage.output_tokens,
+        }
 
     def _transcript(self) -> list[dict[str, Any]]:
         # A run whose model calls were its sandbox code's (the gateway) records those.
@@ -611,14 +633,15 @@ def _ms(a: datetime, b: datetime) -> int:
 @dataclass
 class Steps:
     """The step callables :func:`drive` sequences, in its order: provision, setup, (turn or
-    model_step + tool_step)*, verify, teardown, settle. Prefect tasks or the plain methods
-    (the default of each)."""
+    model_step + tool_step)* or, for an agent run (``policy.agent``), agent, then verify,
+    teardown, settle. Prefect tasks or the plain methods (the default of each)."""
 
     provision: Callable[[AgentRun], Awaitable[None]] = AgentRun.provision
     # Setup and verify are looked up on the run when called (a test may patch the method).
     setup: Callable[[AgentRun], Awaitable[None]] = lambda run: run.setup()
     model_step: Callable[[AgentRun], Awaitable[ModelReply | None]] = AgentRun.model_step
     tool_step: Callable[[AgentRun, ToolCall], Awaitable[None]] = AgentRun.tool_step
+    agent: Callable[[AgentRun], Awaitable[None]] = AgentRun.agent_step
     verify: Callable[[AgentRun], Awaitable[None]] = lambda run: run.verify()
     teardown: Callable[[AgentRun], Awaitable[None]] = AgentRun.teardown
     settle: Callable[[AgentRun], Awaitable[RunRow]] = AgentRun.settle
@@ -658,8 +681,11 @@ async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
         async with asyncio.timeout(max(0.0, run.agent_deadline - time.monotonic()) + 5.0):
             await steps.provision(run)
             await steps.setup(run)
-            while await (steps.turn(run) if steps.turn else take_turn(run, steps)):
-                pass
+            if run.policy.agent is not None:
+                await steps.agent(run)
+            else:
+                while await (steps.turn(run) if steps.turn else take_turn(run, steps)):
+                    pass
         run.reason, run.detail = Reason.COMPLETED, None
     except asyncio.CancelledError:
         run.reason, run.detail = Reason.CANCELLED, run.stop_detail or "cancelled by request"

@@ -321,8 +321,10 @@ class Engine:
                     "a zero-data-retention run can only execute in the process that admitted it"
                 )
             row = row.model_copy(update={"prompt": prompt})
+        if policy.agent is not None:  # its gateway grants the run's model beside `models`
+            policy = policy.model_copy(update={"models": policy.granted_models(row.model)})
         provider, provider_model = provider_for(row.model, self.settings)
-        image = policy.image or self.settings.image
+        image = policy.run_image or self.settings.image
         built = self.sandboxes.built_image(image)
         sandboxes = self.sandboxes
         return AgentRun(

@@ -43,6 +43,16 @@ EVENT_TYPES: dict[str, tuple[str, ...]] = {
         "truncated",
         "timed_out",
     ),
+    # An agent run's program (ephemeral.agent_command): its start and its end.
+    "agent.started": ("command", "image", "models", "prompt_file"),
+    "agent.exited": (
+        "exit_code",
+        "duration_ms",
+        "stderr",
+        "stdout_bytes",
+        "truncated",
+        "timed_out",
+    ),
     "sandbox.destroyed": ("lifetime_ms",),
     "run.succeeded": ("model_calls", "tokens", "reason"),
     "run.failed": ("model_calls", "tokens", "reason"),

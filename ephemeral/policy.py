@@ -191,6 +191,31 @@ def _web_value(value: object) -> object:
     raise PydanticCustomError("bool_type", "Input should be a valid boolean")
 
 
+MAX_AGENT_PATH_CHARS = 1_000
+
+
+class AgentSpec(_Strict):
+    """A program that is the run's agent instead of our loop (``agent:``, docs/recipes.md)."""
+
+    # Run with ``sh -c`` as worker in the scratch directory (or the image's workdir), with the
+    # prompt in $EPHEMERAL_PROMPT_FILE and the model gateway's variables.
+    command: Command
+    # The image it runs in (a built image, like ``image``); None: the run's ``image``.
+    image: str | None = Field(default=None, pattern=IMAGE_PATTERN)
+    # A file the agent writes its final answer to (absolute, or relative to where the command
+    # runs), read as worker once it exits; None: the answer is the command's stdout.
+    output: str | None = Field(default=None, min_length=1, max_length=MAX_AGENT_PATH_CHARS)
+
+    @field_validator("output")
+    @classmethod
+    def _output_path(cls, v: str | None) -> str | None:
+        if v is not None and _CONTROL.search(v):
+            raise ValueError("must not contain NUL or control characters")
+        if v is not None and v.endswith("/"):
+            raise ValueError("must name a file, not a directory")
+        return v
+
+
 class _Prompt(_Strict):
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     model: str | None = Field(default=None, pattern=MODEL_PATTERN)
@@ -219,6 +244,38 @@ class Policy(_Strict):
     # Models code inside the sandbox may call through the gateway (http://model.internal/,
     # ephemeral.broker.gateway), metered against this budget. Checked at admission.
     models: list[ModelName] = Field(default_factory=list, max_length=MAX_GRANTED_MODELS)
+    # A program of the run's own instead of our loop (ephemeral.agent.AgentRun.agent_step): it
+    # calls its model through the gateway, which grants it the run's model and ``models``.
+    agent: AgentSpec | None = None
+
+    @property
+    def run_image(self) -> str | None:
+        """The image the run's sandbox is made from: ``image``, else ``agent.image``."""
+        return self.image or (self.agent.image if self.agent is not None else None)
+
+    def granted_models(self, model: str | None) -> list[str]:
+        """What the gateway serves: ``models``, and for an agent run the run's ``model`` too
+        (the model it was asked to use; our loop's own calls do not go through the gateway)."""
+        first = [model] if self.agent is not None and model else []
+        return list(dict.fromkeys([*first, *self.models]))
+
+    @model_validator(mode="after")
+    def _agent_fits(self) -> Policy:
+        if self.agent is None:
+            return self
+        if not self.shell:
+            _fail(
+                ("shell",),
+                self.shell,
+                "cannot be false with `agent`: an agent is a command run in the sandbox",
+            )
+        if self.agent.image and self.image and self.agent.image != self.image:
+            _fail(
+                ("agent", "image"),
+                self.agent.image,
+                f"differs from image ({self.image!r}): the run has one sandbox; give one of them",
+            )
+        return self
 
     def verify_reserve_seconds(self) -> int:
         """The slice of the time limit kept for verify (0 without verify commands)."""

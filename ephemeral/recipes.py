@@ -46,7 +46,7 @@ from pydantic import (
 )
 
 from ephemeral import datasets, templates
-from ephemeral.checks import CHECK_KINDS, Check, ShellCondition, VerifyCondition
+from ephemeral.checks import CHECK_KINDS, Check, ShellCheck, ShellCondition, VerifyCondition
 from ephemeral.errors import InvalidRequest, RecipeError, UnknownModel
 from ephemeral.policy import (
     IMAGE_PATTERN,
@@ -55,6 +55,7 @@ from ephemeral.policy import (
     MAX_PROMPT_CHARS,
     MAX_STEP_COMMAND_CHARS,
     MAX_STEP_COMMANDS,
+    AgentSpec,
     Connection,
     FileSpec,
     Policy,
@@ -130,6 +131,9 @@ class Recipe(_Strict):
     )
     verify_timeout_seconds: int | None = Field(default=None, ge=1, le=3600)
     files_from: str | None = Field(default=None, min_length=1, max_length=1_000)
+    # A program of the recipe's own as the agent, instead of our loop (docs/recipes.md,
+    # "Agent runs"); not a template: the prompt reaches it as a file and a variable.
+    agent: AgentSpec | None = None
     # a directory (inside the recipe's) put under /tmp/verify after the agent's processes are
     # killed, before verify: files the agent never sees (ephemeral.verify)
     verify_files_from: str | None = Field(default=None, min_length=1, max_length=1_000)
@@ -715,7 +719,7 @@ def _read_tree(
         return [], (exc.errors or [{"message": exc.detail}])[0]["message"]
 
 
-_ENVIRONMENT = ("image", "setup", "verify", "verify_timeout_seconds")
+_ENVIRONMENT = ("image", "setup", "verify", "verify_timeout_seconds", "agent")
 _DATASET_FIELDS = ("dataset_filter", "dataset_sample", "dataset_limit")
 
 
@@ -762,6 +766,17 @@ def _environment_problems(recipe: Recipe, base_dir: Path | None) -> list[_Proble
         for name in _ENVIRONMENT
         if name in recipe.policy.model_fields_set
     ]
+    if recipe.agent is not None:
+        # Our loop's shell tool writes shell.executed; an agent's commands are its own.
+        problems += [
+            _Problem(
+                ("checks", i, "shell"),
+                "an agent run has no shell.executed events (its commands are the agent's "
+                "own): check verify, the output or the status instead",
+            )
+            for i, check in enumerate(recipe.checks)
+            if isinstance(check, ShellCheck)
+        ]
     files, why = _read_tree(recipe, base_dir, "files_from")
     if why is not None:
         problems.append(_Problem(("files_from",), why))

@@ -53,6 +53,25 @@ def describe(event: Event | dict[str, Any]) -> tuple[str, str]:
         return "Shell", f"{text}  → exit {d.get('exit_code')}" + (
             " (truncated)" if d.get("truncated") else ""
         )
+    if t == "agent.started":
+        cmd = d.get("command")
+        text = (
+            f"$ {_first_line(cmd)}" if cmd is not None else f"$ ({d.get('command_bytes', 0)} bytes)"
+        )
+        models = ", ".join(d.get("models") or []) or "no model"
+        return "Agent", f"{text} · in {d.get('image')} · models {models}"
+    if t == "agent.exited":
+        if d.get("killed"):
+            ending = f"killed: {d.get('killed')}"
+        elif d.get("timed_out"):
+            ending = "killed at the time limit"
+        else:
+            ending = f"exit {d.get('exit_code')}"
+        size = d.get("output_bytes")
+        answer = f" · answer {size} bytes" if size is not None else ""
+        problem = f" · {d['output_error']}" if d.get("output_error") else ""
+        seconds = (d.get("duration_ms") or 0) / 1000
+        return "Agent", f"{ending} after {seconds:.1f} s{answer}{problem}"
     if t == "sandbox.exec":
         cmd = d.get("command")
         text = (

@@ -1,4 +1,5 @@
-"""The ``agent-run`` flow: load, provision, one task per agent turn, teardown, settle.
+"""The ``agent-run`` flow: load, provision, one task per agent turn (or one for an agent run's
+program), teardown, settle.
 
 Only the run id is a flow parameter: Prefect's database stores parameters, and prompts and
 outputs must not land there (zero data retention would leak through it).
@@ -19,7 +20,7 @@ from ephemeral.service import Runtime, current
 from ephemeral.settings import Settings
 from ephemeral.tasks.run import load_run, settle
 from ephemeral.tasks.sandbox import provision_sandbox, teardown
-from ephemeral.tasks.steps import agent_turn
+from ephemeral.tasks.steps import agent_command, agent_turn
 
 T = TypeVar("T")
 
@@ -38,6 +39,7 @@ FLOW_STEPS = Steps(
     model_step=AgentRun.model_step,
     tool_step=AgentRun.tool_step,
     turn=lambda run: agent_turn(_q(run)),
+    agent=lambda run: agent_command(_q(run)),
     teardown=lambda run: teardown(_q(run)),
     settle=lambda run: settle(_q(run)),
 )

@@ -1,1 +1,1 @@
-"""Prefect tasks: load_run, provision_sandbox, agent_turn, teardown, settle."""
+"""Prefect tasks: load_run, provision_sandbox, agent_turn or agent_command, teardown, settle."""

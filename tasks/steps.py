@@ -1,4 +1,5 @@
-"""One task per agent turn: the model call and the shell commands it asked for.
+"""One task per agent turn (the model call and the shell commands it asked for), or one for an
+agent run's program.
 
 Never finer: Prefect's server records every task run (a row and three states), and on this
 box that recording, not the run's own work, was what capped the runs per second (docs/deploy.md).
@@ -18,3 +19,10 @@ async def agent_turn(run: AgentRun) -> bool:
     # (ephemeral.retry), and a shell command is never retried (it has side effects), so
     # Prefect-level retries stay off. Every call has its own deadline (ephemeral.agent).
     return await take_turn(run)
+
+
+@task(name="agent_command", **TASK_OPTIONS)
+async def agent_command(run: AgentRun) -> None:
+    # An agent run's one step: its program, start to exit (ephemeral.agent_command). Never
+    # retried: the program has side effects, and its model calls were charged.
+    await run.agent_step()

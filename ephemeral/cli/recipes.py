@@ -60,6 +60,9 @@ def _policy_summary(p: Policy) -> str:
         parts.append(f"setup {len(p.setup)} command(s)")
     if p.verify:
         parts.append(f"verify {len(p.verify)} command(s) in {p.verify_reserve_seconds()} s")
+    if p.agent is not None:
+        answer = f", answer in {p.agent.output}" if p.agent.output else ", answer on stdout"
+        parts.append(f"agent (own program) in image {p.run_image or 'default'}{answer}")
     return " · ".join(parts)
 
 

@@ -137,7 +137,7 @@ class SandboxSource:
 
     async def _acquire_once(self, policy: Policy, owner: str, limits: Limits) -> Sandbox:
         isolation = await self.isolation_for(policy.isolation)
-        image = policy.image or self.settings.image
+        image = policy.run_image or self.settings.image
         pool = self.pools.get((isolation, image))
         if pool is not None:
             sandbox: Sandbox = await pool.acquire(owner, limits)

@@ -37,6 +37,22 @@ from ephemeral.broker.wire_render import (  # the builders live with the gateway
 from ephemeral.errors import EphemeralError
 from ephemeral.providers.replay import load_cassette
 
+# The wire-format builders live beside the gateway, which renders replayed turns with them;
+# tests build their scripted replies from here.
+__all__ = [
+    "FakeAnthropicServer",
+    "FakeOpenAIServer",
+    "FakeReply",
+    "RecordedRequest",
+    "anthropic_message_response",
+    "anthropic_message_stream",
+    "openai_chat_response",
+    "openai_chat_stream",
+    "openai_responses_response",
+    "openai_responses_stream",
+    "sse",
+]
+
 MAX_REQUEST_BYTES: Final = 16 * 1024 * 1024
 
 
@@ -294,18 +310,3 @@ def _encode(body: dict[str, Any] | list[Any] | str | bytes | None) -> tuple[byte
     if isinstance(body, str):
         return body.encode(), "application/json"
     return json.dumps(body).encode(), "application/json"
-
-
-__all__ = [
-    "FakeAnthropicServer",
-    "FakeOpenAIServer",
-    "FakeReply",
-    "RecordedRequest",
-    "anthropic_message_response",
-    "anthropic_message_stream",
-    "openai_chat_response",
-    "openai_chat_stream",
-    "openai_responses_response",
-    "openai_responses_stream",
-    "sse",
-]

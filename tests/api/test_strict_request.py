@@ -45,6 +45,7 @@ REQUEST_FIELDS: dict[str, set[str]] = {
     "verify_timeout_seconds": {"integer", "null"},
     "verify_files": {"array"},
     "models": {"array"},
+    "agent": {"object", "null"},
 }
 FILE_FIELDS = {"path": {"string"}, "content_base64": {"string"}}
 CONNECTION_FIELDS = {"name": {"string"}, "methods": {"array"}, "paths": {"array"}}

@@ -71,6 +71,7 @@ def test_product_page_sample() -> None:
         "verify_timeout_seconds": None,
         "verify_files": [],
         "models": [],
+        "agent": None,
     }
 
 
