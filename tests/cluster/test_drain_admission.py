@@ -163,6 +163,38 @@ def test_drain_command_stops_a_worker_and_its_running_runs(cluster: Cluster, api
     assert cluster.org_reserved("acme") == 0
 
 
+def test_a_second_sigterm_during_a_drain_ends_the_worker_at_once(
+    cluster: Cluster, api: Api
+) -> None:
+    runs = [api.post(SLEEPY) for _ in range(2)]
+    for run in runs:
+        assert api.running_on(run["id"]) == "d"
+    log = cluster.root / "d.log"
+    start = log.stat().st_size
+    worker = cluster.procs.pop("d")
+    os.kill(worker.pid, signal.SIGTERM)
+    _wait("the drain begins", lambda: b"draining" in log.read_bytes()[start:], 30)
+    # the drain gives the long runs 15 s; the second signal ends them now
+    assert [_status(api, r["id"]) for r in runs] == ["running", "running"]
+    os.kill(worker.pid, signal.SIGTERM)
+    for run in runs:
+        obj = api.settled(run["id"], timeout=DRAIN_SECONDS + 5)
+        assert obj["status"] == "cancelled", obj
+        detail = obj["termination"]["detail"]
+        # the honest reason: the second signal, not the drain timeout or a lease
+        assert "host d was stopped (drained): at a second stop signal" in detail, obj
+        assert_money(obj)
+        types = [e["type"] for e in api.events(obj["id"])]
+        assert types.count("sandbox.destroyed") == 1 and types.count("run.settled") == 1
+    assert worker.wait(30) == 0, cluster.tail("d")
+    assert b"at a second signal" in log.read_bytes()[start:]
+    left = [h for _, h in handles.read_all(cluster.state_dir("d") / "sandboxes") if h]
+    assert left == []
+    assert _active_slots(cluster, "microvm:d") == 0
+    assert cluster.org_reserved("acme") == 0
+    cluster.start_worker("d", limit=4)
+
+
 @pytest.mark.parametrize("point", POINTS)
 def test_an_api_killed_at_each_point_of_admission_loses_no_run(
     cluster: Cluster, point: str
