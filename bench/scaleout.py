@@ -497,8 +497,11 @@ def _postmaster(pg: Any) -> int:
     return int((Path(pg.dir) / "data" / "postmaster.pid").read_text().split()[0])
 
 
-async def _submit_all(url: str, key: str, n: int, clients: int) -> tuple[list[str], float]:
-    """POST ``n`` runs from ``clients`` concurrent clients (a 429 waits its Retry-After)."""
+async def _submit_all(
+    url: str, key: str, n: int, clients: int, failed: list[int]
+) -> tuple[list[str], float]:
+    """POST ``n`` runs from ``clients`` concurrent clients (a 429 waits its Retry-After; a
+    5xx answer goes into ``failed``)."""
     import httpx
 
     ids: list[str] = []
@@ -514,6 +517,9 @@ async def _submit_all(url: str, key: str, n: int, clients: int) -> tuple[list[st
                     if res.status_code != 429:
                         break
                     await asyncio.sleep(float(res.headers.get("Retry-After", "1")))
+                if res.status_code >= 500:  # counted, not retried: the run may be admitted
+                    failed.append(res.status_code)
+                    continue
                 res.raise_for_status()
                 ids.append(res.json()["id"])
 
@@ -557,11 +563,13 @@ def ceiling_load(
     idle_b = meters.read()
     before = meters.read()
     t0 = time.monotonic()
-    ids, submit_wall = asyncio.run(_submit_all(url, key, args.ceiling_runs, args.clients))
+    failed: list[int] = []
+    ids, submit_wall = asyncio.run(_submit_all(url, key, args.ceiling_runs, args.clients, failed))
     deadline = time.monotonic() + 900
     while True:
         rows = asyncio.run(_org_rows(db_url, org))
-        if sum(1 for r in rows if r["settled_at"] is not None) >= len(ids):
+        # every admitted run, also one whose POST answered 5xx (the outbox hands it over)
+        if len(rows) >= len(ids) and all(r["settled_at"] is not None for r in rows):
             break
         if time.monotonic() > deadline:
             raise SystemExit(f"{name}: runs did not settle: {len(rows)} rows")
@@ -588,6 +596,7 @@ def ceiling_load(
         "p90": pct(lat, 0.9),
         "p99": pct(lat, 0.99),
         "failures": sum(1 for r in rows if r["status"] != "succeeded"),
+        "server_errors": failed,
         "statuses": sorted({str(r["status"]) for r in rows}),
         "why": sorted(
             {
@@ -611,7 +620,8 @@ def _print_load(r: dict[str, Any]) -> None:
         f"  {r['name']:22s} {r['runs_per_s']:6.2f} runs/s admitted->settled "
         f"(admitted {r['admitted_per_s']:.2f}/s)  latency p50 {r['p50']:.2f} s  "
         f"p90 {r['p90']:.2f} s  p99 {r['p99']:.2f} s  failures {r['failures']} "
-        f"{r['statuses']}  runs by host {r['by_host']}"
+        f"{r['statuses']}  runs by host {r['by_host']}  "
+        f"POSTs answered 5xx: {len(r['server_errors'])}"
     )
     for why in r["why"]:
         print(f"    not succeeded: {why}")
@@ -698,6 +708,10 @@ def ceiling_bench(args: argparse.Namespace) -> None:
                 ceiling_load(f"dispatch, {w} workers", url, key, org, db_url, meters, args)
             )
             _print_load(results[-1])
+            if results[-1]["server_errors"]:  # why, from the API's log
+                lines = c.tail("api", 200_000).splitlines()
+                for line in [x for x in lines if "Error" in x or "Exception" in x][-6:]:
+                    print(f"    api.log: {line[:300]}")
         _summary(results, args)
         print(f"  org reserved at the end: {[c.org_reserved(f'ceiling-{w}') for w in workers]}")
         sys.stdout.flush()
