@@ -80,6 +80,10 @@ class Runtime:
         self._watchdog: asyncio.Task[None] | None = None
         self._leases: asyncio.Task[None] | None = None
         self.draining = False  # a draining worker takes no new runs (ephemeral.flows.worker)
+        # Runs a worker claimed as Prefect handed them over and holds, queued, until a token
+        # of its limit frees (flows/worker.py): this process owns them and no task executes
+        # them yet, by design, so the watchdog must not take them for abandoned.
+        self.held: set[str] = set()
 
     @property
     def dispatcher(self) -> Callable[[str], Awaitable[None]] | None:
@@ -302,7 +306,7 @@ class Runtime:
         suspects: set[str] = set()
         now = utcnow()
         for row in await self.store.open_runs():
-            if row.owner != self.owner or self.sessions.owns(row.id):
+            if row.owner != self.owner or self.sessions.owns(row.id) or row.id in self.held:
                 continue  # a live session has its own watchdog (ephemeral.sessions)
             task = self.engine.task(row.id)
             if task is None or task.done():

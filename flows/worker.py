@@ -115,6 +115,7 @@ class HostWorker(TaskWorker):
         run_id = (await self._client.read_task_run(task_run_id)).name  # named for its run
         self._held[task_run_id] = run_id
         self._claimed[run_id] = None
+        self.runtime.held.add(run_id)
         now = utcnow()
         await self.runtime.store.hold_run(
             run_id,
@@ -199,6 +200,7 @@ class HostWorker(TaskWorker):
                 late = token_at is not None and time.monotonic() - token_at > TAKE_SECONDS
                 if run_id in taken or late:
                     del self._claimed[run_id]
+                    self.runtime.held.discard(run_id)
             with contextlib.suppress(Exception):
                 now = utcnow()
                 await self.runtime.store.renew_leases(
