@@ -46,6 +46,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -434,6 +435,327 @@ async def _session_hosts(db_url: str) -> dict[str, int]:
         await store.close()
 
 
+# -- the control plane's ceiling (--ceiling) ----------------------------------------------------
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+FAKE_CMD = [sys.executable, "-m", "bench.fake_sandboxes"]
+# replay/sandbox-proof on the fake double: the same two model turns and four shell calls as the
+# real sample run, interpreted in memory (no sandbox boots)
+CEILING_BODY = BODY
+
+
+def _proc_table() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds of it and of its children it has reaped)."""
+    out: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2 :].split()
+        # after the name: state ppid … utime(12) stime(13) cutime(14) cstime(15)
+        ticks = sum(int(fields[i]) for i in (11, 12, 13, 14))
+        out[int(entry)] = (int(fields[1]), ticks / CLK_TCK)
+    return out
+
+
+def tree_cpu(roots: list[int], table: dict[int, tuple[int, float]] | None = None) -> float:
+    """CPU seconds of the processes ``roots`` and every live descendant, with what each has
+    reaped (a PostgreSQL backend that exited is in the postmaster's ``cutime``)."""
+    table = table if table is not None else _proc_table()
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        kids.setdefault(ppid, []).append(pid)
+    total, todo, seen = 0.0, list(roots), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen or pid not in table:
+            continue
+        seen.add(pid)
+        total += table[pid][1]
+        todo += kids.get(pid, [])
+    return total
+
+
+class Meters:
+    """Per-component CPU seconds, read from /proc before and after a load."""
+
+    def __init__(self, parts: dict[str, list[int]]) -> None:
+        self.parts = parts
+
+    def read(self) -> dict[str, float]:
+        table = _proc_table()
+        got = {name: tree_cpu(pids, table) for name, pids in self.parts.items()}
+        me = os.times()
+        got["bench clients"] = me.user + me.system
+        return got
+
+
+def _postmaster(pg: Any) -> int:
+    return int((Path(pg.dir) / "data" / "postmaster.pid").read_text().split()[0])
+
+
+async def _submit_all(
+    url: str, key: str, n: int, clients: int, failed: list[int]
+) -> tuple[list[str], float]:
+    """POST ``n`` runs from ``clients`` concurrent clients (a 429 waits its Retry-After; a
+    5xx answer goes into ``failed``)."""
+    import httpx
+
+    ids: list[str] = []
+    todo = iter(range(n))
+    async with httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=300
+    ) as http:
+
+        async def one() -> None:
+            for _ in todo:
+                while True:
+                    res = await http.post("/v1/runs", json=CEILING_BODY)
+                    if res.status_code != 429:
+                        break
+                    await asyncio.sleep(float(res.headers.get("Retry-After", "1")))
+                if res.status_code >= 500:  # counted, not retried: the run may be admitted
+                    failed.append(res.status_code)
+                    continue
+                res.raise_for_status()
+                ids.append(res.json()["id"])
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(one() for _ in range(clients)))
+    return ids, time.monotonic() - t0
+
+
+async def _org_rows(db_url: str, org: str) -> list[dict[str, Any]]:
+    import sqlalchemy as sa
+
+    from ephemeral.store import Store
+    from ephemeral.store.schema import runs
+
+    store = await Store.open(db_url)
+    try:
+        made = await store.get_org(org)
+        async with store.engine.connect() as conn:
+            got = await conn.execute(
+                sa.select(
+                    runs.c.status,
+                    runs.c.created_at,
+                    runs.c.settled_at,
+                    runs.c.host,
+                    runs.c.termination_reason,
+                    runs.c.termination_detail,
+                ).where(runs.c.org_id == made.id)
+            )
+            return [dict(r._mapping) for r in got]
+    finally:
+        await store.close()
+
+
+def ceiling_load(
+    name: str, url: str, key: str, org: str, db_url: str, meters: Meters, args: argparse.Namespace
+) -> dict[str, Any]:
+    """``args.ceiling_runs`` runs admitted through ``url``, until every one has settled: the
+    admitted → settled rate and latency, and each component's CPU seconds per run."""
+    idle_a = meters.read()
+    time.sleep(args.idle)
+    idle_b = meters.read()
+    before = meters.read()
+    t0 = time.monotonic()
+    failed: list[int] = []
+    ids, submit_wall = asyncio.run(_submit_all(url, key, args.ceiling_runs, args.clients, failed))
+    deadline = time.monotonic() + 900
+    while True:
+        rows = asyncio.run(_org_rows(db_url, org))
+        # every admitted run, also one whose POST answered 5xx (the outbox hands it over)
+        if len(rows) >= len(ids) and all(r["settled_at"] is not None for r in rows):
+            break
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{name}: runs did not settle: {len(rows)} rows")
+        time.sleep(0.5)
+    after = meters.read()
+    created = sorted(float(r["created_at"].timestamp()) for r in rows)
+    settled = sorted(float(r["settled_at"].timestamp()) for r in rows)
+    lat = [float(r["settled_at"].timestamp() - r["created_at"].timestamp()) for r in rows]
+    span = settled[-1] - created[0]
+    n = len(rows)
+    cpu = {k: (after[k] - before[k]) / n for k in after}
+    idle = {k: (idle_b[k] - idle_a[k]) / args.idle for k in idle_b}
+    by_host: dict[str, int] = {}
+    for r in rows:
+        by_host[str(r["host"])] = by_host.get(str(r["host"]), 0) + 1
+    return {
+        "name": name,
+        "n": n,
+        "wall": time.monotonic() - t0,
+        "submit_wall": submit_wall,
+        "runs_per_s": n / span,
+        "admitted_per_s": n / max(1e-9, created[-1] - created[0]),
+        "p50": pct(lat, 0.5),
+        "p90": pct(lat, 0.9),
+        "p99": pct(lat, 0.99),
+        "failures": sum(1 for r in rows if r["status"] != "succeeded"),
+        "server_errors": failed,
+        "statuses": sorted({str(r["status"]) for r in rows}),
+        "why": sorted(
+            {
+                f"{r['termination_reason']}: {str(r['termination_detail'])[:160]}"
+                for r in rows
+                if r["status"] != "succeeded"
+            }
+        ),
+        "cpu": cpu,
+        "cpu_total": sum(cpu.values()),
+        "idle": idle,
+        "by_host": by_host,
+    }
+
+
+def _print_load(r: dict[str, Any]) -> None:
+    cpu = r["cpu"]
+    idle = r["idle"]
+    assert isinstance(cpu, dict) and isinstance(idle, dict)
+    print(
+        f"  {r['name']:22s} {r['runs_per_s']:6.2f} runs/s admitted->settled "
+        f"(admitted {r['admitted_per_s']:.2f}/s)  latency p50 {r['p50']:.2f} s  "
+        f"p90 {r['p90']:.2f} s  p99 {r['p99']:.2f} s  failures {r['failures']} "
+        f"{r['statuses']}  runs by host {r['by_host']}  "
+        f"POSTs answered 5xx: {len(r['server_errors'])}"
+    )
+    for why in r["why"]:
+        print(f"    not succeeded: {why}")
+    parts = "  ".join(f"{k} {v * 1000:.0f}" for k, v in cpu.items() if v > 0.0005)
+    print(f"    CPU ms per run: {parts}  = {r['cpu_total'] * 1000:.0f} ms")
+    busy = "  ".join(f"{k} {v:.2f}" for k, v in idle.items() if v > 0.005)
+    print(f"    idle CPU (cores, {r['name']} before the load): {busy or '~0'}")
+
+
+def ceiling_bench(args: argparse.Namespace) -> None:
+    from tests.cluster.harness import Cluster
+    from tests.fixtures_pg import PgCluster
+
+    pg = PgCluster()
+    reason = pg.unavailable()
+    if reason:
+        raise SystemExit(reason)
+    pg.start()
+    root = Path(tempfile.mkdtemp(prefix="scaleout-ceiling-"))
+    prefect_db = pg.url(pg.create_database("prefect")) if args.prefect_db == "postgres" else None
+    db_url = pg.url(pg.create_database("bench"))
+    c = Cluster(
+        root,
+        db_url,
+        lease_seconds=30,
+        prefect_db_url=prefect_db,
+        command=FAKE_CMD,
+        extra_env={"EPHEMERAL_MAX_QUEUED_RUNS": "100000"},
+    )
+    workers = [int(w) for w in args.ceiling_workers.split(",")]
+    results: list[dict[str, Any]] = []
+    print(
+        f"== the control plane's ceiling: {args.ceiling_runs} runs of replay/sandbox-proof on the "
+        f"fake sandbox double, {args.clients} clients, store on PostgreSQL 15, Prefect server on "
+        f"{args.prefect_db}; {os.cpu_count()} cores shared with other work "
+        f"(load average at start {os.getloadavg()[0]:.1f})",
+        flush=True,
+    )
+    try:
+        c.start()
+        pgpid = _postmaster(pg)
+        # floor: the same runs, EPHEMERAL_EXECUTOR=plain, in one process (no Prefect)
+        floor_db = pg.url(pg.create_database("floor"))
+        floor_env = {
+            "EPHEMERAL_DATABASE_URL": floor_db,
+            "EPHEMERAL_EXECUTOR": "plain",
+            "EPHEMERAL_MAX_CONCURRENT_RUNS": str(args.limit * 2),
+        }
+        port = _free_port()
+        proc = c.spawn("plain", *FAKE_CMD, "serve", "--port", str(port), "--pool", "2", **floor_env)
+        _wait_http(f"http://127.0.0.1:{port}", proc)
+        floor_key = _make_key(floor_db, "floor")
+        meters = Meters({"ephemeral serve (plain)": [proc.pid], "PostgreSQL": [pgpid]})
+        results.append(
+            ceiling_load(
+                "floor: plain, 1 process",
+                f"http://127.0.0.1:{port}",
+                floor_key,
+                "floor",
+                floor_db,
+                meters,
+                args,
+            )
+        )
+        _print_load(results[-1])
+        c.kill("plain", 15)
+        url = c.start_api()
+        started = 0
+        for w in workers:
+            while started < w:
+                started += 1
+                c.start_worker(f"w{started}", limit=args.limit, pool=2)
+            org = f"ceiling-{w}"
+            key = c.make_key(org, 10_000_000_000)
+            meters = Meters(
+                {
+                    "API": [c.procs["api"].pid],
+                    "Prefect server": [p.pid for p in c.server.procs],
+                    "PostgreSQL": [pgpid],
+                    "workers": [c.procs[f"w{i}"].pid for i in range(1, started + 1)],
+                }
+            )
+            results.append(
+                ceiling_load(f"dispatch, {w} workers", url, key, org, db_url, meters, args)
+            )
+            _print_load(results[-1])
+            if results[-1]["server_errors"]:  # why, from the API's log
+                lines = c.tail("api", 200_000).splitlines()
+                for line in [x for x in lines if "Error" in x or "Exception" in x][-6:]:
+                    print(f"    api.log: {line[:300]}")
+        _summary(results, args)
+        print(f"  org reserved at the end: {[c.org_reserved(f'ceiling-{w}') for w in workers]}")
+        sys.stdout.flush()
+    finally:
+        c.stop()
+        pg.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _make_key(db_url: str, org: str) -> str:
+    from ephemeral.store import Store
+
+    async def go() -> str:
+        store = await Store.open(db_url)
+        try:
+            made = await store.ensure_org(org)
+            await store.credit(made.id, 10_000_000_000, note="ceiling")
+            return (await store.create_key(made.id, f"{org}@ceiling.test"))[1]
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def _summary(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    floor, dispatched = results[0], results[1:]
+    print("  ratios (dispatch / floor):")
+    for r in dispatched:
+        print(
+            f"    {r['name']:22s} runs/s x{r['runs_per_s'] / floor['runs_per_s']:.2f}"
+            f"  CPU per run x{r['cpu_total'] / floor['cpu_total']:.2f}"
+            f"  p50 latency x{r['p50'] / floor['p50']:.2f}"
+        )
+    # one core per component: the runs/s it could carry alone (1 / CPU-s per run)
+    print("  runs/s one core of each shared part could carry (1 / its CPU-s per run):")
+    for r in dispatched:
+        cpu = r["cpu"]
+        assert isinstance(cpu, dict)
+        parts = "  ".join(
+            f"{k} {1 / v:.1f}" for k, v in cpu.items() if k != "bench clients" and v > 0
+        )
+        print(f"    {r['name']:22s} {parts}")
+
+
 def _free_port() -> int:
     from tests.evals.prefect_server import free_port
 
@@ -470,8 +792,15 @@ def main() -> None:
     ap.add_argument("--session-burst", type=int, default=100, help="sessions at once (0: none)")
     ap.add_argument("--level", default="namespaces", help="the sessions' isolation")
     ap.add_argument("--pause", type=float, default=0.5, help="between sequential sessions (s)")
+    ap.add_argument("--ceiling", action="store_true", help="the control plane's ceiling")
+    ap.add_argument("--ceiling-runs", type=int, default=200, help="runs per configuration")
+    ap.add_argument("--ceiling-workers", default="2,4,8", help="worker processes, in turn")
+    ap.add_argument("--limit", type=int, default=4, help="runs at once per worker (--ceiling)")
+    ap.add_argument("--idle", type=float, default=5.0, help="idle CPU sample before a load (s)")
     args = ap.parse_args()
-    if args.sessions:
+    if args.ceiling:
+        ceiling_bench(args)
+    elif args.sessions:
         sessions_bench(args)
     elif args.mechanisms:
         mechanisms(args.n)

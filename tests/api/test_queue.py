@@ -132,6 +132,20 @@ async def test_watchdog_finishes_a_run_whose_task_is_gone(runtime: Runtime) -> N
     assert (await runtime.store.get_org(member.org_id)).reserved_micros == 0
 
 
+async def test_watchdog_leaves_a_run_a_worker_holds_for_a_token(runtime: Runtime) -> None:
+    """A worker at its limit holds the next run, claimed and queued, with no task until a
+    token frees (flows/worker.py); under load that takes longer than two sweeps."""
+    member = await new_member(runtime, "held")
+    row, _ = await runtime.admit(member.org_id, RunRequest(prompt="held at the limit"))
+    runtime.holding = {row.id}
+    for _ in range(3):
+        assert row.id not in await runtime.sweep()
+    assert (await runtime.store.get_run(row.id)).status == "queued"
+    runtime.holding = set()  # let go (never taken): the watchdog's again
+    assert row.id not in await runtime.sweep()
+    assert row.id in await runtime.sweep()
+
+
 async def test_an_exception_on_the_execution_path_settles_the_run(
     runtime: Runtime, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -37,6 +37,7 @@ class Cluster:
         isolation: str = "auto",
         extra_env: dict[str, str] | None = None,
         prefect_db_url: str | None = None,
+        command: list[str] | None = None,
     ) -> None:
         from ephemeral.prefect_setup import ensure_template
         from ephemeral.settings import Settings
@@ -46,6 +47,7 @@ class Cluster:
         self.lease_seconds = lease_seconds
         self.isolation = isolation
         self.extra_env = extra_env or {}
+        self.command = command or EPHEMERAL  # bench/fake_sandboxes.py for the ceiling bench
         self.records = root / "records"
         self.seal_key = root / "seal.key"
         # Prefect on SQLite from the migrated template starts in seconds; on PostgreSQL
@@ -102,7 +104,7 @@ class Cluster:
     def start_api(self, name: str = "api", port: int | None = None) -> str:
         port = port or free_port()
         self.ports[name] = port
-        self.spawn(name, *EPHEMERAL, "serve", "--port", str(port), "--pool", "0")
+        self.spawn(name, *self.command, "serve", "--port", str(port), "--pool", "0")
         url = f"http://127.0.0.1:{port}"
         self._wait(name, lambda: httpx.get(f"{url}/healthz", timeout=2).status_code == 200)
         return url
@@ -110,7 +112,7 @@ class Cluster:
     def start_worker(self, host: str, *, limit: int = 4, pool: int = 1) -> None:
         log = self.root / f"{host}.log"
         start = log.stat().st_size if log.exists() else 0  # a restarted worker appends
-        self.spawn(host, *EPHEMERAL, "worker", "--limit", str(limit), "--pool", str(pool))
+        self.spawn(host, *self.command, "worker", "--limit", str(limit), "--pool", str(pool))
         self._wait(host, lambda: b"serving execute-run" in log.read_bytes()[start:])
         # That line comes before the worker's websocket subscribes: until the server lists it,
         # every task run goes to the other workers.

@@ -263,6 +263,7 @@ def test_cancel_from_the_api_of_a_run_on_b_and_host_a_dies(cluster: Cluster, api
     left = [h for _, h in handles.read_all(cluster.state_dir("a") / "sandboxes") if h is not None]
     assert all(handles.pid_alive(h.host_pid, h.host_start_time) for h in left)
     assert old.id not in {h.id for h in left}
+    assert not handles.pid_alive(old.host_pid, old.host_start_time)  # its process is gone too
 
 
 def test_runs_complete_when_the_api_process_dies(cluster: Cluster, api: Api) -> None:
