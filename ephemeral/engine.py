@@ -369,16 +369,19 @@ class Engine:
         return row
 
     async def dispatch(self, run_id: str) -> None:
-        """Hand an admitted run to the dispatcher; if that fails the run ends ``infra_error``
-        (its reservation refunded) and the error propagates."""
+        """Hand an admitted run to the dispatcher. If Prefect cannot take it now (a ``503``
+        from its server under load, a timeout), the run stays ``queued`` and undispatched, and
+        the outbox of every live API process and worker hands it over again
+        (ephemeral.outbox): a transient error loses no run and fails no request."""
         assert self.dispatcher is not None
         try:
             await self.dispatcher(run_id)
-        except Exception as exc:
-            await self.fail(run_id, exc)
-            raise errors.EphemeralError(
-                f"could not hand the run to a worker: {brief_error(exc)}", cause=exc
-            ) from exc
+        except Exception as exc:  # noqa: BLE001 - the outbox retries whatever went wrong
+            log.warning(
+                "run %s: handing it to Prefect failed (%s); the outbox hands it over again",
+                run_id,
+                brief_error(exc),
+            )
 
     async def wait(self, run_id: str, timeout: float | None = None) -> RunRow:
         async with asyncio.timeout(timeout):

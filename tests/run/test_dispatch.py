@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 
 import pytest
 
+from ephemeral import outbox
 from ephemeral.executor import Dispatcher, RunHandle
 from ephemeral.ids import new_run_id, utcnow
 from ephemeral.lifecycle import RunStatus
@@ -90,6 +91,36 @@ async def test_a_dispatched_zdr_run_crosses_sealed_and_is_read_once(
     assert events[:3] == ["run.queued", "run.claimed", "sandbox.ready"]
     assert first == f"{canary} done" and second is None
     assert left == []  # the prompt was taken by the worker, the output by its reader
+
+
+async def test_a_hand_over_prefect_refuses_leaves_the_run_queued_for_the_outbox(
+    run_settings: Settings, make_cassette: Callable[..., str]
+) -> None:
+    # Prefect's server answers 503 under load: the run must neither fail nor fail the POST,
+    # it waits undispatched and the outbox hands it over again.
+    model = make_cassette("dispatch-503", [turn(final="done")])
+    api, worker, fake = await _pair(run_settings)
+    handed = fake.dispatch
+
+    async def refuse(run_id: str) -> None:
+        raise RuntimeError("Server error '503 Service Unavailable' for url '.../task_runs/'")
+
+    api.engine.dispatcher = refuse
+    try:
+        org = await api.local_org()
+        row, _ = await api.submit(org, RunRequest(prompt="p", model=model))
+        stored = await api.store.get_run(row.id)
+        assert (stored.status, stored.dispatched_at, stored.owner) == ("queued", None, None)
+        assert fake.dispatched == []
+        waiting = await api.store.undispatched_runs(utcnow() + timedelta(seconds=1))
+        assert [r.id for r in waiting] == [row.id]
+        await outbox.hand_over(api.store, waiting[0], lambda run_id, _task_run: handed(run_id))
+        settled = await api.wait(row.id, timeout=60)
+    finally:
+        await worker.close()
+        await api.close()
+    assert settled.status == "succeeded", settled.termination_detail
+    assert settled.dispatched_at is not None and settled.host == "w1"
 
 
 async def test_cancel_from_the_api_reaches_the_run_on_the_worker(
