@@ -199,10 +199,10 @@ async def main(levels: list[str], n: int, tokens: int, token_ms: float) -> None:
                         timeout_seconds=3600,
                     )
                     row, _ = await runtime.admit(await runtime.local_org(), request)
-                    agent = await runtime.build(row.id)
+                    agent = await runtime.engine.build(row.id)
                     task = asyncio.current_task()
                     assert task is not None
-                    runtime._running[agent.run_id] = task  # this bench executes the run
+                    runtime.engine.state(agent.run_id).task = task  # this bench executes the run
                     await agent.provision()
                     try:
                         assert agent.sandbox is not None
