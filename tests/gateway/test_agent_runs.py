@@ -8,6 +8,7 @@ fetches its wheels with the host's pip, so it takes minutes the first time.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import uuid
@@ -373,3 +374,58 @@ async def test_bad_agent_requests_are_refused_naming_the_field(
     fields = [e["field"] for e in r.json().get("errors") or []]
     assert field in fields, r.json()
     assert (await runtime.store.open_runs()) == []
+
+
+async def test_a_cancelled_agent_run_ends_cancelled_its_agent_killed_and_settled(
+    runtime: Runtime, isolation: str
+) -> None:
+    request = RunRequest.model_validate(
+        {
+            "prompt": "wait",
+            "model": GPT,
+            "isolation": isolation,
+            "timeout_seconds": 120,
+            "agent": {"command": "echo started; sleep 100; echo never"},
+        }
+    )
+    org = await runtime.local_org()
+    row, _ = await runtime.admit(org, request)
+    task = runtime.engine.launch(row.id)
+    deadline = asyncio.get_running_loop().time() + 90
+    while "agent.started" not in types(await runtime.store.list_events(row.id)):
+        assert not task.done() and asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.1)
+    await runtime.cancel(row.id)
+    row = await runtime.engine.wait(row.id, timeout=60)  # the task itself ends cancelled
+    events = await runtime.store.list_events(row.id)
+    assert (row.status, row.termination_reason) == ("cancelled", "cancelled"), row
+    assert_settled(row, events)
+    assert "never" not in (row.output or "")
+
+
+async def test_a_zero_data_retention_agent_run_keeps_only_sizes_and_seals_its_answer(
+    runtime: Runtime, isolation: str
+) -> None:
+    canary = "CANARY-agent-zdr-5e1c"
+    request = RunRequest.model_validate(
+        {
+            "prompt": f"say {canary}",
+            "model": GPT,
+            "isolation": isolation,
+            "timeout_seconds": 60,
+            "zero_data_retention": True,
+            "agent": {"command": 'cat "$EPHEMERAL_PROMPT_FILE"; cat "$EPHEMERAL_PROMPT_FILE" >&2'},
+        }
+    )
+    row, events = await run_to_end(runtime, request)
+    assert row.status == "succeeded", row.termination_detail
+    assert_settled(row, events)
+    assert row.prompt is None and row.output is None
+    exited = next(e.data for e in events if e.type == "agent.exited")
+    assert "stderr" not in exited and exited["stderr_bytes"] == len(f"say {canary}")
+    started = next(e.data for e in events if e.type == "agent.started")
+    assert "command" not in started and started["command_bytes"] > 0
+    assert canary not in json.dumps([e.data for e in events])
+    assert not state_bytes_contain(runtime.settings.state_dir, canary.encode())
+    assert await runtime.claim_zdr_output(row) == f"say {canary}"
+    assert await runtime.claim_zdr_output(row) is None  # read once

@@ -72,3 +72,45 @@ async def test_sample_runs_as_a_prefect_flow(
     for path in prefect_home.rglob("*"):
         if path.is_file():
             assert canary.encode() not in path.read_bytes(), path
+
+
+async def test_an_agent_run_is_one_agent_command_task_of_its_flow(
+    prefect_settings: Settings,
+) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    runtime = await Runtime.start(prefect_settings, executor=executor_for(prefect_settings))
+    try:
+        org = await runtime.local_org()
+        row, _ = await runtime.admit(
+            org,
+            RunRequest.model_validate(
+                {
+                    "prompt": "the prompt",
+                    "model": "replay/sandbox-proof",
+                    "timeout_seconds": 60,
+                    "agent": {"command": 'cat "$EPHEMERAL_PROMPT_FILE"; echo " was read"'},
+                }
+            ),
+        )
+        row = await runtime.execute(row.id)
+        events = [e.type for e in await runtime.store.list_events(row.id)]
+    finally:
+        await runtime.close()
+    assert row.status == "succeeded", row.termination_detail
+    assert row.output == "the prompt was read\n"
+    assert (
+        events.index("agent.started") < events.index("agent.exited") < events.index("run.settled")
+    )
+    assert "model.called" not in events and "shell.executed" not in events
+    assert row.charged_micros + row.refunded_micros == row.reserved_micros
+
+    async with get_client() as client:
+        tasks = await client.read_task_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[row.id]))
+        )
+    names = Counter(t.name.rsplit("-", 1)[0] for t in tasks)
+    assert names == Counter(
+        {"load_run": 1, "provision_sandbox": 1, "agent_command": 1, "teardown": 1, "settle": 1}
+    )
