@@ -285,6 +285,12 @@ def test_an_agent_run_through_the_api_shows_its_model_calls_on_the_cli_timeline(
 
 
 # -- the agent step itself, with a shell program in the default image (no model) -----------------
+def _shell_agent(isolation: str, prompt: str, agent: dict[str, str], **kw: Any) -> RunRequest:
+    """A run whose agent is a shell program in the default image (the model is granted, unused)."""
+    body = {"prompt": prompt, "model": GPT, "isolation": isolation, "agent": agent}
+    return RunRequest.model_validate({**body, **kw})
+
+
 async def test_the_agent_gets_the_prompt_as_a_file_and_a_variable_and_its_stdout_is_the_answer(
     runtime: Runtime, isolation: str
 ) -> None:
@@ -293,14 +299,8 @@ async def test_the_agent_gets_the_prompt_as_a_file_and_a_variable_and_its_stdout
         'test "$EPHEMERAL_PROMPT" = "$(cat "$EPHEMERAL_PROMPT_FILE")" && echo prompt-var-same; '
         'echo "model=$EPHEMERAL_MODEL base=$OPENAI_BASE_URL"; echo oops >&2; exit 3'
     )
-    request = RunRequest.model_validate(
-        {
-            "prompt": "Say 'hi' (with quotes) and $HOME.",
-            "model": GPT,
-            "isolation": isolation,
-            "timeout_seconds": 60,
-            "agent": {"command": command},
-        }
+    request = _shell_agent(
+        isolation, "Say 'hi' (with quotes) and $HOME.", {"command": command}, timeout_seconds=60
     )
     row, events = await run_to_end(runtime, request)
     assert row.status == "succeeded", row.termination_detail
@@ -319,14 +319,11 @@ async def test_the_agent_gets_the_prompt_as_a_file_and_a_variable_and_its_stdout
 async def test_an_agent_past_the_time_limit_is_killed_and_the_run_times_out(
     runtime: Runtime, isolation: str
 ) -> None:
-    request = RunRequest.model_validate(
-        {
-            "prompt": "wait",
-            "model": GPT,
-            "isolation": isolation,
-            "timeout_seconds": 4,
-            "agent": {"command": "echo started; sleep 600", "output": "answer.md"},
-        }
+    request = _shell_agent(
+        isolation,
+        "wait",
+        {"command": "echo started; sleep 600", "output": "answer.md"},
+        timeout_seconds=4,
     )
     row, events = await run_to_end(runtime, request)
     assert row.status == "timed_out", row.termination_detail
@@ -339,13 +336,8 @@ async def test_an_agent_past_the_time_limit_is_killed_and_the_run_times_out(
 async def test_a_missing_output_file_is_no_answer_and_says_why(
     runtime: Runtime, isolation: str
 ) -> None:
-    request = RunRequest.model_validate(
-        {
-            "prompt": "p",
-            "model": GPT,
-            "isolation": isolation,
-            "agent": {"command": "echo not-the-answer", "output": "answer.md"},
-        }
+    request = _shell_agent(
+        isolation, "p", {"command": "echo not-the-answer", "output": "answer.md"}
     )
     row, events = await run_to_end(runtime, request)
     assert row.status == "succeeded" and row.output is None
@@ -379,14 +371,8 @@ async def test_bad_agent_requests_are_refused_naming_the_field(
 async def test_a_cancelled_agent_run_ends_cancelled_its_agent_killed_and_settled(
     runtime: Runtime, isolation: str
 ) -> None:
-    request = RunRequest.model_validate(
-        {
-            "prompt": "wait",
-            "model": GPT,
-            "isolation": isolation,
-            "timeout_seconds": 120,
-            "agent": {"command": "echo started; sleep 100; echo never"},
-        }
+    request = _shell_agent(
+        isolation, "wait", {"command": "echo started; sleep 100; echo never"}, timeout_seconds=120
     )
     org = await runtime.local_org()
     row, _ = await runtime.admit(org, request)
@@ -407,15 +393,12 @@ async def test_a_zero_data_retention_agent_run_keeps_only_sizes_and_seals_its_an
     runtime: Runtime, isolation: str
 ) -> None:
     canary = "CANARY-agent-zdr-5e1c"
-    request = RunRequest.model_validate(
-        {
-            "prompt": f"say {canary}",
-            "model": GPT,
-            "isolation": isolation,
-            "timeout_seconds": 60,
-            "zero_data_retention": True,
-            "agent": {"command": 'cat "$EPHEMERAL_PROMPT_FILE"; cat "$EPHEMERAL_PROMPT_FILE" >&2'},
-        }
+    request = _shell_agent(
+        isolation,
+        f"say {canary}",
+        {"command": 'cat "$EPHEMERAL_PROMPT_FILE"; cat "$EPHEMERAL_PROMPT_FILE" >&2'},
+        timeout_seconds=60,
+        zero_data_retention=True,
     )
     row, events = await run_to_end(runtime, request)
     assert row.status == "succeeded", row.termination_detail
