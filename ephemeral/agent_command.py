@@ -11,11 +11,14 @@ slice) and compute budget. It gets
   placeholder keys) and the egress proxy's, from :func:`ephemeral.broker.attach.start_egress`.
 
 While it runs, its model calls are the gateway's ``model.called`` events, charged to the run.
-It is killed (every process of the sandbox's user) as soon as the run must end: a cancel, the
-gateway or the proxy stopping the run (the budget spent), or the time limit. Its answer is the
-file ``output`` names (read as the worker, at most :data:`ANSWER_CAP` bytes, UTF-8), or else its
-stdout (at most :data:`AGENT_OUTPUT_CAP` bytes). ``agent.started`` and ``agent.exited`` frame it
-on the timeline.
+It is stopped as soon as the run must end: a cancel, the gateway or the proxy stopping the run
+(the budget spent), or the time limit. At the time limit every process of the sandbox's user is
+killed and verify still runs; on any other stop the run does not wait for the guest (it answers
+one request at a time, and the agent's command is that request until its deadline): the
+command's call is abandoned and teardown destroys the sandbox, with every process in it, at once.
+Its answer is the file ``output`` names (read as the worker, at most :data:`ANSWER_CAP` bytes,
+UTF-8), or else its stdout (at most :data:`AGENT_OUTPUT_CAP` bytes). ``agent.started`` and
+``agent.exited`` frame it on the timeline.
 """
 
 from __future__ import annotations
@@ -119,10 +122,12 @@ async def agent_step(run: AgentRun) -> None:
         stop = await _watch(run, task)
     except asyncio.CancelledError:
         # A cancel or a drain: the agent dies with it (teardown destroys the sandbox next).
-        await _kill(sandbox, task)
+        await _kill(sandbox, task, ending=True)
+        exited = _exited(None, killed="the run was cancelled")
+        await asyncio.shield(run.emit("agent.exited", exited))
         raise
     if stop is not None:
-        res = await _kill(sandbox, task)
+        res = await _kill(sandbox, task, ending=stop.reason is not Reason.TIMEOUT)
         await run.emit("agent.exited", _exited(res, killed=stop.detail or stop.reason))
         raise stop
     try:
@@ -156,8 +161,21 @@ async def _watch(run: AgentRun, task: asyncio.Task[ExecResult]) -> StopRun | Non
     return None
 
 
-async def _kill(sandbox: Sandbox, task: asyncio.Task[ExecResult]) -> ExecResult | None:
-    """Kill every process of the sandbox's user; the exec's result once it returns."""
+async def _kill(
+    sandbox: Sandbox, task: asyncio.Task[ExecResult], *, ending: bool
+) -> ExecResult | None:
+    """Stop the agent; the exec's result if it returned.
+
+    ``ending``: nothing runs in this sandbox again (teardown is next). The guest serves one
+    request at a time, so a ``kill_all`` would queue behind the agent's exec until that exec's
+    own deadline (minutes, for a budget stop): the exec is abandoned instead and the sandbox's
+    destruction kills what it ran. Otherwise (the time limit: verify runs next) the exec is at
+    its deadline already, and every process of the sandbox's user is killed once it returns."""
+    if ending and not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        return None
     kill_all = getattr(sandbox, "kill_all", None)
     if kill_all is not None:
         try:

@@ -101,6 +101,11 @@ class GuestClient:
                 return obj
             except _GuestRefused:
                 raise
+            except asyncio.CancelledError:
+                # The guest answers this request later all the same: the next call would read
+                # that reply as its own. Nothing is sent here again (teardown kills the guest).
+                self._broken = errors.SandboxError(f"{self.label}: a call was abandoned mid-way")
+                raise
             except TimeoutError:
                 self._broken = errors.SandboxError(f"guest agent did not read for {timeout:.1f}s")
                 raise self._broken from None

@@ -371,9 +371,9 @@ async def test_bad_agent_requests_are_refused_naming_the_field(
 async def test_a_cancelled_agent_run_ends_cancelled_its_agent_killed_and_settled(
     runtime: Runtime, isolation: str
 ) -> None:
-    request = _shell_agent(
-        isolation, "wait", {"command": "echo started; sleep 100; echo never"}, timeout_seconds=120
-    )
+    token = f"agent-cancelled-{uuid.uuid4().hex}"
+    command = f"echo started; sleep 100; echo never {token}"
+    request = _shell_agent(isolation, "wait", {"command": command}, timeout_seconds=120)
     org = await runtime.local_org()
     row, _ = await runtime.admit(org, request)
     task = runtime.engine.launch(row.id)
@@ -387,6 +387,9 @@ async def test_a_cancelled_agent_run_ends_cancelled_its_agent_killed_and_settled
     assert (row.status, row.termination_reason) == ("cancelled", "cancelled"), row
     assert_settled(row, events)
     assert "never" not in (row.output or "")
+    assert "sandbox.destroyed" in kinds_after(events, "agent.exited")
+    # the agent (whose argv carries the token) did not outlive the run
+    assert _host_processes_with(token) == []
 
 
 async def test_a_zero_data_retention_agent_run_keeps_only_sizes_and_seals_its_answer(
