@@ -39,9 +39,16 @@ log = logging.getLogger("ephemeral.leases")
 TICK_SECONDS = 0.25  # how often the event loop marks that it turns
 
 
-async def renew(engine: AsyncEngine, owner: str, host: str, lease_seconds: float) -> None:
+async def renew(
+    engine: AsyncEngine, owner: str, host: str, lease_seconds: float, *, turned: float | None = None
+) -> None:
+    """``turned``: the ``time.monotonic()`` of the loop's last turn, when the process was last
+    seen alive. The lease runs from then, not from this write: a renewal that is late (a
+    starved thread, a busy store) cannot carry a loop that wedged meanwhile past one lease."""
     now = utcnow()
-    values = {"host": host, "renewed_at": now, "expires_at": now + timedelta(seconds=lease_seconds)}
+    alive_for = 0.0 if turned is None else max(0.0, time.monotonic() - turned)
+    expires = now + timedelta(seconds=lease_seconds - alive_for)
+    values = {"host": host, "renewed_at": now, "expires_at": expires}
     async with engine.begin() as conn:
         stmt = ledger.insert(conn, process_leases).values(owner=owner, **values)
         await conn.execute(
@@ -130,7 +137,9 @@ class ProcessLease:
                     )
                     continue
                 try:
-                    await renew(engine, self.owner, self.host, self.lease_seconds)
+                    await renew(
+                        engine, self.owner, self.host, self.lease_seconds, turned=self._turned
+                    )
                     self.renewals += 1
                 except Exception:
                     log.exception("renewing this process's lease failed (retried)")

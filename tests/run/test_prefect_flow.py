@@ -38,13 +38,15 @@ async def test_sample_runs_as_a_prefect_flow(
     runtime = await Runtime.start(prefect_settings, executor=executor_for(prefect_settings))
     try:
         org = await runtime.local_org()
+        # Each admitted just before it executes: a run admitted here and left unexecuted for
+        # two watchdog sweeps (the first flow on a loaded box takes longer) is abandoned.
         sample, _ = await runtime.admit(
             org, RunRequest(prompt="sample", model="replay/sandbox-proof")
         )
+        sample = await runtime.execute(sample.id)
         zdr, _ = await runtime.admit(
             org, RunRequest(prompt=f"p {canary}", model=model, zero_data_retention=True)
         )
-        sample = await runtime.execute(sample.id)
         zdr = await runtime.execute(zdr.id)
     finally:
         await runtime.close()
