@@ -136,6 +136,11 @@ class AgentRun:
     def zdr(self) -> bool:
         return self.policy.zero_data_retention
 
+    @property
+    def cancel_detail(self) -> str:
+        """Why a cancel ends the run: a drain's own reason, else the client's request."""
+        return self.stop_detail or "cancelled by request"
+
     # events ------------------------------------------------------------------------------
     async def emit(self, type_: str, data: dict[str, Any]) -> None:
         await self.store.append_event(
@@ -688,7 +693,7 @@ async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
                     pass
         run.reason, run.detail = Reason.COMPLETED, None
     except asyncio.CancelledError:
-        run.reason, run.detail = Reason.CANCELLED, run.stop_detail or "cancelled by request"
+        run.reason, run.detail = Reason.CANCELLED, run.cancel_detail
         await _finish(run, steps)
         raise
     except Exception as exc:

@@ -64,6 +64,9 @@ class AgentRun(Protocol):
     @property
     def run_id(self) -> str: ...
 
+    @property
+    def cancel_detail(self) -> str: ...
+
     def exec_env(self) -> dict[str, str]: ...
 
     async def emit(self, type_: str, data: dict[str, Any]) -> None: ...
@@ -123,7 +126,7 @@ async def agent_step(run: AgentRun) -> None:
     except asyncio.CancelledError:
         # A cancel or a drain: the agent dies with it (teardown destroys the sandbox next).
         await _kill(sandbox, task, ending=True)
-        exited = _exited(None, killed="the run was cancelled")
+        exited = _exited(None, killed=run.cancel_detail)
         await asyncio.shield(run.emit("agent.exited", exited))
         raise
     if stop is not None:

@@ -388,6 +388,8 @@ async def test_a_cancelled_agent_run_ends_cancelled_its_agent_killed_and_settled
     assert_settled(row, events)
     assert "never" not in (row.output or "")
     assert "sandbox.destroyed" in kinds_after(events, "agent.exited")
+    exited = next(e.data for e in events if e.type == "agent.exited")
+    assert exited["killed"] == row.termination_detail == "cancelled by request", exited
     # the agent (whose argv carries the token) did not outlive the run
     assert _host_processes_with(token) == []
 
