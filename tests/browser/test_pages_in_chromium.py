@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 from typing import Any
 
@@ -60,21 +61,34 @@ def test_playground_starts_a_run_and_the_page_follows_it_to_settled(
 
 
 def test_sample_replays_step_by_step_and_opens_the_playground(tab: Any, server: LiveServer) -> None:
+    # The page's clock is paused and advanced by hand: at 20x the 1.4 s recording plays in 70 ms,
+    # less than two clicks can take on a loaded box.
+    t0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    tab.clock.install(time=t0)
     tab.goto(f"{server.url}/samples/sandbox-proof")
+    tab.clock.pause_at(t0 + datetime.timedelta(hours=1))
     total = tab.eval_on_selector_all("#timeline > li", "els => els.length")
     assert tab.eval_on_selector_all("#timeline > li.hidden", "els => els.length") == total
     tab.select_option("#speed", "20")
     tab.click("#play")
-    assert tab.get_attribute("#play", "data-state") in ("playing", "paused")
+    assert tab.get_attribute("#play", "data-state") == "playing"
+    assert tab.get_attribute("#timeline", "data-done") == "0"
+    tab.clock.run_for(200)  # 4 s of the recording at 20x
     tab.wait_for_selector('#timeline[data-done="1"]', timeout=30_000)
+    assert tab.get_attribute("#play", "data-state") == "paused"
+    assert tab.inner_text("#play") == "Replay"
     assert tab.eval_on_selector_all("#timeline > li.hidden", "els => els.length") == 0
     assert tab.inner_text("#progress") == f"{total} of {total} steps"
     text = tab.inner_text("#timeline")
     assert "$ pwd; whoami" in text and "Could not resolve host" in text
     shot(tab, "sample-replayed")
-    tab.click("#restart")
-    tab.click("#play")  # pause right after the restart
+    tab.click("#restart")  # rewinds and plays from the first step
+    assert tab.get_attribute("#play", "data-state") == "playing"
+    tab.click("#play")  # and pauses where it is: no time has passed
     assert tab.get_attribute("#play", "data-state") == "paused"
+    shown = total - tab.eval_on_selector_all("#timeline > li.hidden", "els => els.length")
+    assert 0 <= shown < total
+    assert tab.inner_text("#progress") == f"{shown} of {total} steps"
     tab.click("#run-yourself")
     tab.wait_for_url(f"{server.url}/playground?sample=sandbox-proof")
     assert tab.input_value("textarea[name=prompt]").startswith("This is a sandbox test.")
