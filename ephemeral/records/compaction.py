@@ -44,6 +44,7 @@ from ephemeral.records.schema import (
     COMPACTED_NAME,
     FRESH_GLOB,
     KINDS,
+    SCHEMA_VERSION,
     kind_dir,
     parse_partition_date,
 )
@@ -51,6 +52,7 @@ from ephemeral.records.views import schema_files, typed_select
 from ephemeral.records.writer import _cursor, fsync_file, sql_str, temp_name
 
 LOCK_NAME = ".compact.lock"
+READERS_LOCK = ".readers.lock"
 MERGING_SUFFIX = ".merging"
 # A writer's temp file lives for milliseconds; one this old belongs to a crashed process.
 STALE_TEMP_SECONDS = 3600
@@ -84,6 +86,51 @@ def partition_lock(directory: Path) -> Iterator[bool]:
             yield False
             return
         yield True
+    finally:
+        os.close(fd)
+
+
+def _readers_lock(root: Path, *, create: bool) -> int | None:
+    """An fd for ``<root>/.readers.lock`` (root is ``<records_dir>/v1``); None if unavailable."""
+    path = root / READERS_LOCK
+    for flags in ((os.O_RDWR | os.O_CREAT) if create else os.O_RDWR, os.O_RDONLY):
+        try:
+            return os.open(path, flags, 0o600)
+        except FileNotFoundError:
+            return None
+        except PermissionError:
+            continue
+    return None
+
+
+@contextmanager
+def reading(records_dir: Path) -> Iterator[None]:
+    """Shared lock held while a query lists and opens files: retiring them waits for it.
+
+    Without it a query under a busy compactor could lose every retry to the race (a file listed,
+    then retired before it was opened). A records root the reader cannot lock (no ``v1`` yet,
+    a read-only mount) is read unlocked: nothing can be retiring files the reader may not see.
+    """
+    fd = _readers_lock(records_dir / f"v{SCHEMA_VERSION}", create=True)
+    if fd is None:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _retiring(partition: Path) -> Iterator[None]:
+    # partition is <root>/v1/kind=K/date=D/host=H; the readers lock lives in <root>/v1
+    fd = _readers_lock(partition.parents[2], create=True)
+    if fd is None:
+        raise OSError(f"cannot open the readers lock under {partition.parents[2]}")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
         os.close(fd)
 
@@ -179,7 +226,8 @@ def compact_locked(kind: str, directory: Path) -> int:
         rewrite_compacted(cur, kind, directory, select)
     finally:
         cur.close()
-    return sum(_retire(path, st) for path, st in read.items())
+    with _retiring(directory):
+        return sum(_retire(path, st) for path, st in read.items())
 
 
 def compact_partition(kind: str, directory: Path) -> int:

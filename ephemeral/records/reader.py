@@ -17,9 +17,10 @@ from ephemeral.records import compaction, retention
 from ephemeral.records.schema import KINDS
 from ephemeral.records.views import schema_root, view_sql
 
-# A query can race a compaction or a rewrite: a file DuckDB listed a moment before is gone, or
-# was replaced between two reads of it (DuckDB then fails on the footer). Those are errors, not
-# wrong answers; the next attempt lists and opens the files again.
+# A query holds the readers lock, so compaction cannot retire a file it listed; it can still race
+# a rewrite: a run rewritten with no steps loses its file, or a file was replaced between two
+# reads of it (DuckDB then fails on the footer). Those are errors, not wrong answers; the next
+# attempt lists and opens the files again.
 _ATTEMPTS = 5
 _TRANSIENT = (
     "No such file or directory",
@@ -139,7 +140,10 @@ class Records:
         for kind in KINDS:
             for attempt in range(_ATTEMPTS):
                 try:
-                    con.execute(view_sql(self.records_dir, kind, union_by_name=self._union_by_name))
+                    with compaction.reading(self.records_dir):
+                        con.execute(
+                            view_sql(self.records_dir, kind, union_by_name=self._union_by_name)
+                        )
                     break
                 except duckdb.Error as err:
                     if attempt + 1 == _ATTEMPTS or not _transient(err):
@@ -161,10 +165,11 @@ class Records:
         for attempt in range(_ATTEMPTS):
             cur = self._cursor()
             try:
-                result = cur.execute(sql, params or [])
-                if result.description is None:
-                    return [], []
-                return [d[0] for d in result.description], result.fetchall()
+                with compaction.reading(self.records_dir):
+                    result = cur.execute(sql, params or [])
+                    if result.description is None:
+                        return [], []
+                    return [d[0] for d in result.description], result.fetchall()
             except duckdb.PermissionException as err:
                 raise InvalidRequest.field(
                     "sql", f"only the records can be read here ({_first_line(err)})"

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from ephemeral.errors import InvalidRequest
 from ephemeral.records import Records, write_run
-from ephemeral.records.compaction import MERGING_SUFFIX
+from ephemeral.records.compaction import MERGING_SUFFIX, reading
 from tests.records.helpers import NOW, make_run
 
 SUMMARY = (
@@ -60,7 +61,7 @@ def test_compaction_keeps_totals_and_is_rerunnable(tmp_path: Path) -> None:
         "kind=steps",
         "kind=events",
     }
-    assert not [p for p in tmp_path.rglob(".*") if p.name != ".compact.lock"]
+    assert not [p for p in tmp_path.rglob(".*") if p.name not in (".compact.lock", ".readers.lock")]
     assert records.compact(older_than_days=0, now=NOW) == 6
     assert _snapshot(records) == before
 
@@ -172,6 +173,32 @@ def test_concurrent_reader_never_sees_a_run_twice_or_not_at_all(tmp_path: Path) 
         stop.set()
         worker.join()
     assert errors == []
+
+
+def test_a_query_in_progress_holds_back_the_retiring_of_the_files_it_listed(
+    tmp_path: Path,
+) -> None:
+    run, steps, events = make_run(days_ago=3, steps=2, host="h1")
+    write_run(tmp_path, run, steps, events)
+    fresh = _partition(tmp_path, "runs", 3, "h1") / f"{run.run_id}.parquet"
+    merged: list[int] = []
+    with reading(tmp_path):
+        compactor = threading.Thread(
+            target=lambda: merged.append(Records(tmp_path).compact(now=NOW))
+        )
+        compactor.start()
+        # the compactor gets as far as the new compacted file, then waits for this reader
+        compacted = fresh.with_name("compacted.parquet")
+        deadline = time.monotonic() + 60
+        while not compacted.exists():
+            assert time.monotonic() < deadline, "the compactor never wrote a compacted file"
+            compactor.join(0.01)
+        assert fresh.exists()
+        assert merged == []
+    compactor.join(60)
+    assert merged == [3]
+    assert not fresh.exists()
+    assert Records(tmp_path).query("SELECT count(*) FROM steps")[1] == [(2,)]
 
 
 def test_compact_validates_and_skips_foreign_entries(tmp_path: Path) -> None:
