@@ -76,7 +76,11 @@ class FlowExecutor:
             self._client_lock = asyncio.Lock()
         async with self._client_lock:
             if self._client is None:
+                from ephemeral.flows.prefect_client import retry_when_busy
+
                 ctx = AsyncClientContext()
+                if not os.environ.get("PREFECT_API_URL"):
+                    retry_when_busy(ctx.client)
                 # Only the client is entered: the context variable is set per run (below), in
                 # the run's own task, so no task resets a token another task's context made.
                 await ctx.client.__aenter__()

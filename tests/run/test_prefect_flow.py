@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ephemeral.flows.executor import executor_for
+from ephemeral.flows.prefect_client import RetryWhenBusy
 from ephemeral.policy import RunRequest
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
@@ -35,7 +36,8 @@ async def test_sample_runs_as_a_prefect_flow(
 
     canary = "CANARY-prefect-91b2"
     model = make_cassette("zdr-prefect", [turn(f"echo {canary}"), turn(final=f"{canary} done")])
-    runtime = await Runtime.start(prefect_settings, executor=executor_for(prefect_settings))
+    executor = executor_for(prefect_settings)
+    runtime = await Runtime.start(prefect_settings, executor=executor)
     try:
         org = await runtime.local_org()
         # Each admitted just before it executes: a run admitted here and left unexecuted for
@@ -48,6 +50,9 @@ async def test_sample_runs_as_a_prefect_flow(
             org, RunRequest(prompt=f"p {canary}", model=model, zero_data_retention=True)
         )
         zdr = await runtime.execute(zdr.id)
+        # the embedded server's 503s (a SQLite write collision) are sent again in milliseconds
+        transport = executor._client.client._client._transport  # type: ignore[attr-defined]
+        assert isinstance(transport, RetryWhenBusy)
     finally:
         await runtime.close()
     assert sample.status == "succeeded", sample.termination_detail
