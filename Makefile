@@ -107,6 +107,7 @@ bench: setup
 	$(PY) bench/gateway.py
 	$(PY) bench/soak.py --runs 100 --levels 16,64
 	$(PY) bench/throughput.py --runs 40 --clients 8,32
+	$(PY) bench/prefect_floor.py --runs 40 --clients 8,32
 	$(PY) bench/tti.py --n 30 --burst 100
 	$(PY) bench/inspect_sandbox.py
 	$(PY) bench/harbor.py
