@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import os
 import sys
 import tempfile
 import time
@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.served import children, proc_cpu, self_cpu
+from bench.served import prefect_server_pid, proc_cpu, self_cpu
 from ephemeral.flows.prefect_client import RetryWhenBusy, retry_when_busy
 from ephemeral.prefect_setup import configure
 from ephemeral.settings import Settings
@@ -39,13 +39,8 @@ from ephemeral.settings import Settings
 
 def prefect_server_cpu() -> float:
     """CPU seconds of the embedded Prefect server this process started (0 before it runs)."""
-    import os
-
-    for child in children(os.getpid()):
-        with contextlib.suppress(OSError):
-            if b"prefect.server" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return proc_cpu(child)[0]
-    return 0.0
+    pid = prefect_server_pid(os.getpid())
+    return proc_cpu(pid)[0] if pid is not None else 0.0
 
 
 def _retried(transport: RetryWhenBusy | None) -> int:

@@ -85,6 +85,15 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+def prefect_server_pid(parent: int) -> int | None:
+    """The embedded Prefect server that process ``parent`` started (a uvicorn child), if any."""
+    for child in children(parent):
+        with contextlib.suppress(OSError):
+            if b"prefect.server" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+    return None
+
+
 def proc_cpu(pid: int) -> tuple[float, float]:
     """(own, reaped children's) CPU seconds of a process: utime+stime, cutime+cstime."""
     raw = Path(f"/proc/{pid}/stat").read_text()
@@ -122,11 +131,7 @@ class Served:
 
     def prefect_pid(self) -> int | None:
         """Prefect's embedded server: the uvicorn child that ``serve`` started."""
-        for child in children(self.proc.pid):
-            with contextlib.suppress(OSError):
-                if b"prefect.server" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    return child
-        return None
+        return prefect_server_pid(self.proc.pid)
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds so far: serve itself, its reaped children (the sandboxes), Prefect's

@@ -37,6 +37,12 @@ _EMBEDDED_DEFAULTS = {
 }
 
 
+def embedded() -> bool:
+    """No ``PREFECT_API_URL``: Prefect starts its own server for this process (SQLite in the
+    state dir, or ``prefect_database_url``), which this process alone uses."""
+    return not os.environ.get("PREFECT_API_URL")
+
+
 def template_path(settings: Settings) -> Path:
     return settings.cache_dir / f"prefect-{version('prefect')}.db"
 
@@ -70,7 +76,7 @@ def configure(settings: Settings) -> None:
     for key, value in _DEFAULTS.items():
         os.environ.setdefault(key, value)
     if settings.executor == "dispatch":
-        if not os.environ.get("PREFECT_API_URL"):
+        if embedded():
             raise errors.InvalidRequest.field(
                 "PREFECT_API_URL",
                 "EPHEMERAL_EXECUTOR=dispatch hands runs to workers through one Prefect server; "
@@ -83,7 +89,7 @@ def configure(settings: Settings) -> None:
         os.environ.setdefault(
             "PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(settings.records_dir / "prefect-tasks")
         )
-    if os.environ.get("PREFECT_API_URL"):
+    if not embedded():
         return  # a real Prefect server: its database (and its TLS) are its own
     # The embedded server speaks plain HTTP on loopback, so no certificate is ever checked;
     # without this every Prefect client still parses the CA bundle (~45 ms, 3 per run).

@@ -77,9 +77,10 @@ class FlowExecutor:
         async with self._client_lock:
             if self._client is None:
                 from ephemeral.flows.prefect_client import retry_when_busy
+                from ephemeral.prefect_setup import embedded
 
                 ctx = AsyncClientContext()
-                if not os.environ.get("PREFECT_API_URL"):
+                if embedded():
                     retry_when_busy(ctx.client)
                 # Only the client is entered: the context variable is set per run (below), in
                 # the run's own task, so no task resets a token another task's context made.

@@ -90,17 +90,22 @@ def partition_lock(directory: Path) -> Iterator[bool]:
         os.close(fd)
 
 
-def _readers_lock(root: Path, *, create: bool) -> int | None:
-    """An fd for ``<root>/.readers.lock`` (root is ``<records_dir>/v1``); None if unavailable."""
+def _readers_lock(root: Path) -> int | None:
+    """An fd for ``<root>/.readers.lock`` (root is ``<records_dir>/v1``); None if unavailable.
+
+    Made if missing; opened read-only on a root this process may not write (flock works on any
+    open fd); None when the root does not exist.
+    """
     path = root / READERS_LOCK
-    for flags in ((os.O_RDWR | os.O_CREAT) if create else os.O_RDWR, os.O_RDONLY):
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
         try:
-            return os.open(path, flags, 0o600)
-        except FileNotFoundError:
+            return os.open(path, os.O_RDONLY)
+        except OSError:
             return None
-        except PermissionError:
-            continue
-    return None
 
 
 @contextmanager
@@ -111,7 +116,7 @@ def reading(records_dir: Path) -> Iterator[None]:
     then retired before it was opened). A records root the reader cannot lock (no ``v1`` yet,
     a read-only mount) is read unlocked: nothing can be retiring files the reader may not see.
     """
-    fd = _readers_lock(records_dir / f"v{SCHEMA_VERSION}", create=True)
+    fd = _readers_lock(records_dir / f"v{SCHEMA_VERSION}")
     if fd is None:
         yield
         return
@@ -125,7 +130,7 @@ def reading(records_dir: Path) -> Iterator[None]:
 @contextmanager
 def _retiring(partition: Path) -> Iterator[None]:
     # partition is <root>/v1/kind=K/date=D/host=H; the readers lock lives in <root>/v1
-    fd = _readers_lock(partition.parents[2], create=True)
+    fd = _readers_lock(partition.parents[2])
     if fd is None:
         raise OSError(f"cannot open the readers lock under {partition.parents[2]}")
     try:
