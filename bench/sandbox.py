@@ -4,8 +4,9 @@
 
 Per driver: cold start (create -> agent hello), warm-pool acquire, exec round trip of `true`,
 PSS per idle sandbox (sum of /proc/PID/smaps_rollup over its host processes), destroy.
-Raw floor, measured in the same run: a bare `bwrap ... true`, a bare `runsc do true`, and the
-host's own fork+exec of `true` (the least any exec can cost).
+Raw floor, measured in the same run: a bare `bwrap ... true`, a bare `runsc do true`, each
+again starting `python3 -I -S -c pass` (the floor of a python agent), and the host's own
+fork+exec of `true` (the least any exec can cost).
 """
 
 from __future__ import annotations
@@ -94,6 +95,11 @@ async def raw_floor(rootfs: Path, n: int) -> dict[str, list[float]]:
                 for _ in range(n)
             ],
             "bare runsc do true": [await timed_proc(runsc) for _ in range(max(5, n // 2))],
+            # gVisor's floor for a python agent: the host's interpreter, started in the Sentry
+            "bare runsc do python3": [
+                await timed_proc([*runsc[:-1], "/usr/bin/python3", "-I", "-S", "-c", "pass"])
+                for _ in range(max(5, n // 2))
+            ],
         }
     return out
 
@@ -167,7 +173,10 @@ async def main() -> None:
                 ("bare bwrap true", pct(floor["bare bwrap true"], 50)),
                 ("bare bwrap python3", pct(floor["bare bwrap python3"], 50)),
             ],
-            "gvisor": [("bare runsc do true", pct(floor["bare runsc do true"], 50))],
+            "gvisor": [
+                ("bare runsc do true", pct(floor["bare runsc do true"], 50)),
+                ("bare runsc do python3", pct(floor["bare runsc do python3"], 50)),
+            ],
         }
         drivers = args.drivers.split(",") + (["microvm-tcg"] if args.tcg else [])
         for iso in drivers:

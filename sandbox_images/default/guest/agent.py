@@ -33,15 +33,14 @@ CAP_SETPCAP, which is then dropped too).
 Stdlib only; runs as `python3 -I -S agent.py --channel stdio|virtio:<port-name>`.
 """
 
+# signal's Python layer imports enum, and through it functools and collections: see _json_codec
+import _signal as signal
 import binascii
 import errno
-import json
 import os
 import select
-import signal
 import sys
 import time
-import types  # json has loaded it already (via re): free; it types `resource`
 
 PROTOCOL_VERSION = 2
 MAX_FRAME = 64 << 20
@@ -71,6 +70,62 @@ PR_CAPBSET_DROP = 24
 AGENT_CAP_BITS = (0, 1, 3, 5, 6, 7)
 NO_ROOT = False  # --no-root
 DROP_BOUNDING_SET = False  # --drop-bounding-set
+
+
+def _json_codec():
+    """(loads, dumps) for the channel's frames from json's C parts, without ``import json``:
+    json pulls in re, enum and collections, and under gVisor every module imported is a round
+    of Gofer calls: ~45 ms of a sandbox's boot, measured (docs/deploy.md). A Python whose
+    ``_json`` is missing or differs gets json itself."""
+    try:
+        import _json
+
+        class Context:  # what _json's scanner reads from a json.JSONDecoder
+            strict = True
+            object_hook = object_pairs_hook = None
+            parse_float, parse_int = float, int
+            parse_constant = {
+                "NaN": float("nan"),
+                "Infinity": float("inf"),
+                "-Infinity": float("-inf"),
+            }.__getitem__
+
+        scan = _json.make_scanner(Context())
+
+        def unserialisable(obj):
+            raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+        # json.dumps(obj, separators=(",", ":")), without the cycle check: frames are trees
+        encode = _json.make_encoder(
+            None, unserialisable, _json.encode_basestring_ascii, None, ":", ",", False, False, True
+        )
+
+        def loads(text):
+            text = text.strip(" \t\n\r")
+            try:
+                obj, end = scan(text, 0)
+            except StopIteration as exc:
+                raise ValueError(f"not JSON at character {exc.value}") from None
+            if end != len(text):
+                raise ValueError(f"extra data at character {end}")
+            return obj
+
+        def dumps(obj):
+            return "".join(encode(obj, 0))
+
+        probe = {"a": [1, -2.5, "\u00e9\n", None, True, {}], "b": ""}
+        if loads(dumps(probe)) != probe or dumps(probe) != (
+            '{"a":[1,-2.5,"\\u00e9\\n",null,true,{}],"b":""}'
+        ):
+            raise ValueError("_json differs")
+        return loads, dumps
+    except Exception:  # noqa: BLE001 - any surprise: the module that is always right
+        import json
+
+        return json.loads, lambda obj: json.dumps(obj, separators=(",", ":"))
+
+
+json_loads, json_dumps = _json_codec()
 
 
 class ProtocolError(Exception):
@@ -123,13 +178,13 @@ class Channel:
         size = int.from_bytes(header, "big")
         if size > MAX_FRAME:
             raise ProtocolError(f"frame too large: {size}")
-        obj = json.loads(self._read_exact(size).decode("utf-8"))
+        obj = json_loads(self._read_exact(size).decode("utf-8"))
         if not isinstance(obj, dict):
             raise ProtocolError("frame is not an object")
         return obj
 
     def write_frame(self, obj):
-        body = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+        body = json_dumps(obj).encode("utf-8")
         data = memoryview(len(body).to_bytes(4, "big") + body)
         while data:
             try:
@@ -685,7 +740,7 @@ class Agent:
 
 RLIMIT_AS_BYTES = None  # set by --max-memory-mib
 # imported in the parent only when needed: a forked child must not import
-resource: types.ModuleType | None = None
+resource = None  # the module, once --max-memory-mib sets RLIMIT_AS_BYTES
 MAX_FD = 4096
 
 
@@ -1045,7 +1100,7 @@ class Forwarder:
 
     def write_frame(self, obj):
         """A reply, written before this returns (as the plain channel does)."""
-        body = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+        body = json_dumps(obj).encode("utf-8")
         with self.lock:
             self.out += len(body).to_bytes(4, "big") + body
         while True:
@@ -1101,7 +1156,7 @@ class Forwarder:
             del self.out[:n]
 
     def send(self, frame):
-        body = json.dumps(frame, separators=(",", ":")).encode("utf-8")
+        body = json_dumps(frame).encode("utf-8")
         with self.lock:
             self.out += len(body).to_bytes(4, "big") + body
 
@@ -1142,7 +1197,7 @@ class Forwarder:
                 if stream is not None:
                     stream.from_host(body[4:])
                 continue
-            obj = json.loads(body.decode("utf-8"))
+            obj = json_loads(body.decode("utf-8"))
             if not isinstance(obj, dict):
                 raise ProtocolError("frame is not an object")
             if "s" in obj and "id" not in obj:
