@@ -191,29 +191,48 @@ async def admit(
     return None
 
 
+# A charge's statements, built once: on SQLite, building them cost more CPU than running them
+# (profiled: ~58 % of a web request's charge). The ``b_`` names keep the bind parameters apart
+# from the columns an UPDATE or INSERT would take them for.
+_ORG_OF_RUN = sa.select(runs.c.org_id).where(runs.c.id == sa.bindparam("b_run_id"))
+_ADD_CHARGE = (
+    sa.update(runs)
+    .where(
+        runs.c.id == sa.bindparam("b_run_id"),
+        runs.c.settled_at.is_(None),
+        runs.c.charged_micros + sa.bindparam("b_micros", type_=sa.BigInteger)
+        <= runs.c.reserved_micros,
+    )
+    .values(charged_micros=runs.c.charged_micros + sa.bindparam("b_micros", type_=sa.BigInteger))
+    .returning(runs.c.charged_micros)
+)
+_NEW_CHARGE = {
+    dialect: ins(ledger).on_conflict_do_nothing().returning(ledger.c.id)
+    for dialect, ins in (("postgresql", postgresql.insert), ("sqlite", sqlite.insert))
+}
+
+
 async def charge(conn: AsyncConnection, *, run_id: str, kind: str, micros: int, key: str) -> int:
     if kind not in CHARGE_KINDS:
         raise errors.InvalidRequest.field("kind", f"must be one of {', '.join(CHARGE_KINDS)}")
     check_micros("micros", micros)
     if not key or len(key) > MAX_LEDGER_KEY:
         raise errors.InvalidRequest.field("key", f"must be 1-{MAX_LEDGER_KEY} characters")
-    run = (await conn.execute(sa.select(runs.c.org_id).where(runs.c.id == run_id))).first()
+    run = (await conn.execute(_ORG_OF_RUN, {"b_run_id": run_id})).first()
     if run is None:
         raise errors.NotFound(f"run {run_id} not found")
     # The ledger row goes first: a concurrent duplicate waits on the unique key and then
     # does nothing, so a retried charge can never be counted twice.
     fresh = await conn.execute(
-        insert(conn, ledger)
-        .values(
-            org_id=run.org_id,
-            run_id=run_id,
-            kind=kind,
-            amount_micros=micros,
-            idempotency_key=key,
-            at=utcnow(),
-        )
-        .on_conflict_do_nothing()
-        .returning(ledger.c.id)
+        _NEW_CHARGE["postgresql" if conn.dialect.name == "postgresql" else "sqlite"],
+        {
+            "org_id": run.org_id,
+            "run_id": run_id,
+            "kind": kind,
+            "amount_micros": micros,
+            "idempotency_key": key,
+            "at": utcnow(),
+        },
     )
     if fresh.first() is None:
         earlier = (
@@ -226,16 +245,7 @@ async def charge(conn: AsyncConnection, *, run_id: str, kind: str, micros: int, 
             )
         total = await conn.scalar(sa.select(runs.c.charged_micros).where(runs.c.id == run_id))
         return int(total or 0)
-    added = await conn.execute(
-        sa.update(runs)
-        .where(
-            runs.c.id == run_id,
-            runs.c.settled_at.is_(None),
-            runs.c.charged_micros + micros <= runs.c.reserved_micros,
-        )
-        .values(charged_micros=runs.c.charged_micros + micros)
-        .returning(runs.c.charged_micros)
-    )
+    added = await conn.execute(_ADD_CHARGE, {"b_run_id": run_id, "b_micros": micros})
     row = added.first()
     if row is not None:
         return int(row.charged_micros)
