@@ -2,7 +2,9 @@
 built run (checks, resolve, charge in SQLite, event append) vs a bare httpx GET to the same
 local server; then the egress proxy from inside a real sandbox (namespaces, gvisor) vs the
 same client code run directly on the host: HTTP round trip, CONNECT tunnel setup, and MiB/s
-through a tunnel. Prints percentiles and ratios; asserts nothing.
+through a tunnel, beside the same client against servers on the sandbox's own loopback (what
+the guest's network stack costs without the proxy). Prints percentiles and ratios; asserts
+nothing.
 
     .venv/bin/python bench/broker.py [--n 200] [--egress-n 200] [--mib 64] [--levels ...]
 """
@@ -164,6 +166,43 @@ print(json.dumps({"http_ms": http_ms, "connect_ms": connect_ms, "bytes": got, "s
 """
 
 
+# The sandbox's own floor: the same client, inside the sandbox, against servers on the
+# sandbox's loopback (no proxy, no host). What a request costs in the guest's network stack
+# (gVisor's netstack, every socket call a trip through the Sentry) is in it; the proxy is not.
+GUEST_LOOPBACK = r"""
+import socketserver, subprocess, sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Text(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        body = b"hello from upstream"  # the host's upstream answers /text with these bytes
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+
+class Blob(socketserver.BaseRequestHandler):
+    def handle(self):
+        chunk, left = b"\0" * (1 << 16), int(sys.argv[2]) << 20
+        while left > 0:
+            self.request.sendall(chunk)
+            left -= len(chunk)
+
+text = ThreadingHTTPServer(("127.0.0.1", 0), Text)
+blob = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Blob)
+for server in (text, blob):
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+ports = [str(text.server_address[1]), str(blob.server_address[1])]
+argv = [sys.executable, "client.py", "direct", "127.0.0.1", *ports, sys.argv[1], sys.argv[2]]
+sys.stdout.write(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
+"""
+
+
 def _blob_server(size: int) -> tuple[socketserver.ThreadingTCPServer, int]:
     class Blob(socketserver.BaseRequestHandler):
         def handle(self) -> None:
@@ -233,11 +272,23 @@ async def egress(levels: list[str], n: int, mib: int) -> None:
                         timeout_seconds=3600,
                     )
                     row, _ = await runtime.admit(await runtime.local_org(), request)
+                    runtime.holding = {row.id}  # driven here, not by an executor: not orphaned
                     agent = await runtime.engine.build(row.id)
                     await agent.provision()
                     try:
                         assert agent.sandbox is not None
                         await agent.sandbox.put_file("client.py", CLIENT.encode())
+                        await agent.sandbox.put_file("loopback.py", GUEST_LOOPBACK.encode())
+                        inside = await agent.sandbox.exec(
+                            ["python3", "loopback.py", str(n), str(mib)],
+                            timeout=600,
+                            max_output=1 << 20,
+                        )
+                        if inside.exit_code != 0:
+                            why = inside.stderr[-500:]
+                            print(f"\n== egress on {level}: loopback failed: {why}")
+                            continue
+                        loopback = json.loads(inside.stdout)
                         res = await agent.sandbox.exec(
                             ["python3", "client.py", "proxy", *args, str(settings.egress_port)],
                             timeout=600,
@@ -253,12 +304,14 @@ async def egress(levels: list[str], n: int, mib: int) -> None:
                         await agent.settle()
                     print(f"\n== egress on {level} (n={n}, {mib} MiB through one tunnel)")
                     show_pair("HTTP round trip", direct["http_ms"], proxied["http_ms"])
+                    show("HTTP round trip guest loopback", loopback["http_ms"])
                     show_pair("CONNECT setup", direct["connect_ms"], proxied["connect_ms"])
                     d = direct["bytes"] / (1 << 20) / direct["seconds"]
                     p = proxied["bytes"] / (1 << 20) / proxied["seconds"]
+                    g = loopback["bytes"] / (1 << 20) / loopback["seconds"]
                     print(
                         f"throughput             direct={d:8.1f} MiB/s  via proxy={p:8.1f} MiB/s  "
-                        f"direct/proxy={d / p:5.2f}x"
+                        f"direct/proxy={d / p:5.2f}x  guest loopback={g:8.1f} MiB/s"
                     )
             finally:
                 await runtime.close()
