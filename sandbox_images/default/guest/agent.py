@@ -90,7 +90,7 @@ def _json_codec():
                 "-Infinity": float("-inf"),
             }.__getitem__
 
-        scan = _json.make_scanner(Context())
+        scan = _json.make_scanner(Context())  # type: ignore[arg-type]  # reads these attributes
 
         def unserialisable(obj):
             raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
