@@ -147,6 +147,9 @@ class AgentRun:
             self.run_id, type_, redact_for_zdr(data) if self.zdr else data
         )
 
+    def record_event(self, type_: str, data: dict[str, Any]) -> None:
+        self._web.record(type_, redact_for_zdr(data) if self.zdr else data)
+
     def time_left(self) -> float:
         return self.budget.seconds_left(self.agent_deadline)
 

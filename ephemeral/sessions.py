@@ -201,6 +201,10 @@ class Live:
         zdr = self.policy.zero_data_retention
         await self.store.append_event(self.id, type_, redact_for_zdr(data) if zdr else data)
 
+    def record_event(self, type_: str, data: dict[str, Any]) -> None:
+        zdr = self.policy.zero_data_retention
+        self.web.record(type_, redact_for_zdr(data) if zdr else data)
+
     async def charge_web(self, seq: int) -> int:
         return await self.web.charge_request(seq)
 

@@ -14,7 +14,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ephemeral import errors
 from ephemeral.broker import journal
@@ -56,6 +56,7 @@ class WebCharges:
     error: str | None = None  # a byte charge that was not written (the owner must stop)
     batches: int = 0  # ledger transactions the byte charges took (for tests and the bench)
     _pending: list[tuple[str, int]] = field(default_factory=list)
+    _events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     _writer: asyncio.Task[None] | None = None
     _journal: ChargeJournal | None = None
     _writes: set[asyncio.Task[None]] = field(default_factory=set)  # tracked (model.internal)
@@ -96,12 +97,19 @@ class WebCharges:
             self._writer = asyncio.create_task(self._write_all(), name=f"web-charges-{self.run_id}")
         return micros
 
+    def record(self, type_: str, data: dict[str, Any]) -> None:
+        """An event written with the next batch (one transaction with the charges)."""
+        self._events.append((type_, data))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_all(), name=f"web-charges-{self.run_id}")
+
     async def _write_all(self) -> None:
-        while self._pending:
+        while self._pending or self._events:
             batch, self._pending = self._pending, []
+            events, self._events = self._events, []
             for pause in (*WRITE_RETRY_SECONDS, None):
                 try:
-                    await self.store.charge_batch(self.run_id, "web", batch)
+                    await self.store.charge_batch(self.run_id, "web", batch, events)
                     self.batches += 1
                     break
                 except (errors.BudgetExhausted, errors.Conflict) as exc:
@@ -127,7 +135,7 @@ class WebCharges:
             await asyncio.gather(*list(self._writes), return_exceptions=True)
         while self._writer is not None and not self._writer.done():
             await asyncio.gather(self._writer, return_exceptions=True)
-            if self._pending and self.error is None:
+            if (self._pending or self._events) and self.error is None:
                 self._writer = asyncio.create_task(self._write_all())
         if self.error is None and not self._pending and self._journal is not None:
             self._journal.remove()

@@ -23,6 +23,11 @@ class BrokerContext(Protocol):
         """Append an event to the run (redacted as the run's policy says)."""
         ...
 
+    def record_event(self, type_: str, data: dict[str, Any]) -> None:
+        """Append an event with the run's next batch of egress charges, in their transaction
+        (redacted as ``emit``): written by the time the run's charges are flushed."""
+        ...
+
     async def charge_web(self, seq: int) -> int:
         """Charge the run's ``seq``-th web request inside its budget *before* it is sent; the
         price. Raises the run's own stop (reason ``budget_exhausted``) when it does not fit:

@@ -354,7 +354,8 @@ class Egress:
             event.update(bytes_in=meter.bytes_in, bytes_out=meter.bytes_out, cost_micros=meter.cost)
             if cut:
                 event["cut"] = cut
-            await self.ctx.emit("web.requested", event)
+            # with the request's charges, in their batch: one transaction for both
+            self.ctx.record_event("web.requested", event)
 
     def _web_target(self, head: Head, event: dict[str, Any]) -> httpx.URL:
         """The URL a request or tunnel asks for (recorded into ``event``); _Refusal(400) when

@@ -942,14 +942,25 @@ class Store:
             await self._append(conn, run_id, *event)
         return total
 
-    async def charge_batch(self, run_id: str, kind: str, charges: list[tuple[str, int]]) -> int:
+    async def charge_batch(
+        self,
+        run_id: str,
+        kind: str,
+        charges: list[tuple[str, int]],
+        events: Sequence[tuple[str, dict[str, Any]]] = (),
+    ) -> int:
         """Several charges ``(key, micros)`` in one transaction (one commit), each as
-        :meth:`charge`: idempotent on its key, inside the reservation. All or none: raises
-        BudgetExhausted or Conflict (settled) and charges nothing. Returns the run's total."""
+        :meth:`charge`: idempotent on its key, inside the reservation; ``events`` are appended
+        in the same transaction. All or none: raises BudgetExhausted or Conflict (settled) and
+        charges nothing. Returns the run's total."""
+        for type_, data in events:
+            self._check_event(type_, data)
         async with self._engine.begin() as conn:
             total = 0
             for key, micros in charges:
                 total = await ledger.charge(conn, run_id=run_id, kind=kind, micros=micros, key=key)
+            for type_, data in events:
+                await self._append(conn, run_id, type_, data)
             return total
 
     async def charged(self, run_id: str) -> dict[str, int]:

@@ -39,6 +39,9 @@ class FakeContext:
     async def emit(self, type_: str, data: dict[str, Any]) -> None:
         self.events.append((type_, data))
 
+    def record_event(self, type_: str, data: dict[str, Any]) -> None:
+        self.events.append((type_, data))
+
     async def charge_web(self, seq: int) -> int:
         if self.charged + PRICE > self.budget_micros:
             raise OutOfBudget(seq)
