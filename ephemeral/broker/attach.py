@@ -44,8 +44,9 @@ class WebCharges:
     Egress charges (a request and its first MiB, each further MiB) are decided here in memory,
     journalled (``ephemeral.broker.journal``) and written to the ledger in batches: one writer
     task per run takes every charge decided since its last commit and writes them in one
-    transaction (``Store.charge_batch``). :meth:`flush` waits until all of them are in the
-    ledger; the owner calls it before it charges compute and settles.
+    transaction (``Store.charge_batch``), with the egress events recorded since (:meth:`record`).
+    :meth:`flush` waits until all of them are in the store; the owner calls it before it charges
+    compute and settles.
     """
 
     store: Store
@@ -93,13 +94,15 @@ class WebCharges:
             self._journal.write(full, micros)
         self.budget.charged["web_micros"] += micros
         self._pending.append((full, micros))
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.create_task(self._write_all(), name=f"web-charges-{self.run_id}")
+        self._start_writer()
         return micros
 
     def record(self, type_: str, data: dict[str, Any]) -> None:
         """An event written with the next batch (one transaction with the charges)."""
         self._events.append((type_, data))
+        self._start_writer()
+
+    def _start_writer(self) -> None:
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write_all(), name=f"web-charges-{self.run_id}")
 
@@ -136,7 +139,7 @@ class WebCharges:
         while self._writer is not None and not self._writer.done():
             await asyncio.gather(self._writer, return_exceptions=True)
             if (self._pending or self._events) and self.error is None:
-                self._writer = asyncio.create_task(self._write_all())
+                self._start_writer()
         if self.error is None and not self._pending and self._journal is not None:
             self._journal.remove()
             self._journal = None
