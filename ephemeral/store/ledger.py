@@ -13,6 +13,7 @@ the run's reservation and ``balance`` by what the run was charged.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -206,46 +207,79 @@ _ADD_CHARGE = (
     .values(charged_micros=runs.c.charged_micros + sa.bindparam("b_micros", type_=sa.BigInteger))
     .returning(runs.c.charged_micros)
 )
-_NEW_CHARGE = {
-    dialect: ins(ledger).on_conflict_do_nothing().returning(ledger.c.id)
+# One INSERT for every charge of a batch (executemany, sent as multi-row VALUES): the keys it
+# returns are the fresh charges; a key it does not return was already in the ledger.
+_NEW_CHARGES = {
+    dialect: ins(ledger).on_conflict_do_nothing().returning(ledger.c.idempotency_key)
     for dialect, ins in (("postgresql", postgresql.insert), ("sqlite", sqlite.insert))
 }
 
 
 async def charge(conn: AsyncConnection, *, run_id: str, kind: str, micros: int, key: str) -> int:
+    return await charge_many(conn, run_id=run_id, kind=kind, charges=[(key, micros)])
+
+
+async def charge_many(
+    conn: AsyncConnection, *, run_id: str, kind: str, charges: Sequence[tuple[str, int]]
+) -> int:
+    """Charges ``(key, micros)`` of one run and kind, each idempotent on its key, added to the
+    run's total in one update: all fit the reservation or none is made (the caller's
+    transaction rolls back). Returns the run's total."""
     if kind not in CHARGE_KINDS:
         raise errors.InvalidRequest.field("kind", f"must be one of {', '.join(CHARGE_KINDS)}")
-    check_micros("micros", micros)
-    if not key or len(key) > MAX_LEDGER_KEY:
-        raise errors.InvalidRequest.field("key", f"must be 1-{MAX_LEDGER_KEY} characters")
+    if not charges:
+        raise errors.InvalidRequest.field("charges", "must not be empty")
+    wanted: dict[str, int] = {}
+    for key, micros in charges:
+        check_micros("micros", micros)
+        if not key or len(key) > MAX_LEDGER_KEY:
+            raise errors.InvalidRequest.field("key", f"must be 1-{MAX_LEDGER_KEY} characters")
+        if wanted.setdefault(key, micros) != micros:
+            raise errors.Conflict(f"charge key {key!r} is in the batch twice, for two amounts")
     run = (await conn.execute(_ORG_OF_RUN, {"b_run_id": run_id})).first()
     if run is None:
         raise errors.NotFound(f"run {run_id} not found")
-    # The ledger row goes first: a concurrent duplicate waits on the unique key and then
-    # does nothing, so a retried charge can never be counted twice.
-    fresh = await conn.execute(
-        _NEW_CHARGE["postgresql" if conn.dialect.name == "postgresql" else "sqlite"],
+    now = utcnow()
+    # The ledger rows go first: a concurrent duplicate waits on the unique key and then does
+    # nothing, so a retried charge can never be counted twice.
+    rows = [
         {
             "org_id": run.org_id,
             "run_id": run_id,
             "kind": kind,
             "amount_micros": micros,
             "idempotency_key": key,
-            "at": utcnow(),
-        },
+            "at": now,
+        }
+        for key, micros in wanted.items()
+    ]
+    result = await conn.execute(
+        _NEW_CHARGES["postgresql" if conn.dialect.name == "postgresql" else "sqlite"],
+        rows if len(rows) > 1 else rows[0],  # one row: a plain execute, no executemany
     )
-    if fresh.first() is None:
-        earlier = (
-            await conn.execute(sa.select(ledger).where(ledger.c.idempotency_key == key))
-        ).one()
-        if (earlier.run_id, earlier.kind, earlier.amount_micros) != (run_id, kind, micros):
-            raise errors.Conflict(
-                f"charge key {key!r} was already used for {earlier.kind} "
-                f"{earlier.amount_micros} micros on run {earlier.run_id}"
-            )
+    fresh = {r.idempotency_key for r in result}
+    earlier_keys = [key for key in wanted if key not in fresh]
+    if earlier_keys:
+        earlier = await conn.execute(
+            sa.select(
+                ledger.c.idempotency_key, ledger.c.run_id, ledger.c.kind, ledger.c.amount_micros
+            ).where(ledger.c.idempotency_key.in_(earlier_keys))
+        )
+        for row in earlier:
+            if (row.run_id, row.kind, row.amount_micros) != (
+                run_id,
+                kind,
+                wanted[row.idempotency_key],
+            ):
+                raise errors.Conflict(
+                    f"charge key {row.idempotency_key!r} was already used for {row.kind} "
+                    f"{row.amount_micros} micros on run {row.run_id}"
+                )
+    added_micros = sum(wanted[key] for key in fresh)
+    if not added_micros:
         total = await conn.scalar(sa.select(runs.c.charged_micros).where(runs.c.id == run_id))
         return int(total or 0)
-    added = await conn.execute(_ADD_CHARGE, {"b_run_id": run_id, "b_micros": micros})
+    added = await conn.execute(_ADD_CHARGE, {"b_run_id": run_id, "b_micros": added_micros})
     row = added.first()
     if row is not None:
         return int(row.charged_micros)
@@ -253,8 +287,9 @@ async def charge(conn: AsyncConnection, *, run_id: str, kind: str, micros: int, 
     if now_run.settled_at is not None:
         raise errors.Conflict(f"run {run_id} is already settled; no further charges")
     raise errors.BudgetExhausted(
-        f"a {kind} charge of {micros} micros would bring run {run_id} to "
-        f"{now_run.charged_micros + micros} micros, over its {now_run.reserved_micros} reserved"
+        f"a {kind} charge of {added_micros} micros would bring run {run_id} to "
+        f"{now_run.charged_micros + added_micros} micros, over its {now_run.reserved_micros} "
+        "reserved"
     )
 
 

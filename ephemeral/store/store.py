@@ -86,6 +86,13 @@ _BUMP_SEQ = (
     .returning(runs.c.last_seq, runs.c.policy, runs.c.erased_at)
 )
 _INSERT_EVENT = sa.insert(run_events)
+# A batch's events take their numbers in one bump: the last of them comes back.
+_BUMP_SEQ_BY = (
+    sa.update(runs)
+    .where(runs.c.id == sa.bindparam("b_run_id"))
+    .values(last_seq=runs.c.last_seq + sa.bindparam("b_n", type_=sa.Integer))
+    .returning(runs.c.last_seq, runs.c.policy, runs.c.erased_at)
+)
 
 
 def _json_size(field: str, value: Any, limit: int) -> int:
@@ -876,6 +883,31 @@ class Store:
         )
         return Event(seq=bumped.last_seq, run_id=run_id, type=type, at=at, data=data)
 
+    async def _append_many(
+        self, conn: AsyncConnection, run_id: str, events: Sequence[tuple[str, dict[str, Any]]]
+    ) -> None:
+        """Events in order, numbered as :meth:`_append` would one at a time: one bump of the
+        counter and one INSERT for all of them."""
+        bumped = (
+            await conn.execute(_BUMP_SEQ_BY, {"b_run_id": run_id, "b_n": len(events)})
+        ).first()
+        if bumped is None:
+            raise errors.NotFound(f"run {run_id} not found")
+        redacted = _zdr(bumped.policy) or bumped.erased_at is not None
+        first = bumped.last_seq - len(events) + 1
+        at = rfc3339(utcnow())
+        rows = [
+            {
+                "run_id": run_id,
+                "seq": first + i,
+                "type": type_,
+                "at": at,
+                "data": redact_for_zdr(data) if redacted else data,
+            }
+            for i, (type_, data) in enumerate(events)
+        ]
+        await conn.execute(_INSERT_EVENT, rows if len(rows) > 1 else rows[0])
+
     async def list_events(
         self, run_id: str, after_seq: int = 0, limit: int | None = None
     ) -> list[Event]:
@@ -957,10 +989,10 @@ class Store:
             self._check_event(type_, data)
         async with self._engine.begin() as conn:
             total = 0
-            for key, micros in charges:
-                total = await ledger.charge(conn, run_id=run_id, kind=kind, micros=micros, key=key)
-            for type_, data in events:
-                await self._append(conn, run_id, type_, data)
+            if charges:
+                total = await ledger.charge_many(conn, run_id=run_id, kind=kind, charges=charges)
+            if events:
+                await self._append_many(conn, run_id, events)
             return total
 
     async def charged(self, run_id: str) -> dict[str, int]:

@@ -91,6 +91,50 @@ async def test_concurrent_charges_never_pass_the_reservation(store: Store, org: 
     assert settled.charged_micros + settled.refunded_micros == settled.reserved_micros
 
 
+async def test_a_batch_adds_its_fresh_charges_once(store: Store, org: Org) -> None:
+    run = await _run(store, org)
+    await store.charge(run.id, "web", 100, "w:1")
+    # w:1 is already in the ledger and w:3 is in the batch twice: each counts once
+    batch = [("w:1", 100), ("w:2", 100), ("w:3", 250), ("w:3", 250)]
+    assert await store.charge_batch(run.id, "web", batch) == 450
+    assert await store.charge_batch(run.id, "web", batch) == 450  # a retried batch: nothing new
+    assert await store.charged(run.id) == {
+        "model_micros": 0,
+        "web_micros": 450,
+        "compute_micros": 0,
+    }
+    async with store._engine.connect() as conn:
+        keys = (
+            await conn.execute(
+                sa.select(ledger.c.idempotency_key, ledger.c.amount_micros).where(
+                    ledger.c.run_id == run.id, ledger.c.kind == "web"
+                )
+            )
+        ).all()
+    assert sorted(keys) == [("w:1", 100), ("w:2", 100), ("w:3", 250)]
+
+
+async def test_a_batch_is_all_or_none(store: Store, org: Org) -> None:
+    run = await _run(store, org, reserved=1_000)
+    await store.charge(run.id, "model", 700, "m")
+    with pytest.raises(errors.BudgetExhausted):  # 3 x 100 fits, the fourth does not
+        await store.charge_batch(run.id, "web", [(f"w:{i}", 100) for i in range(4)])
+    with pytest.raises(errors.Conflict):  # a key used before for another amount
+        await store.charge_batch(run.id, "web", [("w:new", 10), ("m", 699)])
+    with pytest.raises(errors.Conflict):  # the same key twice for two amounts
+        await store.charge_batch(run.id, "web", [("w:x", 10), ("w:x", 11)])
+    assert await store.charged(run.id) == {
+        "model_micros": 700,
+        "web_micros": 0,
+        "compute_micros": 0,
+    }
+    assert await store.charge_batch(run.id, "web", [(f"w:{i}", 100) for i in range(3)]) == 1_000
+    settled = await store.settle(run.id)
+    assert (settled.charged_micros, settled.refunded_micros) == (1_000, 0)
+    with pytest.raises(errors.Conflict):  # settled: no batch either
+        await store.charge_batch(run.id, "web", [("w:late", 1)])
+
+
 async def test_no_charge_after_settle(store: Store, org: Org) -> None:
     run = await _run(store, org)
     await store.settle(run.id)

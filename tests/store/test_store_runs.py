@@ -76,6 +76,26 @@ async def test_zero_data_retention_keeps_no_content(store: Store, org: Org) -> N
     assert await store.get_transcript(run.id) is None
 
 
+@pytest.mark.parametrize("zdr", [False, True])
+async def test_a_charge_batch_numbers_its_events_after_the_rest(
+    store: Store, org: Org, zdr: bool
+) -> None:
+    run = await _run(store, org, zero_data_retention=zdr)
+    await store.append_event(run.id, "run.started", {})
+    path = f"/{CANARY}"
+    events = [("web.requested", {"method": "GET", "path": path, "n": i}) for i in range(3)]
+    await store.charge_batch(run.id, "web", [("w:1", 5)], events)
+    await store.charge_batch(run.id, "web", [], events[:1])
+    await store.append_event(run.id, "run.completed", {})
+    got = await store.list_events(run.id)
+    assert [e.seq for e in got] == list(range(1, len(got) + 1))
+    assert [e.type for e in got][1:] == ["run.started"] + ["web.requested"] * 4 + ["run.completed"]
+    web = [e.data for e in got if e.type == "web.requested"]
+    assert (CANARY in str(web)) is not zdr
+    if not zdr:
+        assert [d["n"] for d in web] == [0, 1, 2, 0]
+
+
 async def test_erase_content_keeps_billing(store: Store, org: Org) -> None:
     run = await _run(store, org)
     await store.append_event(
