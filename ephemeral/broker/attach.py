@@ -35,6 +35,11 @@ log = logging.getLogger("ephemeral.broker")
 # A batch that fails (the store busy: "database is locked" under load) is tried again after
 # these pauses; its keys are idempotent, so a batch that did commit counts once.
 WRITE_RETRY_SECONDS = (0.05, 0.2, 1.0, 3.0)
+# A batch follows the one before no sooner than this (unless the owner flushes): a stream
+# moving hundreds of MiB a second decides a charge per MiB, and a transaction for each one or
+# two cost the proxy more CPU than the bytes did. A lone charge is written at once; the
+# journal holds every charge until its batch commits.
+BATCH_GAP_SECONDS = 0.05
 
 
 @dataclass
@@ -59,6 +64,8 @@ class WebCharges:
     _pending: list[tuple[str, int]] = field(default_factory=list)
     _events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     _writer: asyncio.Task[None] | None = None
+    _last_batch: float = float("-inf")  # when the last batch began (loop time)
+    _hurry: asyncio.Event = field(default_factory=asyncio.Event)  # set by flush: no gap
     _journal: ChargeJournal | None = None
     _writes: set[asyncio.Task[None]] = field(default_factory=set)  # tracked (model.internal)
 
@@ -107,7 +114,14 @@ class WebCharges:
             self._writer = asyncio.create_task(self._write_all(), name=f"web-charges-{self.run_id}")
 
     async def _write_all(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._pending or self._events:
+            gap = self._last_batch + BATCH_GAP_SECONDS - loop.time()
+            if gap > 0 and not self._hurry.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(gap):
+                        await self._hurry.wait()
+            self._last_batch = loop.time()
             batch, self._pending = self._pending, []
             events, self._events = self._events, []
             for pause in (*WRITE_RETRY_SECONDS, None):
@@ -136,10 +150,14 @@ class WebCharges:
         the tracked writes (a gateway call's settlement) included."""
         while self._writes:
             await asyncio.gather(*list(self._writes), return_exceptions=True)
-        while self._writer is not None and not self._writer.done():
-            await asyncio.gather(self._writer, return_exceptions=True)
-            if (self._pending or self._events) and self.error is None:
-                self._start_writer()
+        self._hurry.set()  # the batches go now, without their gap
+        try:
+            while self._writer is not None and not self._writer.done():
+                await asyncio.gather(self._writer, return_exceptions=True)
+                if (self._pending or self._events) and self.error is None:
+                    self._start_writer()
+        finally:
+            self._hurry.clear()
         if self.error is None and not self._pending and self._journal is not None:
             self._journal.remove()
             self._journal = None
