@@ -6,16 +6,17 @@ through a tunnel, beside the same client against servers on the sandbox's own lo
 the guest's network stack costs without the proxy). Prints percentiles and ratios; asserts
 nothing.
 
-    .venv/bin/python bench/broker.py [--n 200] [--egress-n 200] [--mib 64] [--levels ...]
+    .venv/bin/python bench/broker.py [--n 200] [--egress-n 200] [--mib 64] [--trials 5]
+        [--levels ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import socketserver
+import os
+import resource
 import subprocess
 import tempfile
 import threading
@@ -144,10 +145,18 @@ def connect_once(target_port):
         s.sendall(f"CONNECT {name} HTTP/1.1\r\nHost: {name}\r\n\r\n".encode())
         got = b""
         while b"\r\n\r\n" not in got:
-            got += s.recv(1024)
+            more = s.recv(1024)
+            assert more, f"the proxy closed the tunnel before answering: {got!r}"
+            got += more
         assert b" 200 " in got[:20], got
     return s, (time.perf_counter() - t) * 1000
 
+if len(sys.argv) > 8 and sys.argv[8] == "blob":  # one more tunnel's MiB/s, alone
+    s, _ = connect_once(blob_port)
+    t = time.perf_counter()
+    got = len(read_all(s))
+    print(json.dumps({"bytes": got, "seconds": time.perf_counter() - t}))
+    sys.exit(0)
 http_ms = []
 for _ in range(n):
     t = time.perf_counter()
@@ -203,20 +212,119 @@ sys.stdout.write(subprocess.run(argv, capture_output=True, text=True, check=True
 """
 
 
-def _blob_server(size: int) -> tuple[socketserver.ThreadingTCPServer, int]:
-    class Blob(socketserver.BaseRequestHandler):
-        def handle(self) -> None:
-            chunk = b"\0" * (1 << 16)
-            sent = 0
-            with contextlib.suppress(OSError):
-                while sent < size:
-                    self.request.sendall(chunk)
-                    sent += len(chunk)
+# The blob upstream runs in its own process, as a real upstream does: in the bench's process
+# its threads would hold the GIL the proxy's loop needs, a cost no deployment has.
+BLOB = r"""
+import socketserver, sys
+class Blob(socketserver.BaseRequestHandler):
+    def handle(self):
+        chunk, left = b"\0" * (1 << 16), int(sys.argv[1]) << 20
+        try:
+            while left > 0:
+                self.request.sendall(chunk)
+                left -= len(chunk)
+        except OSError:
+            pass
+server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Blob)
+server.daemon_threads = True
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
 
-    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Blob)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, server.server_address[1]
+
+# The relay's floor: what the proxy's path costs without the proxy. Per connection, one process
+# copies the upstream's bytes into a pipe and another copies them from the pipe to the client:
+# the two extra processes and the four extra copies a stream makes on its way to the sandbox
+# (host socket -> guest channel -> guest socket), with no framing, metering or event loop.
+RELAY = r"""
+import os, socket, sys
+upstream = int(sys.argv[1])
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen(16)
+print(listener.getsockname()[1], flush=True)
+while True:
+    conn, _ = listener.accept()
+    r, w = os.pipe()
+    try:
+        import fcntl
+        fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ, as the guest agent sets its channel
+    except OSError:
+        pass
+    if os.fork() == 0:
+        os.close(r)
+        up = socket.create_connection(("127.0.0.1", upstream))
+        while data := up.recv(128 << 10):
+            os.write(w, data)
+        os._exit(0)
+    if os.fork() == 0:
+        os.close(w)
+        while data := os.read(r, 128 << 10):
+            conn.sendall(data)
+        conn.close()
+        os._exit(0)
+    os.close(r)
+    os.close(w)
+    conn.close()
+    os.wait()
+    os.wait()
+"""
+
+
+def _relay(upstream: int) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(
+        ["python3", "-c", RELAY, str(upstream)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+def _blob_server(mib: int) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(["python3", "-c", BLOB, str(mib)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+def _cpu_now(upstream: int) -> dict[str, float]:
+    """CPU seconds so far: this process (the proxy), and every process under it but the
+    upstream and the benchmark's client (the sandbox: its agent and runtime)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2 :].split()
+        if b"client.py" in cmd:
+            continue
+        stats[int(entry.name)] = fields
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    todo, sandbox = [p for p in children.get(os.getpid(), []) if p != upstream], 0.0
+    while todo:
+        pid = todo.pop()
+        sandbox += (int(stats[pid][11]) + int(stats[pid][12])) / tick
+        todo += children.get(pid, [])
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"host": usage.ru_utime + usage.ru_stime, "sandbox": sandbox}
+
+
+def _rate(result: dict[str, float]) -> float:
+    return result["bytes"] / (1 << 20) / result["seconds"]
+
+
+async def _host_blob(script: Path, args: list[str], port: int | None = None) -> dict[str, float]:
+    if port is not None:  # the same client, from another port (the relay's)
+        args = [*args[:2], str(port), *args[3:]]
+    proc = await asyncio.create_subprocess_exec(
+        "python3", str(script), "direct", *args, "0", "blob", stdout=subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    return json.loads(out)
 
 
 def show_pair(label: str, direct: list[float], proxied: list[float]) -> None:
@@ -229,7 +337,7 @@ def show_pair(label: str, direct: list[float], proxied: list[float]) -> None:
     )
 
 
-async def egress(levels: list[str], n: int, mib: int) -> None:
+async def egress(levels: list[str], n: int, mib: int, trials: int) -> None:
     from ephemeral.sandbox import registry
 
     class Server(ThreadingHTTPServer):
@@ -239,7 +347,8 @@ async def egress(levels: list[str], n: int, mib: int) -> None:
     server = Server(("127.0.0.1", 0), _handler(up))
     up.port = server.server_address[1]
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    blob, blob_port = _blob_server(mib << 20)
+    blob, blob_port = _blob_server(mib)
+    relay, relay_port = _relay(blob_port)
     args = ["127.0.0.1", str(up.port), str(blob_port), str(n), str(mib)]
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -253,7 +362,10 @@ async def egress(levels: list[str], n: int, mib: int) -> None:
             )
             direct = json.loads(host.stdout)
             settings = Settings.load(
-                state_dir=Path(tmp) / "state", use_prefect=False, broker_allow_private_hosts=True
+                state_dir=Path(tmp) / "state",
+                use_prefect=False,
+                broker_allow_private_hosts=True,
+                egress_max_bytes=(trials + 2) * (mib + 1) << 20,  # the default cap is 1 GiB
             )
             runtime = await Runtime.start(settings)
             try:
@@ -298,6 +410,31 @@ async def egress(levels: list[str], n: int, mib: int) -> None:
                             print(f"\n== egress on {level}: client failed: {res.stderr[-500:]}")
                             continue
                         proxied = json.loads(res.stdout)
+                        # One 64 MiB transfer swings by a third from one moment to the next on
+                        # this box: more of each, direct and proxied taken in turn.
+                        d_rates, p_rates = [_rate(direct)], [_rate(proxied)]
+                        r_rates = [_rate(await _host_blob(script, args, relay_port))]
+                        cpu = {"host": 0.0, "sandbox": 0.0}
+                        for _ in range(trials - 1):
+                            d_rates.append(_rate(await _host_blob(script, args)))
+                            r_rates.append(_rate(await _host_blob(script, args, relay_port)))
+                            before = _cpu_now(blob.pid)
+                            res = await agent.sandbox.exec(
+                                [
+                                    "python3",
+                                    "client.py",
+                                    "proxy",
+                                    *args,
+                                    str(settings.egress_port),
+                                    "blob",
+                                ],
+                                timeout=600,
+                                max_output=1 << 20,
+                            )
+                            after = _cpu_now(blob.pid)
+                            for k in cpu:
+                                cpu[k] += after[k] - before[k]
+                            p_rates.append(_rate(json.loads(res.stdout)))
                     finally:
                         await agent.teardown()
                         agent.reason = agent.reason or Reason.COMPLETED
@@ -306,18 +443,36 @@ async def egress(levels: list[str], n: int, mib: int) -> None:
                     show_pair("HTTP round trip", direct["http_ms"], proxied["http_ms"])
                     show("HTTP round trip guest loopback", loopback["http_ms"])
                     show_pair("CONNECT setup", direct["connect_ms"], proxied["connect_ms"])
-                    d = direct["bytes"] / (1 << 20) / direct["seconds"]
-                    p = proxied["bytes"] / (1 << 20) / proxied["seconds"]
-                    g = loopback["bytes"] / (1 << 20) / loopback["seconds"]
+                    d, p, g = pct(d_rates, 50), pct(p_rates, 50), _rate(loopback)
                     print(
-                        f"throughput             direct={d:8.1f} MiB/s  via proxy={p:8.1f} MiB/s  "
-                        f"direct/proxy={d / p:5.2f}x  guest loopback={g:8.1f} MiB/s"
+                        f"throughput (p50 of {trials}) direct={d:8.1f} MiB/s  "
+                        f"via proxy={p:8.1f} MiB/s  direct/proxy={d / p:5.2f}x  "
+                        f"guest loopback={g:8.1f} MiB/s"
                     )
+                    r = pct(r_rates, 50)
+                    print(
+                        f"{'':<22} direct {min(d_rates):.1f}-{max(d_rates):.1f}, "
+                        f"via proxy {min(p_rates):.1f}-{max(p_rates):.1f} MiB/s"
+                    )
+                    print(
+                        f"{'':<22} relay floor (2 processes, a pipe, no proxy) p50={r:.1f} MiB/s "
+                        f"({min(r_rates):.1f}-{max(r_rates):.1f}): direct/relay={d / r:.2f}x, "
+                        f"relay/proxy={r / p:.2f}x"
+                    )
+                    if trials > 1:
+                        moved = (trials - 1) * mib
+                        print(
+                            f"{'':<22} CPU per MiB proxied: host {cpu['host'] / moved * 1e3:.2f} "
+                            f"ms, sandbox (agent, runtime; not the client) "
+                            f"{cpu['sandbox'] / moved * 1e3:.2f} ms"
+                        )
             finally:
                 await runtime.close()
     finally:
         server.shutdown()
-        blob.shutdown()
+        for proc in (blob, relay):
+            proc.kill()
+            proc.wait()
 
 
 if __name__ == "__main__":
@@ -326,6 +481,7 @@ if __name__ == "__main__":
     parser.add_argument("--egress-n", type=int, default=200)
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--levels", default="namespaces,gvisor")
+    parser.add_argument("--trials", type=int, default=5, help="tunnel transfers each way")
     ns = parser.parse_args()
     asyncio.run(main(ns.n))
-    asyncio.run(egress(ns.levels.split(","), ns.egress_n, ns.mib))
+    asyncio.run(egress(ns.levels.split(","), ns.egress_n, ns.mib, ns.trials))

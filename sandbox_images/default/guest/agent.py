@@ -1023,6 +1023,7 @@ def _result(code, stdout, stderr, truncated, timed_out, started):
 
 STREAM_CHUNK = 128 * 1024  # raw bytes per stream data frame (the host caps them too)
 BINARY = 1 << 31  # the length word of a binary data frame has this bit set
+READ_BUF = 1 << 20  # the channel is read this much at a time (the host's pipe holds as much)
 
 
 class Forwarder:
@@ -1066,7 +1067,11 @@ class Forwarder:
         self.window = window
         self.lock = threading.Lock()  # guards `out`: the serve loop writes replies too
         self.out = bytearray()  # bytes for the host not yet written to the channel
-        self.inbuf = bytearray()  # bytes from the host not yet a whole frame
+        # Bytes from the host not yet a whole frame: inbuf[:fill]. One buffer, read into in
+        # place and reused (a fresh megabyte per read page-faulted on every read); it grows for
+        # a request frame larger than itself and shrinks back after.
+        self.inbuf = bytearray(READ_BUF)
+        self.fill = 0
         self.requests: queue.Queue = queue.Queue()
         self.streams = {}  # sid -> _Stream
         self.by_fd = {}  # fd -> _Stream
@@ -1167,44 +1172,61 @@ class Forwarder:
 
     def _read_channel(self):
         while True:
-            try:
-                chunk = os.read(self.rfd, 1 << 20)
-            except (BlockingIOError, InterruptedError):
-                break
-            if not chunk:
-                if self.inbuf:
+            with memoryview(self.inbuf) as room:
+                try:
+                    n = os.readv(self.rfd, [room[self.fill :]])
+                except (BlockingIOError, InterruptedError):
+                    return
+            if not n:
+                if self.fill:
                     raise ProtocolError("channel closed mid-frame")
                 raise EOFError
-            self.inbuf += chunk
-            if len(chunk) < (1 << 20):
-                break
-        buf = self.inbuf
+            self.fill += n
+            full = self.fill == len(self.inbuf)
+            self._frames()
+            if not full:
+                return  # the channel is drained
+
+    def _frames(self):
+        """Take every whole frame in inbuf[:fill]; keep the rest at its start."""
+        buf, fill = self.inbuf, self.fill
         pos = 0
-        while len(buf) - pos >= 4:
-            header = int.from_bytes(buf[pos : pos + 4], "big")
-            binary = header & BINARY
-            size = header & ~BINARY if binary else header
-            if binary and not 4 <= size <= STREAM_CHUNK + 4:
-                raise ProtocolError(f"binary frame of {size} bytes")
-            if size > MAX_FRAME:
-                raise ProtocolError(f"frame too large: {size}")
-            if len(buf) - pos - 4 < size:
-                break
-            body = bytes(buf[pos + 4 : pos + 4 + size])
-            pos += 4 + size
-            if binary:
-                stream = self.streams.get(int.from_bytes(body[:4], "big"))
-                if stream is not None:
-                    stream.from_host(body[4:])
-                continue
-            obj = json_loads(body.decode("utf-8"))
-            if not isinstance(obj, dict):
-                raise ProtocolError("frame is not an object")
-            if "s" in obj and "id" not in obj:
-                self._from_host(obj)
-            else:
-                self.requests.put(obj)
-        del buf[:pos]
+        need = 0
+        with memoryview(buf) as view:
+            while fill - pos >= 4:
+                header = int.from_bytes(buf[pos : pos + 4], "big")
+                binary = header & BINARY
+                size = header & ~BINARY if binary else header
+                if binary and not 4 <= size <= STREAM_CHUNK + 4:
+                    raise ProtocolError(f"binary frame of {size} bytes")
+                if size > MAX_FRAME:
+                    raise ProtocolError(f"frame too large: {size}")
+                if fill - pos - 4 < size:
+                    need = 4 + size
+                    break
+                start = pos + 4
+                pos = start + size
+                if binary:
+                    stream = self.streams.get(int.from_bytes(buf[start : start + 4], "big"))
+                    if stream is not None:
+                        with view[start + 4 : pos] as data:
+                            stream.from_host(data)  # copies what it keeps
+                    continue
+                obj = json_loads(buf[start:pos].decode("utf-8"))
+                if not isinstance(obj, dict):
+                    raise ProtocolError("frame is not an object")
+                if "s" in obj and "id" not in obj:
+                    self._from_host(obj)
+                else:
+                    self.requests.put(obj)
+        rest = fill - pos
+        if pos and rest:
+            buf[:rest] = buf[pos:fill]  # a copy first: the two ranges may overlap
+        self.fill = rest
+        if need > len(buf):  # a frame larger than the buffer: room for all of it
+            buf.extend(bytes(need - len(buf)))
+        elif not rest and len(buf) > READ_BUF:
+            self.inbuf = bytearray(READ_BUF)
 
     def _from_host(self, frame):
         stream = self.streams.get(frame.get("s"))
@@ -1324,15 +1346,29 @@ class _Stream:
         return True
 
     def from_host(self, data):
-        """host -> connection: written now if the connection takes it, else when it can."""
+        """host -> connection: written now if the connection takes it, else when it can.
+        `data` may be a view of the channel's buffer: what is not written now is copied."""
         if self.closing or self.fd < 0:
             return
         if len(self.pending) + len(data) > self.fwd.window:
             self.fwd.send({"s": self.sid, "t": "close"})  # the host overran its window
             self.end()
             return
-        self.pending += data
-        self._write()
+        if self.pending:
+            self.pending += data
+            self._write()
+        else:
+            try:
+                n = self.conn.send(data)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError:
+                self.fwd.send({"s": self.sid, "t": "close"})
+                self.end()
+                return
+            if n < len(data):
+                self.pending += data[n:]
+            self._wrote(n)
         self.arm()
 
     def _write(self):
@@ -1348,9 +1384,12 @@ class _Stream:
                 return
             del self.pending[:n]
             written += n
+        self._wrote(written)
+
+    def _wrote(self, n):
         # Acknowledged a quarter window at a time: the host only waits for credit once a whole
         # window is out, so a short answer costs it no wakeup for an ack it does not need.
-        self.written += written
+        self.written += n
         if self.written >= max(1, self.fwd.window // 4):
             self.fwd.send({"s": self.sid, "t": "ack", "n": self.written})
             self.written = 0
