@@ -103,6 +103,7 @@ bench: setup
 	$(PY) bench/seccomp.py
 	$(PY) bench/side_channels.py
 	$(PY) bench/images.py
+	$(PY) bench/ledger.py
 	$(PY) bench/broker.py
 	$(PY) bench/gateway.py
 	$(PY) bench/soak.py --runs 100 --levels 16,64
