@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/soak.py [--runs 500] [--levels 16,64] [--pool 2] [--slots 8]
                                    [--executor flow] [--isolation namespaces] [--floor-runs N]
+                                   [--web]
 
 One ``ephemeral serve`` subprocess (embedded Prefect on SQLite, replay model
 ``replay/sandbox-proof``, a fresh state directory, an org with credit and a key made through the
@@ -26,6 +27,13 @@ With ``--floor-runs N`` the same levels run first through a second ``serve`` wit
 ``EPHEMERAL_EXECUTOR=plain`` (no Prefect), N runs each, in the same sitting: its runs/s is the
 floor beside the figure, and the summary prints the ratio.
 
+With ``--web`` the runs have ``web`` on and replay a cassette (written into the state dir
+beside the shipped ones) whose two commands fetch from an HTTP upstream the bench starts on
+127.0.0.1, a short answer and a 3 MiB one, through the egress proxy (``serve`` gets
+``EPHEMERAL_BROKER_ALLOW_PRIVATE_HOSTS``, so the loopback upstream is reachable). One more check:
+every settled run has two ``web.requested`` events, both 200, the big one whole, and its web
+charge equals the sum of their ``cost_micros``.
+
 "Charged while queued": a run that never got a slot but was charged anything; or charged
 compute without a ``sandbox.ready`` event; or whose ``sandbox.ready`` is before its slot grant
 (``started_at``); or whose sandbox lifetime (``sandbox.destroyed``'s ``lifetime_ms``, the
@@ -42,6 +50,7 @@ import asyncio
 import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -123,7 +132,12 @@ async def one_run(
 
 
 async def drive(
-    url: str, key: str, runs: int, concurrency: int, stuck_after: float = 600
+    url: str,
+    key: str,
+    runs: int,
+    concurrency: int,
+    stuck_after: float = 600,
+    body: dict[str, Any] = BODY,
 ) -> tuple[list[Outcome], float]:
     """``runs`` runs at ``concurrency`` clients; returns the outcomes and the wall time."""
     todo = iter(range(runs))
@@ -138,11 +152,108 @@ async def drive(
 
         async def worker() -> None:
             for _ in todo:
-                outcomes.append(await one_run(client, stuck_after))
+                outcomes.append(await one_run(client, stuck_after, body))
 
         t0 = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return outcomes, time.monotonic() - t0
+
+
+# --web: each run's replayed turns fetch from an upstream on the host's loopback through the
+# egress proxy, a small answer and a BLOB_MIB MiB one: requests, tunnels-worth of bytes and
+# per-MiB charges under load, with nothing sent past 127.0.0.1.
+BLOB_MIB = 3
+UPSTREAM = r"""
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+BLOB = bytes(range(256)) * (int(sys.argv[1]) << 12)
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        body = BLOB if self.path == "/blob" else b"soak upstream ok"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+server.daemon_threads = True
+server.request_queue_size = 256
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+def web_cassettes(state: Path, port: int) -> Path:
+    """The shipped cassettes plus ``web-soak``: two fetches from the upstream, then an answer.
+    ``--noproxy ''``: the sandbox's ``no_proxy`` names 127.0.0.1 (its own loopback), and this
+    127.0.0.1 is the host's, reached only through the proxy."""
+    folder = state / "cassettes"
+    folder.mkdir()
+    for shipped in Settings.load().cassettes_dir.glob("*.json"):
+        (folder / shipped.name).write_bytes(shipped.read_bytes())
+    base = f"http://127.0.0.1:{port}"
+    usage = {"input_tokens": 900, "output_tokens": 40, "cached_input_tokens": 0}
+    turns = [
+        {
+            "message": {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_small",
+                        "name": "shell",
+                        "arguments": {"command": f"curl -sS -m 60 --noproxy '' {base}/small"},
+                    },
+                    {
+                        "id": "call_blob",
+                        "name": "shell",
+                        "arguments": {
+                            "command": "curl -sS -m 60 --noproxy '' -o /dev/null "
+                            f"-w '%{{size_download}}' {base}/blob"
+                        },
+                    },
+                ],
+            },
+            "usage": usage,
+            "latency_ms": 300,
+        },
+        {
+            "message": {"role": "assistant", "content": "Fetched both.", "tool_calls": []},
+            "usage": usage,
+            "latency_ms": 200,
+        },
+    ]
+    cassette = {
+        "version": 1,
+        "model": "openai/gpt-6-luna",
+        "recorded_at": "2026-12-04T00:00:00Z",
+        "description": "bench/soak.py --web: two fetches through the egress proxy",
+        "turns": turns,
+    }
+    (folder / "web-soak.json").write_text(json.dumps(cassette))
+    return folder
+
+
+def web_mismatches(outcomes: list[Outcome]) -> list[str]:
+    """Settled web runs whose fetches did not both answer 200 with all their bytes, or whose
+    web charge is not the sum of their ``web.requested`` events' costs."""
+    bad = []
+    for o in outcomes:
+        if not o.settled or o.run is None:
+            continue
+        web = [e["data"] for e in o.events if e["type"] == "web.requested"]
+        charged = int((o.run["cost"].get("breakdown") or {}).get("web_micros") or 0)
+        ok = (
+            len(web) == 2
+            and all(w.get("status") == 200 for w in web)
+            and max(w.get("bytes_in", 0) for w in web) > BLOB_MIB << 20
+            and charged == sum(w.get("cost_micros", 0) for w in web)
+        )
+        if not ok:
+            bad.append(o.run["id"])
+    return bad
 
 
 def compute_rate(settings: Settings) -> int:
@@ -384,6 +495,19 @@ async def soak(
     }
     if args.max_queued is not None:
         env["EPHEMERAL_MAX_QUEUED_RUNS"] = str(args.max_queued)
+    # The request names the isolation: EPHEMERAL_ISOLATION alone sets only the warm pool's,
+    # and a run asking "auto" takes the strongest level the host has.
+    body: dict[str, Any] = {**BODY, "isolation": args.isolation}
+    upstream = None
+    if args.web:
+        upstream = subprocess.Popen(
+            [sys.executable, "-c", UPSTREAM, str(BLOB_MIB)], stdout=subprocess.PIPE, text=True
+        )
+        assert upstream.stdout is not None
+        port = int(upstream.stdout.readline())
+        env["EPHEMERAL_CASSETTES_DIR"] = str(web_cassettes(state, port))
+        env["EPHEMERAL_BROKER_ALLOW_PRIVATE_HOSTS"] = "true"  # the upstream is on loopback
+        body |= {"model": "replay/web-soak", "web": True, "max_cost_micros": 60000}
     before = sandbox_pids()
     served = serve(state, pool=args.pool, env=env)
     rate = compute_rate(settings)
@@ -393,13 +517,13 @@ async def soak(
         async with httpx.AsyncClient(
             base_url=served.url, headers={"Authorization": f"Bearer {key}"}, timeout=120
         ) as client:
-            warm = await one_run(client, 300)  # Prefect's first flow run pays its start-up
+            warm = await one_run(client, 300, body)  # Prefect's first flow run pays its start-up
             print(
                 f"[{executor}] warm-up run: {(warm.run or {}).get('status')} in {warm.e2e_s:.1f} s"
             )
         print(f"  server before: {served.stats()}")
         for level in args.levels:
-            outcomes, wall = await drive(served.url, key, runs, level, args.stuck_after)
+            outcomes, wall = await drive(served.url, key, runs, level, args.stuck_after, body)
             stats = analyse(outcomes, rate)
             report(level, stats, wall, runs, label)
             rates[level] = runs / wall
@@ -427,6 +551,13 @@ async def soak(
                 stats["statuses"].get("never-admitted", 0) == 0,
                 json.dumps(stats["statuses"], sort_keys=True),
             )
+            if args.web:
+                bad = web_mismatches(outcomes)
+                checks(
+                    "web runs: both fetches 200 and whole, web charged = their events' costs",
+                    not bad,
+                    f"{len(bad)} runs {bad[:5]}",
+                )
             n = await idle_sandboxes(served, args.pool)
             checks(
                 "live sandboxes under idle serve ≤ pool", n <= args.pool, f"{n} (pool {args.pool})"
@@ -452,6 +583,9 @@ async def soak(
         ids = set(ledger)
     finally:
         served.stop()
+        if upstream is not None:
+            upstream.kill()
+            upstream.wait()
     sandbox_ids: set[str] = set()
     store = await Store.open(settings.db_url)
     try:
@@ -497,6 +631,11 @@ def main() -> None:
     ap.add_argument("--stuck-after", type=float, default=600, help="s before a run is stuck")
     ap.add_argument("--executor", default="flow", help="EPHEMERAL_EXECUTOR: flow or plain")
     ap.add_argument("--isolation", default="namespaces", help="EPHEMERAL_ISOLATION")
+    ap.add_argument(
+        "--web",
+        action="store_true",
+        help="runs fetch 2 URLs (one of 3 MiB) from a loopback upstream through the proxy",
+    )
     ap.add_argument(
         "--floor-runs", type=int, default=0, help="runs per level of the plain floor (0: none)"
     )
