@@ -230,7 +230,7 @@ MAX_STREAM_ID = 1 << 31
 BINARY = 1 << 31
 
 
-def encode_data(sid: int, data: bytes) -> bytes:
+def encode_data(sid: int, data: bytes | memoryview) -> bytes:
     return ((len(data) + 4) | BINARY).to_bytes(HEADER_BYTES, "big") + sid.to_bytes(4, "big") + data
 
 

@@ -74,15 +74,6 @@ class GuestStream:
 
     async def write(self, data: bytes) -> None:
         """Send bytes to the connection inside; ConnectionError once the stream is closed."""
-        if (
-            data
-            and not self.closed
-            and len(data) <= p.STREAM_CHUNK
-            and len(data) <= self.mux.window - self.unacked_out
-        ):
-            self.unacked_out += len(data)  # one frame, as it came: no copy of it
-            await self.mux.send_data(self.sid, data)
-            return
         view = memoryview(data)
         while view:
             if self.closed:
@@ -92,7 +83,7 @@ class GuestStream:
                 self._credit.clear()
                 await self._credit.wait()
                 continue
-            piece = bytes(view[: min(room, p.STREAM_CHUNK)])
+            piece = view[: min(room, p.STREAM_CHUNK)]  # framed below: the one copy it takes
             view = view[len(piece) :]
             self.unacked_out += len(piece)
             await self.mux.send_data(self.sid, piece)
@@ -164,7 +155,7 @@ class StreamMux:
             raise ConnectionError("the guest channel is closed")
         await self._write(p.encode_frame(frame))
 
-    async def send_data(self, sid: int, data: bytes) -> None:
+    async def send_data(self, sid: int, data: bytes | memoryview) -> None:
         if self._failed is not None:
             raise ConnectionError("the guest channel is closed")
         await self._write(p.encode_data(sid, data))
