@@ -78,21 +78,15 @@ UPDATABLE_FIELDS = frozenset(
     {"status", "termination_reason", *_DATETIME_FIELDS, *_TEXT_FIELDS, *_DICT_FIELDS}
 )
 LIFECYCLE_FIELDS = frozenset({"status", "termination_reason", "ended_at"})
-# An event's two statements, built once (see ledger's charge statements for why)
+# An event's two statements, built once (see ledger's charge statements for why). The counter
+# moves by as many events as are appended together; the last of their numbers comes back.
 _BUMP_SEQ = (
-    sa.update(runs)
-    .where(runs.c.id == sa.bindparam("b_run_id"))
-    .values(last_seq=runs.c.last_seq + 1)
-    .returning(runs.c.last_seq, runs.c.policy, runs.c.erased_at)
-)
-_INSERT_EVENT = sa.insert(run_events)
-# A batch's events take their numbers in one bump: the last of them comes back.
-_BUMP_SEQ_BY = (
     sa.update(runs)
     .where(runs.c.id == sa.bindparam("b_run_id"))
     .values(last_seq=runs.c.last_seq + sa.bindparam("b_n", type_=sa.Integer))
     .returning(runs.c.last_seq, runs.c.policy, runs.c.erased_at)
 )
+_INSERT_EVENT = sa.insert(run_events)
 
 
 def _json_size(field: str, value: Any, limit: int) -> int:
@@ -870,43 +864,35 @@ class Store:
     async def _append(
         self, conn: AsyncConnection, run_id: str, type: str, data: dict[str, Any]
     ) -> Event:
-        # Bumping the counter row-locks the run, so concurrent appends queue here.
-        bumped = (await conn.execute(_BUMP_SEQ, {"b_run_id": run_id})).first()
-        if bumped is None:
-            raise errors.NotFound(f"run {run_id} not found")
-        if _zdr(bumped.policy) or bumped.erased_at is not None:
-            data = redact_for_zdr(data)
-        at = rfc3339(utcnow())
-        await conn.execute(
-            _INSERT_EVENT,
-            {"run_id": run_id, "seq": bumped.last_seq, "type": type, "at": at, "data": data},
-        )
-        return Event(seq=bumped.last_seq, run_id=run_id, type=type, at=at, data=data)
+        return (await self._append_many(conn, run_id, [(type, data)]))[0]
 
     async def _append_many(
         self, conn: AsyncConnection, run_id: str, events: Sequence[tuple[str, dict[str, Any]]]
-    ) -> None:
-        """Events in order, numbered as :meth:`_append` would one at a time: one bump of the
-        counter and one INSERT for all of them."""
-        bumped = (
-            await conn.execute(_BUMP_SEQ_BY, {"b_run_id": run_id, "b_n": len(events)})
-        ).first()
+    ) -> list[Event]:
+        """Events in order, numbered next (1, 2, 3… with no gaps): one bump of the counter and
+        one INSERT for all of them."""
+        # Bumping the counter row-locks the run, so concurrent appends queue here.
+        bumped = (await conn.execute(_BUMP_SEQ, {"b_run_id": run_id, "b_n": len(events)})).first()
         if bumped is None:
             raise errors.NotFound(f"run {run_id} not found")
         redacted = _zdr(bumped.policy) or bumped.erased_at is not None
         first = bumped.last_seq - len(events) + 1
         at = rfc3339(utcnow())
-        rows = [
-            {
-                "run_id": run_id,
-                "seq": first + i,
-                "type": type_,
-                "at": at,
-                "data": redact_for_zdr(data) if redacted else data,
-            }
+        out = [
+            Event(
+                seq=first + i,
+                run_id=run_id,
+                type=type_,
+                at=at,
+                data=redact_for_zdr(data) if redacted else data,
+            )
             for i, (type_, data) in enumerate(events)
         ]
+        rows = [
+            {"run_id": run_id, "seq": e.seq, "type": e.type, "at": at, "data": e.data} for e in out
+        ]
         await conn.execute(_INSERT_EVENT, rows if len(rows) > 1 else rows[0])
+        return out
 
     async def list_events(
         self, run_id: str, after_seq: int = 0, limit: int | None = None
