@@ -1358,13 +1358,8 @@ class _Stream:
             self.pending += data
             self._write()
         else:
-            try:
-                n = self.conn.send(data)
-            except (BlockingIOError, InterruptedError):
-                n = 0
-            except OSError:
-                self.fwd.send({"s": self.sid, "t": "close"})
-                self.end()
+            n = self._send(data)
+            if n is None:
                 return
             if n < len(data):
                 self.pending += data[n:]
@@ -1374,17 +1369,26 @@ class _Stream:
     def _write(self):
         written = 0
         while self.pending:
-            try:
-                n = self.conn.send(self.pending)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                self.fwd.send({"s": self.sid, "t": "close"})
-                self.end()
+            n = self._send(self.pending)
+            if n is None:
                 return
+            if not n:
+                break
             del self.pending[:n]
             written += n
         self._wrote(written)
+
+    def _send(self, data):
+        """What the connection takes of `data` now (0: nothing yet); None once it failed and
+        the stream has ended."""
+        try:
+            return self.conn.send(data)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError:
+            self.fwd.send({"s": self.sid, "t": "close"})
+            self.end()
+            return None
 
     def _wrote(self, n):
         # Acknowledged a quarter window at a time: the host only waits for credit once a whole
