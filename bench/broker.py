@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.served import script_server
 from ephemeral.broker import Sealer
 from ephemeral.lifecycle import TerminationReason as Reason
 from ephemeral.policy import RunRequest
@@ -271,20 +272,6 @@ while True:
 """
 
 
-def _relay(upstream: int) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen(
-        ["python3", "-c", RELAY, str(upstream)], stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout is not None
-    return proc, int(proc.stdout.readline())
-
-
-def _blob_server(mib: int) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen(["python3", "-c", BLOB, str(mib)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    return proc, int(proc.stdout.readline())
-
-
 def _cpu_now(upstream: int) -> dict[str, float]:
     """CPU seconds so far: this process (the proxy), and every process under it but the
     upstream and the benchmark's client (the sandbox: its agent and runtime)."""
@@ -347,8 +334,8 @@ async def egress(levels: list[str], n: int, mib: int, trials: int) -> None:
     server = Server(("127.0.0.1", 0), _handler(up))
     up.port = server.server_address[1]
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    blob, blob_port = _blob_server(mib)
-    relay, relay_port = _relay(blob_port)
+    blob, blob_port = script_server(BLOB, str(mib))
+    relay, relay_port = script_server(RELAY, str(blob_port))
     args = ["127.0.0.1", str(up.port), str(blob_port), str(n), str(mib)]
     try:
         with tempfile.TemporaryDirectory() as tmp:

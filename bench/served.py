@@ -44,6 +44,16 @@ SEED_BODY: dict[str, Any] = {
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+def script_server(script: str, *args: str) -> tuple[subprocess.Popen[str], int]:
+    """A Python ``script`` in a process of its own (an upstream, a relay) that prints the port it
+    listens on as its first line; the process and that port."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
 def pct(values: list[float], p: float) -> float:
     """The nearest-rank percentile (NaN for no values)."""
     if not values:

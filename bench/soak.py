@@ -50,7 +50,6 @@ import asyncio
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,7 +62,16 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.served import SEED_BODY, Served, at, children, make_key, pct, serve
+from bench.served import (
+    SEED_BODY,
+    Served,
+    at,
+    children,
+    make_key,
+    pct,
+    script_server,
+    serve,
+)
 from ephemeral.lifecycle import TERMINAL_STATUSES
 from ephemeral.pricing import PriceBook
 from ephemeral.sandbox.base import Limits
@@ -500,11 +508,7 @@ async def soak(
     body: dict[str, Any] = {**BODY, "isolation": args.isolation}
     upstream = None
     if args.web:
-        upstream = subprocess.Popen(
-            [sys.executable, "-c", UPSTREAM, str(BLOB_MIB)], stdout=subprocess.PIPE, text=True
-        )
-        assert upstream.stdout is not None
-        port = int(upstream.stdout.readline())
+        upstream, port = script_server(UPSTREAM, str(BLOB_MIB))
         env["EPHEMERAL_CASSETTES_DIR"] = str(web_cassettes(state, port))
         env["EPHEMERAL_BROKER_ALLOW_PRIVATE_HOSTS"] = "true"  # the upstream is on loopback
         body |= {"model": "replay/web-soak", "web": True, "max_cost_micros": 60000}
