@@ -153,6 +153,8 @@ class Store:
 
     async def close(self) -> None:
         await self._engine.dispose()
+        if self._reader.sync_engine.pool is not self._engine.sync_engine.pool:
+            await self._reader.dispose()
 
     # -- orgs ---------------------------------------------------------------------------------
 
@@ -1060,7 +1062,7 @@ class Store:
     async def expired_runs(self, older_than: timedelta) -> list[str]:
         """Finished runs past retention whose content has not been erased yet."""
         cutoff = utcnow() - older_than
-        async with self._engine.connect() as conn:
+        async with self._reader.connect() as conn:
             rows = await conn.execute(
                 sa.select(runs.c.id).where(
                     runs.c.status.in_(sorted(TERMINAL_STATUSES)),
