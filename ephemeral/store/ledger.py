@@ -62,9 +62,9 @@ async def claim_idempotency(
 ) -> sa.Row[Any] | None:
     """Claim ``key`` for ``run_id``; return the earlier claim instead if there is one.
 
-    The claim is written as ``admitting`` and flipped to ``done`` in the same transaction, so
-    a committed ``admitting`` row only exists while another writer holds it open across
-    transactions; a request that meets one gets 409.
+    The claim is written ``done``: it commits with the admission or not at all (a concurrent
+    claim of the same key waits for that commit, then finds it). The schema also allows
+    ``admitting``, a claim held open across transactions; a request that meets one gets 409.
     """
     if not key or len(key) > MAX_IDEMPOTENCY_KEY or not key.isascii() or not key.isprintable():
         raise errors.InvalidRequest.field(
@@ -77,7 +77,7 @@ async def claim_idempotency(
             key=key,
             body_hash=body_hash,
             run_id=run_id,
-            state="admitting",
+            state="done",
             created_at=now,
         )
         .on_conflict_do_nothing()
@@ -132,8 +132,9 @@ async def admit(
     body_hash: str | None,
     owner: str | None = None,
     kind: str | None = None,
-) -> str | None:
-    """Admit a run in the caller's transaction. Returns the replayed run id, or None if new."""
+) -> str | sa.Row[Any]:
+    """Admit a run in the caller's transaction. Returns the replayed run's id, or the new
+    run's row."""
     amount = check_micros("max_cost_micros", policy.get("max_cost_micros"), allow_zero=False)
     now = utcnow()
     if idempotency_key is not None:
@@ -143,8 +144,9 @@ async def admit(
         if earlier is not None:
             return str(earlier.run_id)
     await hold(conn, org_id=org_id, amount=amount)
-    await conn.execute(
-        sa.insert(runs).values(
+    inserted = await conn.execute(
+        sa.insert(runs)
+        .values(
             id=run_id,
             org_id=org_id,
             status="queued",
@@ -163,7 +165,9 @@ async def admit(
             last_seq=1,
             kind=kind,
         )
+        .returning(*runs.c)
     )
+    row = inserted.one()
     await conn.execute(
         sa.insert(ledger).values(
             org_id=org_id,
@@ -183,13 +187,7 @@ async def admit(
             data={"reserved_micros": amount},
         )
     )
-    if idempotency_key is not None:
-        await conn.execute(
-            sa.update(idempotency)
-            .where(idempotency.c.org_id == org_id, idempotency.c.key == idempotency_key)
-            .values(state="done")
-        )
-    return None
+    return row
 
 
 # A charge's statements, built once: on SQLite, building them cost more CPU than running them

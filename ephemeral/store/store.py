@@ -86,6 +86,8 @@ _BUMP_SEQ = (
     .values(last_seq=runs.c.last_seq + sa.bindparam("b_n", type_=sa.Integer))
     .returning(runs.c.last_seq, runs.c.policy, runs.c.erased_at)
 )
+# The same bump setting the run's usage too (a session's exec counts in the same statement).
+_BUMP_SEQ_USAGE = _BUMP_SEQ.values(usage=sa.bindparam("b_usage", type_=runs.c.usage.type))
 _INSERT_EVENT = sa.insert(run_events)
 
 
@@ -354,7 +356,7 @@ class Store:
             raise errors.InvalidRequest.field("model", "must be 1-200 characters")
         try:
             async with self._engine.begin() as conn:
-                replayed = await ledger.admit(
+                admitted = await ledger.admit(
                     conn,
                     org_id=org_id,
                     run_id=run_id,
@@ -367,13 +369,14 @@ class Store:
                     owner=owner,
                     kind=kind,
                 )
-                run = await self._run(conn, replayed or run_id)
+                if isinstance(admitted, str):  # replayed: the run its key admitted earlier
+                    return await self._run(conn, admitted), True
         except sa.exc.IntegrityError as exc:
             # Only a reused run id gets here: money and keys are checked before inserting.
             raise errors.Conflict(
                 f"run {run_id} could not be recorded: {exc.orig}", cause=exc
             ) from exc
-        return run, replayed is not None
+        return RunRow.model_validate(admitted._mapping), False
 
     async def _run(self, conn: AsyncConnection, run_id: str, org_id: str | None = None) -> RunRow:
         query = sa.select(runs).where(runs.c.id == run_id)
@@ -497,8 +500,8 @@ class Store:
             self._check_event(type_, data)
         async with self._engine.begin() as conn:
             row = await self._cas(conn, run_id, expect, to, values)
-            for type_, data in events:
-                await self._append(conn, run_id, type_, data)
+            if events:
+                await self._append_many(conn, run_id, events)
         return row
 
     async def _cas(
@@ -848,12 +851,10 @@ class Store:
         redacted to sizes (DESIGN §4); delivering content live is the caller's job.
         """
         self._check_event(type, data)
-        values = self._run_values({"usage": usage}) if usage is not None else None
+        if usage is not None:
+            self._run_values({"usage": usage})
         async with self._engine.begin() as conn:
-            event = await self._append(conn, run_id, type, data)
-            if values is not None:
-                await conn.execute(sa.update(runs).where(runs.c.id == run_id).values(**values))
-            return event
+            return (await self._append_many(conn, run_id, [(type, data)], usage=usage))[0]
 
     @staticmethod
     def _check_event(type: str, data: dict[str, Any]) -> None:
@@ -869,12 +870,21 @@ class Store:
         return (await self._append_many(conn, run_id, [(type, data)]))[0]
 
     async def _append_many(
-        self, conn: AsyncConnection, run_id: str, events: Sequence[tuple[str, dict[str, Any]]]
+        self,
+        conn: AsyncConnection,
+        run_id: str,
+        events: Sequence[tuple[str, dict[str, Any]]],
+        *,
+        usage: dict[str, Any] | None = None,
     ) -> list[Event]:
-        """Events in order, numbered next (1, 2, 3… with no gaps): one bump of the counter and
-        one INSERT for all of them."""
+        """Events in order, numbered next (1, 2, 3… with no gaps): one bump of the counter
+        (which also sets the run's ``usage`` when given) and one INSERT for all of them."""
         # Bumping the counter row-locks the run, so concurrent appends queue here.
-        bumped = (await conn.execute(_BUMP_SEQ, {"b_run_id": run_id, "b_n": len(events)})).first()
+        params: dict[str, Any] = {"b_run_id": run_id, "b_n": len(events)}
+        if usage is not None:
+            params["b_usage"] = usage
+        bump = _BUMP_SEQ if usage is None else _BUMP_SEQ_USAGE
+        bumped = (await conn.execute(bump, params)).first()
         if bumped is None:
             raise errors.NotFound(f"run {run_id} not found")
         redacted = _zdr(bumped.policy) or bumped.erased_at is not None

@@ -102,6 +102,8 @@ async def test_admission_records_queued_event_and_policy_unchanged(store: Store,
     events = await store.list_events(run.id)
     queued = (1, "run.queued", {"reserved_micros": COST})
     assert [(e.seq, e.type, e.data) for e in events] == [queued]
+    # The row admission returns (from its INSERT) is the row as stored, field for field.
+    assert run == await store.get_run(run.id)
 
 
 async def test_same_key_same_body_replays_without_second_hold(store: Store, org: Org) -> None:

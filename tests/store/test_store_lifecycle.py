@@ -55,11 +55,17 @@ async def test_transition_writes_row_and_events_only_from_the_expected_status(
         run.id,
         expect={RunStatus.PROVISIONING},
         to=RunStatus.RUNNING,
-        events=[("sandbox.ready", {"boot_ms": 1})],
+        events=[("sandbox.ready", {"boot_ms": 1}), ("worker.started", {"shell": True})],
         sandbox_id="sbx",
     )
     assert (ready.status, ready.sandbox_id) == ("running", "sbx")
-    assert await _types(store, run.id) == ["run.queued", "sandbox.ready"]
+    listed = await store.list_events(run.id)
+    assert [(e.seq, e.type) for e in listed] == [
+        (1, "run.queued"),
+        (2, "sandbox.ready"),
+        (3, "worker.started"),
+    ]
+    assert listed[2].data == {"shell": True}
     with pytest.raises(errors.InvalidRequest):  # ending a run is close_run's job
         await store.transition(run.id, expect={RunStatus.RUNNING}, to=RunStatus.SUCCEEDED)
 

@@ -56,6 +56,18 @@ async def test_event_validation(store: Store, org: Org) -> None:
         await store.list_events("run_" + "0" * 32)
 
 
+async def test_an_event_with_usage_sets_the_runs_usage_with_it(store: Store, org: Org) -> None:
+    run = await _run(store, org)
+    event = await store.append_event(run.id, "sandbox.exec", {"n": 1}, usage={"execs": 1})
+    assert event.seq == 2
+    assert (await store.get_run(run.id)).usage == {"execs": 1}
+    with pytest.raises(errors.InvalidRequest) as info:
+        await store.append_event(run.id, "sandbox.exec", {"n": 2}, usage=["not", "an", "object"])  # type: ignore[arg-type]
+    assert info.value.errors and info.value.errors[0]["field"] == "usage"
+    assert [e.seq for e in await store.list_events(run.id)] == [1, 2]  # the refused one: nothing
+    assert (await store.get_run(run.id)).usage == {"execs": 1}
+
+
 async def test_zero_data_retention_keeps_no_content(store: Store, org: Org) -> None:
     run = await _run(store, org, zero_data_retention=True)
     event = await store.append_event(
