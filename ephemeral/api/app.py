@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,10 @@ def create_app(
             yield
             return
         own = await start_runtime(settings, warm_pool=warm_pool)
+        # What starting loaded (modules, Prefect, schemas, the runtime) lives as long as the
+        # process: left to the collector, the first full collection re-scanned all of it and
+        # held every request for ~170 ms (measured; docs/deploy.md, "Seventh pass").
+        gc.freeze()
         app.state.runtime = own
         try:
             yield
