@@ -39,7 +39,7 @@ from ephemeral.flows.dispatch import (
 )
 from ephemeral.ids import utcnow
 from ephemeral.owner import this_process
-from ephemeral.service import Runtime
+from ephemeral.service import Runtime, freeze_startup_heap
 from ephemeral.settings import Settings
 
 log = logging.getLogger("ephemeral.flows.worker")
@@ -233,6 +233,7 @@ async def serve(settings: Settings, *, limit: int, total: int, sessions: int = 3
     await runtime.hold_leases(settings.lease_seconds)
     runtime.lease_expired_hooks.append(mark_crashed)
     host = await SessionHost.start(runtime, slots=sessions) if sessions else None
+    freeze_startup_heap()
     worker = HostWorker(runtime, settings.drain_seconds, limit)
     if host is not None:  # a drain takes no new sessions either
         worker.on_drain.append(host.stop_taking)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from ephemeral.api.pages import pages
 from ephemeral.api.runs import router, v1
 from ephemeral.api.sandboxes import sandboxes
 from ephemeral.api.schemas import Problem, ProblemItem
-from ephemeral.service import Runtime
+from ephemeral.service import Runtime, freeze_startup_heap
 from ephemeral.settings import Settings
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
@@ -87,10 +86,7 @@ def create_app(
             yield
             return
         own = await start_runtime(settings, warm_pool=warm_pool)
-        # What starting loaded (modules, Prefect, schemas, the runtime) lives as long as the
-        # process: left to the collector, the first full collection re-scanned all of it and
-        # held every request for ~170 ms (measured; docs/deploy.md, "Seventh pass").
-        gc.freeze()
+        freeze_startup_heap()
         app.state.runtime = own
         try:
             yield
