@@ -9,8 +9,9 @@
 Errors come back as the classes of :mod:`ephemeral.errors` (problem+json → ``error_for``).
 ``runs.create`` sends an ``Idempotency-Key`` (generated unless given) and retries connection
 errors, 429, 502 and 503, and 409 (the first attempt still being admitted) with the same key, so a
-retry can never start a second run or reserve twice. The event stream resumes with
-``Last-Event-ID`` after a dropped connection.
+retry can never start a second run or reserve twice. A GET is sent again after a connection
+error (it changes nothing). The event stream resumes with ``Last-Event-ID`` after a dropped
+connection.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ from ephemeral.settings import Settings
 
 RETRY_STATUSES = frozenset({409, 429, 502, 503})
 MAX_ATTEMPTS = 5
+# A read is sent again on a connection error: a busy server may close an idle keep-alive
+# connection just as the client reuses it (the soak's 64 clients met this), and a GET
+# changes nothing, so sending it again is safe. Other methods go through post_idempotent.
+SAFE_METHODS = frozenset({"GET", "HEAD"})
+RETRIED_ERRORS = (httpx.NetworkError, httpx.RemoteProtocolError)
 MAX_STREAM_RECONNECTS = 20
 DEFAULT_TIMEOUT = httpx.Timeout(30.0, read=60.0)
 STREAM_TIMEOUT = httpx.Timeout(30.0, read=None)  # a quiet shell step may last minutes
@@ -158,7 +164,15 @@ class Client:
         self.http.close()
 
     def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        response = self.http.request(method, path, **kw)
+        """One request; a GET or HEAD is sent again on a connection error (MAX_ATTEMPTS)."""
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                response = self.http.request(method, path, **kw)
+                break
+            except RETRIED_ERRORS:
+                if method.upper() not in SAFE_METHODS or attempt == MAX_ATTEMPTS - 1:
+                    raise
+                time.sleep(_retry_delay(attempt, None) if attempt else 0.0)
         raise_for_problem(response)
         return response
 
@@ -328,7 +342,15 @@ class AsyncClient:
         await self.http.aclose()
 
     async def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        response = await self.http.request(method, path, **kw)
+        """One request; a GET or HEAD is sent again on a connection error (MAX_ATTEMPTS)."""
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                response = await self.http.request(method, path, **kw)
+                break
+            except RETRIED_ERRORS:
+                if method.upper() not in SAFE_METHODS or attempt == MAX_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(_retry_delay(attempt, None) if attempt else 0.0)
         raise_for_problem(response)
         return response
 

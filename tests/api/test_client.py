@@ -90,6 +90,56 @@ async def test_create_retries_with_the_same_idempotency_key(app: FastAPI, member
         await client.runs.wait(run["id"], timeout=60)
 
 
+async def test_a_read_is_sent_again_after_a_connection_error_a_write_is_not(
+    app: FastAPI, member: Member
+) -> None:
+    """The server closed the connection the client reused (an idle keep-alive, under load): a
+    GET changes nothing and is sent again; a POST is not (it may have been carried out)."""
+    inner = httpx.ASGITransport(app=app)
+    dropped: list[str] = []
+
+    class DropsTheFirstOfEach(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            key = f"{request.method} {request.url.path}"
+            if request.url.path.startswith("/v1/runs/") and key not in dropped:
+                dropped.append(key)
+                raise httpx.ReadError("the server closed the connection", request=request)
+            return await inner.handle_async_request(request)
+
+    client = AsyncClient(
+        Settings.load(url="http://testserver", api_key=member.key),
+        transport=DropsTheFirstOfEach(),
+    )
+    async with client:
+        run = await client.runs.create(**SAMPLE_BODY)
+        assert (await client.runs.get(run["id"]))["id"] == run["id"]
+        assert dropped == [f"GET /v1/runs/{run['id']}"]
+        with pytest.raises(httpx.ReadError):
+            await client.runs.cancel(run["id"])
+        assert dropped[-1] == f"POST /v1/runs/{run['id']}/cancel"
+        done = await client.runs.wait(run["id"], timeout=60)
+        assert done["status"] == "succeeded"  # the cancel never reached the server
+
+
+def test_the_sync_client_sends_a_read_again_after_a_connection_error(
+    server: LiveServer,
+) -> None:
+    inner = httpx.HTTPTransport()
+    dropped: list[str] = []
+
+    class DropsTheFirstGet(httpx.BaseTransport):
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            if request.method == "GET" and not dropped:
+                dropped.append(request.url.path)
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+            return inner.handle_request(request)
+
+    key = server.member("sync-reads")
+    with Client(Settings.load(url=server.url, api_key=key), transport=DropsTheFirstGet()) as c:
+        assert c.isolation()  # sent twice, answered once
+        assert dropped == ["/v1/isolation"]
+
+
 def test_sse_parser_handles_multiline_comments_and_ids() -> None:
     parser = SSEParser()
     lines = [": hello", "id: 7", "event: x", 'data: {"a":', "data: 1}", "", "", "data: 2", ""]
