@@ -213,16 +213,13 @@ _NEW_CHARGES = {
 }
 
 
-async def charge(conn: AsyncConnection, *, run_id: str, kind: str, micros: int, key: str) -> int:
-    return await charge_many(conn, run_id=run_id, kind=kind, charges=[(key, micros)])
-
-
 async def charge_many(
     conn: AsyncConnection, *, run_id: str, kind: str, charges: Sequence[tuple[str, int]]
-) -> int:
+) -> tuple[int, set[str]]:
     """Charges ``(key, micros)`` of one run and kind, each idempotent on its key, added to the
     run's total in one update: all fit the reservation or none is made (the caller's
-    transaction rolls back). Returns the run's total."""
+    transaction rolls back). Returns the run's total and the keys charged now (a key not
+    among them was in the ledger already)."""
     if kind not in CHARGE_KINDS:
         raise errors.InvalidRequest.field("kind", f"must be one of {', '.join(CHARGE_KINDS)}")
     if not charges:
@@ -276,11 +273,11 @@ async def charge_many(
     added_micros = sum(wanted[key] for key in fresh)
     if not added_micros:
         total = await conn.scalar(sa.select(runs.c.charged_micros).where(runs.c.id == run_id))
-        return int(total or 0)
+        return int(total or 0), fresh
     added = await conn.execute(_ADD_CHARGE, {"b_run_id": run_id, "b_micros": added_micros})
     row = added.first()
     if row is not None:
-        return int(row.charged_micros)
+        return int(row.charged_micros), fresh
     now_run = (await conn.execute(sa.select(runs).where(runs.c.id == run_id))).one()
     if now_run.settled_at is not None:
         raise errors.Conflict(f"run {run_id} is already settled; no further charges")

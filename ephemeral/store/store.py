@@ -49,7 +49,6 @@ from ephemeral.store.schema import (
     sealed_content,
     upgrade,
 )
-from ephemeral.store.schema import ledger as ledger_rows
 
 RUN_STATUSES: frozenset[str] = frozenset(RunStatus)
 TERMINATION_REASONS: frozenset[str] = frozenset(TerminationReason)
@@ -962,13 +961,10 @@ class Store:
             await conn.execute(
                 sa.update(runs).where(runs.c.id == run_id).values(last_seq=runs.c.last_seq)
             )
-        replay = event is not None and await conn.scalar(
-            sa.select(sa.func.count())
-            .select_from(ledger_rows)
-            .where(ledger_rows.c.idempotency_key == key)
+        total, fresh = await ledger.charge_many(
+            conn, run_id=run_id, kind=kind, charges=[(key, micros)]
         )
-        total = await ledger.charge(conn, run_id=run_id, kind=kind, micros=micros, key=key)
-        if event is not None and not replay:
+        if event is not None and key in fresh:  # a replayed charge wrote its event already
             await self._append(conn, run_id, *event)
         return total
 
@@ -988,7 +984,7 @@ class Store:
         async with self._engine.begin() as conn:
             total = 0
             if charges:
-                total = await ledger.charge_many(conn, run_id=run_id, kind=kind, charges=charges)
+                total, _ = await ledger.charge_many(conn, run_id=run_id, kind=kind, charges=charges)
             if events:
                 await self._append_many(conn, run_id, events)
             return total
