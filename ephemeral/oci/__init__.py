@@ -1,0 +1,1 @@
+"""OCI images from registries: references, the distribution protocol, the layer store."""
