@@ -8,6 +8,7 @@ recovery and the records treat it exactly as a run:
              sandbox.ready → files → worker.started
     exec     argv or shell string, stdin, env, cwd, user, timeout, output cap → sandbox.exec
     files    put/get as the sandbox's worker (its permissions apply)
+    kill_all every process but the guest agent's, between phases (Harbor's verifier start)
     end      destroy → compute charged + sandbox.destroyed → run.<status> → run.settled → record
 
 A watchdog task per session ends it at its time limit (``timeout_seconds`` from its start) or
@@ -532,6 +533,28 @@ class Sessions:
         if live.stop() is not None:  # egress cut this command's streams: the session ends now
             await self._end_by_limit(live)
         return res
+
+    async def kill_all(self, session_id: str, org_id: str | None) -> int:
+        """SIGKILL every process of the session's sandbox but its guest agent (whatever its
+        session, uid or namespace: root's too), until none is left; how many there were. A
+        phase boundary: what ran before (a Harbor agent phase) cannot touch what runs next (its
+        verifier). A failure ends the session (``sandbox_error``): nothing must run after it."""
+        live = await self._live_for(session_id, org_id)
+        kill = getattr(live.sandbox, "kill_all", None)
+        if kill is None:  # a sandbox that runs no process of its own (the fake)
+            return 0
+        live.inflight += 1
+        live.idle.clear()
+        try:
+            killed: int = await kill()
+        except errors.SandboxError as exc:
+            await self._finish(live, TerminationReason.SANDBOX_ERROR, exc.detail)
+            raise
+        finally:
+            live.inflight -= 1
+            if not live.inflight:
+                live.idle.set()
+        return killed
 
     def _check_user(self, live: Live, user: str | None) -> None:
         """Users are compared as the ids the guest makes of them ("00" is uid 0); an id

@@ -35,6 +35,7 @@ from harbor.environments.capabilities import (
 )
 from harbor.models.task.config import NetworkMode
 from harbor.models.trial.config import ResourceMode
+from harbor.models.trial.paths import EnvironmentPaths
 
 from ephemeral import errors
 from ephemeral.harbor import backend, commands
@@ -55,6 +56,13 @@ MAX_OUTPUT_BYTES = 64 << 20  # per stream of one command
 CLEANUP_BATCH = 16  # finished commands whose files one rm removes (in the next starter)
 # One image build per environment (content hash) at a time in this process.
 _builds: dict[str, asyncio.Lock] = {}
+# Harbor's verifier starts by removing the reward files, as root (``Verifier._remove_reward_files``,
+# built from the same paths): the end of the agent phase. Harbor tells an environment nothing
+# else between the phases; tests/harbor runs the real Harbor, so a change there fails them.
+_REWARDS = EnvironmentPaths()
+VERIFIER_START = "rm -f -- " + " ".join(
+    shlex.quote(str(p)) for p in (_REWARDS.reward_text_path, _REWARDS.reward_json_path)
+)
 
 
 def _runtime_request_error(action: str, message: str) -> Exception:
@@ -372,6 +380,8 @@ class EphemeralEnvironment(BaseEnvironment):
         user: str | int | None = None,
     ) -> ExecResult:
         as_user = self._user(user)
+        if command == VERIFIER_START:
+            await self._end_phase()
         exec_id = secrets.token_hex(16)
         deadline = None if timeout_sec is None else time.monotonic() + timeout_sec
         cleanup: list[str] = []
@@ -443,6 +453,19 @@ class EphemeralEnvironment(BaseEnvironment):
                 raise _runtime_request_error("exec", f"ephemeral: {exc.detail}") from exc
             texts.append(bytes(data).decode("utf-8", errors="replace"))
         return texts[0], texts[1]
+
+    async def _end_phase(self) -> None:
+        """Kill every process the agent phase left (a setsid or double-forked child, root's, one
+        ignoring SIGTERM: the command's own kill reaches its session only) before the verifier
+        runs, so none can rewrite its reward. The verifier does not run if that fails."""
+        try:
+            killed = await self._runtime.sessions.kill_all(self._live(), self._org)
+        except errors.EphemeralError as exc:
+            raise _runtime_request_error(
+                "exec", f"ephemeral: the agent phase's processes could not be stopped: {exc.detail}"
+            ) from exc
+        if killed:
+            log.info("%s: %d processes of the agent phase killed", self.session_id, killed)
 
     async def _kill(self, exec_id: str, sid: int) -> None:
         await self._call(["bash", "-c", commands.kill_script(exec_id, sid)], user="root")

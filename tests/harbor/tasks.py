@@ -155,6 +155,38 @@ def timeout(root: Path) -> None:
     })  # fmt: skip
 
 
+# Rewrites the reward to 1 whenever the verifier has written another; ignores SIGTERM.
+FORGER = (
+    'trap "" TERM HUP INT; while :; do r=$(cat /logs/verifier/reward.txt 2>/dev/null); '
+    'if [ -n "$r" ] && [ "$r" != 1 ]; then echo 1 > /logs/verifier/reward.txt; fi; sleep 0.02; done'
+)
+
+
+def forgers(root: Path) -> None:
+    """Issue 35, finding 6: the agent phase leaves writers that forge the verifier's reward (a
+    setsid one, a double-forked daemon, one under a parent that stays alive: root's, ignoring
+    SIGTERM), then exits (``forger``) or times out (``forger_late``). The verifier writes 0 and
+    waits a second: a writer left alive turns it into 1."""
+    start = (
+        "#!/bin/bash\n"
+        f"export w='{FORGER}'\n"
+        "exec </dev/null >/dev/null 2>&1\n"
+        'setsid bash -c "$w" setsid-forger &\n'
+        '( setsid bash -c "$w" daemon-forger & )\n'
+        "( setsid bash -c 'bash -c \"$w\" child-forger; sleep 1000' & )\n"
+    )
+    verifier = "#!/bin/bash\necho 0 > /logs/verifier/reward.txt\nsleep 1\nps -eo pid,user,args\n"
+    for name, agent_timeout, tail in (("forger", 120.0, ""), ("forger_late", 4.0, "sleep 1000\n")):
+        _write(root / name, {
+            "task.toml": _toml(
+                name, 'docker_image = "debian:bookworm"\n', agent_timeout=agent_timeout
+            ),
+            "instruction.md": "Forge the reward.\n",
+            "solution/solve.sh": start + tail,
+            "tests/test.sh": verifier,
+        })  # fmt: skip
+
+
 def sleeper(root: Path) -> None:
     """An agent phase that sleeps for a minute (the tests interrupt Harbor meanwhile)."""
     _write(root / "sleeper", {

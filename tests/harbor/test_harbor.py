@@ -72,3 +72,25 @@ def test_oracle_scores_one_and_nop_zero(tmp_path: Path, isolation: str) -> None:
     # Each trial that got a sandbox was a session, settled and recorded; none is left.
     assert _sessions(state) == 2 * (len(GRADED) + 1)
     assert list((state / "sandboxes").glob("*.json")) == []
+
+
+def test_nothing_of_the_agent_phase_outlives_it_to_forge_the_reward(
+    tmp_path: Path, isolation: str
+) -> None:
+    """Issue 35, finding 6: writers the agent phase left (setsid, double-forked, under a live
+    parent; root's, ignoring SIGTERM) are gone before the verifier starts, after the agent's
+    normal exit and after its timeout: the verifier's 0 stays 0."""
+    root = tmp_path / "tasks"
+    tasks.forgers(root)
+    state, jobs = tmp_path / "state", tmp_path / "jobs"
+    done = tasks.run_job(
+        sorted(root.iterdir()), jobs, state, agents=["oracle"], ek={"isolation": isolation}, n=2
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = _by_task(trials(jobs))
+    for task, exception in (("forger", None), ("forger_late", "AgentTimeoutError")):
+        trial = found[task, "oracle"]
+        seen = next((jobs / "job").glob(f"{task}__*/verifier/test-stdout.txt"), None)
+        said = seen.read_text() if seen is not None else "(no test-stdout.txt)"
+        assert (trial.reward, trial.exception) == (0.0, exception), f"{trial.message}\n{said}"
+        assert "forger" not in said, said  # the verifier's ps saw none of them

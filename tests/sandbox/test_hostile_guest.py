@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import sys
 import textwrap
 from pathlib import Path
@@ -95,6 +96,69 @@ async def test_kill_all_leaves_no_worker_process(make_sandbox: Factory) -> None:
     )
     assert after.stdout.split() == [], after.stdout
     assert (await sbx.exec("echo alive")).stdout == "alive\n"
+
+
+# Rewrites the "verifier's" file whenever it holds anything but 1; ignores every catchable signal.
+WRITER = (
+    'trap "" TERM HUP INT QUIT USR1 USR2; '
+    'while :; do [ "$(cat /tmp/grade/reward 2>/dev/null)" = 1 ] || echo 1 > /tmp/grade/reward '
+    "2>/dev/null; sleep 0.02; done"
+)
+WRITERS = {  # the last word of each one's command line: who starts it, and how
+    "setsid-writer": ("worker", "setsid sh -c {w} setsid-writer"),
+    "daemon-writer": ("worker", "(setsid sh -c {w} daemon-writer &)"),
+    "term-ignoring-writer": ("worker", "sh -c {w} term-ignoring-writer"),
+    "root-writer": ("root", "setsid sh -c {w} root-writer"),
+    # a writer whose parent stays alive: never an orphan of the agent's
+    "root-parent": ("root", "(setsid sh -c {p} root-parent &)"),
+}
+
+
+async def _running(sbx: Sandbox) -> set[str]:
+    res = await sbx.exec("ps -eo args=", user="root")
+    return {line.split()[-1] for line in res.stdout.splitlines() if line.strip()}
+
+
+async def test_kill_all_leaves_no_process_of_any_session_or_user(make_sandbox: Factory) -> None:
+    """Issue 35, finding 6: between phases nothing of the one before may run. A setsid writer,
+    a double-forked daemon, root's own writers (one under a parent that stays alive) and one
+    that ignores SIGTERM all rewrite the grader's file; after kill_all none is left and the file
+    keeps what the grader wrote."""
+    sbx = await make_sandbox()
+    w = shlex.quote(WRITER)
+    p = shlex.quote(f"sh -c {w} root-grandchild-writer; sleep 1000")
+    made = await sbx.exec(
+        "mkdir -m 1777 /tmp/grade && echo 0 > /tmp/grade/reward && chmod 666 /tmp/grade/reward",
+        user="root",
+    )
+    assert made.exit_code == 0, made.stderr
+    for user, launch in WRITERS.values():
+        res = await sbx.exec(
+            f"{launch.format(w=w, p=p)} </dev/null >/dev/null 2>&1 & true", user=user
+        )
+        assert res.exit_code == 0, res.stderr
+    names = {*WRITERS, "root-grandchild-writer"}
+    for _ in range(200):  # each is running once its shell has exec'd
+        if names <= await _running(sbx):
+            break
+    assert names <= await _running(sbx)
+    assert (await sbx.exec("cat /tmp/grade/reward")).stdout == "1\n"
+
+    killed = await sbx.kill_all()  # type: ignore[attr-defined]
+
+    assert killed >= len(names)
+    assert not names & await _running(sbx)
+    # what is left is the agent (pid 1 of its pid namespace; in a microVM, its init and kernel
+    # threads too), besides this ps
+    left = await sbx.exec("ps -eo pid=,args= | grep -v -e 'ps -eo' -e grep", user="root")
+    for line in left.stdout.splitlines():
+        pid, args = line.split(None, 1)
+        assert pid == "1" or "agent.py" in args or args.startswith("["), left.stdout
+    # the grader writes 0 and, after as long as any writer needs 50 times over, reads 0
+    graded = await sbx.exec(
+        "echo 0 > /tmp/grade/reward && sleep 1 && cat /tmp/grade/reward", user="root"
+    )
+    assert graded.stdout == "0\n", graded
 
 
 async def test_no_vsock_inside(make_sandbox: Factory) -> None:

@@ -15,7 +15,8 @@ Identity: the agent is meant to run as root of the sandbox (root of a user names
 sandboxed root, or the microVM's root), never host root, with only the capabilities it needs.
 It makes itself non-dumpable, so processes of the worker uid can neither ptrace it nor open its
 /proc/<pid>/fd or mem, and it runs every command in a fresh session as uid/gid 1000 with no
-capabilities and only fds 0-2. `kill_all` kills every process of that uid (before a verify step).
+capabilities and only fds 0-2. `kill_all` kills every process of the sandbox but the agent
+(and its ancestors), whatever its uid, session or namespace: between phases (before verify).
 Run as a non-root user the agent still works, but commands then share its uid: only for tests.
 
 Optional request fields (absent = the behaviour above; sandbox sessions use them):
@@ -387,14 +388,21 @@ def drop_bounding_set(ctypes, libc):
         raise ProtocolError("the bounding set did not shrink to the agent's capabilities")
 
 
-def proc_stat(pid):
-    """(ppid, pgid, sid, state) from /proc/PID/stat, or None if gone."""
+def _stat_fields(pid):
+    """The fields of /proc/PID/stat after the command name (state first), or None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             raw = fh.read().decode("ascii", "replace")
     except OSError:
         return None
-    rest = raw[raw.rfind(")") + 2 :].split()
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def proc_stat(pid):
+    """(ppid, pgid, sid, state) from /proc/PID/stat, or None if gone."""
+    rest = _stat_fields(pid)
+    if rest is None:
+        return None
     return int(rest[1]), int(rest[2]), int(rest[3]), rest[0]
 
 
@@ -444,6 +452,21 @@ def kill_group(sid, preexisting):
         time.sleep(0.005)
 
 
+PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread (a microVM's), never ours
+OWN_PID_SPACE = False  # set by main: every process in /proc is the sandbox's (see kill_all)
+
+
+def _kept():
+    """The agent and its ancestors (a microVM's init); in a pid namespace of ours that is pid 1."""
+    keep = {os.getpid()}
+    pid = os.getppid()
+    while pid > 0 and pid not in keep:
+        keep.add(pid)
+        fields = _stat_fields(pid)
+        pid = int(fields[1]) if fields else 0
+    return keep
+
+
 def worker_pids():
     """Every process of the worker uid we can see (this pid namespace), by real or effective uid."""
     out = []
@@ -463,16 +486,42 @@ def worker_pids():
     return out
 
 
+def sandbox_pids(keep):
+    """Every live process of the sandbox but ``keep`` and kernel threads: whatever its uid,
+    session or nested namespace (a nested pid namespace's processes are in our /proc too)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in keep:
+            continue
+        fields = _stat_fields(name)
+        if fields is None or fields[0] in ("Z", "X"):
+            continue
+        try:
+            if int(fields[6]) & PF_KTHREAD:
+                continue
+        except (IndexError, ValueError):
+            pass
+        out.append(int(name))
+    return out
+
+
 def kill_all():
-    """SIGKILL every process of the worker uid and every child of ours, until none is left
-    (a fork racing the scan is caught by the next round). Returns how many were signalled."""
-    me = os.getpid()
+    """SIGKILL every process of the sandbox but the agent (and its ancestors: a microVM's init),
+    until none is left: a fork racing the scan is caught by the next round. Run between phases
+    (before verify, a Harbor verifier), so nothing of the one before can touch the next: not a
+    setsid or double-forked daemon, not root's, not one that ignores SIGTERM. Where the agent
+    does not own its pid space (a test running it on a host) only the worker's processes and
+    our children. Returns how many were signalled."""
+    keep = _kept()
     killed = set()
     deadline = time.monotonic() + 5.0
     while True:
-        targets = set(worker_pids()) if is_root() else set()
-        targets.update(pid for pid, st in children_of_me() if st[3] != "Z")
-        targets.discard(me)
+        if OWN_PID_SPACE:
+            targets = set(sandbox_pids(keep))
+        else:
+            targets = set(worker_pids()) if is_root() else set()
+            targets.update(pid for pid, st in children_of_me() if st[3] != "Z")
+            targets.difference_update(keep)
         for pid in targets:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -1488,6 +1537,10 @@ def main(argv):
     # A command that exits before reading its stdin must give us EPIPE, never kill the agent.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     set_subreaper_and_undumpable()
+    global OWN_PID_SPACE
+    # pid 1 of a pid namespace (namespaces, gVisor) or a microVM's guest (a virtio channel):
+    # every process we can see is the sandbox's; run elsewhere, kill_all must not sweep a host
+    OWN_PID_SPACE = os.getpid() == 1 or channel_spec.startswith("virtio:")
     if channel_spec == "stdio":
         channel = open_stdio()
     elif channel_spec.startswith("virtio:") and len(channel_spec) > 7:
