@@ -77,6 +77,11 @@ CONTENT_KEYS = frozenset(
 )
 
 
+# The largest event seq a store holds: run_events.seq is an INTEGER (32 bits on PostgreSQL).
+# A query past it (`after`, `Last-Event-ID`) is a 422 naming the field, never a store error.
+MAX_SEQ = (1 << 31) - 1
+
+
 class Event(BaseModel):
     model_config = ConfigDict(frozen=True)
 

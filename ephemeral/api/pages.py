@@ -198,7 +198,7 @@ async def run_page(request: Request, run_id: str) -> Response:
 
 
 @pages.get("/runs/{run_id}/live")
-async def run_live(request: Request, run_id: str, after: int = 0, t0: str = "") -> Response:
+async def run_live(request: Request, run_id: str, after: sse.After = 0, t0: str = "") -> Response:
     """The run page's live stream: each event as the HTML row the page would have rendered."""
     runtime = get_runtime(request)
     who = await page_principal(request)

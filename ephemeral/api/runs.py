@@ -166,7 +166,7 @@ async def get_events(
     who: Auth,
     runtime: Rt,
     run_id: str,
-    after: Annotated[int, Query(ge=0, description="Only events with seq > after")] = 0,
+    after: sse.After = 0,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
 ) -> Response:
     await runtime.store.get_run(run_id, who.org_id)  # 404 for another org's run

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from ephemeral.client import SSEParser
+from ephemeral.events import MAX_SEQ
 from ephemeral.service import Runtime
 from tests.api.conftest import SAMPLE_BODY, Member, new_member
 
@@ -101,6 +102,30 @@ async def test_sse_stream_follows_live_and_resumes_from_last_event_id(
     )
     assert bad.status_code == 422
     assert bad.json()["errors"][0]["field"] == "Last-Event-ID"
+
+
+async def test_an_out_of_range_after_or_last_event_id_is_a_422_naming_it(
+    http: httpx.AsyncClient, member: Member, runtime: Runtime
+) -> None:
+    """Issue 35, finding 9: ``?after=2^63`` was a 500 (the store cannot bind it); every seq
+    bound is the store's (MAX_SEQ), and past it the request is a 422 naming the field."""
+    run = await start(http, member)
+    await runtime.wait(run["id"], 60)
+    url = f"/v1/runs/{run['id']}/events"
+    for after in (1 << 63, MAX_SEQ + 1, -1):
+        r = await http.get(url, params={"after": after}, headers=member.headers)
+        assert r.status_code == 422, (after, r.text)
+        assert r.headers["content-type"].startswith("application/problem+json")
+        assert [e["field"] for e in r.json()["errors"]] == ["after"], r.text
+    edge = await http.get(url, params={"after": MAX_SEQ}, headers=member.headers)
+    assert (edge.status_code, edge.json()) == (200, [])
+    for sse in (False, True):
+        accept = {"Accept": "text/event-stream"} if sse else {}
+        r = await http.get(
+            url, headers={**member.headers, **accept, "Last-Event-ID": str(MAX_SEQ + 1)}
+        )
+        assert r.status_code == 422, r.text
+        assert r.json()["errors"][0]["field"] == "Last-Event-ID"
 
 
 async def test_idempotency_replays_without_a_second_reservation(
