@@ -10,11 +10,15 @@ Served: the OpenAI wire format (``POST /v1/chat/completions``, ``POST /v1/respon
 (server-sent events) or not. For each call the gateway
 
 1. checks the model against the grant (``policy.models``): an ungranted model answers the
-   provider's own 403 error and records ``model.denied``;
-2. holds the worst case (the request's bytes / 3 as input tokens, plus ``max_tokens`` at the
-   price book's rates) inside the run's budget before anything is sent, ``max_tokens`` lowered
-   to what the budget still covers; when not even 64 output tokens fit, the call answers the
-   provider's quota error and the run stops ``budget_exhausted`` (every stream cut);
+   provider's own 403 error and records ``model.denied``; then every field of the body (and
+   the Anthropic headers) against the wire format's allow list (``gateway_fields``): a field
+   that would make the provider bill past the tokens or fetch for the guest is a 400 in the
+   provider's shape, naming it;
+2. holds the worst case (the request's bytes / 3 as input tokens, more for media and tools,
+   plus ``max_tokens`` at the price book's rates) inside the run's budget before anything is
+   sent, ``max_tokens`` lowered to what the budget still covers; when not even 64 output
+   tokens fit, the call answers the provider's quota error and the run stops
+   ``budget_exhausted`` (every stream cut);
 3. forwards the call (``stream_options.include_usage`` asked for, so a stream reports usage),
    relays the answer with the key redacted, and
 4. settles the hold to the usage the provider reported, also for a stream the client hung up
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import httpx
 
 from ephemeral import errors
+from ephemeral.broker.gateway_fields import Refused, check_body, check_headers
 from ephemeral.broker.gateway_wire import (
     CHAT,
     MESSAGES,
@@ -73,6 +78,10 @@ MODEL_HOST: Final = "model.internal"
 PLACEHOLDER_KEY: Final = "ephemeral-gateway"  # what the sandbox holds instead of a key
 DEFAULT_MAX_TOKENS: Final = 4096  # when the request names none (and at most what fits)
 MIN_CALL_TOKENS: Final = 64  # when not even this many fit, the budget is spent
+# Held per image or document beyond its bytes: a small image can cost more tokens than its
+# bytes / 3 (about 1,600 at most on Anthropic, 2,500 on OpenAI's patch-priced models).
+MEDIA_TOKENS: Final = 2_500
+TOOLS_TOKENS: Final = 512  # the tool-use system prompt a provider adds (Anthropic: 313-346)
 REQUEST_CAP: Final = 8 << 20
 EVENT_CAP: Final = 1 << 20  # one server-sent event
 MAX_SECONDS: Final = 600.0
@@ -158,6 +167,21 @@ def _no_budget(api: str, message: str) -> _Answer:
 
 def _bad(api: str, message: str) -> _Answer:
     return _error(api, 400, "invalid_request_error", message)
+
+
+def _refused(api: str, provider: str, refused: Refused) -> _Answer:
+    """A field the gateway does not forward, as the provider answers a bad field: OpenAI's
+    ``param`` and ``code``, OpenRouter's ``{code, message}``, Anthropic's ``invalid_request_error``
+    (whose messages also start with the field's path)."""
+    message = str(refused)
+    if provider == "openrouter" and api != MESSAGES:
+        return _Answer(400, {"error": {"code": 400, "message": message}})
+    if api == MESSAGES:
+        return _error(api, 400, "invalid_request_error", message)
+    code = "unknown_parameter" if refused.unknown else "unsupported_value"
+    answer = _error(api, 400, "invalid_request_error", message, code)
+    answer.body["error"]["param"] = refused.field
+    return answer
 
 
 @dataclass
@@ -373,13 +397,29 @@ class Gateway:
                 {"model": requested[:200], "api": api, "reason": reason[:500]},
             )
             raise _denied(api, reason)
+        provider = grant.partition("/")[0]
+        try:
+            check_headers(api, head.header)
+            found = check_body(api, provider, body)
+        except Refused as refused:
+            await self.ctx.emit(
+                "model.denied",
+                {
+                    "model": requested[:200],
+                    "api": api,
+                    "reason": str(refused)[:500],
+                    "field": refused.field[:200],
+                },
+            )
+            raise _refused(api, provider, refused) from None
         stream = body.get("stream") is True
         max_field, asked = max_tokens(api, body)
         if asked is not None and (
             isinstance(asked, bool) or not isinstance(asked, int) or asked < 1
         ):
             raise _bad(api, f"{max_field}: must be a positive integer")
-        estimate = len(raw) // 3 + 16
+        estimate = len(raw) // 3 + 16 + found.media * MEDIA_TOKENS
+        estimate += TOOLS_TOKENS if found.tools else 0
         call = _Call(
             api=api,
             grant=grant,

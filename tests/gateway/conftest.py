@@ -17,6 +17,7 @@ from tests.run.conftest import make_cassette  # noqa: F401  (a fixture)
 
 OPENAI_KEY = "sk-canary-openai-7d41f09b2c6e4a58"
 ANTHROPIC_KEY = "sk-ant-canary-anthropic-3b9e1c5d7f20"
+OPENROUTER_KEY = "sk-or-canary-openrouter-51c0e7"
 
 
 @pytest.fixture
@@ -46,6 +47,9 @@ def broker_settings(
         openai_api_key=OPENAI_KEY,
         anthropic_base_url=anthropic_server.base_url,
         anthropic_api_key=ANTHROPIC_KEY,
+        # OpenRouter speaks the OpenAI wire format: the same local server answers for it
+        openrouter_base_url=openai_server.base_url,
+        openrouter_api_key=OPENROUTER_KEY,
     )
 
 
