@@ -16,6 +16,14 @@ Anything else is refused before any of it is acted on.
 
 The listener binds only a loopback or private IP address (:func:`check_bind_address`); a
 public, wildcard or link-local address is refused at start.
+
+Whoever can reach the port can open connections without the key, so what they may hold is
+bounded (:class:`Limits`): connections at once, and per address those that have not yet sent an
+authentic request; such a connection has a few seconds to send one. At the cap the oldest
+unauthenticated connection gives its place to the new one (an API process's request arrives
+within milliseconds of its connect, so a flood cannot lock it out); with every connection
+authenticated, a new one is reset as it is accepted, before anything is made for it. A header
+is parsed only once its nesting is known to be shallow.
 """
 
 from __future__ import annotations
@@ -27,22 +35,27 @@ import hmac
 import ipaddress
 import json
 import logging
+import re
 import secrets
+import socket
 import struct
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ephemeral import errors
+from ephemeral.settings import Settings
 
 log = logging.getLogger("ephemeral.hostlink")
 
 VERSION = 1
 MAX_HEADER = 64 << 10
 MAX_BODY = 160 << 20  # a 128 MiB file plus room; an exec's output is far less
+# Our headers nest three levels (a problem's errors); the parser recurses once a level.
+MAX_DEPTH = 32
 SKEW_SECONDS = 30.0  # a request older or newer than this (by the host's clock) is refused
 SERVER_IDLE_SECONDS = 60.0
 # A pooled connection idle longer than this is not reused: well under the server's idle close,
@@ -50,6 +63,13 @@ SERVER_IDLE_SECONDS = 60.0
 CLIENT_IDLE_SECONDS = 20.0
 POOL_PER_HOST = 16
 CONNECT_SECONDS = 5.0
+BACKLOG = 1024
+# Connections taken per wake of the listening socket: a flood cannot starve the connections
+# already open, and a new one is never pushed out by its own batch.
+ACCEPT_BATCH = 16
+DRAIN_READS = 4  # of 64 KiB, before a refused connection closes
+ACCEPT_PAUSE_SECONDS = 0.5  # out of descriptors: accepting waits this long for some to close
+LOG_EVERY_SECONDS = 10.0  # refusals are counted; a line says so at most this often
 _LABEL = b"ephemeral/hostlink/v1"
 _REQ = b"request\n"
 _RESP = b"response\n"
@@ -109,6 +129,27 @@ def check_bind_address(address: str) -> str:
     return str(ip)
 
 
+def _default(name: str) -> Any:
+    return Settings.model_fields[name].default
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What unauthenticated peers may hold of a host (the ``EPHEMERAL_LINK_*`` settings)."""
+
+    connections: int = _default("link_max_connections")
+    unauthenticated_per_peer: int = _default("link_max_unauthenticated_per_peer")
+    auth_seconds: float = _default("link_auth_seconds")
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> Limits:
+        return cls(
+            connections=settings.link_max_connections,
+            unauthenticated_per_peer=settings.link_max_unauthenticated_per_peer,
+            auth_seconds=settings.link_auth_seconds,
+        )
+
+
 def _canon(header: dict[str, Any]) -> bytes:
     return json.dumps(
         {k: v for k, v in header.items() if k != "sig"}, sort_keys=True, separators=(",", ":")
@@ -124,14 +165,44 @@ def _verify(key: bytes, label: bytes, header: dict[str, Any]) -> bool:
     return isinstance(sig, str) and hmac.compare_digest(sig, _sign(key, label, header))
 
 
-async def _read_header(reader: asyncio.StreamReader) -> dict[str, Any]:
-    """A frame's header; its ``body_len`` bytes follow, read by the caller once it trusts it."""
-    (size,) = struct.unpack(">I", await reader.readexactly(4))
+# A JSON string, unterminated ones included (possessive: linear on any input).
+_STRINGS = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\Z)', re.S)
+_ONE_KIND = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+
+
+def _nests_deeper(raw: bytes, limit: int) -> bool:
+    """Whether JSON text nests deeper than ``limit``, found without a recursive parse: with
+    strings dropped and both bracket kinds made one, each pass of ``replace`` removes exactly
+    the innermost level (brackets that never pair up are left over too: not JSON anyway)."""
+    rest = _STRINGS.sub(b"", raw).translate(_ONE_KIND, _NOT_BRACKETS)
+    for passes_left in range(limit, 0, -1):
+        if len(rest) <= 2 * passes_left:  # too few brackets left to be that deep
+            return False
+        inner = rest.replace(b"[]", b"")
+        if len(inner) == len(rest):  # no innermost pair: they do not pair up
+            return True
+        rest = inner
+    return bool(rest)
+
+
+def _header_size(prefix: bytes | bytearray) -> int:
+    (size,) = struct.unpack(">I", prefix)
     if not 0 < size <= MAX_HEADER:
         raise LinkError(f"a frame header of {size} bytes (the cap is {MAX_HEADER})")
+    return int(size)
+
+
+def _parse_header(raw: bytes) -> dict[str, Any]:
     try:
-        header = json.loads(await reader.readexactly(size))
-    except (UnicodeDecodeError, ValueError) as exc:
+        text = raw.decode()  # UTF-8 only: the depth check below reads bytes as ASCII
+    except UnicodeDecodeError as exc:
+        raise LinkError("a frame header that is not UTF-8") from exc
+    if _nests_deeper(raw, MAX_DEPTH):
+        raise LinkError(f"a frame header nested deeper than {MAX_DEPTH} levels (or not JSON)")
+    try:
+        header = json.loads(text)
+    except ValueError as exc:
         raise LinkError("a frame header that is not JSON") from exc
     if not isinstance(header, dict):
         raise LinkError("a frame header that is not an object")
@@ -139,6 +210,12 @@ async def _read_header(reader: asyncio.StreamReader) -> dict[str, Any]:
     if not isinstance(body_len, int) or isinstance(body_len, bool) or not 0 <= body_len <= MAX_BODY:
         raise LinkError(f"a frame body of {body_len!r} bytes (the cap is {MAX_BODY})")
     return header
+
+
+async def _read_header(reader: asyncio.StreamReader) -> dict[str, Any]:
+    """A frame's header; its ``body_len`` bytes follow, read by the caller once it trusts it."""
+    size = _header_size(await reader.readexactly(4))
+    return _parse_header(await reader.readexactly(size))
 
 
 def _frame(header: dict[str, Any], body: bytes) -> bytes:
@@ -159,34 +236,235 @@ class Peer:
     instance: str
 
 
+class _Conn:
+    """One accepted connection. Until its first request is authentic it is this record and a
+    read callback (no task, no streams): what a flood can make us hold is small."""
+
+    __slots__ = ("buf", "fd", "peer", "since", "sock", "task")
+
+    def __init__(self, peer: str, sock: socket.socket) -> None:
+        self.peer = peer
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.since = time.monotonic()
+        self.buf = bytearray()  # the first frame's length and header, as they arrive
+        self.task: asyncio.Task[None] | None = None  # once authenticated
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with a reset: no FIN handshake and no TIME_WAIT kept for a peer we turned away."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
 class LinkServer:
     """A host's end: verifies each request, hands it to ``handler(op, args, body)`` and signs
     the answer. A handler's :class:`~ephemeral.errors.EphemeralError` goes back as a problem."""
 
-    def __init__(self, key: bytes, host: str, handler: Handler) -> None:
+    def __init__(
+        self, key: bytes, host: str, handler: Handler, limits: Limits | None = None
+    ) -> None:
         self.key = key
         self.host = host
         self.instance = secrets.token_hex(16)
         self.handler = handler
+        self.limits = limits or Limits()
         self._seen: dict[str, float] = {}  # nonce -> when it expires from the window
-        self._server: asyncio.Server | None = None
+        self._sock: socket.socket | None = None
         self.address = ""
-        self._conns: set[asyncio.Task[None]] = set()
+        self._conns: set[_Conn] = set()
+        # Not yet authenticated, oldest first: all of them, and per peer address.
+        self._unauthenticated: dict[_Conn, None] = {}
+        self._unauthenticated_of: dict[str, dict[_Conn, None]] = {}
+        self._sweeper: asyncio.TimerHandle | None = None
+        self.refused: Counter[str] = Counter()  # why connections were turned away, since start
+        self._log_after = 0.0
 
     async def start(self, address: str, port: int = 0) -> str:
         bind = check_bind_address(address)
-        self._server = await asyncio.start_server(self._serve, bind, port)
-        sock = self._server.sockets[0].getsockname()
-        self.address = f"[{sock[0]}]:{sock[1]}" if ":" in sock[0] else f"{sock[0]}:{sock[1]}"
+        sock = socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((bind, port))
+            sock.listen(BACKLOG)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        loop = asyncio.get_running_loop()
+        loop.add_reader(sock.fileno(), self._accept)
+        self._sweeper = loop.call_later(self._sweep_every, self._sweep)
+        at = sock.getsockname()
+        self.address = f"[{at[0]}]:{at[1]}" if ":" in at[0] else f"{at[0]}:{at[1]}"
         return self.address
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for task in list(self._conns):
-                task.cancel()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._sock is not None:
             with contextlib.suppress(Exception):
-                await self._server.wait_closed()
+                asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+        for conn in list(self._unauthenticated):
+            self._close_early(conn)
+        tasks = [c.task for c in self._conns if c.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
+
+    @property
+    def _sweep_every(self) -> float:
+        return min(1.0, self.limits.auth_seconds / 4)
+
+    # before authentication: callbacks on the loop ------------------------------------------
+    def _accept(self) -> None:
+        """Take what is waiting on the listening socket (a batch), each within the caps."""
+        if self._sock is None:
+            return
+        loop = asyncio.get_running_loop()
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors: accept again once some have closed
+                self._turned_away(f"accept failed: {exc}", "-")
+                self._pause_accepting()
+                return
+            peer = str(addr[0])
+            if not self._make_room(peer):
+                _reset(sock)  # nothing was made for it
+                self._turned_away("at the connection cap", peer)
+                continue
+            sock.setblocking(False)
+            conn = _Conn(peer, sock)
+            self._conns.add(conn)
+            self._unauthenticated[conn] = None
+            self._unauthenticated_of.setdefault(peer, {})[conn] = None
+            loop.add_reader(conn.fd, self._first_bytes, conn)
+
+    def _make_room(self, peer: str) -> bool:
+        """Room for one more connection from ``peer``: the oldest unauthenticated connection
+        of that peer past its cap, or of anyone at the global cap, is closed for it. False
+        when every connection is authenticated and the cap is reached."""
+        mine = self._unauthenticated_of.get(peer)
+        if mine is not None and len(mine) >= self.limits.unauthenticated_per_peer:
+            self._turned_away("over the per-peer cap", peer)
+            self._close_early(next(iter(mine)), reset=True)
+        if len(self._conns) < self.limits.connections:
+            return True
+        if not self._unauthenticated:
+            return False
+        oldest = next(iter(self._unauthenticated))
+        self._turned_away("at the connection cap", oldest.peer)
+        self._close_early(oldest, reset=True)
+        return True
+
+    def _first_bytes(self, conn: _Conn) -> None:
+        """Read the first frame's length and header, exactly (never into its body), and judge
+        it: refused, or authentic and handed to a task."""
+        want = 4 if len(conn.buf) < 4 else 4 + _header_size(conn.buf[:4])
+        try:
+            data = conn.sock.recv(want - len(conn.buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close_early(conn)
+            return
+        if not data:  # the peer closed
+            self._close_early(conn)
+            return
+        conn.buf += data
+        try:
+            if len(conn.buf) == 4:
+                _header_size(conn.buf)  # a refusal now, not once the bytes arrive
+                return
+            if len(conn.buf) < want:
+                return
+            header = _parse_header(bytes(conn.buf[4:]))
+        except LinkError as exc:
+            self._turned_away(str(exc), conn.peer)
+            self._close_early(conn, refusal=str(exc))
+            return
+        why = self._fresh(header)
+        if why is not None:
+            self._turned_away(f"refused a request: {why}", conn.peer)
+            self._close_early(conn, refusal=why)
+            return
+        asyncio.get_running_loop().remove_reader(conn.fd)
+        self._authenticated(conn)
+        conn.buf = bytearray()
+        conn.task = asyncio.get_running_loop().create_task(self._serve(conn, header))
+
+    def _sweep(self) -> None:
+        """Close what has not authenticated in time (oldest first: stop at the first young)."""
+        now = time.monotonic()
+        while self._unauthenticated:
+            conn = next(iter(self._unauthenticated))
+            if now - conn.since < self.limits.auth_seconds:
+                break
+            self._turned_away(f"no request within {self.limits.auth_seconds:g} s", conn.peer)
+            self._close_early(conn, reset=True)
+        self._sweeper = asyncio.get_running_loop().call_later(self._sweep_every, self._sweep)
+
+    def _close_early(self, conn: _Conn, *, refusal: str = "", reset: bool = False) -> None:
+        """Close an unauthenticated connection now: its descriptor is free when this returns."""
+        asyncio.get_running_loop().remove_reader(conn.fd)
+        self._conns.discard(conn)
+        self._authenticated(conn)
+        if refusal:  # unsigned: whoever sent it is trusted with nothing but the refusal
+            with contextlib.suppress(OSError):
+                conn.sock.send(_frame({"v": VERSION, "refused": refusal, "body_len": 0}, b""))
+                # A close with unread input is a reset, which can cost the peer the refusal:
+                # take what already arrived (a small body), not what a large one still sends.
+                for _ in range(DRAIN_READS):
+                    if not conn.sock.recv(1 << 16):
+                        break
+        if reset:
+            _reset(conn.sock)
+        else:
+            conn.sock.close()
+
+    def _authenticated(self, conn: _Conn) -> None:
+        self._unauthenticated.pop(conn, None)
+        mine = self._unauthenticated_of.get(conn.peer)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self._unauthenticated_of[conn.peer]
+
+    def _pause_accepting(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._sock is None:
+            return
+        fd = self._sock.fileno()
+        loop.remove_reader(fd)
+
+        def resume() -> None:
+            if self._sock is not None and self._sock.fileno() == fd:
+                loop.add_reader(fd, self._accept)
+
+        loop.call_later(ACCEPT_PAUSE_SECONDS, resume)
+
+    def _turned_away(self, why: str, peer: str) -> None:
+        """Counted; one line at most every LOG_EVERY_SECONDS, whatever a flood sends."""
+        self.refused[why] += 1
+        now = time.monotonic()
+        if now >= self._log_after:
+            self._log_after = now + LOG_EVERY_SECONDS
+            log.warning(
+                "internal channel: turned away a connection from %s: %s (since start: %s)",
+                peer,
+                why,
+                ", ".join(f"{n} {w}" for w, n in self.refused.most_common()),
+            )
 
     def _fresh(self, header: dict[str, Any]) -> str | None:
         """Why the request must be refused (None: it is authentic, fresh and for us)."""
@@ -213,44 +491,43 @@ class LinkServer:
         self._seen[nonce] = now + 2 * SKEW_SECONDS
         return None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._conns.add(task)
+    # once authenticated: a task with streams -----------------------------------------------
+    async def _serve(self, conn: _Conn, header: dict[str, Any]) -> None:
+        writer: asyncio.StreamWriter | None = None
         try:
+            reader, writer = await asyncio.open_connection(sock=conn.sock)
             while True:
+                body = await reader.readexactly(header["body_len"])
+                if _sha(body) != header.get("body_sha256"):
+                    await self._refuse(writer, "the body does not match its signed hash")
+                    return
+                writer.write(await self._answer(header, body))
+                await writer.drain()
                 try:
                     async with asyncio.timeout(SERVER_IDLE_SECONDS):
                         header = await _read_header(reader)
-                except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+                except TimeoutError:
                     return
                 except LinkError as exc:
                     await self._refuse(writer, str(exc))
                     return
                 why = self._fresh(header)
                 if why is not None:
-                    log.warning("internal channel: refused a request: %s", why)
+                    self._turned_away(f"refused a request: {why}", conn.peer)
                     await self._refuse(writer, why)
                     return
-                body = await reader.readexactly(header["body_len"])
-                if _sha(body) != header.get("body_sha256"):
-                    await self._refuse(writer, "the body does not match its signed hash")
-                    return
-                answer = await self._answer(header, body)
-                writer.write(answer)
-                await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             return
         except asyncio.CancelledError:
-            # The server is closing: end this connection quietly (a handler task that ends
-            # cancelled is logged by asyncio as an error, with a traceback).
+            # The server is closing: end this connection quietly (a task that ends cancelled
+            # is logged by asyncio as an error, with a traceback).
             return
         finally:
-            if task is not None:
-                self._conns.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            self._conns.discard(conn)
+            if writer is None:
+                conn.sock.close()
+            else:
+                writer.close()  # after what is still buffered (a refusal, an answer's tail)
 
     async def _refuse(self, writer: asyncio.StreamWriter, why: str) -> None:
         # Unsigned: whoever sent it cannot be trusted with anything but the refusal.

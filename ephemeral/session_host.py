@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ephemeral import errors
-from ephemeral.hostlink import LinkServer, link_key
+from ephemeral.hostlink import Limits, LinkServer, link_key
 from ephemeral.ids import utcnow
 from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus
 from ephemeral.sessions import KIND, ExecRequest
@@ -55,7 +55,12 @@ class SessionHost:
         self.slots = slots
         self.hosted: set[str] = set()  # claimed here and not yet ended
         self._claiming: set[str] = set()  # being claimed: not yet live in the sessions
-        self.server = LinkServer(ensure_seal_key(runtime.settings), runtime.host, self.handle)
+        self.server = LinkServer(
+            ensure_seal_key(runtime.settings),
+            runtime.host,
+            self.handle,
+            Limits.for_settings(runtime.settings),
+        )
         self._tend_task: asyncio.Task[None] | None = None
         self._cancelling: dict[str, asyncio.Task[Any]] = {}
         self.taking = True  # False once draining: new sessions go to other hosts

@@ -179,6 +179,29 @@ class Settings(BaseSettings):
         description="The internal channel's TCP port; 0 takes a free one (the worker registers "
         "its address in the store's host directory).",
     )
+    link_max_connections: int = Field(
+        default=1024,
+        ge=16,
+        le=65_536,
+        description="Connections a worker's internal channel holds open at once. Past it, a new "
+        "connection takes the place of the oldest one that has not yet sent an authentic "
+        "request; when every one has, the new one is reset as it is accepted.",
+    )
+    link_max_unauthenticated_per_peer: int = Field(
+        default=128,
+        ge=1,
+        le=65_536,
+        description="Connections from one address that have not yet sent an authentic request "
+        "on the internal channel; past it, that address's oldest such connection is closed for "
+        "the new one (one address never pushes out another's).",
+    )
+    link_auth_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        le=60,
+        description="A connection to the internal channel whose first authentic request has not "
+        "arrived within this is closed.",
+    )
     host_sessions: int = Field(
         default=32,
         ge=0,

@@ -5,6 +5,7 @@ listener binds only loopback or private addresses. Real sockets on 127.0.0.1, no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import struct
@@ -19,9 +20,11 @@ import pytest
 
 from ephemeral import errors, hostlink
 from ephemeral.hostlink import LinkClient, LinkError, LinkRefused, LinkServer, Peer
+from ephemeral.settings import Settings
+from tests.hostlink import listener
+from tests.hostlink.listener import KEY
 
 REPO = Path(__file__).resolve().parents[2]
-KEY = b"k" * 32
 
 
 class Recorder:
@@ -219,3 +222,182 @@ def test_ephemeral_worker_refuses_to_start_on_a_public_address(tmp_path: Path) -
     )
     assert res.returncode != 0
     assert "EPHEMERAL_LINK_ADDRESS" in res.stderr + res.stdout, res.stderr
+
+
+# abuse: what a peer without the key can make the listener hold (docs/security.md) -----------
+
+
+@contextlib.asynccontextmanager
+async def limited(limits: hostlink.Limits) -> AsyncIterator[tuple[LinkServer, Peer]]:
+    server = LinkServer(KEY, "a", Recorder(), limits)
+    address = await server.start("127.0.0.1")
+    try:
+        yield server, Peer("a", address, server.instance)
+    finally:
+        await server.close()
+
+
+async def connect(peer: Peer, source: str = "127.0.0.1") -> tuple[Any, Any]:
+    host, _, port = peer.address.rpartition(":")
+    return await asyncio.open_connection(host, int(port), local_addr=(source, 0))
+
+
+async def closed_by_server(reader: asyncio.StreamReader) -> bool:
+    """True once the server closed or reset the connection (within 10 s; False if not)."""
+    try:
+        return await asyncio.wait_for(reader.read(1), 10) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+async def answered(peer: Peer, reader: Any, writer: Any) -> bool:
+    """A signed request on this open connection is answered (not refused, not closed)."""
+    writer.write(signed_frame(request(peer, op="ping"), b""))
+    await writer.drain()
+    (size,) = struct.unpack(">I", await asyncio.wait_for(reader.readexactly(4), 10))
+    return json.loads(await reader.readexactly(size)).get("status") == 200
+
+
+NESTED = [
+    b"[" * 60_000,  # never closed
+    b"[" * 30_000 + b"]" * 30_000,
+    b'{"a":' * 10_000 + b"1" + b"}" * 10_000,
+    b"[{" * 15_000 + b"}]" * 15_000,
+    b"[" * 33 + b"]" * 33,  # one level past the bound
+]
+
+
+@pytest.mark.parametrize("header", NESTED, ids=["open", "arrays", "objects", "mixed", "33"])
+async def test_a_deeply_nested_header_is_refused_cleanly_without_a_traceback(
+    served: Any, header: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, handler, peer = served
+    answer = await raw(peer, struct.pack(">I", len(header)) + header)
+    assert "nested deeper than 32" in answer["refused"]
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    assert handler.calls == []
+
+
+async def test_brackets_in_strings_and_32_levels_are_not_too_deep(served: Any) -> None:
+    _, _, peer = served
+    deep: Any = 1
+    for _ in range(30):  # the header object and "args" make 32
+        deep = [deep]
+    header = request(peer, args={"path": "[[[{{{" * 5000 + '\\"[['}, deep=deep)
+    header.update(body_len=0, body_sha256=hostlink._sha(b""))
+    answer = await raw(peer, hostlink._frame(header, b""))
+    assert answer["refused"] == "bad signature"  # parsed, then judged as a request
+
+
+async def test_a_connection_that_does_not_authenticate_in_time_is_closed() -> None:
+    async with limited(hostlink.Limits(auth_seconds=0.5)) as (server, peer):
+        silent, _ = await connect(peer)
+        loris, writer = await connect(peer)
+        writer.write(struct.pack(">I", 1000) + b'{"v":1,')  # the rest never comes
+        assert await closed_by_server(silent)
+        assert await closed_by_server(loris)
+        assert server.connections == 0
+        assert server.refused["no request within 0.5 s"] == 2
+
+
+async def test_past_the_per_peer_cap_that_peers_oldest_unauthenticated_connection_gives_way() -> (
+    None
+):
+    async with limited(hostlink.Limits(unauthenticated_per_peer=4)) as (server, peer):
+        other = [await connect(peer, "127.0.0.2") for _ in range(4)]
+        flood = [await connect(peer) for _ in range(12)]
+        # 127.0.0.1's oldest eight gave way to its newest four; 127.0.0.2's four are untouched
+        assert all([await closed_by_server(r) for r, _ in flood[:8]])
+        assert all([await answered(peer, r, w) for r, w in flood[8:]])
+        assert all([await answered(peer, r, w) for r, w in other])
+        assert server.refused["over the per-peer cap"] == 8
+
+
+async def test_at_the_cap_an_unauthenticated_connection_gives_way_else_the_new_one_is_reset() -> (
+    None
+):
+    async with limited(hostlink.Limits(connections=3)) as (server, peer):
+        trusted = [await connect(peer) for _ in range(2)]
+        assert all([await answered(peer, r, w) for r, w in trusted])
+        silent, _ = await connect(peer, "127.0.0.2")
+        newer, writer = await connect(peer, "127.0.0.3")
+        assert await closed_by_server(silent)  # gave way to the newer one
+        assert await answered(peer, newer, writer)
+        # all three authenticated: a fourth is reset as it is accepted
+        try:
+            refused, _ = await connect(peer, "127.0.0.4")
+        except ConnectionResetError:
+            pass  # reset before the connect call returned
+        else:
+            assert await closed_by_server(refused)
+        assert server.refused["at the connection cap"] == 2
+        assert server.connections == 3
+        assert all([await answered(peer, r, w) for r, w in [*trusted, (newer, writer)]])
+
+
+def spawn(module: str, *args: str, **kw: Any) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPHEMERAL_LINK_")}
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env={**env, "PYTHONPATH": str(REPO)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+async def test_a_flood_of_unauthenticated_connections_leaves_authenticated_calls_answering(
+    tmp_path: Path,
+) -> None:
+    """The red team's flood (12,223 connections drove the listener to 11,831 descriptors and
+    821 MiB; a nested header logged a RecursionError traceback each): up to 20,000 connections
+    without the key from 40 loopback addresses (the API's own among them), some with a nested
+    header or a slow one, against a listener in its own process at the default caps. Fresh and
+    pooled authenticated calls keep answering within the client's usual timeout, the
+    listener's descriptors stay under the cap, and nothing it logged is a traceback."""
+    cap = Settings().link_max_connections
+    with (tmp_path / "listener.log").open("w") as log:
+        host = spawn("tests.hostlink.listener", stderr=log)
+    assert host.stdout is not None
+    try:
+        info = json.loads(await asyncio.to_thread(host.stdout.readline))
+        peer = Peer(listener.HOST, info["address"], info["instance"])
+        fds = Path(f"/proc/{info['pid']}/fd")
+        pooled = LinkClient(KEY, "api")  # a connection an API process already holds
+        await pooled.call(peer, "ping", {}, timeout=10)
+        flood = spawn("tests.hostlink.flood", info["address"], "--connections", "20000")
+        assert flood.stdout is not None
+        try:
+            wave = asyncio.ensure_future(asyncio.to_thread(flood.stdout.readline))
+            calls, most_fds = 0, 0
+            while not wave.done() or calls < 10:
+                fresh = LinkClient(KEY, "api")  # a new connection, through the flood
+                try:
+                    assert (await fresh.call(peer, "ping", {}, timeout=10))[0] == {"op": "ping"}
+                finally:
+                    await fresh.close()
+                assert (await pooled.call(peer, "ping", {}, timeout=10))[0] == {"op": "ping"}
+                most_fds = max(most_fds, len(os.listdir(fds)))
+                calls += 1
+            opened = int((await wave).split()[-1])
+            deep = NESTED[1]
+            assert (
+                "nested deeper" in (await raw(peer, struct.pack(">I", len(deep)) + deep))["refused"]
+            )
+            stats, _ = await pooled.call(peer, "stats", {}, timeout=10)
+        finally:
+            await pooled.close()
+            flood.stdin.close()  # type: ignore[union-attr]
+            flood.wait(60)
+    finally:
+        host.stdin.close()  # type: ignore[union-attr]
+        host.wait(60)
+    logged = (tmp_path / "listener.log").read_text()
+    assert opened > 2 * cap, f"the flood opened only {opened} connections"
+    assert max(most_fds, stats["fds"]) <= cap + 16, (most_fds, stats)
+    assert stats["refused"]["at the connection cap"] > cap  # the cap held, and gave way
+    assert "Traceback" not in logged and "RecursionError" not in logged, logged[-2000:]

@@ -1,0 +1,60 @@
+"""A host's channel listener in a process of its own, as ``ephemeral worker`` runs it (its
+limits from the ``EPHEMERAL_LINK_*`` settings), for the flood test and bench/hostlink_flood.py.
+
+    python -m tests.hostlink.listener
+
+Prints one JSON line (``address``, ``instance``, ``pid``) once it listens, logs to stderr as a
+worker does, and ends when its stdin closes. Its handler answers ``ping`` and ``stats`` (what
+the listener holds and has turned away, and its descriptors and RSS as /proc says).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ephemeral.hostlink import Limits, LinkServer
+from ephemeral.settings import Settings
+
+KEY = b"k" * 32
+HOST = "a"
+
+
+def usage() -> dict[str, int]:
+    """This process's open descriptors and resident memory."""
+    rss = 0
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1]) * 1024
+    return {"fds": len(os.listdir("/proc/self/fd")), "rss": rss}
+
+
+async def main() -> None:
+    server: LinkServer
+
+    async def handler(op: str, args: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        if op == "stats":
+            return {
+                "connections": server.connections,
+                "refused": dict(server.refused),
+                **usage(),
+            }, b""
+        return {"op": op}, b""
+
+    server = LinkServer(KEY, HOST, handler, Limits.for_settings(Settings.load()))
+    address = await server.start("127.0.0.1")
+    print(json.dumps({"address": address, "instance": server.instance, "pid": os.getpid()}))
+    sys.stdout.flush()
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, sys.stdin.read)  # until the parent closes it
+    await server.close()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    asyncio.run(main())
