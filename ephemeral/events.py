@@ -33,6 +33,14 @@ EVENT_TYPES: dict[str, tuple[str, ...]] = {
     "setup.executed": _COMMAND_FIELDS,
     "verify.executed": (*_COMMAND_FIELDS, "skipped"),
     "budget.warning": ("spent_micros", "remaining_micros"),
+    # A provider reported more usage than the gateway held for the call: an alarm.
+    "budget.overrun": (
+        "model",
+        "held_micros",
+        "reported_micros",
+        "charged_micros",
+        "unbilled_micros",
+    ),
     "sandbox.exec": (
         "command",
         "user",

@@ -92,6 +92,13 @@ def describe(event: Event | dict[str, Any]) -> tuple[str, str]:
             f"80 % used · {usd(d.get('spent_micros'))} spent, "
             f"{usd(d.get('remaining_micros'))} left",
         )
+    if t == "budget.overrun":
+        return (
+            "Budget",
+            f"OVERRUN · {d.get('model')} reported {usd(d.get('reported_micros'))} against "
+            f"{usd(d.get('held_micros'))} held; {usd(d.get('charged_micros'))} charged, "
+            f"{usd(d.get('unbilled_micros'))} past the reservation not charged",
+        )
     if t == "sandbox.destroyed":
         return "Sandbox", f"destroyed after {d.get('lifetime_ms', 0) / 1000:.1f} s"
     if t.startswith("run.") and t not in ("run.output", "run.settled", "run.queued"):

@@ -16,14 +16,16 @@ Served: the OpenAI wire format (``POST /v1/chat/completions``, ``POST /v1/respon
    provider's shape, naming it;
 2. holds the worst case (the request's bytes / 3 as input tokens, more for media and tools,
    plus ``max_tokens`` at the price book's rates) inside the run's budget before anything is
-   sent, ``max_tokens`` lowered to what the budget still covers; when not even 64 output
-   tokens fit, the call answers the provider's quota error and the run stops
-   ``budget_exhausted`` (every stream cut);
+   sent, ``max_tokens`` lowered
+   to what the budget still covers; when not even 64 output tokens fit, the call answers the
+   provider's quota error and the run stops ``budget_exhausted`` (every stream cut);
 3. forwards the call (``stream_options.include_usage`` asked for, so a stream reports usage),
    relays the answer with the key redacted, and
 4. settles the hold to the usage the provider reported, also for a stream the client hung up
    on (the gateway reads the rest of the upstream's answer for its usage), writes the charge
-   (kind ``model``) and a ``model.called`` event, and keeps the turn for ``ephemeral record``.
+   (kind ``model``) and a ``model.called`` event, and keeps the turn for ``ephemeral record``;
+   usage past the hold is charged (within the reservation), alarmed (``budget.overrun``) and
+   ends the run.
 
 ``replay/NAME`` grants are served from the cassette's turns, in either format.
 """
@@ -202,6 +204,7 @@ class _Call:
     cut: str | None = None
     turn: dict[str, Any] | None = None  # the assistant turn, for ephemeral record
     started: float = field(default_factory=time.monotonic)
+    overrun: bool = False  # the provider reported more than was held
 
 
 class Gateway:
@@ -325,10 +328,11 @@ class Gateway:
         finally:
             # Settled even when this handler is cancelled (the owner ending mid-call: the
             # provider may bill what it already did), before the owner's books close.
-            settle = asyncio.create_task(self._settle(call))
+            settle = asyncio.create_task(self._settle(call, egress))
             self.charges.track(settle)
             await asyncio.shield(settle)
-        await self._stop_if_spent(egress)
+        if not call.overrun:  # (an overrun stopped the run already)
+            await self._stop_if_spent(egress)
 
     async def _stop_if_spent(self, egress: Egress) -> None:
         """Not even a small call fits any granted model: the run (or session) ends."""
@@ -632,14 +636,60 @@ class Gateway:
         await stream.write(b"0\r\n\r\n")
 
     # -- settle --------------------------------------------------------------------------------
-    async def _settle(self, call: _Call) -> None:
+    def _overrun(self, call: _Call, reported: int, charged: int) -> dict[str, Any]:
+        usage = call.usage or Usage()
+        return {
+            "model": call.grant,
+            "api": call.api,
+            "held_micros": call.hold,
+            "reported_micros": reported,
+            "charged_micros": charged,
+            "unbilled_micros": reported - charged,
+            "input_tokens": usage.input_tokens,
+            "output_tokens": usage.output_tokens,
+            "cached_input_tokens": usage.cached_input_tokens,
+        }
+
+    async def _settle(self, call: _Call, egress: Egress) -> None:
         """Release the hold, charge what the provider reported (the hold when it reported
-        nothing whole, nothing for an error it answered), record the call."""
+        nothing whole, nothing for an error it answered), record the call.
+
+        A provider reporting more than was held is charged that, as far as the run's
+        reservation goes (the org never pays past ``max_cost_micros``), with a ``budget.overrun``
+        event in the charge's transaction, and the run ends ``budget_exhausted``: the hold was
+        wrong, so nothing more is spent on this run's money."""
         budget = self.charges.budget
+        overrun: tuple[str, dict[str, Any]] | None = None
         if call.status is not None and call.status >= 400 and not call.final:
             cost = 0
         elif call.final and call.usage is not None:
-            cost = min(call.hold, self.price_book.model_cost(call.grant, call.usage))
+            cost = self.price_book.model_cost(call.grant, call.usage)
+            if cost > call.hold:
+                # What the run still has beyond this hold (other calls' holds, web and model
+                # charges counted; compute is charged last, capped at what is left).
+                room = call.hold + max(0, budget.reserved_micros - budget.non_compute_spent())
+                reported, cost = cost, min(cost, room)
+                call.overrun = True
+                # Stopped before the budget moves, so the run's reason is this, not compute.
+                stop = StopRun(
+                    TerminationReason.BUDGET_EXHAUSTED,
+                    "a model call cost more than was held for it (budget.overrun)",
+                )
+                try:
+                    await egress._stop(stop)
+                except Exception as exc:  # noqa: BLE001 - the charge below must still be written
+                    log.error("%s: the overrun did not stop the run: %s", self.charges.run_id, exc)
+                overrun = ("budget.overrun", self._overrun(call, reported, cost))
+                log.error(
+                    "%s: ALARM: %s reported usage costing %d micros against a hold of %d; "
+                    "charged %d, %d beyond the run's reservation not charged",
+                    self.charges.run_id,
+                    call.grant,
+                    reported,
+                    call.hold,
+                    cost,
+                    reported - cost,
+                )
         else:
             cost = call.hold  # cut before the provider said what it used: the most it could be
         budget.charged["model_micros"] += cost - call.hold
@@ -670,7 +720,11 @@ class Gateway:
         try:
             if cost:
                 key = f"{self.charges.run_id}:gateway:{n}"
-                await self.charges.store.charge(self.charges.run_id, "model", cost, key=key)
+                await self.charges.store.charge(
+                    self.charges.run_id, "model", cost, key=key, event=overrun
+                )
+            elif overrun is not None:
+                await self.ctx.emit(*overrun)
             await self.ctx.emit("model.called", data)
             if call.turn is not None and not self.ctx.policy.zero_data_retention:
                 call.turn["latency_ms"] = call.turn.get("latency_ms") or latency

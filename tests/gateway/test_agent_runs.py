@@ -190,8 +190,11 @@ async def test_mini_swe_agent_fixes_the_test_through_the_gateway(
 
 
 def _never_stops(req: RecordedRequest) -> FakeReply:
-    """A model that always wants one more command, and reports a large usage each time."""
-    return _reply("One more look.", f"echo {TOKEN}; sleep 0.2", (30_000, 4_000))
+    """A model that always wants one more command, and reports a large usage each time (as a
+    provider does: its whole max tokens, input tokens no more than the body's bytes / 3)."""
+    body = req.json()
+    out = min(4_000, body.get("max_completion_tokens") or body.get("max_tokens") or 4_000)
+    return _reply("One more look.", f"echo {TOKEN}; sleep 0.2", (len(req.body) // 3, out))
 
 
 # Its output is priced high (10 $ per million tokens): each call's hold, not the sandbox's

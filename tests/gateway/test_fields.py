@@ -2,7 +2,9 @@
 
 The gateway forwards an allow list of fields per wire format (``ephemeral.broker.gateway_fields``);
 every case of the red team's reproduction is refused inside a real sandbox, in the provider's
-own error shape, before anything reaches the local upstream.
+own error shape, before anything reaches the local upstream. And a provider that reports more
+than was held is charged (as far as the run's reservation goes), alarmed with ``budget.overrun``
+and ends the run ``budget_exhausted``: never a silent cap at the hold.
 """
 
 from __future__ import annotations
@@ -15,15 +17,19 @@ from typing import Any
 import pytest
 
 from ephemeral.broker.gateway_fields import ALLOW_LISTS, Refused, check_body, check_headers
+from ephemeral.policy import RunRequest
+from ephemeral.providers.base import Usage
 from ephemeral.service import Runtime
 from ephemeral.testing.providers import (
     FakeAnthropicServer,
     FakeOpenAIServer,
     FakeReply,
+    RecordedRequest,
     openai_chat_response,
 )
 from tests.broker.conftest import events_of
 from tests.egress.conftest import provisioned, sh
+from tests.run.test_agent_run import assert_settled, run_to_end, types
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 GPT = "openai/gpt-6-luna"
@@ -399,6 +405,7 @@ def _assert_shape(error: dict[str, Any], shape: str, field: str) -> None:
         assert error["error"]["message"].startswith(f"{field}: "), error
 
 
+@pytest.mark.sandbox
 async def test_the_reproduction_is_refused_before_anything_reaches_the_upstream(
     runtime: Runtime,
     openai_server: FakeOpenAIServer,
@@ -423,6 +430,7 @@ async def test_the_reproduction_is_refused_before_anything_reaches_the_upstream(
     assert row.breakdown["model_micros"] == 0
 
 
+@pytest.mark.sandbox
 async def test_an_allowed_call_still_goes_through_with_only_allowed_fields(
     runtime: Runtime, openai_server: FakeOpenAIServer, isolation: str
 ) -> None:
@@ -450,3 +458,77 @@ async def test_an_allowed_call_still_goes_through_with_only_allowed_fields(
     (called,) = [e.data for e in await events_of(agent, "model.called")]
     # the image is held for beyond its bytes: MEDIA_TOKENS at the input price
     assert called["reserved_micros"] >= runtime.price_book.worst_case(GPT, 2_500, 10)
+
+
+# -- a provider that reports more than was held ----------------------------------------------------
+def _twenty_five_times(req: RecordedRequest) -> FakeReply:
+    """25x what the gateway held: its input estimate and the max tokens it sent."""
+    body = req.json()
+    held_in, held_out = len(req.body) // 3 + 16, body["max_tokens"]
+    return FakeReply(
+        body=openai_chat_response(
+            content="I did 25 times the work",
+            prompt_tokens=25 * held_in,
+            completion_tokens=25 * held_out,
+        )
+    )
+
+
+@pytest.mark.sandbox
+@pytest.mark.parametrize(
+    ("model", "max_cost", "beyond"),
+    [(GPT, 200_000, False), (PRICEY, 200_000, True)],
+    ids=["within-the-reservation", "past-the-reservation"],
+)
+async def test_a_provider_reporting_25x_the_hold_is_charged_alarmed_and_ends_the_run(
+    runtime: Runtime,
+    openai_server: FakeOpenAIServer,
+    isolation: str,
+    model: str,
+    max_cost: int,
+    beyond: bool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    openai_server.push(_twenty_five_times)
+    call = json.dumps(
+        {"model": model.partition("/")[2], "max_tokens": 1000, "messages": MSGS}
+    ).replace("'", "'\\''")
+    command = (
+        f"curl -sS -m 20 -H 'Content-Type: application/json' -d '{call}' "
+        '"$OPENAI_BASE_URL/chat/completions" > /tmp/answer.md; sleep 100'
+    )
+    request = RunRequest.model_validate(
+        {
+            "prompt": "call the model once",
+            "model": model,
+            "isolation": isolation,
+            "agent": {"command": command, "output": "/tmp/answer.md"},
+            "timeout_seconds": 120,
+            "max_cost_micros": max_cost,
+        }
+    )
+    row, events = await run_to_end(runtime, request)
+    assert row.status == "budget_exhausted", row.termination_detail
+    assert row.termination_detail == "a model call cost more than was held for it (budget.overrun)"
+    assert_settled(row, events)
+    (overrun,) = [e.data for e in events if e.type == "budget.overrun"]
+    (called,) = [e.data for e in events if e.type == "model.called"]
+    reported = runtime.price_book.model_cost(
+        model, Usage(input_tokens=called["input_tokens"], output_tokens=called["output_tokens"])
+    )
+    assert overrun["model"] == model and overrun["reported_micros"] == reported
+    assert overrun["held_micros"] == called["reserved_micros"]
+    assert reported >= 20 * overrun["held_micros"]  # 25x, less the forwarded body's extra bytes
+    assert called["cost_micros"] == overrun["charged_micros"] == row.breakdown["model_micros"]
+    assert overrun["charged_micros"] + overrun["unbilled_micros"] == reported
+    if beyond:  # the real cost passes the reservation: the run is charged all of it, no more
+        assert reported > max_cost
+        assert row.charged_micros == row.reserved_micros == max_cost
+        assert overrun["charged_micros"] == max_cost and overrun["unbilled_micros"] > 0
+        assert row.breakdown["compute_micros"] == 0
+    else:  # the real cost, not the hold
+        assert overrun["charged_micros"] == reported and overrun["unbilled_micros"] == 0
+    assert types(events).index("budget.overrun") < types(events).index("run.budget_exhausted")
+    exited = next(e.data for e in events if e.type == "agent.exited")
+    assert exited["killed"] == row.termination_detail
+    assert "ALARM" in caplog.text and str(reported) in caplog.text

@@ -91,10 +91,12 @@ async def test_a_model_that_never_stops_ends_the_session_budget_exhausted(
     reservation, the session ends ``budget_exhausted`` and its sandbox (and loop) is gone."""
 
     def more(req: RecordedRequest) -> FakeReply:
+        # as a provider does: never more output than the max_tokens it was sent (the gateway
+        # lowers it as the budget runs low), no more input tokens than the body has bytes / 3;
+        # more would be an overrun (tests/gateway/test_fields.py)
+        out = min(900, req.json()["max_tokens"])
         return FakeReply(
-            body=openai_chat_response(
-                content="keep going", prompt_tokens=200, completion_tokens=900
-            )
+            body=openai_chat_response(content="keep going", prompt_tokens=20, completion_tokens=out)
         )
 
     openai_server.push(*([more] * 200))
