@@ -14,12 +14,13 @@ import contextlib
 import inspect
 import io
 import logging
+import os
 import re
 import secrets
 import shlex
 import tarfile
-import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from harbor.environments.base import (
     BaseEnvironment,
     ExecResult,
     SandboxBuildFailedError,
-    transfer_tar_filter,
+    ServiceOperationsUnsupportedError,
 )
 from harbor.environments.capabilities import (
     EnvironmentCapabilities,
@@ -36,11 +37,12 @@ from harbor.environments.capabilities import (
 from harbor.models.task.config import NetworkMode
 from harbor.models.trial.config import ResourceMode
 from harbor.models.trial.paths import EnvironmentPaths
+from harbor.utils.path_filter import filter_paths_by_patterns
 
 from ephemeral import errors
 from ephemeral.harbor import backend, commands
 from ephemeral.harbor.config import HarborConfig, load_config
-from ephemeral.sandbox import images
+from ephemeral.sandbox import hostwrite, images
 from ephemeral.sandbox.base import Limits
 from ephemeral.sessions import MAX_EXEC_OUTPUT, NO_ROOT_ISOLATIONS, ExecRequest, SessionRequest
 
@@ -53,6 +55,7 @@ COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml")
 INLINE_DOWNLOAD_BYTES = 3 << 20
 HOUSEKEEPING_TIMEOUT = 600.0
 MAX_OUTPUT_BYTES = 64 << 20  # per stream of one command
+SKIPS_LOGGED = 20  # entries of a download not written (links, devices) named in the log
 CLEANUP_BATCH = 16  # finished commands whose files one rm removes (in the next starter)
 # One image build per environment (content hash) at a time in this process.
 _builds: dict[str, asyncio.Lock] = {}
@@ -471,6 +474,8 @@ class EphemeralEnvironment(BaseEnvironment):
         await self._call(["bash", "-c", commands.kill_script(exec_id, sid)], user="root")
 
     # files ----------------------------------------------------------------------------------
+    # Downloads come back as a tar the host parses itself and writes under the target without
+    # following a link, links and devices not written (ephemeral/sandbox/hostwrite.py).
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
         data = await asyncio.to_thread(Path(source_path).read_bytes)
         t = shlex.quote(target_path)
@@ -493,15 +498,78 @@ class EphemeralEnvironment(BaseEnvironment):
 
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
         data = await self._fetch(f"cat -- {shlex.quote(source_path)}", source_path)
-        target = Path(target_path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(target.write_bytes, data)
+        await asyncio.to_thread(_write_file, Path(target_path), data)
 
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
-        data = await self._fetch(f"tar czf - -C {shlex.quote(source_dir)} .", source_dir)
-        await asyncio.to_thread(_unpack, data, Path(target_dir))
+        await self._download_tree(source_dir, target_dir, ".")
 
-    async def _fetch(self, producer: str, what: str) -> bytes:
+    async def _download_dir_with_exclusions_impl(
+        self,
+        *,
+        source_dir: str,
+        target_dir: Path | str,
+        exclude: list[str],
+        service: str | None,
+    ) -> None:
+        # Harbor's own extracts with tarfile's filter on the host: never used here
+        if not self.is_main_service(service):
+            raise ServiceOperationsUnsupportedError(self._service_unsupported_message(service))
+        flags = " ".join(f"--exclude={shlex.quote(pattern)}" for pattern in exclude)
+        await self._download_tree(source_dir, target_dir, f"{flags} .")
+
+    async def download_dir_filtered(
+        self,
+        *,
+        source_dir: str,
+        target_dir: Path | str,
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+        protect: Sequence[str] | None = None,
+    ) -> None:
+        """Harbor's filtered download (exclude wins; ``protect`` always), through our own."""
+        await asyncio.to_thread(Path(target_dir).mkdir, parents=True, exist_ok=True)
+        listed = await self._fetch(
+            f"cd -- {shlex.quote(source_dir)} && find . -type f -print0", source_dir
+        )
+        paths = [
+            p.removeprefix("./")
+            for p in listed.decode("utf-8", "surrogateescape").split("\0")
+            if p and p != "."
+        ]
+        selected = filter_paths_by_patterns(paths, include=include, exclude=exclude)
+        if protect:
+            missing = set(protect) - set(selected)
+            selected += [path for path in paths if path in missing]
+        if not selected:
+            self.logger.warning(
+                f"No files in {source_dir!r} matched include={include} exclude={exclude}; "
+                "downloading nothing"
+            )
+            return
+        names = "".join(f"./{p}\0" for p in selected).encode("utf-8", "surrogateescape")
+        await self._download_tree(
+            source_dir, target_dir, "--null --verbatim-files-from -T -", stdin=names
+        )
+
+    async def _download_tree(
+        self, source_dir: str, target_dir: Path | str, members: str, stdin: bytes = b""
+    ) -> None:
+        data = await self._fetch(
+            f"tar czf - --hard-dereference -C {shlex.quote(source_dir)} {members}",
+            source_dir,
+            stdin=stdin,
+        )
+        try:
+            report = await asyncio.to_thread(_unpack, data, Path(target_dir))
+        except errors.EphemeralError as exc:
+            raise RuntimeError(f"ephemeral: download of {source_dir}: {exc.detail}") from exc
+        for path, why in report.skipped[:SKIPS_LOGGED]:
+            self.logger.warning(f"download of {source_dir}: {path}: {why}")
+        if len(report.skipped) > SKIPS_LOGGED:
+            left = len(report.skipped) - SKIPS_LOGGED
+            self.logger.warning(f"download of {source_dir}: {left} more entries not written")
+
+    async def _fetch(self, producer: str, what: str, stdin: bytes = b"") -> bytes:
         """The bytes ``producer`` writes, read as root: base64 on stdout when small, else
         through a file in /tmp that the session reads (as the worker, so it is made readable)."""
         tmp = f"/tmp/.ephemeral-dl-{secrets.token_hex(6)}"
@@ -510,7 +578,7 @@ class EphemeralEnvironment(BaseEnvironment):
             f'if [ "$(stat -c %s {tmp})" -le {INLINE_DOWNLOAD_BYTES} ]; then '
             f"base64 -w0 {tmp}; rm -f {tmp}; else chmod 644 {tmp}; echo SPILL; fi\n"
         )
-        res = await self._call(["bash", "-c", script], user="root")
+        res = await self._call(["bash", "-c", script], user="root", stdin=stdin)
         if res.exit_code != 0:
             await self._call(["rm", "-f", "--", tmp], user="root")
             said = (res.stderr or res.stdout).strip()[:500]
@@ -556,10 +624,22 @@ def _pack(source: Path) -> bytes:
     return buf.getvalue()
 
 
-def _unpack(data: bytes, target: Path) -> None:
+def _write_file(target: Path, data: bytes) -> None:
+    """``data`` as the file ``target`` (replaced, never written through a link there)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        hostwrite.TreeWriter(fd).file(target.name, [data])
+    finally:
+        os.close(fd)
+
+
+def _unpack(data: bytes, target: Path) -> hostwrite.Report:
+    """The sandbox's tar written under ``target`` by the host itself: links, devices and FIFOs
+    are not written (reported), nothing is written through a link or outside ``target``."""
     target.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile() as fh:
-        fh.write(data)
-        fh.seek(0)
-        with tarfile.open(fileobj=fh, mode="r:gz") as tar:
-            tar.extractall(path=target, filter=transfer_tar_filter)
+    fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return hostwrite.write_tar(io.BytesIO(data), hostwrite.TreeWriter(fd, links="skip"))
+    finally:
+        os.close(fd)

@@ -1,0 +1,45 @@
+"""Files between a Harbor trial's sandbox and the host, on real sandboxes (issue 35, finding 1),
+driven from Harbor's venv by tests/harbor/hostile_probe.py:
+
+- the sandbox's root replaces ``tar`` with a script printing the CVE-2025-4517 archive; Harbor's
+  ``download_dir``, ``download_dir_with_exclusions`` and ``download_dir_filtered`` leave the
+  canary beside the target as it was, make nothing next to it and write only regular files and
+  directories (before: the canary was overwritten and ``newfile`` made, as root)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.harbor import tasks
+
+pytestmark = pytest.mark.sandbox
+
+
+def _probe(tmp_path: Path, isolation: str, part: str) -> dict[str, object]:
+    why = tasks.harbor_missing()
+    if why is not None:
+        pytest.skip(why)
+    done = subprocess.run(
+        [str(tasks.HARBOR_VENV / "bin" / "python"),
+         str(Path(__file__).with_name("hostile_probe.py")), isolation, part],
+        env=tasks.harbor_env(tmp_path / "state"), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    seen: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return seen
+
+
+def test_a_hostile_tar_writes_nothing_outside_the_download(tmp_path: Path, isolation: str) -> None:
+    seen = _probe(tmp_path, isolation, "downloads")
+    assert seen["tar_replaced"] is True
+    assert seen["flag"] == "canary"
+    assert seen["outside"] == ["dots", "excl0", "filtd", "flag", "plain"]  # no newfile, dotdot
+    for how in ("plain", "excl0", "filtd"):
+        assert seen[how] == "ok", how  # the links skipped, the rest written inside
+    assert seen["bad"] == {"plain": [], "excl0": [], "filtd": []}
+    assert seen["newfile"] == {"plain": True, "excl0": True, "filtd": True}  # escape/: a dir
+    assert "RuntimeError" in str(seen["dotdot"]) and "a '..' component" in str(seen["dotdot"])
