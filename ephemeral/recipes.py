@@ -63,6 +63,7 @@ from ephemeral.policy import (
 from ephemeral.policy import (
     MAX_FILE_BYTES as MAX_RUN_FILE_BYTES,
 )
+from ephemeral.sandbox import hostread
 from ephemeral.settings import Settings
 
 MAX_FILE_BYTES = 1 << 20
@@ -646,17 +647,22 @@ def _recipe_problems(recipe: Recipe) -> list[_Problem]:
 # --------------------------------------------------------------------------- public API
 
 
+def _relative(base: Path, relative: str, field: str) -> PurePosixPath:
+    pure = PurePosixPath(relative)
+    if "\x00" in relative or pure.is_absolute():
+        raise InvalidRequest.field(field, f"{relative!r}: must be a path relative to {base}")
+    if ".." in pure.parts:
+        raise InvalidRequest.field(field, f"{relative!r}: must not contain '..'")
+    return pure
+
+
 def confined_path(base: Path, relative: str, field: str) -> Path:
     """``relative`` under the directory ``base``, resolved.
 
     Recipes name their files relative to their own directory and nothing may leave it: an
     absolute path, a ``..`` part or a symlink that resolves outside ``base`` is an
     :class:`InvalidRequest` naming ``field``. Symlinks that stay inside are followed."""
-    pure = PurePosixPath(relative)
-    if "\x00" in relative or pure.is_absolute():
-        raise InvalidRequest.field(field, f"{relative!r}: must be a path relative to {base}")
-    if ".." in pure.parts:
-        raise InvalidRequest.field(field, f"{relative!r}: must not contain '..'")
+    pure = _relative(base, relative, field)
     root = base.resolve()
     target = (root / pure).resolve()
     if not target.is_relative_to(root):
@@ -667,39 +673,40 @@ def confined_path(base: Path, relative: str, field: str) -> Path:
 
 
 def files_under(base: Path, relative: str, field: str) -> list[FileSpec]:
-    """The tree at ``relative`` (see :func:`confined_path`) as run files, within a run's limits.
+    """The tree at ``relative`` (under the directory ``base``) as run files, within a run's
+    limits.
 
-    Only regular files and directories: a symlink anywhere in the tree, even one pointing
-    inside it, is an error naming ``field``, so nothing outside the tree can be read."""
-    root = confined_path(base, relative, field)
-    if not root.is_dir():
-        raise InvalidRequest.field(field, f"no directory {root}")
+    Read without following a link (ephemeral/sandbox/hostread.py): a link anywhere, the
+    directory named, one on the way or a member, even one pointing inside, is an error naming
+    ``field``, so nothing outside the tree can be read; only regular files and directories."""
+    pure = _relative(base, relative, field)
+    root = base.resolve()
+
+    def skip(rel: str) -> bool:
+        name = rel.rsplit("/", 1)[-1]
+        return name == "__pycache__" or name.endswith(".pyc")
+
+    try:
+        found = hostread.files(
+            root / pure, root=root, skip=skip, max_files=MAX_FILES, max_bytes=MAX_FILES_BYTES
+        )
+    except FileNotFoundError:
+        raise InvalidRequest.field(field, f"no directory {root / pure}") from None
+    except hostread.Refused as exc:
+        where = f"{exc.rel}: " if exc.rel else ""
+        why = f"{where}{exc.why} (nothing is read through a link, in or out of the directory)"
+        raise InvalidRequest.field(field, why) from None
     out: list[FileSpec] = []
-    total = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-        here = Path(dirpath)
-        for name in [*dirnames, *sorted(filenames)]:
-            path = here / name
-            rel = path.relative_to(root).as_posix()
-            if path.is_symlink():
-                raise InvalidRequest.field(field, f"{rel}: a symlink (only regular files)")
-            if name in dirnames or path.suffix == ".pyc":
-                continue
-            if not path.is_file():
-                raise InvalidRequest.field(field, f"{rel}: only regular files (no devices)")
-            size = path.stat().st_size
-            total += size
-            if size > MAX_RUN_FILE_BYTES:
-                raise InvalidRequest.field(
-                    field, f"{rel}: {size} bytes, more than a run's {MAX_RUN_FILE_BYTES} per file"
-                )
-            if total > MAX_FILES_BYTES or len(out) >= MAX_FILES:
-                raise InvalidRequest.field(
-                    field, f"more than a run's {MAX_FILES} files or {MAX_FILES_BYTES} bytes"
-                )
-            data = path.read_bytes()
-            out.append(FileSpec(path=rel, content_base64=base64.b64encode(data).decode()))
+    for rel, data, _mode in found:
+        if rel.endswith("/"):
+            continue
+        if len(data) > MAX_RUN_FILE_BYTES:
+            raise InvalidRequest.field(
+                field, f"{rel}: {len(data)} bytes, more than a run's {MAX_RUN_FILE_BYTES} per file"
+            )
+        out.append(FileSpec(path=rel, content_base64=base64.b64encode(data).decode()))
+    if len(out) > MAX_FILES:
+        raise InvalidRequest.field(field, f"more than a run's {MAX_FILES} files")
     return sorted(out, key=lambda f: f.path)
 
 

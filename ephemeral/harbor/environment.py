@@ -18,7 +18,6 @@ import os
 import re
 import secrets
 import shlex
-import tarfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,9 +41,15 @@ from harbor.utils.path_filter import filter_paths_by_patterns
 from ephemeral import errors
 from ephemeral.harbor import backend, commands
 from ephemeral.harbor.config import HarborConfig, load_config
-from ephemeral.sandbox import hostwrite, images
+from ephemeral.sandbox import hostread, hostwrite, images
 from ephemeral.sandbox.base import Limits
-from ephemeral.sessions import MAX_EXEC_OUTPUT, NO_ROOT_ISOLATIONS, ExecRequest, SessionRequest
+from ephemeral.sessions import (
+    MAX_EXEC_OUTPUT,
+    MAX_FILE_BYTES,
+    NO_ROOT_ISOLATIONS,
+    ExecRequest,
+    SessionRequest,
+)
 
 log = logging.getLogger("ephemeral.harbor")
 
@@ -121,6 +126,11 @@ class EphemeralEnvironment(BaseEnvironment):
 
     def _validate_definition(self) -> None:
         env_dir = Path(self.environment_dir)
+        if env_dir.is_symlink():  # its files (or a build context) would be the host's
+            raise ValueError(
+                f"ephemeral environment: {env_dir} is a symbolic link (to "
+                f"{os.readlink(env_dir)}): a task's files must be its own, not a host directory"
+            )
         for name in COMPOSE_FILES:
             if (env_dir / name).exists():
                 raise ValueError(
@@ -474,10 +484,22 @@ class EphemeralEnvironment(BaseEnvironment):
         await self._call(["bash", "-c", commands.kill_script(exec_id, sid)], user="root")
 
     # files ----------------------------------------------------------------------------------
-    # Downloads come back as a tar the host parses itself and writes under the target without
+    # Uploads read host files without following a link (ephemeral/sandbox/hostread.py);
+    # downloads come back as a tar the host parses itself and writes under the target without
     # following a link, links and devices not written (ephemeral/sandbox/hostwrite.py).
+    def _source_root(self, source: Path | str) -> Path | None:
+        """The task's directory when ``source`` lies in it: walked from there, so a link on the
+        way (``environment/`` itself, say) is refused. Elsewhere (the agent's own scripts, the
+        trial's logs, Harbor's staged copy of a filtered ``tests/``): opened as given, but not
+        through a link at its last component nor at any member."""
+        task = Path(os.path.abspath(self.environment_dir)).parent
+        return task if Path(os.path.abspath(source)).is_relative_to(task) else None
+
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
-        data = await asyncio.to_thread(Path(source_path).read_bytes)
+        source = Path(source_path)
+        data = await asyncio.to_thread(
+            hostread.read_file, source, root=self._source_root(source), max_bytes=MAX_FILE_BYTES
+        )
         t = shlex.quote(target_path)
         res = await self._call(
             ["bash", "-c", f'mkdir -p -- "$(dirname -- {t})" && cat > {t}'],
@@ -487,7 +509,8 @@ class EphemeralEnvironment(BaseEnvironment):
         _check(res, f"upload {source_path} to {target_path}")
 
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
-        data = await asyncio.to_thread(_pack, Path(source_dir))
+        source = Path(source_dir)
+        data = await asyncio.to_thread(hostread.pack, source, root=self._source_root(source))
         t = shlex.quote(target_dir)
         res = await self._call(
             ["bash", "-c", f"mkdir -p -- {t} && tar xzf - -C {t} --no-same-owner"],
@@ -613,15 +636,6 @@ def _check(res: Any, what: str) -> None:
     if res.exit_code != 0:
         said = (res.stderr or res.stdout)[:500]
         raise _runtime_request_error("upload", f"ephemeral: {what}: exit {res.exit_code}: {said}")
-
-
-def _pack(source: Path) -> bytes:
-    """``source``'s contents (not the directory itself), modes and symlinks kept."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for child in sorted(source.iterdir()):
-            tar.add(child, arcname=child.name)
-    return buf.getvalue()
 
 
 def _write_file(target: Path, data: bytes) -> None:

@@ -1,6 +1,7 @@
 """Run by the Harbor venv's python (tests/harbor/test_hostile_files.py): a sandbox whose root
 replaced ``tar`` with a script that prints the CVE-2025-4517 archive, then Harbor's three
-directory downloads into the trial. Prints what it saw as JSON."""
+directory downloads into the trial; and tasks whose ``environment/`` or a member is a link to a
+host directory holding a 0600 key. Prints what it saw as JSON."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tests.sandbox.hostile_tar import Member, archive, bad_entries, cve_2025_451
 EVIL_TAR = """#!/bin/sh
 if [ "$2" = "-" ] || [ -z "$2" ]; then cat /opt/evil.tgz; else cat /opt/evil.tgz > "$2"; fi
 """
+KEY = "-----BEGIN OPENSSH PRIVATE KEY----- host key\n"
 
 
 def _env(d: Path, env_dir: Path, isolation: str, name: str) -> EphemeralEnvironment:
@@ -90,10 +92,54 @@ async def downloads(d: Path, isolation: str) -> dict[str, object]:
     return out
 
 
+async def uploads(d: Path, isolation: str) -> dict[str, object]:
+    host = d / "host-secret"
+    host.mkdir()
+    (host / "id_rsa").write_text(KEY)
+    (host / "id_rsa").chmod(0o600)
+    out: dict[str, object] = {}
+    # 1. environment/ is a link to the host directory (a prebuilt image, no Dockerfile)
+    task1 = d / "task1"
+    task1.mkdir()
+    (task1 / "environment").symlink_to(host)
+    try:
+        env = _env(task1, task1 / "environment", isolation, "linked")
+    except ValueError as exc:
+        out["linked_dir"] = f"refused: {exc}"
+    else:
+        await env.start(False)
+        try:
+            r = await env.exec("cat /srv/app/id_rsa", user="root")
+            out["linked_dir"] = f"in the sandbox: {r.stdout!r}"
+        finally:
+            await env.stop(True)
+    # 2. a real environment/ with a link member; tests/ with a linked directory; a linked file
+    task2 = d / "task2"
+    (task2 / "environment").mkdir(parents=True)
+    (task2 / "environment" / "ok.txt").write_text("ok")
+    (task2 / "environment" / "id_rsa").symlink_to(host / "id_rsa")
+    (task2 / "tests").mkdir()
+    (task2 / "tests" / "data").symlink_to(host)
+    (task2 / "solution").mkdir()
+    (task2 / "solution" / "solve.sh").symlink_to(host / "id_rsa")
+    env = _env(task2, task2 / "environment", isolation, "member")
+    out["member"] = await _outcome(env.start(False))
+    try:
+        r = await env.exec("ls -A /srv/app; cat /srv/app/id_rsa 2>&1", user="root")
+        out["member_sandbox"] = r.stdout
+        out["tests"] = await _outcome(env.upload_dir(task2 / "tests", "/tests"))
+        out["solve"] = await _outcome(env.upload_file(task2 / "solution" / "solve.sh", "/s.sh"))
+        r = await env.exec("cat /tests/data/id_rsa /s.sh 2>&1; true", user="root")
+        out["after"] = r.stdout
+    finally:
+        await env.stop(True)
+    return out
+
+
 async def main(isolation: str, part: str) -> dict[str, object]:
     d = Path(tempfile.mkdtemp())
     os.chmod(d, 0o755)
-    return await {"downloads": downloads}[part](d, isolation)
+    return await {"downloads": downloads, "uploads": uploads}[part](d, isolation)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""Files between a Harbor trial's sandbox and the host, on real sandboxes (issue 35, finding 1),
-driven from Harbor's venv by tests/harbor/hostile_probe.py:
+"""Files between a Harbor trial's sandbox and the host, on real sandboxes (issue 35, findings 1
+and 4), driven from Harbor's venv by tests/harbor/hostile_probe.py:
 
 - the sandbox's root replaces ``tar`` with a script printing the CVE-2025-4517 archive; Harbor's
   ``download_dir``, ``download_dir_with_exclusions`` and ``download_dir_filtered`` leave the
   canary beside the target as it was, make nothing next to it and write only regular files and
-  directories (before: the canary was overwritten and ``newfile`` made, as root)."""
+  directories (before: the canary was overwritten and ``newfile`` made, as root);
+- a task whose ``environment/`` is a link to a host directory holding a 0600 key, or whose
+  ``environment/``, ``tests/`` or ``solution/`` holds a link to it, is refused naming the link;
+  the key never reaches the sandbox (before: it was copied into the workdir)."""
 
 from __future__ import annotations
 
@@ -43,3 +46,15 @@ def test_a_hostile_tar_writes_nothing_outside_the_download(tmp_path: Path, isola
     assert seen["bad"] == {"plain": [], "excl0": [], "filtd": []}
     assert seen["newfile"] == {"plain": True, "excl0": True, "filtd": True}  # escape/: a dir
     assert "RuntimeError" in str(seen["dotdot"]) and "a '..' component" in str(seen["dotdot"])
+
+
+def test_host_files_behind_links_are_not_uploaded(tmp_path: Path, isolation: str) -> None:
+    seen = _probe(tmp_path, isolation, "uploads")
+    assert str(seen["linked_dir"]).startswith("refused: ephemeral environment: ")
+    assert "task1/environment is a symbolic link" in str(seen["linked_dir"])
+    assert "environment/id_rsa: a symbolic link" in str(seen["member"])
+    assert "ok.txt" not in str(seen["member_sandbox"])  # nothing of it went in
+    assert "tests/data: a symbolic link" in str(seen["tests"])
+    assert "solution/solve.sh: a symbolic link" in str(seen["solve"])
+    for out in (seen["member_sandbox"], seen["after"]):
+        assert "PRIVATE KEY" not in str(out)

@@ -12,6 +12,7 @@ from ephemeral.errors import InvalidRequest
 from ephemeral.recipes import confined_path, files_under, load_recipe
 from tests.recipes.helpers import only, recipe_errors, write
 
+LINK = "a symbolic link (nothing is read through a link, in or out of the directory)"
 BASE = """
 name: paths
 model: x/y
@@ -41,8 +42,8 @@ def _recipe(tmp_path: Path, extra: str) -> Path:
         ("{outside}", "must be a path relative to"),
         ("../outside", "must not contain '..'"),
         ("sub/../../outside", "must not contain '..'"),
-        ("link", "outside"),
-        ("inner/link", "outside"),
+        ("link", "link"),  # files_from: "a symbolic link"; dataset: "outside ... (symlink)"
+        ("inner/link", "link"),
     ],
 )
 def test_paths_out_of_the_recipe_directory_are_refused(
@@ -64,11 +65,25 @@ def test_a_symlink_inside_a_files_from_tree_is_refused(tmp_path: Path, outside: 
     (tree / "pkg" / "a.py").write_text("A = 1\n")
     os.symlink(outside / "secret.txt", tree / "pkg" / "secret.txt")
     err = only(recipe_errors(_recipe(tmp_path, "files_from: proj\n")), "files_from")
-    assert err["message"] == "pkg/secret.txt: a symlink (only regular files)"
+    assert err["message"] == f"pkg/secret.txt: {LINK}"
     (tree / "pkg" / "secret.txt").unlink()
     os.symlink(outside, tree / "pkg" / "dir")  # a directory link is refused, not skipped
     err = only(recipe_errors(_recipe(tmp_path, "files_from: proj\n")), "files_from")
-    assert err["message"] == "pkg/dir: a symlink (only regular files)"
+    assert err["message"] == f"pkg/dir: {LINK}"
+
+
+def test_a_files_from_directory_reached_through_a_link_is_refused(tmp_path: Path) -> None:
+    """Even a link that stays inside: the directory named is read as it is, never through one
+    (issue 35: files go in only from inside the recipe's directory, a link is refused naming it)."""
+    root = tmp_path / "recipe"
+    (root / "real" / "proj").mkdir(parents=True)
+    (root / "real" / "proj" / "a.py").write_text("A = 1\n")
+    os.symlink("real", root / "alias")
+    err = only(recipe_errors(_recipe(tmp_path, "files_from: alias/proj\n")), "files_from")
+    assert err["message"] == f"alias: {LINK.replace('link', 'link or not a directory', 1)}"
+    os.mkfifo(root / "real" / "proj" / "pipe")
+    err = only(recipe_errors(_recipe(tmp_path, "files_from: real/proj\n")), "files_from")
+    assert err["message"].startswith("pipe: a device, FIFO or socket (only regular files)")
 
 
 def test_paths_inside_the_recipe_directory_still_load(tmp_path: Path) -> None:
