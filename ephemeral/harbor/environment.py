@@ -54,6 +54,7 @@ from ephemeral.sessions import (
 log = logging.getLogger("ephemeral.harbor")
 
 DOCKERFILE = "Dockerfile"
+IMAGE_PREFIX = "harbor-"
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml")
 # A file up to this size comes back as base64 on stdout (one exec); a larger one is copied
 # to /tmp and read as a file (the session's file limit, 128 MiB).
@@ -279,10 +280,6 @@ class EphemeralEnvironment(BaseEnvironment):
             )
         return found
 
-    def _image_name(self) -> str:
-        slug = re.sub(r"[^a-z0-9]+", "-", self.environment_name.lower()).strip("-")[:20]
-        return f"harbor-{slug.rstrip('-') or 'task'}-{self.environment_id[:8]}"
-
     async def _build(self, settings: Any, dockerfile: Path) -> images.ImageConfig:
         try:
             from ephemeral.sandbox.dockerfile import abuild_dockerfile
@@ -290,13 +287,24 @@ class EphemeralEnvironment(BaseEnvironment):
             raise SandboxBuildFailedError(
                 f"ephemeral: {dockerfile}: this version cannot build Dockerfiles"
             ) from exc
+        digests: list[str] = []
+
+        def named(digest: str) -> str:  # of exactly what is built (the builder's own digest)
+            digests.append(digest)
+            return _image_name(digest)
+
         t0 = time.monotonic()
         try:
             built = await abuild_dockerfile(
-                dockerfile, Path(self.environment_dir), name=self._image_name(), settings=settings
+                dockerfile, Path(self.environment_dir), name=named, settings=settings
             )
         except errors.EphemeralError as exc:  # DockerfileError names the file, line, instruction
             raise SandboxBuildFailedError(f"ephemeral: {exc.detail}") from exc
+        if built.hash != digests[-1]:
+            raise SandboxBuildFailedError(
+                f"ephemeral: image {built.name} is the build {built.hash[:16]}, not "
+                f"{digests[-1][:16]} of {dockerfile}"
+            )
         log.info("%s: image %s in %.1f s", self.session_id, built.name, time.monotonic() - t0)
         return built
 
@@ -616,6 +624,12 @@ class EphemeralEnvironment(BaseEnvironment):
             ) from exc
         finally:
             await self._call(["rm", "-f", "--", tmp], user="root")
+
+
+def _image_name(digest: str) -> str:
+    """``harbor-`` and the sha256 of what is built, as far as an image name's 41 characters go
+    (136 bits): environments that differ in any input of the build never share a name."""
+    return IMAGE_PREFIX + digest[: 41 - len(IMAGE_PREFIX)]
 
 
 def _our_image(settings: Any, docker_image: str) -> str | None:

@@ -136,10 +136,37 @@ async def uploads(d: Path, isolation: str) -> dict[str, object]:
     return out
 
 
+async def names(d: Path, isolation: str) -> dict[str, object]:
+    """Two tasks of one name whose environments differ only in .git: two images."""
+    out: dict[str, object] = {}
+    for which in ("one", "two"):
+        env_dir = d / which / "environment"
+        (env_dir / ".git").mkdir(parents=True)
+        (env_dir / ".git" / "HEAD").write_text(f"ref: {which}\n")
+        (env_dir / "Dockerfile").write_text("FROM debian:bookworm-slim\nCOPY . /ctx/\n")
+        env = EphemeralEnvironment(
+            environment_dir=env_dir,
+            environment_name="same-name",
+            session_id=f"{which}__x__env",
+            trial_paths=TrialPaths(d / which / "trial"),
+            task_env_config=EnvironmentConfig(),
+            network_policy=NetworkPolicy(network_mode="no-network"),
+            isolation=isolation,
+        )
+        await env.start(False)
+        try:
+            r = await env.exec("cat /ctx/.git/HEAD", user="root")
+            assert env._image is not None
+            out[which] = [env.environment_id, env._image.name, env._image.hash, r.stdout]
+        finally:
+            await env.stop(True)
+    return out
+
+
 async def main(isolation: str, part: str) -> dict[str, object]:
     d = Path(tempfile.mkdtemp())
     os.chmod(d, 0o755)
-    return await {"downloads": downloads, "uploads": uploads}[part](d, isolation)
+    return await {"downloads": downloads, "uploads": uploads, "names": names}[part](d, isolation)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ and 4), driven from Harbor's venv by tests/harbor/hostile_probe.py:
   directories (before: the canary was overwritten and ``newfile`` made, as root);
 - a task whose ``environment/`` is a link to a host directory holding a 0600 key, or whose
   ``environment/``, ``tests/`` or ``solution/`` holds a link to it, is refused naming the link;
-  the key never reaches the sandbox (before: it was copied into the workdir)."""
+  the key never reaches the sandbox (before: it was copied into the workdir);
+- two environments that differ only in ``.git`` get two images (before: one name, re-pointed
+  by whichever built last)."""
 
 from __future__ import annotations
 
@@ -58,3 +60,16 @@ def test_host_files_behind_links_are_not_uploaded(tmp_path: Path, isolation: str
     assert "solution/solve.sh: a symbolic link" in str(seen["solve"])
     for out in (seen["member_sandbox"], seen["after"]):
         assert "PRIVATE KEY" not in str(out)
+
+
+def test_environments_that_differ_only_in_git_get_two_images(
+    tmp_path: Path, isolation: str
+) -> None:
+    """Harbor's environment_id leaves .git and __pycache__ out; the image name is the builder's
+    digest of what is built (finding 9: one trial started from the other task's image)."""
+    seen = _probe(tmp_path, isolation, "names")
+    (env1, name1, hash1, head1), (env2, name2, hash2, head2) = seen["one"], seen["two"]  # type: ignore[misc]
+    assert env1 == env2  # Harbor's own id cannot tell them apart
+    assert name1 != name2
+    assert name1 == "harbor-" + hash1[:34] and name2 == "harbor-" + hash2[:34]
+    assert (head1, head2) == ("ref: one\n", "ref: two\n")

@@ -13,7 +13,7 @@ import shutil
 import stat
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -205,11 +205,12 @@ async def abuild_dockerfile(
     dockerfile: Path,
     context: Path | None = None,
     *,
-    name: str | None = None,
+    name: str | Callable[[str], str] | None = None,
     build_args: Mapping[str, str] | None = None,
     settings: Settings | None = None,
 ) -> images.ImageConfig:
-    """:func:`build_dockerfile` for async callers."""
+    """:func:`build_dockerfile` for async callers; ``name`` may be a function of the build's
+    content digest (what Harbor's environment names its images by)."""
     settings = settings or Settings.load()
     build_args = dict(build_args or {})
     dockerfile = Path(dockerfile)
@@ -220,7 +221,7 @@ async def abuild_dockerfile(
         stage_dir = images.definition_dir(settings, plan.stages[k].base)
         base_hash += f"+{k}:{images.definition_hash(stage_dir)}"
     digest = _digest(data, build_args, ctx, base_hash)
-    name = name or f"dockerfile-{digest[:12]}"
+    name = name(digest) if callable(name) else name or f"dockerfile-{digest[:12]}"
     if not NAME.fullmatch(name):
         raise errors.InvalidRequest.field(
             "name", f"{name!r}: lowercase letters, digits and '-', at most 41 characters"
