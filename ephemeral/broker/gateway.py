@@ -670,15 +670,6 @@ class Gateway:
                 room = call.hold + max(0, budget.reserved_micros - budget.non_compute_spent())
                 reported, cost = cost, min(cost, room)
                 call.overrun = True
-                # Stopped before the budget moves, so the run's reason is this, not compute.
-                stop = StopRun(
-                    TerminationReason.BUDGET_EXHAUSTED,
-                    "a model call cost more than was held for it (budget.overrun)",
-                )
-                try:
-                    await egress._stop(stop)
-                except Exception as exc:  # noqa: BLE001 - the charge below must still be written
-                    log.error("%s: the overrun did not stop the run: %s", self.charges.run_id, exc)
                 overrun = ("budget.overrun", self._overrun(call, reported, cost))
                 log.error(
                     "%s: ALARM: %s reported usage costing %d micros against a hold of %d; "
@@ -693,6 +684,18 @@ class Gateway:
         else:
             cost = call.hold  # cut before the provider said what it used: the most it could be
         budget.charged["model_micros"] += cost - call.hold
+        if call.overrun:
+            # No await between the budget moving and the stop being set (``_stop`` sets it
+            # before its first await): a concurrent settle sees the new budget, and the agent's
+            # watch sees this stop, not the compute deadline the charge brought forward.
+            stop = StopRun(
+                TerminationReason.BUDGET_EXHAUSTED,
+                "a model call cost more than was held for it (budget.overrun)",
+            )
+            try:
+                await egress._stop(stop)
+            except Exception as exc:  # noqa: BLE001 - the charge below must still be written
+                log.error("%s: the overrun did not stop the run: %s", self.charges.run_id, exc)
         usage = call.usage or Usage()
         self.calls += 1
         n = self.calls
