@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -17,7 +18,7 @@ from harbor.models.task.config import EnvironmentConfig, NetworkPolicy
 from harbor.models.trial.paths import TrialPaths
 
 from ephemeral.harbor import EphemeralEnvironment
-from tests.sandbox.hostile_tar import Member, archive, bad_entries, cve_2025_4517
+from tests.sandbox.hostile_tar import Member, archive, bad_entries, cve_2025_4517, snapshot
 
 # what the sandbox's root puts in place of tar: the hostile archive, on stdout or in the file
 # Harbor's own helpers name (tar czf FILE ...)
@@ -163,10 +164,49 @@ async def names(d: Path, isolation: str) -> dict[str, object]:
     return out
 
 
+async def host_writers(d: Path, isolation: str) -> dict[str, object]:
+    """Harbor's host-side writers themselves, on this Python (3.12.1: the filter the CVE
+    bypasses): each hostile archive through ``_unpack``, and ``_write_file`` over a link."""
+    from ephemeral.harbor.environment import _unpack, _write_file
+
+    (d / "canary").write_text("canary")
+    (d / "t").mkdir()  # the target's parent, as a trial's directory is
+    cases = {
+        "cve": cve_2025_4517(str(d / "t" / "target")),
+        "dotdot": [Member("../canary", data=b"x")],
+        "absolute": [Member(str(d / "canary"), data=b"x")],
+        "links": [
+            Member("out", "symlink", link="../../canary"),
+            Member("hard", "hardlink", link="../../canary"),
+            Member("out/x", data=b"x"),
+        ],
+        "devices": [Member("null", "chr"), Member("pipe", "fifo"), Member("f", data=b"ok")],
+        "file_then_dir": [Member("f", data=b"x"), Member("f/g", data=b"y")],
+        "setuid": [Member("s", data=b"x", mode=0o6777)],
+    }
+    out: dict[str, object] = {}
+    for name, members in cases.items():
+        target = d / "t" / "target"
+        target.mkdir()
+        before = snapshot(d, skip=target)
+        try:
+            report = _unpack(archive(members), target)
+            result = f"ok, skipped {len(report.skipped)}"
+        except Exception as exc:
+            result = f"{type(exc).__name__}: {exc}"[:200]
+        out[name] = [result, snapshot(d, skip=target) == before, bad_entries(target)]
+        shutil.rmtree(target)
+    (d / "link").symlink_to(d / "canary")
+    _write_file(d / "link", b"downloaded")
+    out["write_file"] = [(d / "canary").read_text(), (d / "link").is_symlink()]
+    return out
+
+
 async def main(isolation: str, part: str) -> dict[str, object]:
     d = Path(tempfile.mkdtemp())
     os.chmod(d, 0o755)
-    return await {"downloads": downloads, "uploads": uploads, "names": names}[part](d, isolation)
+    parts = {"downloads": downloads, "uploads": uploads, "names": names, "host": host_writers}
+    return await parts[part](d, isolation)
 
 
 if __name__ == "__main__":

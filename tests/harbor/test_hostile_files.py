@@ -73,3 +73,19 @@ def test_environments_that_differ_only_in_git_get_two_images(
     assert name1 != name2
     assert name1 == "harbor-" + hash1[:34] and name2 == "harbor-" + hash2[:34]
     assert (head1, head2) == ("ref: one\n", "ref: two\n")
+
+
+def test_harbors_host_writers_on_its_own_python(tmp_path: Path) -> None:
+    """``_unpack`` and ``_write_file`` under Harbor's Python 3.12.1 (whose tarfile filter the
+    CVE-2025-4517 chain bypasses): nothing outside the target changes, whatever the archive."""
+    seen = _probe(tmp_path, "namespaces", "host")  # no sandbox is started
+    for case in ("cve", "dotdot", "absolute", "links", "devices", "file_then_dir", "setuid"):
+        result, unchanged, bad = seen[case]  # type: ignore[misc]
+        assert unchanged is True and bad == [], (case, result)
+    assert seen["cve"][0] == "ok, skipped 19"  # type: ignore[index]
+    assert seen["links"][0] == "ok, skipped 2"  # type: ignore[index]  # out/ is a directory
+    assert "a '..' component" in seen["dotdot"][0]  # type: ignore[index]
+    assert "an absolute path" in seen["absolute"][0]  # type: ignore[index]
+    assert seen["devices"][0] == "ok, skipped 2"  # type: ignore[index]
+    assert "a link or not a directory" in seen["file_then_dir"][0]  # type: ignore[index]
+    assert seen["write_file"] == ["canary", False]  # the link replaced, not written through
