@@ -17,6 +17,7 @@
     ├── IsolationUnavailable            422 asked-for isolation cannot run on this host
     ├── UnknownModel                    422 model not in the price book / no provider
     ├── SandboxError                    502 the sandbox or its guest agent failed or lied
+    ├── RegistryError                   502 an image registry failed, refused or sent bad bytes
     ├── ModelError                      502 the model provider failed
     │   └── TransientModelError         retryable (429, 5xx, connection reset)
     ├── BudgetExhausted                 the next step does not fit the remaining budget
@@ -182,6 +183,12 @@ class SandboxError(EphemeralError):
     title = "Sandbox error"
 
 
+class RegistryError(EphemeralError):
+    status = 502
+    slug = "registry-error"
+    title = "Image registry error"
+
+
 class ModelError(EphemeralError):
     status = 502
     slug = "model-error"
@@ -228,6 +235,7 @@ ALL_ERRORS: tuple[type[EphemeralError], ...] = (
     IsolationUnavailable,
     UnknownModel,
     SandboxError,
+    RegistryError,
     ModelError,
     TransientModelError,
     BudgetExhausted,

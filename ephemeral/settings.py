@@ -109,6 +109,47 @@ class Settings(BaseSettings):
         description="An egress stream with no bytes either way for this long is closed.",
     )
 
+    # registry images (docs/images.md, "Registry images")
+    registry_mirrors: dict[str, str] = Field(
+        default_factory=dict,
+        description="Pull-through mirrors, JSON `{\"docker.io\": \"https://mirror.internal:5000\"}`: "
+        "a registry listed here is reached only through its mirror (same repository paths), "
+        "never directly, so an air-gapped site names its internal mirror once.",
+    )
+    registry_insecure: list[str] = Field(
+        default_factory=list,
+        description="Registries (`host[:port]`, JSON list) that may be reached over plain HTTP "
+        "after HTTPS fails, as Docker's `insecure-registries`; loopback registries always may. "
+        "TLS, when used, is always verified.",
+    )
+    registry_private_hosts: list[str] = Field(
+        default_factory=list,
+        description="Registries, token services and blob hosts (`host` or `host:port`, JSON "
+        "list) that may resolve to loopback or private addresses; any other must resolve to "
+        "public ones only (the broker's SSRF rule), since a request names the registry.",
+    )
+    registry_ca_file: Path | None = Field(
+        default=None,
+        description="A PEM bundle of CA certificates trusted for registries, beside the "
+        "system's (a private registry's own CA).",
+    )
+    image_max_unpacked_mib: int = Field(
+        default=16384,
+        ge=1,
+        description="Bytes (MiB) one pulled image may unpack to across its layers; a layer "
+        "that decompresses past it is a decompression bomb and the pull fails.",
+    )
+    image_max_files: int = Field(
+        default=1_000_000,
+        ge=1,
+        description="Entries (files, directories, links) one pulled image may unpack.",
+    )
+    image_max_layer_mib: int = Field(
+        default=8192,
+        ge=1,
+        description="The largest compressed layer (MiB) a pull downloads.",
+    )
+
     # providers: keys never leave the host process
     openai_api_key: SecretStr | None = Field(
         default=None, validation_alias=AliasChoices("OPENAI_API_KEY", "EPHEMERAL_OPENAI_API_KEY")
@@ -261,7 +302,7 @@ class Settings(BaseSettings):
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().resolve()
 
-    @field_validator("records_root", "seal_key_file")
+    @field_validator("records_root", "seal_key_file", "registry_ca_file")
     @classmethod
     def _absolute_if_set(cls, v: Path | None) -> Path | None:
         # shared paths: the same on every host, never relative to a working directory
@@ -296,6 +337,11 @@ class Settings(BaseSettings):
     def image_cache_dir(self) -> Path:
         """Built images, keyed by the hash of their definition; shared by every state dir."""
         return self.cache_dir / "images"
+
+    @property
+    def oci_dir(self) -> Path:
+        """The layer store of pulled images (``ephemeral/oci/store.py``)."""
+        return self.cache_dir / "oci"
 
     @property
     def sandboxes_dir(self) -> Path:
