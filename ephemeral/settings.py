@@ -112,7 +112,7 @@ class Settings(BaseSettings):
     # registry images (docs/images.md, "Registry images")
     registry_mirrors: dict[str, str] = Field(
         default_factory=dict,
-        description="Pull-through mirrors, JSON `{\"docker.io\": \"https://mirror.internal:5000\"}`: "
+        description='Pull-through mirrors, JSON `{"docker.io": "https://mirror.internal:5000"}`: '
         "a registry listed here is reached only through its mirror (same repository paths), "
         "never directly, so an air-gapped site names its internal mirror once.",
     )

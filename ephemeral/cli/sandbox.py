@@ -299,5 +299,8 @@ def images_rm(
 def register(app: typer.Typer) -> None:
     """Add this group's commands to the main app."""
     app.add_typer(sandbox_app, name="sandbox")
+    from ephemeral.cli import registry_images
+
+    registry_images.register(images_app)
     app.add_typer(images_app, name="images")
     app.command("isolation")(isolation_cmd)
