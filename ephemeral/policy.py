@@ -24,6 +24,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from ephemeral.oci.reference import check_image_value
 from ephemeral.settings import Isolation
 
 MAX_FILE_BYTES = 1 << 20  # 1 MiB per file
@@ -33,7 +34,9 @@ MAX_PROMPT_CHARS = 100_000
 MAX_COST_MICROS = 100_000_000  # $100 per run
 MAX_STEP_COMMANDS = 32  # setup / verify commands per run
 MAX_STEP_COMMAND_CHARS = 16_384
-IMAGE_PATTERN = r"^[a-z0-9][a-z0-9-]{0,40}$"
+IMAGE_PATTERN = r"^[a-z0-9][a-z0-9-]{0,40}$"  # a built image's name
+# a built image's name, or an OCI reference with Docker's rules (docs/images.md)
+ImageName = Annotated[str, AfterValidator(check_image_value)]
 MAX_GRANTED_MODELS = 16
 MODEL_PATTERN = r"^[a-z0-9][a-z0-9_.-]*/[A-Za-z0-9_.:/-]+$"
 ModelName = Annotated[str, Field(min_length=3, max_length=200, pattern=MODEL_PATTERN)]
@@ -201,7 +204,7 @@ class AgentSpec(_Strict):
     # prompt in $EPHEMERAL_PROMPT_FILE and the model gateway's variables.
     command: Command
     # The image it runs in (a built image, like ``image``); None: the run's ``image``.
-    image: str | None = Field(default=None, pattern=IMAGE_PATTERN)
+    image: ImageName | None = None
     # A file the agent writes its final answer to (absolute, or relative to where the command
     # runs), read as worker once it exits; None: the answer is the command's stdout.
     output: str | None = Field(default=None, min_length=1, max_length=MAX_AGENT_PATH_CHARS)
@@ -230,8 +233,9 @@ class Policy(_Strict):
     timeout_seconds: int = Field(default=120, ge=1, le=3600)
     max_cost_micros: int = Field(default=40_000, ge=1, le=MAX_COST_MICROS)
     isolation: Isolation = "auto"
-    # A built image by name (GET /v1/images); None: the server's default image.
-    image: str | None = Field(default=None, pattern=IMAGE_PATTERN)
+    # A built image by name (GET /v1/images) or an OCI reference (pulled at admission);
+    # None: the server's default image.
+    image: ImageName | None = None
     # Commands run as worker in the scratch directory: setup before the first model call (its
     # output never reaches the model), verify after the final answer, in a reserved slice of
     # timeout_seconds (verify_timeout_seconds; default a quarter of it, at most 60 s).

@@ -49,7 +49,9 @@ from ephemeral import datasets, templates
 from ephemeral.checks import CHECK_KINDS, Check, ShellCheck, ShellCondition, VerifyCondition
 from ephemeral.errors import InvalidRequest, RecipeError, UnknownModel
 from ephemeral.policy import (
-    IMAGE_PATTERN,
+    MAX_FILE_BYTES as MAX_RUN_FILE_BYTES,
+)
+from ephemeral.policy import (
     MAX_FILES,
     MAX_FILES_BYTES,
     MAX_PROMPT_CHARS,
@@ -58,6 +60,7 @@ from ephemeral.policy import (
     AgentSpec,
     Connection,
     FileSpec,
+    ImageName,
     Policy,
 )
 from ephemeral.policy import (
@@ -122,8 +125,9 @@ class Recipe(_Strict):
     budget_micros: Budget = _budget_field()
     checks: list[Check] = Field(default_factory=list)
     # The run's environment (see docs/recipes.md): a built image, commands around the agent
-    # (Jinja templates like the prompt) and files put into scratch before setup.
-    image: str | None = Field(default=None, pattern=IMAGE_PATTERN)
+    # (Jinja templates like the prompt) and files put into scratch before setup. The image is a
+    # built image's name or an OCI reference.
+    image: ImageName | None = None
     setup: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=list, max_length=MAX_STEP_COMMANDS
     )

@@ -181,9 +181,7 @@ class Runtime:
             ) from exc
         policy = request.policy()
         await self.require_connections(org_id, policy)
-        if policy.run_image is not None:  # 422 naming `image` (or `agent.image`)
-            where = "image" if policy.image is not None else "agent.image"
-            images.require_built(self.settings, policy.run_image, field=where)
+        await self.sandboxes.require_image(policy)  # 422 naming `image` (or `agent.image`)
         await self.sandboxes.require_isolation(policy.isolation)
         row, replayed = await self.store.admit_run(
             org_id=org_id,

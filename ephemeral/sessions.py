@@ -311,6 +311,7 @@ class Sessions:
     ) -> tuple[RunRow, bool]:
         await require_grants(self.store, org_id, policy, self.price_book, self.settings)
         await self.sandboxes.require_isolation(policy.isolation)
+        await self.sandboxes.require_image(policy)
         row, replayed = await self.store.admit_run(
             org_id=org_id,
             run_id=new_run_id(),

@@ -164,7 +164,8 @@ def register(app: typer.Typer) -> None:
             ),
         ] = False,
         image: Annotated[
-            str | None, typer.Option(help="A built image (ephemeral images list); default image.")
+            str | None,
+            typer.Option(help="A built image (ephemeral images list) or an OCI reference."),
         ] = None,
         as_json: Annotated[
             bool, typer.Option("--json", help="Print the run object as JSON.")

@@ -66,7 +66,8 @@ def exec_cmd(
         bool, typer.Option("--verbose", "-v", help="Print isolation and timings.")
     ] = False,
     image: Annotated[
-        str | None, typer.Option(help="A built image (ephemeral images list); default image.")
+        str | None,
+        typer.Option(help="A built image (ephemeral images list) or an OCI reference."),
     ] = None,
 ) -> None:
     """Run one command in a fresh sandbox, print its output and exit with its code."""
@@ -74,7 +75,12 @@ def exec_cmd(
     env: dict[str, str] = {}
     if image is not None:
         try:
-            env = images.require_built(settings, image, field="--image").env
+            from ephemeral.oci import sandbox_image
+
+            if sandbox_image.is_reference(image):  # pulled now if this host lacks it
+                env = _run(lambda: sandbox_image.ensure(settings, image, field="--image")).env
+            else:
+                env = images.require_built(settings, image, field="--image").env
         except errors.EphemeralError as exc:
             raise fail(exc) from exc
         settings = settings.model_copy(update={"image": image})

@@ -151,8 +151,24 @@ def parse(text: str, field: str = "image") -> Reference:
     return Reference(m["domain"], m["path"], tag, digest)
 
 
-def looks_like_reference(text: str) -> bool:
-    """Whether an ``image`` value names a registry image rather than a built image's name:
-    it has a registry domain, a ``/``, a ``:`` tag or an ``@`` digest (a built image's name is
-    ``[a-z0-9][a-z0-9-]*`` and has none of these)."""
-    return any(c in text for c in "/:@")
+BUILT_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,40}")  # policy.IMAGE_PATTERN: a built image
+MAX_IMAGE_CHARS = 1024
+
+
+def is_reference(name: str) -> bool:
+    """Whether an ``image`` value names a registry image: anything that is not a built
+    image's name (``[a-z0-9][a-z0-9-]*``, at most 41 characters), which keeps its meaning.
+    So a bare ``ubuntu`` is a built image's name; ``ubuntu:latest`` is pulled."""
+    return BUILT_NAME.fullmatch(name) is None
+
+
+def check_image_value(value: str) -> str:
+    """The validator of ``image`` fields: a built image's name or a valid reference."""
+    if len(value) > MAX_IMAGE_CHARS:
+        raise ValueError(f"at most {MAX_IMAGE_CHARS} characters")
+    if is_reference(value):
+        try:
+            parse(value)
+        except errors.InvalidRequest as exc:
+            raise ValueError(exc.detail.removeprefix("image: ")) from exc
+    return value

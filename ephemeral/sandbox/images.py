@@ -726,10 +726,26 @@ class ImageConfig(BaseModel):
     user: str | None = None
     cwd: str | None = None
     dockerfile: dict[str, Any] | None = None
+    # a pulled registry image (ephemeral/oci/sandbox_image.py): its layers, lowest first, the
+    # guest agent's layer last; ``rootfs`` is then the layer holding its /etc/passwd
+    layers: list[Path] = []
+    pulled: bool = False
+
+    def lower(self) -> str:
+        """What the writable root mounts as the overlay's lower layer(s) (``writable_root``):
+        the rootfs, or a pulled image's layers topmost first, joined by ':'."""
+        if not self.layers:
+            return str(self.rootfs)
+        return ":".join(str(p) for p in reversed(self.layers))
 
 
 def built_image(settings: Settings, name: str) -> ImageConfig | None:
-    """The current build of image ``name``, or None when it is not built (never builds)."""
+    """The current build of image ``name``, or None when it is not built (never builds); for
+    a registry reference, the pulled image (never pulls)."""
+    from ephemeral.oci import sandbox_image
+
+    if sandbox_image.is_reference(name):
+        return sandbox_image.image_config(settings, name)
     try:
         d = image_dir(settings, name)
     except errors.InvalidRequest:

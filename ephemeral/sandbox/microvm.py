@@ -216,6 +216,13 @@ class MicroVMDriver:
         """Image rootfs, then kernel + initramfs + ext4 (all cached by hash)."""
         if self._artifacts is None:
             name = self.settings.image
+            from ephemeral.oci.sandbox_image import is_reference
+
+            if is_reference(name):  # docs/images.md, "Registry images": not yet in a microVM
+                raise errors.IsolationUnavailable(
+                    f"{self.isolation}: a registry image ({name}) boots under gvisor or "
+                    "namespaces only, not yet in a microVM"
+                )
             rootfs = await images.ensure_image(self.settings, name)
             built = images.built_image(self.settings, name)
             self._agent_path = built.agent_path if built else self._agent_path

@@ -6,7 +6,11 @@
  *
  * ROOTFS is bound read-only at LOWER (idmapped into the user namespace file USERNS when given),
  * a tmpfs of SIZE_BYTES named TAG at UPPER holds the overlay's upper and work directories (the
- * upper one owned by OWNER, who is root inside), and the overlay is mounted at TARGET. */
+ * upper one owned by OWNER, who is root inside), and the overlay is mounted at TARGET.
+ *
+ * A ROOTFS of several directories joined by ':' (a pulled image's layers, topmost first) gets a
+ * small tmpfs at LOWER and each layer bound (idmapped) read-only at LOWER/<i>: the overlay's
+ * lower layers are then LOWER/0:LOWER/1:..., so the mount options name no host path. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -42,6 +46,24 @@ static void fail(const char *what) {
     exit(1);
 }
 
+/* Bind SOURCE read-only at DEST, idmapped into the user namespace NS when NS >= 0. */
+static void bind_ro(const char *source, const char *dest, int ns) {
+    if (ns >= 0) {
+        int tree = (int)syscall(SYS_open_tree, AT_FDCWD, source, OPEN_TREE_CLONE_ | O_CLOEXEC);
+        if (tree < 0) fail("open_tree of the image");
+        struct attr a = {MOUNT_ATTR_IDMAP_ | MOUNT_ATTR_RDONLY_, 0, 0, (uint64_t)ns};
+        if (syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH, &a, sizeof a) < 0)
+            fail("idmapped mount of the image");
+        if (syscall(SYS_move_mount, tree, "", AT_FDCWD, dest, MOVE_MOUNT_F_EMPTY_PATH_) < 0)
+            fail("move the image's mount");
+        close(tree);
+    } else {
+        if (mount(source, dest, NULL, MS_BIND, NULL) < 0) fail("bind the image");
+        if (mount(NULL, dest, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL) < 0)
+            fail("make the image's bind read-only");
+    }
+}
+
 int main(int argc, char **argv) {
     if (argc != 8 && argc != 9) {
         fprintf(stderr, "usage: mount-root ROOTFS LOWER UPPER TARGET SIZE TAG OWNER [USERNS]\n");
@@ -52,20 +74,35 @@ int main(int argc, char **argv) {
     unsigned owner = (unsigned)strtoul(argv[7], NULL, 10);
     char buf[4096];
 
+    int ns = -1;
     if (argc == 9) {
-        int ns = open(argv[8], O_RDONLY | O_CLOEXEC);
+        ns = open(argv[8], O_RDONLY | O_CLOEXEC);
         if (ns < 0) fail("open the user namespace");
-        int tree = (int)syscall(SYS_open_tree, AT_FDCWD, rootfs, OPEN_TREE_CLONE_ | O_CLOEXEC);
-        if (tree < 0) fail("open_tree of the image");
-        struct attr a = {MOUNT_ATTR_IDMAP_ | MOUNT_ATTR_RDONLY_, 0, 0, (uint64_t)ns};
-        if (syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH, &a, sizeof a) < 0)
-            fail("idmapped mount of the image");
-        if (syscall(SYS_move_mount, tree, "", AT_FDCWD, lower, MOVE_MOUNT_F_EMPTY_PATH_) < 0)
-            fail("move the image's mount");
+    }
+    char lowers[4096] = "";
+    if (strchr(rootfs, ':') == NULL) {
+        bind_ro(rootfs, lower, ns);
+        snprintf(lowers, sizeof lowers, "%s", lower);
     } else {
-        if (mount(rootfs, lower, NULL, MS_BIND, NULL) < 0) fail("bind the image");
-        if (mount(NULL, lower, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL) < 0)
-            fail("make the image's bind read-only");
+        if (mount("layers", lower, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755") < 0)
+            fail("tmpfs for the layers");
+        char *list = strdup(rootfs), *save = NULL;
+        if (list == NULL) fail("strdup");
+        int i = 0;
+        for (char *layer = strtok_r(list, ":", &save); layer; layer = strtok_r(NULL, ":", &save)) {
+            char point[512];
+            snprintf(point, sizeof point, "%s/%d", lower, i);
+            if (mkdir(point, 0755) < 0) fail("a layer's mount point");
+            bind_ro(layer, point, ns);
+            size_t used = strlen(lowers);
+            if (used + strlen(point) + 2 >= sizeof lowers) {
+                errno = E2BIG;
+                fail("too many layers");
+            }
+            snprintf(lowers + used, sizeof lowers - used, "%s%s", i ? ":" : "", point);
+            i++;
+        }
+        free(list);
     }
     snprintf(buf, sizeof buf, "size=%s,mode=0700", size);
     if (mount(tag, upper, "tmpfs", MS_NOSUID | MS_NODEV, buf) < 0) fail("tmpfs for the upper layer");
@@ -74,7 +111,7 @@ int main(int argc, char **argv) {
         fail("the upper directory");
     snprintf(buf, sizeof buf, "%s/work", upper);
     if (mkdir(buf, 0700) < 0) fail("the work directory");
-    snprintf(buf, sizeof buf, "lowerdir=%s,upperdir=%s/root,workdir=%s/work", lower, upper, upper);
+    snprintf(buf, sizeof buf, "lowerdir=%s,upperdir=%s/root,workdir=%s/work", lowers, upper, upper);
     if (mount("sandbox", target, "overlay", 0, buf) < 0) fail("the overlay");
     return 0;
 }

@@ -201,7 +201,16 @@ class ProcessDriver:
         self._agent_path = "/opt/ephemeral/agent.py"
 
     async def _image(self) -> str:
+        """What the writable root mounts: the built rootfs, or a pulled image's layers (pulled
+        first when missing: admission pulls, so this is a sandbox started by hand)."""
         if self._rootfs is None:
+            from ephemeral.oci import sandbox_image
+
+            if sandbox_image.is_reference(self.settings.image):
+                pulled = await sandbox_image.ensure(self.settings, self.settings.image)
+                self._agent_path = pulled.agent_path
+                self._rootfs = pulled.lower()
+                return self._rootfs
             root = await images.ensure_image(self.settings, self.settings.image)
             built = images.built_image(self.settings, self.settings.image)
             agent = built.agent_path if built else "/opt/ephemeral/agent.py"

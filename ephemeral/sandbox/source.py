@@ -72,6 +72,23 @@ class SandboxSource:
                 exc.detail, errors=[{"field": "isolation", "message": exc.detail}]
             ) from exc
 
+    async def require_image(self, policy: Policy) -> None:
+        """At admission: a built image's name must be built here (else a 422 listing what
+        is), and a registry reference is pulled now if this host does not have it (a 422
+        naming the field for a bad reference or image, a 502 when the registry fails), so a
+        run or session starts from an image resolved to its digest before anything runs."""
+        name = policy.run_image
+        if name is None:
+            return
+        where = "image" if policy.image is not None else "agent.image"
+        from ephemeral.oci import sandbox_image
+
+        if sandbox_image.is_reference(name):
+            await sandbox_image.ensure(self.settings, name, field=where)
+            self._host_facts.pop(("image", name), None)
+        else:
+            images.require_built(self.settings, name, field=where)
+
     def built_image(self, name: str) -> images.ImageConfig | None:
         """The current build of image ``name`` (``images.built_image``), reused for
         ``HOST_FACTS_SECONDS``."""

@@ -9,7 +9,9 @@ How (run by host root in the launcher's private mount namespace, :func:`mount_sc
 exec of ``mount_root.c``, compiled with the host's gcc on first use, which the image builds
 need anyway; without it, the same steps as shell commands and a Python idmap helper):
 
-- the image is bound read-only at :data:`LOWER`; for ``namespaces`` through an *idmapped* mount that
+- the image is bound read-only at :data:`LOWER` (a pulled image's layers each at
+  ``LOWER/<i>``, on a small tmpfs, topmost first: the overlay's lower layers); for
+  ``namespaces`` through an *idmapped* mount that
   shifts its owners into the sandbox's uid slot (host uid 0 shows as the slot's base, which
   is root inside the sandbox's user namespace), so the sandbox's root owns the image's files
   as it sees them, while on the host it stays an unprivileged uid owning nothing;
@@ -130,19 +132,30 @@ def mount_script(*, helper: Path | None, idmap_userns: str | None, owner: str = 
             f"{owner} {idmap_userns or ''} || exit 1\n"
         )
     if idmap_userns is None:
-        bind = f'mount --bind "$rootfs" {LOWER} && mount -o remount,bind,ro {LOWER} || exit 1\n'
+        bind = 'mount --bind "$src" "$dst" && mount -o remount,bind,ro "$dst" || exit 1\n'
     else:
         bind = (
             f"{shlex.quote(sys.executable)} -I -S -c {shlex.quote(_IDMAP)} {idmap_userns} "
-            f'"$rootfs" {LOWER} || exit 1\n'
+            '"$src" "$dst" || exit 1\n'
         )
+    # a pulled image's layers, topmost first, joined by ':' (as mount_root.c takes them)
     return (
-        bind
+        'case "$rootfs" in\n*:*)\n'
+        f"mount -t tmpfs -o size=64k,mode=0755 layers {LOWER} || exit 1\n"
+        "i=0; lowers=; IFS=:\n"
+        "for src in $rootfs; do\n"
+        f'dst={LOWER}/$i; mkdir "$dst" || exit 1\n'
+        + bind
+        + 'lowers="${lowers:+$lowers:}$dst"; i=$((i + 1))\n'
+        "done\nunset IFS\n;;\n"
+        f'*) src="$rootfs"; dst={LOWER}; lowers={LOWER}\n'
+        + bind
+        + ";;\nesac\n"
         + f'mount -t tmpfs -o "size=$size,mode=0700,nosuid,nodev" "$tag" {UPPER} || exit 1\n'
         + f"mkdir {UPPER}/root {UPPER}/work || exit 1\n"
         + f"chown {owner}:{owner} {UPPER}/root && chmod 0755 {UPPER}/root || exit 1\n"
-        + f"mount -t overlay sandbox -o lowerdir={LOWER},upperdir={UPPER}/root,"
-        + f"workdir={UPPER}/work {MOUNT_POINT} || exit 1\n"
+        + 'mount -t overlay sandbox -o "lowerdir=$lowers,'
+        + f'upperdir={UPPER}/root,workdir={UPPER}/work" {MOUNT_POINT} || exit 1\n'
     )
 
 

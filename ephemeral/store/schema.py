@@ -93,7 +93,7 @@ runs = sa.Table(
     sa.Column("runtime", sa.String(200), nullable=True),
     sa.Column("sandbox_id", sa.String(200), nullable=True),
     # the image the sandbox ran (name) and its definition's hash, set when the sandbox is ready
-    sa.Column("image", sa.String(64), nullable=True),
+    sa.Column("image", sa.String(1024), nullable=True),  # a built name or an OCI reference
     sa.Column("image_hash", sa.String(64), nullable=True),
     sa.Column("created_at", UTCDateTime, nullable=False),
     sa.Column("started_at", UTCDateTime, nullable=True),

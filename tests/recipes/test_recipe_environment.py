@@ -62,7 +62,7 @@ verify_timeout_seconds: 10
     ("extra", "field", "line", "message"),
     [
         ("files_from: nowhere\n", "files_from", 5, "no directory"),
-        ("image: Not_An_Image\n", "image", 5, "should match pattern"),
+        ("image: Not_An_Image\n", "image", 5, "must be lowercase"),
         ("verify: [x]\nverify_timeout_seconds: 60\n", "verify_timeout_seconds", 6, "less than"),
         ("setup: ['{{ nope }}']\n", "setup[0]", 5, "'nope' is undefined"),
         ("verify: ['{% if %}']\n", "verify[0]", 5, "template syntax"),
