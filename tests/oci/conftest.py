@@ -3,6 +3,7 @@ server) with TLS from ``trustme`` and htpasswd auth, images put in with ``skopeo
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -43,12 +44,14 @@ class Registry:
     root: Path  # the registry's storage
     ca_file: Path
     cert_dir: Path  # for skopeo: the CA as ca.crt
+    tls: bool = True
 
     def push(self, layout: Path, tag: str, repo_tag: str, *, all_images: bool = False) -> None:
-        argv = [
-            "skopeo", "copy", "--quiet", "--dest-creds", f"{USER}:{PASSWORD}",
-            "--dest-cert-dir", str(self.cert_dir), "--preserve-digests",
-        ]  # fmt: skip
+        argv = ["skopeo", "copy", "--quiet", "--preserve-digests"]
+        if self.tls:
+            argv += ["--dest-creds", f"{USER}:{PASSWORD}", "--dest-cert-dir", str(self.cert_dir)]
+        else:
+            argv.append("--dest-tls-verify=false")
         if all_images:
             argv.append("--all")
         argv += [f"oci:{layout}:{tag}", f"docker://{self.host}/{repo_tag}"]
@@ -68,23 +71,30 @@ class Registry:
         return self.root / "docker/registry/v2/blobs/sha256" / hexd[:2] / hexd / "data"
 
 
-@pytest.fixture(scope="session")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    for binary in ("docker-registry", "skopeo"):
-        if shutil.which(binary) is None:
-            pytest.skip(f"{binary} not installed (make apt installs it)")
+@contextlib.contextmanager
+def serve_registry(base: Path, *, tls: bool = True) -> Iterator[Registry]:
+    """A ``docker-registry`` on 127.0.0.1 storing under ``base``: with TLS from a trustme CA
+    and htpasswd auth (``USER``/``PASSWORD``), or (``tls=False``, for the benchmark) plain
+    HTTP with no auth."""
     import trustme
 
-    base = tmp_path_factory.mktemp("registry")
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1", "localhost")
     cert.private_key_and_cert_chain_pem.write_to_path(str(base / "server.pem"))
     cert.private_key_pem.write_to_path(str(base / "server.key"))
     ca.cert_pem.write_to_path(str(base / "ca.pem"))
-    (base / "certs").mkdir()
+    (base / "certs").mkdir(exist_ok=True)
     ca.cert_pem.write_to_path(str(base / "certs" / "ca.crt"))
     (base / "htpasswd").write_text(f"{USER}:{_bcrypt(PASSWORD)}\n")
     port = _free_port()
+    secure = (
+        f"""  tls: {{certificate: {base / "server.pem"}, key: {base / "server.key"}}}
+auth:
+  htpasswd: {{realm: test-registry, path: {base / "htpasswd"}}}
+"""
+        if tls
+        else ""
+    )
     (base / "config.yml").write_text(
         f"""version: 0.1
 log: {{level: warn}}
@@ -93,10 +103,7 @@ storage:
   delete: {{enabled: true}}
 http:
   addr: 127.0.0.1:{port}
-  tls: {{certificate: {base / "server.pem"}, key: {base / "server.key"}}}
-auth:
-  htpasswd: {{realm: test-registry, path: {base / "htpasswd"}}}
-"""
+{secure}"""
     )
     log = (base / "registry.log").open("wb")
     proc = subprocess.Popen(
@@ -109,13 +116,24 @@ auth:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     break
             if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"docker-registry did not start: {(base / 'registry.log').read_text()}")
+                raise RuntimeError(
+                    f"docker-registry did not start: {(base / 'registry.log').read_text()}"
+                )
             time.sleep(0.05)
-        yield Registry(f"127.0.0.1:{port}", base / "data", base / "ca.pem", base / "certs")
+        yield Registry(f"127.0.0.1:{port}", base / "data", base / "ca.pem", base / "certs", tls)
     finally:
         proc.terminate()
         proc.wait(10)
         log.close()
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    for binary in ("docker-registry", "skopeo"):
+        if shutil.which(binary) is None:
+            pytest.skip(f"{binary} not installed (make apt installs it)")
+    with serve_registry(tmp_path_factory.mktemp("registry")) as reg:
+        yield reg
 
 
 @pytest.fixture
