@@ -63,9 +63,6 @@ from ephemeral.policy import (
     ImageName,
     Policy,
 )
-from ephemeral.policy import (
-    MAX_FILE_BYTES as MAX_RUN_FILE_BYTES,
-)
 from ephemeral.sandbox import hostread
 from ephemeral.settings import Settings
 
