@@ -56,6 +56,7 @@ MAX_HEADER = 64 << 10
 MAX_BODY = 160 << 20  # a 128 MiB file plus room; an exec's output is far less
 # Our headers nest three levels (a problem's errors); the parser recurses once a level.
 MAX_DEPTH = 32
+MAX_BRACKETS = 1024  # outside strings
 SKEW_SECONDS = 30.0  # a request older or newer than this (by the host's clock) is refused
 SERVER_IDLE_SECONDS = 60.0
 # A pooled connection idle longer than this is not reused: well under the server's idle close,
@@ -171,12 +172,17 @@ _ONE_KIND = bytes.maketrans(b"{}", b"[]")
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 
 
-def _nests_deeper(raw: bytes, limit: int) -> bool:
-    """Whether JSON text nests deeper than ``limit``, found without a recursive parse: with
-    strings dropped and both bracket kinds made one, each pass of ``replace`` removes exactly
-    the innermost level (brackets that never pair up are left over too: not JSON anyway)."""
+def _too_deep(raw: bytes) -> bool:
+    """Whether JSON text nests deeper than MAX_DEPTH or has over MAX_BRACKETS brackets, found
+    without a recursive parse and in bounded time: strings dropped and both bracket kinds made
+    one, each pass of ``replace`` removes exactly the innermost level (brackets that never pair
+    up are left over too: not JSON anyway)."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:  # ours, unless a path is all brackets
+        return False
     rest = _STRINGS.sub(b"", raw).translate(_ONE_KIND, _NOT_BRACKETS)
-    for passes_left in range(limit, 0, -1):
+    if len(rest) > MAX_BRACKETS:  # our headers have a dozen; this bounds the passes' work
+        return True
+    for passes_left in range(MAX_DEPTH, 0, -1):
         if len(rest) <= 2 * passes_left:  # too few brackets left to be that deep
             return False
         inner = rest.replace(b"[]", b"")
@@ -198,8 +204,11 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
         text = raw.decode()  # UTF-8 only: the depth check below reads bytes as ASCII
     except UnicodeDecodeError as exc:
         raise LinkError("a frame header that is not UTF-8") from exc
-    if _nests_deeper(raw, MAX_DEPTH):
-        raise LinkError(f"a frame header nested deeper than {MAX_DEPTH} levels (or not JSON)")
+    if _too_deep(raw):
+        raise LinkError(
+            f"a frame header nested deeper than {MAX_DEPTH} levels or with over "
+            f"{MAX_BRACKETS} brackets (or not JSON)"
+        )
     try:
         header = json.loads(text)
     except ValueError as exc:

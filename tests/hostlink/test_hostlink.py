@@ -266,10 +266,11 @@ NESTED = [
     b'{"a":' * 10_000 + b"1" + b"}" * 10_000,
     b"[{" * 15_000 + b"}]" * 15_000,
     b"[" * 33 + b"]" * 33,  # one level past the bound
+    b"[" + b"[1]," * 600 + b"1]",  # two levels, but 1,202 brackets
 ]
 
 
-@pytest.mark.parametrize("header", NESTED, ids=["open", "arrays", "objects", "mixed", "33"])
+@pytest.mark.parametrize("header", NESTED, ids=["open", "arrays", "objects", "mixed", "33", "wide"])
 async def test_a_deeply_nested_header_is_refused_cleanly_without_a_traceback(
     served: Any, header: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
