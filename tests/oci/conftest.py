@@ -12,12 +12,14 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ephemeral.oci.credentials import Credential, CredentialStore
 from ephemeral.settings import Settings
 from tests.oci.layouts import Layout
+from tests.oci.token_server import ISSUER, SERVICE, TokenServer
 
 USER, PASSWORD = "tester", "s3cret-pass"
 
@@ -72,13 +74,16 @@ class Registry:
 
 
 @contextlib.contextmanager
-def serve_registry(base: Path, *, tls: bool = True) -> Iterator[Registry]:
+def serve_registry(
+    base: Path, *, tls: bool = True, token_realm: str | None = None, ca: Any = None
+) -> Iterator[Registry]:
     """A ``docker-registry`` on 127.0.0.1 storing under ``base``: with TLS from a trustme CA
-    and htpasswd auth (``USER``/``PASSWORD``), or (``tls=False``, for the benchmark) plain
-    HTTP with no auth."""
+    and htpasswd auth (``USER``/``PASSWORD``), or token auth against ``token_realm`` (the CA's
+    certificates sign the tokens), or (``tls=False``, for the benchmark) plain HTTP with no
+    auth."""
     import trustme
 
-    ca = trustme.CA()
+    ca = ca or trustme.CA()
     cert = ca.issue_cert("127.0.0.1", "localhost")
     cert.private_key_and_cert_chain_pem.write_to_path(str(base / "server.pem"))
     cert.private_key_pem.write_to_path(str(base / "server.key"))
@@ -87,10 +92,16 @@ def serve_registry(base: Path, *, tls: bool = True) -> Iterator[Registry]:
     ca.cert_pem.write_to_path(str(base / "certs" / "ca.crt"))
     (base / "htpasswd").write_text(f"{USER}:{_bcrypt(PASSWORD)}\n")
     port = _free_port()
+    auth = (
+        f"  token: {{realm: {token_realm}, service: {SERVICE}, issuer: {ISSUER}, "
+        f"rootcertbundle: {base / 'ca.pem'}}}"
+        if token_realm
+        else f"  htpasswd: {{realm: test-registry, path: {base / 'htpasswd'}}}"
+    )
     secure = (
         f"""  tls: {{certificate: {base / "server.pem"}, key: {base / "server.key"}}}
 auth:
-  htpasswd: {{realm: test-registry, path: {base / "htpasswd"}}}
+{auth}
 """
         if tls
         else ""
@@ -134,6 +145,22 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
             pytest.skip(f"{binary} not installed (make apt installs it)")
     with serve_registry(tmp_path_factory.mktemp("registry")) as reg:
         yield reg
+
+
+@pytest.fixture(scope="session")
+def token_registry(
+    tmp_path_factory: pytest.TempPathFactory, registry: Registry
+) -> Iterator[tuple[Registry, TokenServer]]:
+    """A second registry whose auth is bearer tokens from a token service, as Docker Hub and
+    GHCR do (anonymous tokens for anyone)."""
+    import trustme
+
+    ca = trustme.CA()
+    signer = ca.issue_cert("token-signer")
+    with TokenServer(signer.private_key_pem.bytes(), signer.cert_chain_pems[0].bytes()) as tokens:
+        base = tmp_path_factory.mktemp("token-registry")
+        with serve_registry(base, token_realm=tokens.realm, ca=ca) as reg:
+            yield reg, tokens
 
 
 @pytest.fixture

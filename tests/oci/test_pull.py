@@ -21,6 +21,7 @@ from ephemeral.oci.store import LayerStore, PulledImage, du
 from ephemeral.settings import Settings
 from tests.oci import layouts as L
 from tests.oci.conftest import PASSWORD, USER, Registry
+from tests.oci.token_server import TokenServer
 
 
 def _ctx(registry: Registry) -> ssl.SSLContext:
@@ -285,3 +286,34 @@ def test_gc_removes_what_no_reference_reaches(
     assert report.layers == [one.layers[1].diff_id]  # the shared base stays
     assert store.resolve(parse(f"{registry.host}/test/gc2:1")) == two
     assert all(store.layer_info(layer.diff_id) for layer in two.layers)
+
+
+def test_bearer_tokens_as_docker_hub_and_ghcr_issue_them(
+    token_registry: tuple[Registry, TokenServer], tmp_path: Path
+) -> None:
+    """The registry answers 401 with ``WWW-Authenticate: Bearer realm=…``: the client gets a
+    token for ``repository:<path>:pull`` from the realm, anonymously, then with the stored
+    credentials as Basic."""
+    from ephemeral.oci.credentials import Credential, CredentialStore
+
+    reg, tokens = token_registry
+    reg.push_image(tmp_path, "test/anon:1", [L.tar([L.file("f", "anonymous")])])
+    settings = Settings.load(
+        state_dir=tmp_path / "state",
+        cache_dir=tmp_path / "cache",
+        registry_ca_file=reg.ca_file,
+        registry_private_hosts=[reg.host, f"127.0.0.1:{tokens.port}"],
+    )
+    tokens.asked.clear()
+    image = _pull(settings, f"{reg.host}/test/anon:1")
+    fs = LayerStore(settings).layer_root(image.layers[0].diff_id)
+    assert (fs / "f").read_text() == "anonymous"
+    assert tokens.asked[0] == {
+        "scope": ["repository:test/anon:pull"],
+        "service": "test-registry",
+        "basic": False,
+    }
+    CredentialStore(settings).set(reg.host, Credential(username="u", password="p"))
+    tokens.asked.clear()
+    _pull(settings, f"{reg.host}/test/anon:1")
+    assert tokens.asked and tokens.asked[0]["basic"] is True
