@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from ephemeral.broker.gateway_fields import ALLOW_LISTS, Refused, check_body, check_headers
+from ephemeral.money import usd
 from ephemeral.policy import RunRequest
 from ephemeral.providers.base import Usage
 from ephemeral.service import Runtime
@@ -27,6 +28,7 @@ from ephemeral.testing.providers import (
     RecordedRequest,
     openai_chat_response,
 )
+from ephemeral.timeline import describe
 from tests.broker.conftest import events_of
 from tests.egress.conftest import provisioned, sh
 from tests.run.test_agent_run import assert_settled, run_to_end, types
@@ -532,3 +534,6 @@ async def test_a_provider_reporting_25x_the_hold_is_charged_alarmed_and_ends_the
     exited = next(e.data for e in events if e.type == "agent.exited")
     assert exited["killed"] == row.termination_detail
     assert "ALARM" in caplog.text and str(reported) in caplog.text
+    # the CLI's timeline and the run page say it
+    label, line = describe(next(e for e in events if e.type == "budget.overrun"))
+    assert label == "Budget" and line.startswith("OVERRUN") and usd(reported) in line
