@@ -16,34 +16,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from ephemeral.hostlink import LinkClient, Peer
 from tests.hostlink import listener
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.hostlink.listener import spawn
 
 
 def pct(xs: list[float], p: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
-
-
-def spawn(module: str, *args: str) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPHEMERAL_LINK_")}
-    return subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        cwd=REPO,
-        env={**env, "PYTHONPATH": str(REPO)},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
 
 
 class Usage:
@@ -55,10 +39,9 @@ class Usage:
         self.rss = 0
 
     def sample(self) -> None:
-        self.fds = max(self.fds, len(os.listdir(f"/proc/{self.pid}/fd")))
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                self.rss = max(self.rss, int(line.split()[1]) * 1024)
+        now = listener.usage(self.pid)
+        self.fds = max(self.fds, now["fds"])
+        self.rss = max(self.rss, now["rss"])
 
 
 async def pings(peer: Peer, n: int, usage: Usage) -> dict[str, list[float]]:

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,15 +24,31 @@ from ephemeral.settings import Settings
 
 KEY = b"k" * 32
 HOST = "a"
+REPO = Path(__file__).resolve().parents[2]
 
 
-def usage() -> dict[str, int]:
-    """This process's open descriptors and resident memory."""
+def spawn(module: str, *args: str, **kw: Any) -> subprocess.Popen[str]:
+    """``python -m module`` from the checkout (this listener, or the flood), at the default
+    ``EPHEMERAL_LINK_*`` limits whatever the environment says."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPHEMERAL_LINK_")}
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env={**env, "PYTHONPATH": str(REPO)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def usage(pid: int | str = "self") -> dict[str, int]:
+    """A process's open descriptors and resident memory (this one by default)."""
     rss = 0
-    for line in Path("/proc/self/status").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             rss = int(line.split()[1]) * 1024
-    return {"fds": len(os.listdir("/proc/self/fd")), "rss": rss}
+    return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "rss": rss}
 
 
 async def main() -> None:

@@ -22,7 +22,7 @@ from ephemeral import errors, hostlink
 from ephemeral.hostlink import LinkClient, LinkError, LinkRefused, LinkServer, Peer
 from ephemeral.settings import Settings
 from tests.hostlink import listener
-from tests.hostlink.listener import KEY
+from tests.hostlink.listener import KEY, spawn
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -336,19 +336,6 @@ async def test_at_the_cap_an_unauthenticated_connection_gives_way_else_the_new_o
         assert server.refused["at the connection cap"] == 2
         assert server.connections == 3
         assert all([await answered(peer, r, w) for r, w in [*trusted, (newer, writer)]])
-
-
-def spawn(module: str, *args: str, **kw: Any) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EPHEMERAL_LINK_")}
-    return subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        cwd=REPO,
-        env={**env, "PYTHONPATH": str(REPO)},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
 
 
 async def test_a_flood_of_unauthenticated_connections_leaves_authenticated_calls_answering(
