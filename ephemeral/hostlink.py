@@ -525,7 +525,7 @@ class LinkServer:
                     self._turned_away(f"refused a request: {why}", conn.peer)
                     await self._refuse(writer, why)
                     return
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, OSError):  # the peer went, or its socket failed
             return
         except asyncio.CancelledError:
             # The server is closing: end this connection quietly (a task that ends cancelled
