@@ -83,7 +83,11 @@ def main() -> int:
                 settings = Settings.load(
                     state_dir=work / "state", cache_dir=cache, registry_private_hosts=[reg.host]
                 )
-                ours.append(timed(lambda s=settings: asyncio.run(oci_pull.pull(s, ref))))
+
+                def ours_pull(s: Settings = settings) -> None:
+                    asyncio.run(oci_pull.pull(s, ref))
+
+                ours.append(timed(ours_pull))
                 shutil.rmtree(cache)
 
                 def skopeo(dest: Path) -> None:

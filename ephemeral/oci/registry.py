@@ -7,8 +7,9 @@
   CAs and ``registry_ca_file``.
 - **SSRF**: a request names the registry, so every host the client talks to (registry, token
   realm, blob redirects) must resolve to public addresses only, unless the operator lists it
-  in ``registry_private_hosts`` (the broker's address rules, ``broker/ssrf.py``). Credentials
-  never follow a redirect to another host (httpx drops ``Authorization`` across origins).
+  in ``registry_private_hosts`` (the broker's address rules, ``broker/ssrf.py``), and the
+  connection goes to the address checked. Credentials never follow a redirect to another
+  host (httpx drops ``Authorization`` across origins).
 - **Auth**: a ``401`` with ``WWW-Authenticate: Bearer realm=…,service=…,scope=…`` is answered
   by fetching a token from the realm (anonymously, or with the stored username and password
   as Basic), as Docker Hub and GHCR expect; ``Basic`` challenges get the stored credentials.
@@ -94,11 +95,19 @@ class Registry:
         return url.host in listed or url.netloc.decode() in listed
 
     async def _check(self, request: httpx.Request) -> None:
-        """Every request, redirects included: scheme and address rules."""
+        """Every request, redirects included: scheme and address rules. The request is then
+        sent to the address that was checked (the name stays in ``Host`` and in TLS's SNI and
+        certificate check), so a DNS answer cannot change between the check and the
+        connection, as the broker does (``broker/outbound.py``)."""
         url = request.url
         if url.scheme == "http" and not self._may_use_http(url.netloc.decode()):
             raise Refused(f"plain http to {url.host!r} (not loopback nor in registry_insecure)")
-        await resolve(url, allow_private=self._private_ok(url))
+        target = await resolve(url, allow_private=self._private_ok(url))
+        if url.host != str(target.address):
+            request.headers["Host"] = url.netloc.decode()
+            if url.scheme == "https":
+                request.extensions = {**request.extensions, "sni_hostname": url.host}
+            request.url = target.dial_url
 
     async def __aenter__(self) -> Registry:
         ctx = ssl.create_default_context()

@@ -84,7 +84,7 @@ def serve_registry(
     import trustme
 
     ca = ca or trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert = ca.issue_cert("127.0.0.1", "localhost", "registry.test")
     cert.private_key_and_cert_chain_pem.write_to_path(str(base / "server.pem"))
     cert.private_key_pem.write_to_path(str(base / "server.key"))
     ca.cert_pem.write_to_path(str(base / "ca.pem"))

@@ -317,3 +317,33 @@ def test_bearer_tokens_as_docker_hub_and_ghcr_issue_them(
     tokens.asked.clear()
     _pull(settings, f"{reg.host}/test/anon:1")
     assert tokens.asked and tokens.asked[0]["basic"] is True
+
+
+def test_the_connection_goes_to_the_address_that_was_checked(
+    oci_settings: Settings, registry: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``registry.test`` resolves nowhere; the address check answers 127.0.0.1 for it. The pull
+    works only if the client dials the checked address (a DNS answer that changed after the
+    check would not be used) while TLS still verifies the certificate for the name."""
+    import ipaddress
+
+    from ephemeral.broker import ssrf
+    from ephemeral.oci import registry as client
+    from ephemeral.oci.credentials import Credential, CredentialStore
+
+    registry.push_image(tmp_path, "test/dial:1", [L.tar([L.file("f", "dialed")])])
+    port = registry.host.split(":")[1]
+    checked: list[str] = []
+
+    async def fake_resolve(url: httpx.URL, *, allow_private: bool) -> ssrf.Target:
+        checked.append(f"{url.host}:{allow_private}")
+        return ssrf.Target(url=url, address=ipaddress.ip_address("127.0.0.1"))
+
+    monkeypatch.setattr(client, "resolve", fake_resolve)
+    name = f"registry.test:{port}"
+    settings = oci_settings.model_copy(update={"registry_private_hosts": [name]})
+    CredentialStore(settings).set(name, Credential(username=USER, password=PASSWORD))
+    image = _pull(settings, f"{name}/test/dial:1")
+    fs = LayerStore(settings).layer_root(image.layers[0].diff_id)
+    assert (fs / "f").read_text() == "dialed"
+    assert checked and set(checked) == {"registry.test:True"}
