@@ -79,6 +79,32 @@ def images_logout(
     typer.echo(f"removed credentials for {registry}" if found else f"no credentials for {registry}")
 
 
+def list_pulled(settings: Settings) -> None:
+    """The references pulled here (``images list`` prints them after the built images)."""
+    from ephemeral.oci.store import LayerStore
+
+    store = LayerStore(settings)
+    for ref, digest in sorted(store.references().items()):
+        image = store.image(digest)
+        size = f"{image.unpacked_bytes / 1e6:7.1f} MB" if image is not None else "    ? MB"
+        when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(image.pulled_at)) if image else ""
+        typer.echo(f"  {ref}  {digest[:19]}  {size}  {when}  (pulled)")
+
+
+def remove_pulled(settings: Settings, name: str) -> None:
+    """``images rm REF``: forget a pulled reference; ``images gc`` then frees what only it
+    used."""
+    from ephemeral.oci.reference import parse
+    from ephemeral.oci.store import LayerStore
+
+    try:
+        ref = parse(name, field="NAME")
+    except errors.EphemeralError as exc:
+        raise fail(exc) from exc
+    found = LayerStore(settings).remove_ref(ref)
+    typer.echo(f"removed {ref}" if found else f"{ref} was not pulled here")
+
+
 def register(images_app: typer.Typer) -> None:
     images_app.command("pull")(images_pull)
     images_app.command("login")(images_login)

@@ -276,7 +276,9 @@ def images_alias(
 
 @images_app.command("list")
 def images_list() -> None:
-    """Cached images (the current build of each definition is marked *)."""
+    """Cached images (the current build of each definition is marked *), then pulled ones."""
+    from ephemeral.cli import registry_images
+
     settings = Settings.load()
     rows = images.list_images(settings)
     if not rows:
@@ -288,6 +290,7 @@ def images_list() -> None:
             f"{mark} {info.name:<12} {info.hash[:16]}  {info.size_bytes / 1e6:7.1f} MB  "
             f"{when}  {info.path}"
         )
+    registry_images.list_pulled(settings)
 
 
 @images_app.command("rm")
@@ -296,8 +299,15 @@ def images_rm(
     stale: Annotated[bool, typer.Option("--stale", help="Only builds of old definitions.")] = False,
     base: Annotated[bool, typer.Option("--base", help="Also the mmdebstrap base layers.")] = False,
 ) -> None:
-    """Delete cached builds of image NAME."""
+    """Delete cached builds of image NAME (a pulled reference: forget it; `images gc` frees
+    its layers)."""
+    from ephemeral.cli import registry_images
+    from ephemeral.oci.reference import is_reference
+
     settings = Settings.load()
+    if is_reference(name):
+        registry_images.remove_pulled(settings, name)
+        return
     for path in images.remove_images(settings, name, all_versions=not stale, include_base=base):
         typer.echo(f"removed {path}")
 

@@ -37,8 +37,13 @@ def test_login_pull_logout(
     pulled = runner.invoke(app, ["images", "pull", ref])
     assert pulled.exit_code == 0, pulled.output
     assert digest in pulled.output and "1 layers" in pulled.output
+    listed = runner.invoke(app, ["images", "list"])
+    assert f"{ref}  {digest[:19]}" in listed.output and "(pulled)" in listed.output
     bad = runner.invoke(app, ["images", "pull", "Not/Valid:ref"])
     assert bad.exit_code == 2 and "REFERENCE" in bad.output
+    gone = runner.invoke(app, ["images", "rm", ref])
+    assert gone.exit_code == 0 and "removed" in gone.output
+    assert ref not in runner.invoke(app, ["images", "list"]).output
     out = runner.invoke(app, ["images", "logout", registry.host])
     assert (
         out.exit_code == 0
