@@ -27,20 +27,31 @@ import logging
 import os
 import re
 import shutil
-import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
-from packaging.requirements import InvalidRequirement, Requirement
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from ephemeral import errors
-from ephemeral.sandbox.build_sandbox import IN_DIR, OUT_DIR, BuildSandbox, run_bounded
+from ephemeral.sandbox import host_pip
+from ephemeral.sandbox.build_sandbox import (
+    IN_DIR,
+    MOUNT_DIR,
+    OUT_DIR,
+    RANGE,
+    BuildSandbox,
+    _mounts_prefix,
+    _userns_prefix,
+    run_bounded,
+    shift_owners,
+)
+from ephemeral.sandbox.host_pip import requirement_problem
 from ephemeral.sandbox.image_bases import base_name as _base_name
 from ephemeral.sandbox.image_bases import microvm_definition_dir as microvm_definition_dir
 from ephemeral.sandbox.microvm_image import build_with_image
+from ephemeral.sandbox.uid_slots import allocate_slot
 from ephemeral.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -208,18 +219,15 @@ def source_problem(defdir: Path, source: str) -> str | None:
 
 
 def pip_problem(defdir: Path, item: str) -> str | None:
-    """Why ``item`` is not a requirement specifier (PEP 508, no URL) nor a wheel shipped
-    with the definition (``./path.whl``), or None: pip options never get through."""
+    """Why ``item`` is not a requirement of a package by name (PEP 508, no URL, nothing pip
+    reads as a path or archive: :func:`~ephemeral.sandbox.host_pip.requirement_problem`) nor a
+    wheel shipped with the definition (``./path.whl``), or None: pip options never get through."""
     if item.startswith("./"):
         if not item.endswith(".whl"):
             return "a local item must be a wheel (./path.whl) inside the definition"
         return source_problem(defdir, item[2:])
-    try:
-        req = Requirement(item)
-    except InvalidRequirement:
-        return "must be a requirement specifier such as 'name==1.2' (no pip options, no URLs)"
-    if req.url is not None:
-        return "must be a requirement specifier such as 'name==1.2' (no 'name @ URL')"
+    if (why := requirement_problem(item)) is not None:
+        return f"must be a requirement specifier such as 'name==1.2': {why}"
     return None
 
 
@@ -341,7 +349,7 @@ def _mmdebstrap_argv(spec: dict[str, Any], target: Path) -> list[str]:
     u = spec["user"]
     argv = [
         "mmdebstrap",
-        "--mode=root",
+        "--mode=unshare",
         f"--variant={spec['variant']}",
         '--aptopt=APT::Install-Recommends "false"',
         "--include=" + ",".join(spec["packages"]),
@@ -375,9 +383,45 @@ async def _ensure_base(settings: Settings, spec: dict[str, Any]) -> Path:
         if base.exists():
             shutil.rmtree(base)
         base.mkdir(parents=True)
-        await _run(_mmdebstrap_argv(spec, rootfs), "mmdebstrap")
+        try:
+            await _mmdebstrap(spec, base, rootfs, [])
+        except BaseException:
+            shutil.rmtree(base, ignore_errors=True)
+            raise
         (base / "done").write_text(str(time.time()))
     return rootfs
+
+
+async def _mmdebstrap(spec: dict[str, Any], base: Path, rootfs: Path, prefix: list[str]) -> None:
+    """mmdebstrap as root of a user namespace of its own (a uid slot: ``0..65535`` inside is
+    ``slot..slot+65535`` on the host), in its ``unshare`` mode (as root of that namespace it
+    unshares mount, pid, uts and ipc and makes no further user namespace): the maintainer
+    scripts of the packages a definition or Dockerfile names run as that namespace's root,
+    never as host root. The layer's owners are shifted back to ``0..65535`` after."""
+    slot, slot_fd = allocate_slot()
+    # the layer's directory is bound (by host root, in a private mount namespace) on an empty
+    # mount point that uid may reach: the directories above it are host root's only
+    points = MOUNT_DIR / str(slot)
+    try:
+        shutil.rmtree(points, ignore_errors=True)
+        points.mkdir(parents=True, mode=0o755)
+        at = points / "layer"
+        at.mkdir(mode=0o755)
+        os.chown(base, slot, slot)
+        argv = [
+            *prefix,
+            *_mounts_prefix([(base, at)]),
+            *_userns_prefix(slot),
+            *_mmdebstrap_argv(spec, at / rootfs.name),
+        ]
+        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/", "LANG": "C.UTF-8"}
+        await _run(argv, "mmdebstrap", env=env)
+        await asyncio.to_thread(shift_owners, rootfs, -slot, lo=slot, hi=slot + RANGE)
+        os.chown(base, 0, 0)
+        os.chmod(base, 0o700)
+    finally:
+        shutil.rmtree(points, ignore_errors=True)
+        os.close(slot_fd)
 
 
 _INSTALL = """\
@@ -509,9 +553,10 @@ async def _pip_install(
     box: BuildSandbox, defdir: Path, d: ImageDefinition, rootfs: Path, stage: Path
 ) -> None:
     """The host's pip fetches wheels (only: nothing of a requirement runs) into a staging
-    directory of the build, never into the image; the build sandbox copies them in. Items are
-    requirement specifiers or shipped wheels (checked at load) and follow ``--``, so none is
-    read as a pip option."""
+    directory of the build, never into the image, in an empty scratch directory as a uid that
+    owns nothing (:mod:`ephemeral.sandbox.host_pip`); the build sandbox copies them in. Items
+    are requirements by name or shipped wheels (checked at load) and follow ``--``, so none is
+    read as a pip option or a file."""
     if not d.pip:
         return
     for i, item in enumerate(d.pip):
@@ -519,12 +564,10 @@ async def _pip_install(
             raise errors.InvalidRequest.field(f"pip[{i}]", f"{defdir / 'image.yaml'}: {why}")
     version = image_python(rootfs)
     target = stage / f"pip-{d.name}"
-    target.mkdir(parents=True)
-    reqs = [str(_source(defdir, r[2:])) if r.startswith("./") else r for r in d.pip]
-    argv = [
-        sys.executable,
-        "-m",
-        "pip",
+    shipped = [_source(defdir, r[2:]) for r in d.pip if r.startswith("./")]
+    n = iter(range(len(shipped)))
+    reqs = [f"{{file{next(n)}}}" if r.startswith("./") else r for r in d.pip]
+    args = [
         "install",
         "--disable-pip-version-check",
         "--no-input",
@@ -532,12 +575,19 @@ async def _pip_install(
         "--only-binary=:all:",
         f"--python-version={version}",
         "--implementation=cp",
-        f"--target={target}",
+        "--target",
+        "{out}",
     ]
     if all(r.startswith("./") for r in d.pip):
-        argv.append("--no-index")  # only wheels shipped with the definition: no registry
-    argv += ["--", *reqs]
-    await _run(argv, f"pip install into the image (python {version})", timeout=PIP_TIMEOUT_S)
+        args.append("--no-index")  # only wheels shipped with the definition: no registry
+    await host_pip.run(
+        args,
+        reqs,
+        f"pip install into the image (python {version})",
+        target,
+        timeout=PIP_TIMEOUT_S,
+        files=shipped,
+    )
     await _install(
         box,
         target,

@@ -837,3 +837,97 @@ def test_run_steps_are_not_host_root_and_have_no_network(
     inside, outside, count = (int(x) for x in (root / "uidmap").read_text().split())
     assert inside == 0 and outside >= 1 << 30 and count == 65536  # never host uid 0
     assert (root / "net").read_text() == "111\n"  # ECONNREFUSED: not the host's loopback
+
+
+# ------------------------------------------------------------------ nothing runs on the host
+
+_EVIL_SETUP = """\
+import os
+open({marker!r}, "w").write(str(os.getuid()))
+from setuptools import setup
+setup(name="evil", version="0.1")
+"""
+
+
+def _evil_context(tmp_path: Path, text: str) -> tuple[Path, Path]:
+    """A context holding the red-team's sdist ``evil.tgz`` (and its twins under other
+    archive names), whose build backend would write ``marker`` on the host."""
+    import io
+    import tarfile
+
+    marker = tmp_path / "marker"
+    ctx = tmp_path / "ctx"
+    (ctx / "sub").mkdir(parents=True)
+    setup = _EVIL_SETUP.format(marker=str(marker)).encode()
+    for name in ("evil.tgz", "evil.tar", "evil.tar.lz", "evil.zip", "sub/evil.tgz"):
+        with tarfile.open(ctx / name, "w:gz" if name.endswith("tgz") else "w") as tar:
+            info = tarfile.TarInfo("evil-0.1/setup.py")
+            info.size = len(setup)
+            tar.addfile(info, io.BytesIO(setup))
+    (ctx / "Dockerfile").write_text(text)
+    return ctx, marker
+
+
+@pytest.mark.parametrize(
+    "words",
+    [
+        "evil.tgz",
+        "six evil.tar",
+        "evil.tar.lz",
+        "'evil.zip'",
+        "sub/evil.tgz",
+        "file:evil.tgz",
+        "'evil.tgz[x]'",
+        "git+file:///tmp/x",
+        "'evil @ file:///tmp/evil.tgz'",
+    ],
+)
+def test_a_pip_word_the_hosts_pip_would_read_as_a_file_is_refused_at_load(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, words: str
+) -> None:
+    """The red-team's `RUN pip install evil.tgz`: pip reads a bare name with an archive
+    extension as a local file and runs its build backend. Refused at load, naming the line,
+    before any pip runs (even with the context as the working directory)."""
+    ctx, marker = _evil_context(
+        tmp_path, f"FROM debian:bookworm\nRUN true\nRUN pip install {words}\n"
+    )
+    monkeypatch.chdir(ctx)
+    with pytest.raises(errors.DockerfileError) as exc:
+        df.load(ctx / "Dockerfile", None, {}, settings)
+    assert (exc.value.line, exc.value.instruction) == (3, "RUN"), exc.value.detail
+    assert "pip install" in exc.value.detail
+    assert not marker.exists()
+
+
+def test_a_path_of_the_image_is_left_to_the_pip_inside(settings: Settings, tmp_path: Path) -> None:
+    plan = plan_of(
+        "FROM debian:bookworm\nRUN pip install ./evil.tgz /src/evil.tar . six\n",
+        settings,
+        tmp_path,
+    )
+    step = plan.steps[0]
+    assert isinstance(step, df.RunStep) and step.pip == [["--", "six"]]
+
+
+@pytest.mark.sandbox
+def test_a_requirements_file_naming_an_archive_fails_before_the_hosts_pip(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same sdist named in a ``-r`` file (a file of the image, read when its RUN comes):
+    the build fails naming the RUN line and the file's line; the host's pip never ran."""
+    monkeypatch.setattr(images, "build_with_image", lambda *_: None)
+    ctx, marker = _evil_context(
+        tmp_path,
+        "FROM debian:bookworm\nCOPY req.txt evil.tgz /app/\nWORKDIR /app\n"
+        "RUN pip install -r req.txt\n",
+    )
+    (ctx / "req.txt").write_text("# fine\nsix\nevil.tgz\n")
+    monkeypatch.chdir(ctx)
+    plan, _, _ = df.load(ctx / "Dockerfile", None, {}, settings)
+    _linked(settings, plan)
+    with pytest.raises(errors.DockerfileError) as exc:
+        df.build_dockerfile(ctx / "Dockerfile", name="evil", settings=settings)
+    assert not marker.exists(), f"the sdist's backend ran on the host as uid {marker.read_text()}"
+    assert (exc.value.line, exc.value.instruction) == (4, "RUN"), exc.value.detail
+    assert "req.txt: line 3: 'evil.tgz'" in exc.value.detail, exc.value.detail
+    assert images.built_image(settings, "evil") is None

@@ -131,6 +131,13 @@ def test_a_symlink_out_is_hashed_as_a_name_never_read(defs: Path, tmp_path: Path
         "./data/hello.txt",
         "./../default/x.whl",
         "numpy; --index-url x",
+        # pip reads a name with an archive extension (or a slash, or file:) as a local file
+        # and runs its build backend: the fourth red-team's evil.tgz
+        "evil.tgz",
+        "evil.tar.lz",
+        "evil.zip",
+        "sub/evil",
+        "file:evil.tgz",
     ],
 )
 def test_a_pip_item_that_is_not_a_requirement_is_refused(defs: Path, item: str) -> None:
@@ -383,3 +390,37 @@ async def test_a_source_only_host_root_may_read_fails_the_build_naming_it(
     settings = isolated_settings(tmp_path, defs, "private", monkeypatch)
     with pytest.raises(errors.SandboxError, match=r"private: files\[0\] failed"):
         await images.ensure_image(settings, "private")
+
+
+@pytest.mark.sandbox
+async def test_mmdebstrap_and_what_it_runs_are_not_host_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The package layer (whose maintainer scripts an author picks by naming packages) is
+    built as root of a user namespace on a uid slot: a hook in mmdebstrap's context, where
+    the maintainer scripts run, is uid 0 inside and an unprivileged host uid outside; the
+    layer's files belong to host root again after. (A tiny ``extract`` layer: one package,
+    and a hook run where mmdebstrap runs dpkg and its maintainer scripts.)"""
+    from ephemeral.settings import Settings
+
+    def argv(spec: dict[str, object], target: Path) -> list[str]:
+        hook = 'id -u > "$1"/who; cat /proc/self/uid_map >> "$1"/who'
+        return [
+            "mmdebstrap",
+            "--mode=unshare",
+            "--variant=extract",
+            "--include=dash",
+            f"--extract-hook={hook}",
+            "bookworm",
+            str(target),
+        ]
+
+    monkeypatch.setattr(images, "_mmdebstrap_argv", argv)
+    settings = Settings.load(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache")
+    rootfs = await images._ensure_base(settings, {"packages": ["dash"], "test": str(tmp_path)})
+    uid, inside, outside, count = (rootfs / "who").read_text().split()
+    assert (uid, inside, count) == ("0", "0", "65536")
+    assert int(outside) >= SLOT_BASE  # never host root, never a real user
+    dash = rootfs / "bin" / "dash"
+    assert (dash.stat().st_uid, dash.stat().st_gid) == (0, 0)
+    assert not list(settings.image_cache_dir.glob("base/*.partial"))

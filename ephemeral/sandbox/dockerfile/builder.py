@@ -11,14 +11,13 @@ import json
 import os
 import shutil
 import stat
-import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ephemeral import errors
-from ephemeral.sandbox import images, users
+from ephemeral.sandbox import host_pip, images, users
 from ephemeral.sandbox.build_sandbox import IN_DIR, OUT_DIR, BuildSandbox
 from ephemeral.sandbox.dockerfile.aliases import NAME, _resolve
 from ephemeral.sandbox.dockerfile.context import (
@@ -565,24 +564,25 @@ def _with_files(rootfs: Path, plan: Plan, step: RunStep, reqs: list[str]) -> lis
 async def _pip_download(
     plan: Plan, step: RunStep, version: str, reqs: list[str], wheels: Path
 ) -> None:
-    """The host's pip fetches wheels only (no package code runs) for the image's python."""
-    argv = [
-        sys.executable,
-        "-m",
-        "pip",
+    """The host's pip fetches wheels only for the image's python, in an empty scratch
+    directory as a uid that owns nothing (:mod:`ephemeral.sandbox.host_pip`)."""
+    cut = reqs.index("--")
+    args = [
         "download",
         "--disable-pip-version-check",
         "--no-input",
         "--only-binary=:all:",
         f"--python-version={version}",
         "--implementation=cp",
-        f"--dest={wheels}",
-        *reqs,
+        *reqs[:cut],  # --no-deps, --pre
+        "--dest",
+        "{out}",
     ]
     try:
-        await images._run(argv, "pip download", timeout=PIP_TIMEOUT_S)
-    except errors.SandboxError as exc:
-        raise fail(plan.path, step.line, "RUN", exc.detail.removeprefix("image build: ")) from None
+        await host_pip.run(args, reqs[cut + 1 :], "pip download", wheels, timeout=PIP_TIMEOUT_S)
+    except errors.EphemeralError as exc:
+        detail = exc.detail.removeprefix("image build: ")
+        raise fail(plan.path, step.line, "RUN", detail) from None
 
 
 _COPY_SH = r"""

@@ -8,10 +8,9 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 
-from packaging.requirements import InvalidRequirement, Requirement
-
 from ephemeral import errors
 from ephemeral.sandbox.dockerfile.parser import Instruction, _join, expand, fail
+from ephemeral.sandbox.host_pip import requirement_problem
 
 _PACKAGE = re.compile(r"[a-z0-9][a-z0-9+.:=~-]{0,99}")
 
@@ -220,7 +219,9 @@ def _pip_requirements(
 ) -> list[list[str]]:
     """For each ``pip install`` of a RUN line, what the host's pip must fetch: requirement
     specifiers, ``-r FILE`` (a file of the image, read when the RUN comes; relative to
-    ``workdir``), ``--no-deps``/``--pre``. Local paths are left to the pip inside."""
+    ``workdir``), ``--no-deps``/``--pre``. A path of the image (``/``, ``./``, ``../``, ``.``)
+    is left to the pip inside; any other word pip would read as a path, an archive, a URL or
+    an option is refused here, naming the line (``host_pip.requirement_problem``)."""
     out: list[list[str]] = []
 
     def err(message: str) -> errors.DockerfileError:
@@ -274,16 +275,10 @@ def _pip_requirements(
                 continue
             if w.startswith("-"):
                 continue
-            if "://" in w:
-                raise err(f"pip install {w!r}: URLs are not honoured")
-            if w.startswith((".", "/", "~")) or w.endswith((".whl", ".tar.gz", ".zip")):
-                continue  # a local path in the image: the pip inside installs it
-            try:
-                req = Requirement(w)
-            except InvalidRequirement:
-                raise err(f"pip install {w!r}: not a requirement specifier") from None
-            if req.url is not None:
-                raise err(f"pip install {w!r}: URLs are not honoured")
+            if w in (".", "..") or w.startswith(("/", "./", "../")):
+                continue  # a path of the image: only the pip inside reads it, never the host's
+            if (why := requirement_problem(w)) is not None:
+                raise err(f"pip install {w!r}: {why}")
             reqs.append(w)
         if reqs or "-r" in extra:
             out.append([*extra, "--", *reqs])
@@ -306,15 +301,7 @@ def requirements_file(text: str) -> list[str]:
                 continue
             raise ValueError(f"line {n}: {opt} is not honoured in a requirements file")
         spec = " ".join(w for w in words if not w.startswith("--hash"))
-        if "://" in spec:
-            raise ValueError(f"line {n}: URLs are not honoured")
-        if spec.startswith((".", "/", "~")):
-            raise ValueError(f"line {n}: a local path is not honoured in a requirements file")
-        try:
-            req = Requirement(spec)
-        except InvalidRequirement:
-            raise ValueError(f"line {n}: {spec!r} is not a requirement specifier") from None
-        if req.url is not None:
-            raise ValueError(f"line {n}: URLs are not honoured")
+        if (why := requirement_problem(spec)) is not None:
+            raise ValueError(f"line {n}: {spec!r}: {why}")
         out.append(spec)
     return out
