@@ -149,6 +149,56 @@ class Settings(BaseSettings):
         ge=1,
         description="The largest compressed layer (MiB) a pull downloads.",
     )
+    build_memory_mib: int = Field(
+        default=2048,
+        ge=64,
+        le=1 << 20,
+        description="Memory of one image build (its cgroup: every step, the host's pip and "
+        "mmdebstrap, each step's /tmp); past it the build fails saying so.",
+    )
+    build_pids: int = Field(
+        default=1024,
+        ge=64,
+        le=1 << 16,
+        description="Processes one image build may run at once (its cgroup).",
+    )
+    build_cpus: float = Field(
+        default=2.0, gt=0, le=64, description="CPUs one image build may use (its cgroup)."
+    )
+    build_disk_mib: int = Field(
+        default=8192,
+        ge=256,
+        le=1 << 22,
+        description="The filesystem one image build writes in (an ext4 file of this size, "
+        "base layer included): a write past it is ENOSPC and fails the build.",
+    )
+    build_tmp_mib: int = Field(
+        default=512,
+        ge=16,
+        le=1 << 20,
+        description="The `/tmp` (and `/run`) of each build step: a tmpfs of this size, "
+        "charged to the build's memory.",
+    )
+    build_add_max_mib: int = Field(
+        default=2048,
+        ge=1,
+        le=1 << 22,
+        description="What one `ADD` of a local archive may unpack (the sum of its members' "
+        "sizes, read before anything is unpacked).",
+    )
+    build_add_max_files: int = Field(
+        default=100_000,
+        ge=1,
+        le=10_000_000,
+        description="Members one `ADD` of a local archive may unpack.",
+    )
+    image_cache_max_mib: int = Field(
+        default=20480,
+        ge=0,
+        description="Size of the image cache (builds and base layers) kept after each build: "
+        "the least recently used builds and layers no live sandbox or pool uses are removed "
+        "past it (`ephemeral images gc`); 0 keeps everything.",
+    )
 
     # providers: keys never leave the host process
     openai_api_key: SecretStr | None = Field(

@@ -1,5 +1,5 @@
 """CLI group: sandbox (``sandbox exec|shell|reap``, ``isolation``,
-``images build|list|rm|alias``)."""
+``images build|list|rm|alias|gc``)."""
 
 from __future__ import annotations
 
@@ -310,6 +310,40 @@ def images_rm(
         return
     for path in images.remove_images(settings, name, all_versions=not stale, include_base=base):
         typer.echo(f"removed {path}")
+
+
+@images_app.command("gc")
+def images_gc(
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="List what would be removed; remove nothing.")
+    ] = False,
+    max_mib: Annotated[
+        int | None,
+        typer.Option(
+            "--max-mib",
+            min=0,
+            help="Keep the cache within this size (default EPHEMERAL_IMAGE_CACHE_MAX_MIB; "
+            "0 removes every build and layer not in use).",
+        ),
+    ] = None,
+) -> None:
+    """Remove what dead builds left, then the least recently used builds and base layers no
+    live sandbox or pool uses, until the cache fits (docs/images.md)."""
+    from ephemeral.sandbox import image_gc
+
+    settings = Settings.load()
+    limit = max_mib << 20 if max_mib is not None else None
+    chosen = image_gc.collect(settings, dry_run=dry_run, max_bytes=limit)
+    verb = "would remove" if dry_run else "removed"
+    for e in chosen:
+        when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(e.last_used))
+        typer.echo(f"{verb} {e.kind:<5} {e.size_bytes / 1e6:7.1f} MB  last used {when}  {e.path}")
+    kept = [e for e in image_gc.entries(settings) if e not in chosen] if dry_run else None
+    total = sum(e.size_bytes for e in kept) if kept is not None else None
+    if not chosen:
+        typer.echo("nothing to remove")
+    if total is not None:
+        typer.echo(f"would keep {total / 1e6:.1f} MB")
 
 
 def register(app: typer.Typer) -> None:

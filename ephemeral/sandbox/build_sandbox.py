@@ -27,13 +27,19 @@ import asyncio
 import contextlib
 import errno
 import os
+import secrets
+import shlex
 import shutil
 import stat
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ephemeral import errors
+from ephemeral.sandbox import cgroups
+from ephemeral.sandbox.base import Limits
 from ephemeral.sandbox.uid_slots import allocate_slot
+from ephemeral.settings import Settings
 
 IN_DIR = "/run/ephemeral-build/in"
 OUT_DIR = "/run/ephemeral-build/out"
@@ -60,6 +66,96 @@ RANGE = 1 << 16
 # in each command's private mount namespace.
 MOUNT_DIR = Path("/run/ephemeral/build")
 _CAPS_XATTR = "security.capability"
+
+
+@dataclass(frozen=True)
+class BuildLimits:
+    """What one build may use (settings ``build_*``): its cgroup's memory, processes and CPUs,
+    its filesystem (:mod:`ephemeral.sandbox.build_area`), each step's ``/tmp`` and ``/run``,
+    and what one ``ADD`` may unpack."""
+
+    memory_mib: int = 2048
+    pids: int = 1024
+    cpus: float = 2.0
+    disk_mib: int = 8192
+    tmp_mib: int = 512
+    add_max_mib: int = 2048
+    add_max_files: int = 100_000
+
+    @classmethod
+    def of(cls, settings: Settings) -> BuildLimits:
+        return cls(
+            memory_mib=settings.build_memory_mib,
+            pids=settings.build_pids,
+            cpus=settings.build_cpus,
+            disk_mib=settings.build_disk_mib,
+            tmp_mib=settings.build_tmp_mib,
+            add_max_mib=settings.build_add_max_mib,
+            add_max_files=settings.build_add_max_files,
+        )
+
+
+class BuildCgroup:
+    """One build's cgroup (:class:`ephemeral.sandbox.cgroups.CgroupSet`, as the sandboxes'):
+    every command of the build joins it before it execs (:meth:`prefix`); at the end whatever
+    is left in it is killed and it is removed. ``with BuildCgroup(limits) as cg:``."""
+
+    def __init__(self, limits: BuildLimits) -> None:
+        self.limits = limits
+        self.id = f"build-{secrets.token_hex(8)}"
+        self.cg: cgroups.CgroupSet | None = None
+
+    def __enter__(self) -> BuildCgroup:
+        if (why := cgroups.available()) is not None:
+            raise errors.SandboxError(f"image build needs cgroups for its limits: {why}")
+        lim = self.limits
+        self.cg = cgroups.CgroupSet.create(
+            self.id, Limits(cpus=lim.cpus, memory_mib=lim.memory_mib, pids=lim.pids)
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cg is not None:
+            self.cg.remove()
+            self.cg = None
+
+    def prefix(self) -> list[str]:
+        """argv prefix: join this cgroup, then exec what follows."""
+        assert self.cg is not None
+        join = " && ".join(f"echo $$ > {shlex.quote(f)}" for f in self.cg.procs_files)
+        return ["/bin/sh", "-c", join + ' && exec "$@"', "sh"]
+
+    def exhausted(self) -> str | None:
+        """Which limit the build ran into (memory or processes), or None."""
+        if self.cg is None:
+            return None
+        if self.cg.oom_killed():
+            return f"out of memory (the build's limit is build_memory_mib={self.limits.memory_mib})"
+        for d in self.cg.dirs:
+            with contextlib.suppress(OSError, ValueError):
+                for line in (d / "pids.events").read_text().splitlines():
+                    key, _, val = line.partition(" ")
+                    if key == "max" and int(val) > 0:
+                        return (
+                            f"out of processes (the build's limit is build_pids={self.limits.pids})"
+                        )
+        return None
+
+
+def explain(
+    exc: errors.SandboxError, limits: BuildLimits, cg: BuildCgroup | None
+) -> errors.SandboxError:
+    """``exc`` of a failed build command, saying which limit it ran into when it did."""
+    why = cg.exhausted() if cg is not None else None
+    if why is None and "No space left on device" in exc.detail:
+        why = (
+            f"no space left (the build's disk is build_disk_mib={limits.disk_mib}, each "
+            f"step's /tmp build_tmp_mib={limits.tmp_mib})"
+        )
+    if why is None:
+        return exc
+    head, sep, rest = exc.detail.partition("\n")
+    return errors.SandboxError(f"{head} {why}{sep}{rest}")
 
 
 def _mounts_prefix(binds: Sequence[tuple[Path, Path]]) -> list[str]:
@@ -104,6 +200,7 @@ def bwrap_argv(
     *,
     ro: Sequence[tuple[Path, str]] = (),
     rw: Sequence[tuple[Path, str]] = (),
+    tmp_mib: int = BuildLimits.tmp_mib,
 ) -> list[str]:
     """bwrap with ``root`` as ``/`` (read-write) and nothing of the host but ``ro``/``rw``;
     with no root, ``/`` is an empty tmpfs with the host's ``/usr`` read-only (the C compiler)."""
@@ -129,7 +226,9 @@ def bwrap_argv(
         for link in ("bin", "lib", "lib64", "sbin"):
             if os.path.islink(f"/{link}"):
                 argv += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
+    size = str(tmp_mib << 20)  # tmpfs pages are charged to the build's memory cgroup too
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += ["--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", "/run"]
     for src, dst in ro:
         argv += ["--ro-bind", str(src), dst]
     for src, dst in rw:
@@ -227,11 +326,13 @@ class BuildSandbox:
     """Holds a uid slot and the shifted ownership of ``rootfs`` for one build; ``run`` runs a
     command inside. Use as ``async with BuildSandbox(rootfs) as box:``."""
 
-    def __init__(self, rootfs: Path) -> None:
+    def __init__(self, rootfs: Path, limits: BuildLimits | None = None) -> None:
         self.rootfs = rootfs
+        self.limits = limits or BuildLimits()
         self.base = 0
         self._slot_fd: int | None = None
         self._shifted: list[Path] = []
+        self.cgroup: BuildCgroup | None = None
 
     async def __aenter__(self) -> BuildSandbox:
         for tool in ("bwrap", "unshare", "nsenter"):
@@ -239,6 +340,7 @@ class BuildSandbox:
                 raise errors.SandboxError(f"image build needs {tool} (its sandbox runs in one)")
         self.base, self._slot_fd = allocate_slot()
         try:
+            self.cgroup = BuildCgroup(self.limits).__enter__()
             await self.own(self.rootfs)
         except BaseException:
             await self.__aexit__()
@@ -252,6 +354,9 @@ class BuildSandbox:
 
     async def __aexit__(self, *exc: object) -> None:
         try:
+            if self.cgroup is not None:  # nothing of the build outlives it
+                await asyncio.to_thread(self.cgroup.__exit__)
+                self.cgroup = None
             for path in reversed(self._shifted):
                 base = self.base
                 await asyncio.to_thread(shift_owners, path, -base, lo=base, hi=base + RANGE)
@@ -292,12 +397,18 @@ class BuildSandbox:
             root = None if host_usr else point(self.rootfs)
             ro_at = [(point(src), dst) for src, dst in ro]
             rw_at = [(point(src), dst) for src, dst in rw]
+            assert self.cgroup is not None
             full = [
+                *self.cgroup.prefix(),
                 *_mounts_prefix(binds),
                 *_userns_prefix(self.base),
-                *bwrap_argv(root, env, ro=ro_at, rw=rw_at),
+                *bwrap_argv(root, env, ro=ro_at, rw=rw_at, tmp_mib=self.limits.tmp_mib),
                 *argv,
             ]
-            await run_bounded(full, what, timeout=timeout, env={"PATH": "/usr/sbin:/usr/bin:/bin"})
+            env_ = {"PATH": "/usr/sbin:/usr/bin:/bin"}
+            try:
+                await run_bounded(full, what, timeout=timeout, env=env_)
+            except errors.SandboxError as exc:
+                raise explain(exc, self.limits, self.cgroup) from None
         finally:
             shutil.rmtree(points, ignore_errors=True)

@@ -35,15 +35,19 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from ephemeral import errors
-from ephemeral.sandbox import host_pip
+from ephemeral.sandbox import build_area, host_pip, image_gc
+from ephemeral.sandbox.build_area import BuildArea
 from ephemeral.sandbox.build_sandbox import (
     IN_DIR,
     MOUNT_DIR,
     OUT_DIR,
     RANGE,
+    BuildCgroup,
+    BuildLimits,
     BuildSandbox,
     _mounts_prefix,
     _userns_prefix,
+    explain,
     run_bounded,
     shift_owners,
 )
@@ -372,6 +376,7 @@ async def _ensure_base(settings: Settings, spec: dict[str, Any]) -> Path:
     base = settings.image_cache_dir / "base" / _base_hash(spec)[:16]
     rootfs = base / "rootfs"
     if (base / "done").is_file():
+        image_gc.mark_used(base)
         return rootfs
     if shutil.which("mmdebstrap") is None:
         raise errors.SandboxError("image build needs mmdebstrap (apt-get install mmdebstrap)")
@@ -380,15 +385,18 @@ async def _ensure_base(settings: Settings, spec: dict[str, Any]) -> Path:
     async with _AsyncFileLock(base.parent / f".{base.name}.lock"):
         if (base / "done").is_file():
             return rootfs
-        if base.exists():
-            shutil.rmtree(base)
-        base.mkdir(parents=True)
-        try:
-            await _mmdebstrap(spec, base, rootfs, [])
-        except BaseException:
-            shutil.rmtree(base, ignore_errors=True)
-            raise
-        (base / "done").write_text(str(time.time()))
+        await asyncio.to_thread(build_area.sweep, settings.image_cache_dir)
+        limits = BuildLimits.of(settings)
+        async with BuildArea(base, limits.disk_mib) as area:
+            layer = area.fs / "layer"
+            layer.mkdir(mode=0o700)
+            with BuildCgroup(limits) as cg:
+                try:
+                    await _mmdebstrap(spec, layer, layer / "rootfs", cg.prefix())
+                except errors.SandboxError as exc:
+                    raise explain(exc, limits, cg) from None
+            (layer / "done").write_text(str(time.time()))
+            await area.commit(layer)
     return rootfs
 
 
@@ -587,6 +595,7 @@ async def _pip_install(
         target,
         timeout=PIP_TIMEOUT_S,
         files=shipped,
+        prefix=box.cgroup.prefix() if box.cgroup else (),
     )
     await _install(
         box,
@@ -618,17 +627,21 @@ Then = Callable[[BuildSandbox, Path, Path, dict[str, str]], Awaitable[None]]
 
 
 async def _assemble(
-    layers: list[tuple[Path, ImageDefinition]], base: Path, out: Path, then: Then | None = None
+    layers: list[tuple[Path, ImageDefinition]],
+    base: Path,
+    work: Path,
+    limits: BuildLimits,
+    then: Then | None = None,
 ) -> dict[str, Any]:
-    """Copy the mmdebstrap layer, then apply every definition in the chain, root first, each
-    definition-controlled part inside the build sandbox (then ``then``, in the same sandbox).
+    """Copy the mmdebstrap layer into ``work`` (a new directory in the build's area,
+    :mod:`ephemeral.sandbox.build_area`), then apply every definition in the chain, root
+    first, each definition-controlled part inside the build sandbox (then ``then``, in the
+    same sandbox), under ``limits``.
 
     Returns what the image's runs need to know (agent path, user, env, workdir)."""
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = work
     # host root's only: a set-id file a build step made in the image is no host user's to run
+    tmp.mkdir(mode=0o700)
     tmp.chmod(0o700)
     rootfs = tmp / "rootfs"
     stage = tmp / "stage"  # host-side inputs: pip's downloads, compiled shims
@@ -639,7 +652,7 @@ async def _assemble(
     assert root.agent is not None and root.user is not None  # checked by the model
     env: dict[str, str] = {}
     workdir: str | None = None
-    async with BuildSandbox(rootfs) as box:
+    async with BuildSandbox(rootfs, limits) as box:
         await _install(
             box, _source(root_dir, root.agent.source), root.agent.path, "install agent", "0755"
         )
@@ -672,14 +685,12 @@ async def _assemble(
             stage.mkdir(exist_ok=True)
             await then(box, rootfs, stage, dict(env))
     shutil.rmtree(stage, ignore_errors=True)
-    shutil.rmtree(out, ignore_errors=True)
-    os.rename(tmp, out)
     return {
         "agent_path": root.agent.path,
         "user": root.user.model_dump(),
         "env": env,
         "workdir": workdir,
-        "python": _python_or_none(out / "rootfs"),
+        "python": _python_or_none(rootfs),
     }
 
 
@@ -700,32 +711,40 @@ async def ensure_image(settings: Settings, name: str = "default") -> Path:
     if not (settings.images_dir / name / "image.yaml").is_file():
         found = dockerfile_image_dir(settings, name)
         if found is not None and (found / _MARKER).is_file():
+            image_gc.mark_used(found)
             return found / "rootfs"  # built from a Dockerfile: only build_dockerfile builds it
     defdir = definition_dir(settings, name)
     layers = chain(defdir)
     digest = definition_hash(defdir)
     out = settings.image_cache_dir / f"{name}-{digest[:16]}"
     if (out / _MARKER).is_file():
+        image_gc.mark_used(out)
         return out / "rootfs"
     lock = settings.image_cache_dir / f".{name}.lock"
     # flock blocks: take it in a thread so other coroutines keep running during a build
     async with _AsyncFileLock(lock):
         if (out / _MARKER).is_file():
             return out / "rootfs"
+        limits = BuildLimits.of(settings)
+        await asyncio.to_thread(build_area.sweep, settings.image_cache_dir)
         spec = _layer_spec([d for _, d in layers])
         base = await _ensure_base(settings, spec)
-        info = await _assemble(layers, base, out)
-        base_name = layers[-1][1].base
-        meta = {
-            "name": name,
-            "hash": digest,
-            "built_at": time.time(),
-            **info,
-            "base": base_name,
-            "base_hash": definition_hash(defdir.parent / base_name) if base_name else None,
-            "size_bytes": await asyncio.to_thread(_du, out),
-        }
-        (out / _MARKER).write_text(json.dumps(meta, indent=1))
+        async with BuildArea(out, limits.disk_mib) as area:
+            work = area.fs / "image"
+            info = await _assemble(layers, base, work, limits)
+            base_name = layers[-1][1].base
+            meta = {
+                "name": name,
+                "hash": digest,
+                "built_at": time.time(),
+                **info,
+                "base": base_name,
+                "base_hash": definition_hash(defdir.parent / base_name) if base_name else None,
+                "size_bytes": await asyncio.to_thread(_du, work),
+            }
+            (work / _MARKER).write_text(json.dumps(meta, indent=1))
+            await area.commit(work)
+        await asyncio.to_thread(image_gc.after_build, settings, out)
         # microVM hook (owned by microvm_image.py): kernel, initramfs and ext4 of this rootfs
         await asyncio.to_thread(build_with_image, settings, name, out / "rootfs", digest[:16])
     return out / "rootfs"
@@ -804,6 +823,7 @@ def built_image(settings: Settings, name: str) -> ImageConfig | None:
         meta = json.loads((d / _MARKER).read_text())
     except (OSError, ValueError):
         return None
+    image_gc.mark_used(d)
     return ImageConfig(
         name=name,
         hash=str(meta.get("hash", "")),

@@ -17,8 +17,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ephemeral import errors
-from ephemeral.sandbox import host_pip, images, users
-from ephemeral.sandbox.build_sandbox import IN_DIR, OUT_DIR, BuildSandbox
+from ephemeral.sandbox import build_area, host_pip, image_gc, images, users
+from ephemeral.sandbox.build_sandbox import IN_DIR, OUT_DIR, BuildLimits, BuildSandbox
 from ephemeral.sandbox.dockerfile.aliases import NAME, _resolve
 from ephemeral.sandbox.dockerfile.context import (
     Context,
@@ -26,6 +26,7 @@ from ephemeral.sandbox.dockerfile.context import (
     _copy_file,
     _is_archive,
     _stage_tree,
+    archive_bounds,
     resolve_copy,
     scan_context,
 )
@@ -252,15 +253,35 @@ async def _build(
     digest: str,
     name: str,
 ) -> None:
-    scratch = out.with_name(f".{out.name}.stages")
-    shutil.rmtree(scratch, ignore_errors=True)
+    limits = BuildLimits.of(settings)
+    await asyncio.to_thread(build_area.sweep, settings.image_cache_dir)
     extracted: dict[int, tuple[Path, bool]] = {}
-    try:
+    # every stage, what later stages copy from it and the image itself are written in the
+    # build's area: one size-limited filesystem (build_area.py), in directories host root's
+    # only (a set-uid file of a stage is no host user's to reach)
+    async with images.BuildArea(out, limits.disk_mib) as area:
+        scratch = area.fs / "stages"
+        scratch.mkdir(mode=0o700)
         for k in plan.needed():
-            await _build_stage(settings, plan, k, ctx, scratch, extracted)
-        info = await _assemble_stage(settings, plan, plan, ctx, out, extracted, [])
-    finally:
+            await _build_stage(settings, plan, k, ctx, scratch, extracted, limits)
+        work = area.fs / "image"
+        info = await _assemble_stage(settings, plan, plan, ctx, work, extracted, [], limits)
         shutil.rmtree(scratch, ignore_errors=True)
+        await _finish(work, plan, info, dockerfile, base_dir, digest, name)
+        await area.commit(work)
+    await asyncio.to_thread(image_gc.after_build, settings, out)
+
+
+async def _finish(
+    out: Path,
+    plan: Plan,
+    info: dict[str, Any],
+    dockerfile: Path,
+    base_dir: Path,
+    digest: str,
+    name: str,
+) -> None:
+    """Write the image's ``image.json`` (last: its presence says the image is whole)."""
     meta = {
         "name": name,
         "hash": digest,
@@ -295,6 +316,7 @@ async def _assemble_stage(
     out: Path,
     extracted: dict[int, tuple[Path, bool]],
     exports: list[tuple[CopyStep, Path]],
+    limits: BuildLimits,
 ) -> dict[str, Any]:
     """Build one stage's rootfs in ``out`` (its base's chain, then its steps); before the
     build sandbox closes, copy what later stages' ``COPY --from`` take into ``exports``."""
@@ -309,7 +331,7 @@ async def _assemble_stage(
         for step, into in exports:
             extracted[id(step)] = (into / "data", await _export(box, final, step, into))
 
-    return await images._assemble(layers, base, out, then=steps)
+    return await images._assemble(layers, base, out, limits, then=steps)
 
 
 async def _build_stage(
@@ -319,6 +341,7 @@ async def _build_stage(
     ctx: Context,
     scratch: Path,
     extracted: dict[int, tuple[Path, bool]],
+    limits: BuildLimits,
 ) -> None:
     """An earlier stage: built, what is copied from it exported, its rootfs deleted."""
     consumers = [
@@ -329,9 +352,9 @@ async def _build_stage(
     ]
     exports = [(step, scratch / f"from-{k}-{n}") for n, step in enumerate(consumers)]
     for _, into in exports:
-        into.mkdir(parents=True)
+        into.mkdir(mode=0o700)
     await _assemble_stage(
-        settings, final, final.stages[k], ctx, scratch / f"stage-{k}", extracted, exports
+        settings, final, final.stages[k], ctx, scratch / f"stage-{k}", extracted, exports, limits
     )
     shutil.rmtree(scratch / f"stage-{k}", ignore_errors=True)
 
@@ -528,7 +551,8 @@ async def _run_step(
         for reqs in step.pip:
             full = _with_files(rootfs, plan, step, reqs)
             if full[-1] != "--":  # a requirements file may name nothing
-                await _pip_download(plan, step, version, full, wheels)
+                joins = box.cgroup.prefix() if box.cgroup else []  # the build's cgroup
+                await _pip_download(plan, step, version, full, wheels, joins)
         ro.append((wheels, WHEELS))
         env.setdefault("PIP_NO_INDEX", "1")
         env["PIP_FIND_LINKS"] = WHEELS
@@ -562,7 +586,7 @@ def _with_files(rootfs: Path, plan: Plan, step: RunStep, reqs: list[str]) -> lis
 
 
 async def _pip_download(
-    plan: Plan, step: RunStep, version: str, reqs: list[str], wheels: Path
+    plan: Plan, step: RunStep, version: str, reqs: list[str], wheels: Path, prefix: list[str]
 ) -> None:
     """The host's pip fetches wheels only for the image's python, in an empty scratch
     directory as a uid that owns nothing (:mod:`ephemeral.sandbox.host_pip`)."""
@@ -579,7 +603,9 @@ async def _pip_download(
         "{out}",
     ]
     try:
-        await host_pip.run(args, reqs[cut + 1 :], "pip download", wheels, timeout=PIP_TIMEOUT_S)
+        await host_pip.run(
+            args, reqs[cut + 1 :], "pip download", wheels, timeout=PIP_TIMEOUT_S, prefix=prefix
+        )
     except errors.EphemeralError as exc:
         detail = exc.detail.removeprefix("image build: ")
         raise fail(plan.path, step.line, "RUN", detail) from None
@@ -689,6 +715,12 @@ async def _unpack(box: BuildSandbox, plan: Plan, step: CopyStep, rel: str, host:
     """ADD of a local archive: unpacked into the destination as a directory, by the image's
     tar inside the build sandbox (a member's path resolves in the image), owned by root."""
     flag = _archive_flag(host) or ""
+    try:
+        await asyncio.to_thread(
+            archive_bounds, host, box.limits.add_max_mib << 20, box.limits.add_max_files
+        )
+    except ValueError as exc:
+        raise fail(plan.path, step.line, "ADD", f"{rel}: {exc}") from None
     try:
         await box.run(
             ["/bin/sh", "-ec", _UNPACK_SH, "sh", f"{IN_DIR}/archive", step.dest, flag],

@@ -4,9 +4,12 @@ without following links), and the sources a ``COPY``/``ADD`` names in it."""
 from __future__ import annotations
 
 import hashlib
+import lzma
 import os
 import shutil
 import stat
+import tarfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -239,3 +242,27 @@ def _archive_flag(path: Path) -> str | None:
 
 def _is_archive(path: Path) -> bool:
     return _archive_flag(path) is not None
+
+
+def archive_bounds(path: Path, max_bytes: int, max_files: int) -> None:
+    """Read the members of a local archive ``ADD`` would unpack (headers only: nothing is
+    written) and raise ValueError when they hold more than ``max_bytes`` (the sum of their
+    sizes, sparse files at their full size) or more than ``max_files`` members: a small
+    compressed archive can unpack to any size. Reading stops at the first bound passed."""
+    total = count = 0
+    try:
+        with tarfile.open(path, "r|*") as tar:
+            for member in tar:
+                count += 1
+                total += max(member.size, 0)
+                if count > max_files:
+                    raise ValueError(
+                        f"the archive holds more than {max_files} members (build_add_max_files)"
+                    )
+                if total > max_bytes:
+                    raise ValueError(
+                        f"the archive unpacks to more than {max_bytes >> 20} MiB "
+                        "(build_add_max_mib)"
+                    )
+    except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError) as exc:
+        raise ValueError(f"cannot read the archive: {exc}") from None

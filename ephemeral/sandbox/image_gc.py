@@ -1,0 +1,204 @@
+"""Garbage collection of the image cache: builds and base layers, least recently used first.
+
+The cache (``settings.image_cache_dir``) is a set of *entries*, each a directory (plus the
+files that go with it) with a size, a last use and whether something uses it now. Each kind
+of entry has a collector (:data:`COLLECTORS`: builds, base layers; another store, such as
+pulled OCI layers, joins by adding one) and :func:`plan` chooses, oldest use first, what to
+remove until the cache fits ``image_cache_max_mib``. Never removed:
+
+- an entry in use: a live sandbox's mounts, root or open files lie in it (read from
+  ``/proc``: every mount namespace's mount roots, every process's root and open files, so a
+  sandbox of any state directory counts, and a pool's too), or a build holds its lock;
+- an entry used in the last :data:`RECENT_S` seconds (a run admitted a moment ago boots
+  from it soon).
+
+A use is recorded by :func:`mark_used` (``.used``'s mtime) when a build or a lookup returns
+the entry. ``ephemeral images gc`` runs it (``--dry-run`` lists what would go); each build
+runs it after itself when ``image_cache_max_mib`` is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ephemeral.sandbox import build_area
+from ephemeral.settings import Settings
+
+log = logging.getLogger(__name__)
+USED = ".used"
+RECENT_S = 600.0
+
+
+@dataclass
+class Entry:
+    kind: str  # "image" or "base" (or what a new collector names)
+    path: Path
+    size_bytes: int
+    last_used: float
+    extra: list[Path] = field(default_factory=list)  # removed with it (a microVM disk, a name)
+    in_use: bool = False
+
+
+def mark_used(path: Path) -> None:
+    """Record a use of the entry at ``path`` now (best effort: a read-only cache still works)."""
+    with contextlib.suppress(OSError):
+        (path / USED).touch()
+
+
+def _last_used(path: Path, fallback: Path) -> float:
+    for p in (path / USED, fallback):
+        with contextlib.suppress(OSError):
+            return os.stat(p).st_mtime
+    return 0.0
+
+
+def _du(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, f)).st_blocks * 512
+    return total
+
+
+def _builds(settings: Settings) -> Iterator[Entry]:
+    cache = settings.image_cache_dir
+    pointers: dict[str, list[Path]] = {}
+    for ptr in (cache / "dockerfile").glob("*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            pointers.setdefault(str(json.loads(ptr.read_text())["dir"]), []).append(ptr)
+    for marker in cache.glob("*/image.json"):
+        d = marker.parent
+        if d.is_symlink():
+            continue
+        extra = list(pointers.get(d.name, []))
+        ext4 = cache / "microvm" / "rootfs" / f"{d.name}.ext4"
+        if ext4.is_file():
+            extra.append(ext4)
+        size = _du(d) + sum(p.stat().st_size for p in extra if p.suffix == ".ext4")
+        yield Entry("image", d, size, _last_used(d, marker), extra)
+
+
+def _bases(settings: Settings) -> Iterator[Entry]:
+    for done in (settings.image_cache_dir / "base").glob("*/done"):
+        d = done.parent
+        if d.is_symlink():
+            continue
+        yield Entry("base", d, _du(d), _last_used(d, done))
+
+
+# every kind of entry the cache holds (a new store adds its collector here)
+COLLECTORS: list[Callable[[Settings], Iterable[Entry]]] = [_builds, _bases]
+
+
+def _used_paths() -> set[str]:
+    """Every path a process of this host has as a mount root, its root or an open file."""
+    found: set[str] = set()
+    seen_ns: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        base = f"/proc/{pid}"
+        with contextlib.suppress(OSError):
+            found.add(os.readlink(f"{base}/root"))
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"{base}/fd"):
+                with contextlib.suppress(OSError):
+                    found.add(os.readlink(f"{base}/fd/{fd}"))
+        try:
+            ns = os.readlink(f"{base}/ns/mnt")
+        except OSError:
+            continue
+        if ns in seen_ns:
+            continue
+        seen_ns.add(ns)
+        with contextlib.suppress(OSError), open(f"{base}/mountinfo") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 4:
+                    found.add(parts[3].encode().decode("unicode_escape"))
+    return found
+
+
+def _mark_in_use(entries: list[Entry]) -> None:
+    used = _used_paths()
+    now = time.time()
+    for e in entries:
+        roots = [str(e.path), *(str(p) for p in e.extra if p.suffix == ".ext4")]
+        e.in_use = now - e.last_used < RECENT_S or any(
+            u == r or u.startswith(r + "/") for u in used for r in roots
+        )
+
+
+def entries(settings: Settings) -> list[Entry]:
+    """Every entry of the cache, in use or not, least recently used first."""
+    found = [e for collect in COLLECTORS for e in collect(settings)]
+    _mark_in_use(found)
+    return sorted(found, key=lambda e: e.last_used)
+
+
+def plan(settings: Settings, max_bytes: int | None = None) -> list[Entry]:
+    """What to remove for the cache to hold at most ``max_bytes`` (default: the setting,
+    whose 0 keeps everything; ``max_bytes=0`` removes every entry not in use), least recently
+    used first, never an entry in use."""
+    limit = max_bytes if max_bytes is not None else settings.image_cache_max_mib << 20
+    if max_bytes is None and limit <= 0:
+        return []  # the setting at 0 keeps everything
+    found = entries(settings)
+    total = sum(e.size_bytes for e in found)
+    out: list[Entry] = []
+    for e in found:
+        if total <= limit:
+            break
+        if e.in_use:
+            continue
+        out.append(e)
+        total -= e.size_bytes
+    return out
+
+
+def remove(found: list[Entry]) -> list[Path]:
+    removed: list[Path] = []
+    for e in found:
+        for p in [e.path, *e.extra]:
+            with contextlib.suppress(FileNotFoundError):
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+                removed.append(p)
+    return removed
+
+
+def collect(
+    settings: Settings, *, dry_run: bool = False, max_bytes: int | None = None
+) -> list[Entry]:
+    """Stale build areas (build_area.sweep), then :func:`plan`, removed unless ``dry_run``."""
+    if not dry_run:
+        build_area.sweep(settings.image_cache_dir)
+    chosen = plan(settings, max_bytes)
+    if not dry_run:
+        remove(chosen)
+    return chosen
+
+
+def after_build(settings: Settings, built: Path) -> None:
+    """Keep the cache within ``image_cache_max_mib`` after a build (which is marked used)."""
+    mark_used(built)
+    if settings.image_cache_max_mib <= 0:
+        return
+    try:
+        gone = collect(settings)
+    except OSError as exc:  # a full collection is the operator's; the build is done
+        log.warning("image cache gc: %s", exc)
+        return
+    for e in gone:
+        log.info("image cache gc: removed %s %s (%d bytes)", e.kind, e.path, e.size_bytes)
