@@ -2,7 +2,8 @@
 the image's disk, its /tmp, or unpacks an ADD bomb fails its own build saying which limit it
 hit, and leaves the host as it was (the cache as before, no build area, no cgroup, no mount);
 what dead builds leave is swept; the cache is collected least recently used first, never what
-a live sandbox uses; stage directories are host root's only."""
+a live sandbox uses; stage directories are host root's only; the Dockerfile is never read
+through a link."""
 
 from __future__ import annotations
 
@@ -307,3 +308,26 @@ def test_an_earlier_stages_set_uid_file_is_in_host_root_only_directories(
     # some directory on the way is host root's only: no host user reaches the file
     assert any(m & 0o077 == 0 for m in modes), [oct(m) for m in modes]
     assert (root / "opt" / "suid-sh").is_file()
+
+
+def test_a_dockerfile_that_is_a_symlink_is_refused_without_reading_it(tmp_path: Path) -> None:
+    settings = _settings(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_text("ROOT:x:0:0:the host's first line\n")
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").symlink_to(secret)
+    with pytest.raises(errors.DockerfileError) as exc:
+        df.load(ctx / "Dockerfile", None, {}, settings)
+    assert "symlink" in exc.value.detail and "ROOT" not in exc.value.detail
+    # outside the context: refused too, whatever it holds
+    outside = tmp_path / "Dockerfile.outside"
+    outside.write_text("FROM debian:bookworm\n")
+    with pytest.raises(errors.DockerfileError, match="inside the context"):
+        df.load(outside, ctx, {}, settings)
+    # a file that is no Dockerfile: its first word is not echoed either
+    (ctx / "Dockerfile").unlink()
+    (ctx / "Dockerfile").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    with pytest.raises(errors.DockerfileError) as exc:
+        df.load(ctx / "Dockerfile", None, {}, settings)
+    assert "root" not in exc.value.detail.split(":", 2)[-1]

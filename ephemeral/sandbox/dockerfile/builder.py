@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import hashlib
 import json
 import os
@@ -98,22 +99,14 @@ def load(
 ) -> tuple[Plan, Context, bytes]:
     """Read, parse and translate a Dockerfile and scan its context (no build)."""
     path = str(dockerfile)
-    try:
-        st = os.stat(dockerfile)
-        if not stat.S_ISREG(st.st_mode):
-            raise fail(path, None, None, "not a regular file")
-        if st.st_size > MAX_DOCKERFILE_BYTES:
-            raise fail(path, None, None, f"larger than {MAX_DOCKERFILE_BYTES} bytes")
-        data = dockerfile.read_bytes()
-    except OSError as exc:
-        raise fail(path, None, None, f"cannot read it: {exc.strerror}") from None
+    root = (context if context is not None else dockerfile.parent).resolve()
+    if not root.is_dir():
+        raise fail(path, None, None, f"context {root} is not a directory")
+    data = _read_dockerfile(dockerfile, root, path)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise fail(path, None, None, "not UTF-8 text") from None
-    root = (context if context is not None else dockerfile.parent).resolve()
-    if not root.is_dir():
-        raise fail(path, None, None, f"context {root} is not a directory")
     rules: list[IgnoreRule] = []
     for ign in (dockerfile.with_name(dockerfile.name + ".dockerignore"), root / ".dockerignore"):
         if ign.is_file() and not ign.is_symlink():
@@ -142,6 +135,30 @@ def load(
             if isinstance(step, CopyStep) and step.from_stage is None:
                 resolve_copy(ctx, plan, step)  # a missing or escaping source fails first
     return plan, ctx, data
+
+
+def _read_dockerfile(dockerfile: Path, root: Path, path: str) -> bytes:
+    """The Dockerfile's bytes: a regular file inside the context, opened without following a
+    link (its directory is resolved; the file itself must not be a link). A refused file's
+    content is never read, so no error can echo it."""
+    where = dockerfile.parent.resolve() / dockerfile.name
+    if not where.is_relative_to(root):
+        raise fail(path, None, None, f"the Dockerfile must be inside the context {root}")
+    try:
+        fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        why = "a symlink (not followed)" if exc.errno == errno.ELOOP else exc.strerror
+        raise fail(path, None, None, f"cannot read it: {why}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise fail(path, None, None, "not a regular file")
+        if st.st_size > MAX_DOCKERFILE_BYTES:
+            raise fail(path, None, None, f"larger than {MAX_DOCKERFILE_BYTES} bytes")
+        data = f.read(MAX_DOCKERFILE_BYTES + 1)
+    if len(data) > MAX_DOCKERFILE_BYTES:
+        raise fail(path, None, None, f"larger than {MAX_DOCKERFILE_BYTES} bytes")
+    return data
 
 
 def _digest(data: bytes, build_args: Mapping[str, str], ctx: Context, base_hash: str) -> str:

@@ -205,6 +205,8 @@ def translate(
         if kw in _REFUSED:
             raise err(ins, _REFUSED[kw])
         if kw not in _KNOWN:
+            if not re.fullmatch(r"[A-Z]{1,16}", kw):  # not a keyword: echo nothing of the file
+                raise fail(path, ins.line, None, "not a Dockerfile instruction")
             raise err(ins, "unknown instruction")
         if plan is None and kw not in ("FROM", "ARG"):
             raise err(ins, "the first instruction must be FROM (ARG may come before it)")
