@@ -45,7 +45,7 @@ from ephemeral.sandbox.process import ProcessDriver, ProcessSandbox, new_handle
 SENTRY_MEMORY_MIB = 160
 SENTRY_PIDS = 256
 HOST_PIDS_PER_GUEST_PROCESS = 12
-SMALL_TMPFS = 16 << 20
+SMALL_TMPFS = 4  # /dev, /run, /var/tmp, /home/worker: sized by writable_root.tmpfs_sizes
 
 
 def _tmpfs(dest: str, size: int) -> dict[str, Any]:
@@ -63,11 +63,12 @@ def _tmpfs(dest: str, size: int) -> dict[str, Any]:
 
 
 def oci_spec(rootfs: str, agent_path: str, limits: Limits, cgroups_path: str) -> dict[str, Any]:
+    sizes = writable_root.tmpfs_sizes(limits, SMALL_TMPFS)
     home = {
         "destination": "/home/worker",
         "type": "tmpfs",
         "source": "tmpfs",
-        "options": ["nosuid", "nodev", "mode=755", "uid=1000", "gid=1000", f"size={SMALL_TMPFS}"],
+        "options": ["nosuid", "nodev", "mode=755", "uid=1000", "gid=1000", f"size={sizes.small}"],
     }
     caps: dict[str, list[str]] = {
         k: list(AGENT_CAPS) for k in ("bounding", "effective", "permitted")
@@ -103,7 +104,8 @@ def oci_spec(rootfs: str, agent_path: str, limits: Limits, cgroups_path: str) ->
                 "destination": "/dev",
                 "type": "tmpfs",
                 "source": "tmpfs",
-                "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+                # this runsc ignores a size here: a root command can fill /dev (docs/security.md)
+                "options": ["nosuid", "strictatime", "mode=755", f"size={sizes.small}"],
             },
             {
                 "destination": "/sys",
@@ -111,9 +113,9 @@ def oci_spec(rootfs: str, agent_path: str, limits: Limits, cgroups_path: str) ->
                 "source": "sysfs",
                 "options": ["nosuid", "noexec", "nodev", "ro"],
             },
-            _tmpfs("/tmp", limits.disk_mib << 20),
-            _tmpfs("/run", SMALL_TMPFS),
-            _tmpfs("/var/tmp", SMALL_TMPFS),
+            _tmpfs("/tmp", sizes.large),
+            _tmpfs("/run", sizes.small),
+            _tmpfs("/var/tmp", sizes.small),
             home,
         ],
         "linux": {
@@ -201,7 +203,12 @@ class GVisorDriver(ProcessDriver):
             )
             await sbx._start(
                 [
-                    *writable_root.launcher(rootfs, limits.disk_mib, handle.id, helper),
+                    *writable_root.launcher(
+                        rootfs,
+                        writable_root.tmpfs_sizes(limits, SMALL_TMPFS).large,
+                        handle.id,
+                        helper,
+                    ),
                     *self.runsc_argv(runsc, state_root, bundle, handle.id),
                 ]
             )

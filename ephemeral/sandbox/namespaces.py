@@ -35,9 +35,11 @@ nothing is mounted on the host.
 The kernel's view is masked like Docker's masked paths: ``/proc/cmdline``, ``loadavg`` and
 ``boot_id`` show per-sandbox values, ``kcore``/``keys``/``timer_list``/``sched_debug`` read
 empty. ``/proc/uptime`` stays the host's: the kernel does not shift the start times in
-``/proc/<pid>/stat`` by a time namespace, so any other uptime breaks ``ps``. ``/dev``
-belongs to the sandbox's root and is not writable by the worker (bwrap cannot size-cap it);
-``/dev/shm`` is a 16 MiB tmpfs. The seccomp allowlist (``seccomp.py``) refuses
+``/proc/<pid>/stat`` by a time namespace, so any other uptime breaks ``ps``. ``/dev`` is
+read-only (bwrap cannot size-cap it, and a tmpfs past the memory limit is an OOM kill);
+``/dev/shm`` is a 16 MiB tmpfs. Every tmpfs is sized to fit the memory limit together
+(``writable_root.tmpfs_sizes``), and the launcher makes itself and the agent OOM-immune where
+the host allows it. The seccomp allowlist (``seccomp.py``) refuses
 ``socket(AF_VSOCK)``: vsock is not network-namespaced, so a bind would take a port from the
 host's space.
 
@@ -63,7 +65,7 @@ from ephemeral.sandbox.uid_slots import allocate_slot
 from ephemeral.settings import Settings
 
 AGENT_ARGV = ["/usr/bin/python3", "-I", "-S"]
-SMALL_TMPFS = 16 << 20
+SMALL_TMPFS = ("/run", "/var/tmp", "/home/worker", "/dev/shm")  # sized by tmpfs_sizes
 # Docker's masked /proc paths that exist here read empty; these read per-sandbox values.
 MASKED = ("/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug")
 PRIVILEGED_LABEL = "namespaces-privileged"
@@ -81,7 +83,7 @@ def _launcher(
     rootfs: str,
     host_base: int | None,
     passed: list[int],
-    disk_mib: int,
+    upper_size: int,
     sandbox_id: str,
     helper: Path | None,
 ) -> list[str]:
@@ -118,7 +120,7 @@ def _launcher(
         )
     return [
         "unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", script, "sh",
-        *writable_root.args(rootfs, disk_mib, sandbox_id), str(host_base or 0), str(nsfd),
+        *writable_root.args(rootfs, upper_size, sandbox_id), str(host_base or 0), str(nsfd),
     ]  # fmt: skip
 
 
@@ -137,7 +139,7 @@ class NamespacesDriver(ProcessDriver):
         return PRIVILEGED_LABEL if self.privileged else self.isolation
 
     def argv(self, rootfs: str, limits: Limits, fds: dict[str, int]) -> list[str]:
-        disk = limits.disk_mib << 20
+        sizes = writable_root.tmpfs_sizes(limits, len(SMALL_TMPFS))
         argv = [
             "bwrap",
             "--unshare-ipc",
@@ -168,13 +170,15 @@ class NamespacesDriver(ProcessDriver):
             "--perms",
             "1777",
             "--size",
-            str(disk),
+            str(sizes.large),
             "--tmpfs",
             "/tmp",
         ]
-        for path, perms in (("/run", "0755"), ("/var/tmp", "1777"), ("/home/worker", "0755")):
-            argv += ["--perms", perms, "--size", str(SMALL_TMPFS), "--tmpfs", path]
-        argv += ["--perms", "1777", "--size", str(SMALL_TMPFS), "--tmpfs", "/dev/shm"]
+        for path, perms in zip(SMALL_TMPFS, ("0755", "1777", "0755", "1777"), strict=True):
+            argv += ["--perms", perms, "--size", str(sizes.small), "--tmpfs", path]
+        # bwrap cannot size /dev's tmpfs: read-only, root cannot fill it past the memory limit
+        # (its devices still open for writing; /dev/shm and /dev/pts are mounts of their own)
+        argv += ["--remount-ro", "/dev"]
         for path in MASKED:
             if os.path.exists(path):
                 argv += ["--ro-bind", "/dev/null", path]
@@ -244,10 +248,17 @@ class NamespacesDriver(ProcessDriver):
             )
             slot_fd = None  # the sandbox's destroy releases it now
             argv = [
-                *_launcher(rootfs, host_base, [*fds.values()], limits.disk_mib, handle.id, helper),
+                *_launcher(
+                    rootfs,
+                    host_base,
+                    [*fds.values()],
+                    writable_root.tmpfs_sizes(limits, len(SMALL_TMPFS)).large,
+                    handle.id,
+                    helper,
+                ),
                 *self.argv(str(writable_root.MOUNT_POINT), limits, fds),
             ]
-            await sbx._start(argv, pass_fds=list(fds.values()))
+            await sbx._start(argv, pass_fds=list(fds.values()), oom_protected=True)
             return sbx
         except BaseException as exc:
             await self._failed_start(exc, sbx, handle, hfile)

@@ -68,7 +68,15 @@ class ProcessSandbox(GuestBacked):
 
     # ---- lifecycle
 
-    async def _start(self, argv: Sequence[str], *, pass_fds: Sequence[int] = ()) -> None:
+    async def _start(
+        self, argv: Sequence[str], *, pass_fds: Sequence[int] = (), oom_protected: bool = False
+    ) -> None:
+        """Start the runtime. ``oom_protected``: where this host's root holds
+        CAP_SYS_RESOURCE, it and the guest agent are never the memory cgroup's OOM victims
+        (oom_score_adj -1000 through the legacy ``oom_adj``, which leaves the floor a process
+        may lower itself to at 0; the agent puts each command at 1000). Best effort: without
+        the capability (this project's test host) the agent's 0 against its commands' 1000 is
+        what protects it."""
         t0 = time.monotonic()
         if not self.runtime:
             from ephemeral.sandbox.probe import runtime_version
@@ -78,7 +86,8 @@ class ProcessSandbox(GuestBacked):
         if self._cgroups is not None:
             join = " && ".join(f"echo $$ > {shlex.quote(f)}" for f in self._cgroups.procs_files)
             join += " && "
-        script = join + 'exec "$@"'
+        protect = "{ echo -17 > /proc/$$/oom_adj; } 2>/dev/null; " if oom_protected else ""
+        script = join + protect + 'exec "$@"'
         # spawn, not the loop's subprocess_exec: only the stdio and pass_fds may reach the
         # runtime, whatever the loop (spawn.py says what uvloop leaked into runsc's boots)
         self._proc = await spawn.spawn(

@@ -15,10 +15,11 @@ need anyway; without it, the same steps as shell commands and a Python idmap hel
   shifts its owners into the sandbox's uid slot (host uid 0 shows as the slot's base, which
   is root inside the sandbox's user namespace), so the sandbox's root owns the image's files
   as it sees them, while on the host it stays an unprivileged uid owning nothing;
-- a tmpfs of ``disk_mib`` at :data:`UPPER`, named ``sandbox-upper-<id>`` (so a test can look
-  for it in every mount namespace), holds the overlay's upper and work directories: a write
-  past it is ENOSPC inside, never host disk; its pages are charged to the sandbox's memory
-  cgroup like any tmpfs's;
+- a tmpfs of the disk limit at :data:`UPPER` (less where the memory limit could not hold it
+  beside the sandbox's other tmpfs mounts: :func:`tmpfs_sizes`), named
+  ``sandbox-upper-<id>`` (so a test can look for it in every mount namespace), holds the
+  overlay's upper and work directories: a write past it is ENOSPC inside, never host disk;
+  its pages are charged to the sandbox's memory cgroup like any tmpfs's;
 - the overlay of both is mounted at :data:`MOUNT_POINT` and becomes the sandbox's ``/``.
 
 The mounts exist only in that mount namespace: when the sandbox's last process dies (destroy,
@@ -38,6 +39,9 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import NamedTuple
+
+from ephemeral.sandbox.base import Limits
 
 # Empty directories on the host; the mounts on them exist only in each launcher's namespace.
 RUN_DIR = Path("/run/ephemeral")
@@ -105,6 +109,31 @@ def _build_helper(cache_dir: Path) -> Path | None:
     return found
 
 
+# Beyond every tmpfs, the memory limit keeps this much for the guest agent (~20 MiB) and the
+# commands that answer after the mounts are full: at least this, and an eighth of the limit.
+HEADROOM_MIB = 64
+SMALL_MIB = 16  # /run, /var/tmp, the worker's home, /dev/shm (/dev under gVisor), at most
+
+
+class TmpfsSizes(NamedTuple):
+    large: int  # bytes: the upper layer, and /tmp apart from it
+    small: int  # bytes: each of the small mounts
+
+
+def tmpfs_sizes(limits: Limits, small_mounts: int) -> TmpfsSizes:
+    """Sizes that fit together inside the memory limit, with headroom (issue 35, finding 9).
+
+    Every tmpfs's pages are charged to the sandbox's memory cgroup and cannot be reclaimed
+    (there is no swap): mounts that could hold more than the limit turned a full disk into an
+    out-of-memory kill of the guest agent (``sandbox_error``). Sized so, filling every one of
+    them ends in ``ENOSPC`` and the sandbox carries on. The upper layer and /tmp get the disk
+    limit each, or half of what the memory limit leaves them, whichever is less."""
+    room = max(0, limits.memory_mib - max(HEADROOM_MIB, limits.memory_mib // 8))
+    small = max(1, min(SMALL_MIB, room // (2 * max(1, small_mounts))))
+    large = max(1, min(limits.disk_mib, (room - small_mounts * small) // 2))
+    return TmpfsSizes(large << 20, small << 20)
+
+
 def prepare_dirs() -> None:
     for d in (RUN_DIR, LOWER, UPPER, MOUNT_POINT):
         d.mkdir(mode=0o755, exist_ok=True)
@@ -118,8 +147,9 @@ def tag(sandbox_id: str) -> str:
 ARGS = "rootfs=$1 size=$2 tag=$3\nshift 3\n"
 
 
-def args(rootfs: str, disk_mib: int, sandbox_id: str) -> list[str]:
-    return [rootfs, str(disk_mib << 20), tag(sandbox_id)]
+def args(rootfs: str, size: int, sandbox_id: str) -> list[str]:
+    """``size``: the upper layer's, in bytes (:func:`tmpfs_sizes`)."""
+    return [rootfs, str(size), tag(sandbox_id)]
 
 
 def mount_script(*, helper: Path | None, idmap_userns: str | None, owner: str = "0") -> str:
@@ -159,12 +189,12 @@ def mount_script(*, helper: Path | None, idmap_userns: str | None, owner: str = 
     )
 
 
-def launcher(rootfs: str, disk_mib: int, sandbox_id: str, helper: Path | None) -> list[str]:
+def launcher(rootfs: str, size: int, sandbox_id: str, helper: Path | None) -> list[str]:
     """argv prefix for a runtime that needs nothing else: a private mount namespace with the
     overlay at :data:`MOUNT_POINT`, then the runtime's argv (which follows)."""
     prepare_dirs()
     script = ARGS + mount_script(helper=helper, idmap_userns=None) + 'exec "$@"'
     return [
         "unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", script, "sh",
-        *args(rootfs, disk_mib, sandbox_id),
+        *args(rootfs, size, sandbox_id),
     ]  # fmt: skip

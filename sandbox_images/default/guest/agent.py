@@ -69,6 +69,10 @@ PR_CAPBSET_READ = 23
 PR_CAPBSET_DROP = 24
 # CHOWN, DAC_OVERRIDE, FOWNER, KILL, SETGID, SETUID: the host's AGENT_CAPS, by number
 AGENT_CAP_BITS = (0, 1, 3, 5, 6, 7)
+# Every command is the OOM killer's first choice, before the agent (issue 35, finding 9): it
+# may lower its own score only to its floor, 0, the agent's (or above the agent's -1000, where
+# the launcher could set that)
+COMMAND_OOM_SCORE_ADJ = b"1000"
 NO_ROOT = False  # --no-root
 DROP_BOUNDING_SET = False  # --drop-bounding-set
 
@@ -819,6 +823,12 @@ def _spawn(path, argv, env, cwd, ids=None, stdin_path=None, cwd_fallback=()):
         stage = "setup"
         try:
             os.setsid()
+            try:  # raising one's own score needs no privilege; a /proc without it is no reason
+                ofd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)  # to refuse the command
+                os.write(ofd, COMMAND_OOM_SCORE_ADJ)
+                os.close(ofd)
+            except OSError:
+                pass
             os.dup2(in_r, 0)
             os.dup2(out_w, 1)
             os.dup2(err_w, 2)
