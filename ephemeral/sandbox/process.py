@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ephemeral import errors, ids
-from ephemeral.sandbox import cgroups, handles, images, sidechannel, spawn
+from ephemeral.sandbox import cgroups, handles, images, sidechannel, spawn, writable_root
 from ephemeral.sandbox.base import Handle, Limits, Sandbox
 from ephemeral.sandbox.cgroups import CgroupSet
 from ephemeral.sandbox.guest import GuestBacked, GuestClient
@@ -218,14 +218,19 @@ class ProcessDriver:
             if sandbox_image.is_reference(self.settings.image):
                 pulled = await sandbox_image.ensure(self.settings, self.settings.image)
                 self._agent_path = pulled.agent_path
-                self._rootfs = pulled.lower()
+                self._rootfs = self._with_etc(pulled.lower())
                 return self._rootfs
             root = await images.ensure_image(self.settings, self.settings.image)
             built = images.built_image(self.settings, self.settings.image)
             agent = built.agent_path if built else "/opt/ephemeral/agent.py"
             self._agent_path = images.agent_exec_path(root, agent)
-            self._rootfs = str(root)
+            self._rootfs = self._with_etc(str(root))
         return self._rootfs
+
+    def _with_etc(self, lower: str) -> str:
+        """/etc/hosts, hostname and resolv.conf as a container has them (writable_root.py)."""
+        cache = self.settings.image_cache_dir
+        return writable_root.with_container_etc(lower, cache)
 
     def binary_path(self) -> str | None:
         """The runtime binary to run; None when it is missing."""

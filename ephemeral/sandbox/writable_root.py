@@ -20,7 +20,12 @@ need anyway; without it, the same steps as shell commands and a Python idmap hel
   ``sandbox-upper-<id>`` (so a test can look for it in every mount namespace), holds the
   overlay's upper and work directories: a write past it is ENOSPC inside, never host disk;
   its pages are charged to the sandbox's memory cgroup like any tmpfs's;
-- the overlay of both is mounted at :data:`MOUNT_POINT` and becomes the sandbox's ``/``.
+- the overlay of both is mounted at :data:`MOUNT_POINT` and becomes the sandbox's ``/``;
+- above the image, one more read-only layer of our own (:func:`with_container_etc`) holds what
+  Docker writes into every container's ``/etc``: ``hosts`` (``localhost`` on 127.0.0.1 and
+  ``::1``), ``hostname`` and a ``resolv.conf`` that fails at once (no server answers on
+  loopback; with ``web`` names resolve in the egress proxy). They hide the image's own, and
+  are the sandbox's to change (copied up into its upper layer, as any file of the image).
 
 The mounts exist only in that mount namespace: when the sandbox's last process dies (destroy,
 or the reaper killing the leftovers of a crashed host), the kernel frees them, upper layer
@@ -132,6 +137,50 @@ def tmpfs_sizes(limits: Limits, small_mounts: int) -> TmpfsSizes:
     small = max(1, min(SMALL_MIB, room // (2 * max(1, small_mounts))))
     large = max(1, min(limits.disk_mib, (room - small_mounts * small) // 2))
     return TmpfsSizes(large << 20, small << 20)
+
+
+HOSTNAME = "sandbox"  # the drivers' UTS hostname
+CONTAINER_ETC = {
+    "hosts": "".join(
+        [
+            "127.0.0.1\tlocalhost\n",
+            "::1\tlocalhost ip6-localhost ip6-loopback\n",
+            f"127.0.1.1\t{HOSTNAME}\n",
+        ]
+    ),
+    "hostname": f"{HOSTNAME}\n",
+    # glibc and musl try a nameserver once, for a second at most; nothing listens on port 53
+    # of the sandbox's loopback, so a lookup is refused at once rather than waiting
+    "resolv.conf": "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n",
+}
+
+
+def container_etc(cache_dir: Path) -> Path:
+    """The layer holding :data:`CONTAINER_ETC` under ``etc/`` (root's, 0644), made once per
+    content under ``cache_dir/helpers`` (a rename: concurrent makers agree)."""
+    blob = repr(sorted(CONTAINER_ETC.items())).encode()
+    layer = cache_dir / "helpers" / f"etc-{hashlib.sha256(blob).hexdigest()[:16]}"
+    if (layer / "etc" / "hosts").is_file():
+        return layer
+    tmp = layer.with_name(f"{layer.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "etc").mkdir(parents=True, mode=0o755)
+    tmp.chmod(0o755)
+    for name, text in CONTAINER_ETC.items():
+        (tmp / "etc" / name).write_text(text)
+        (tmp / "etc" / name).chmod(0o644)
+    try:
+        os.rename(tmp, layer)
+    except OSError:  # another maker was first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (layer / "etc" / "hosts").is_file():
+            raise
+    return layer
+
+
+def with_container_etc(lower: str, cache_dir: Path) -> str:
+    """``lower`` (a rootfs, or layers joined by ':' topmost first) under :func:`container_etc`."""
+    return f"{container_etc(cache_dir)}:{lower}"
 
 
 def prepare_dirs() -> None:
