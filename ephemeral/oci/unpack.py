@@ -7,7 +7,8 @@ and bounded (decompressed bytes and entries, per image). The tar itself is read 
 walked from the layer directory's fd one ``O_NOFOLLOW`` component at a time, ``..`` and
 absolute paths are refused, symbolic links are stored as links and never followed, hard links
 only reach earlier files of the same layer, devices and FIFOs are not made, set-id and sticky
-bits and group/other write are dropped, and files belong to the host process (root).
+bits and group/other write are dropped; files get the owners the layer names (uid and gid,
+as Docker keeps them: the sandbox's idmapped view then shows them as the image's users).
 
 What is OCI-specific happens here: a whiteout ``.wh.NAME`` becomes overlayfs's whiteout (a
 character device 0:0 named ``NAME``) and an opaque marker ``.wh..wh..opq`` the
@@ -118,6 +119,20 @@ class LayerWriter(hostwrite.TreeWriter):
         finally:
             os.close(parent)
 
+    def _own(self, path: str) -> None:
+        """Give the entry just written the owner the layer names (root's need nothing: the
+        host process is root), walking to it without following a link, never through one."""
+        if self.owner == (0, 0):
+            return
+        parts = hostwrite.split(path, self.limits)
+        if not parts:
+            return
+        parent = hostwrite._walk(self.root_fd, parts[:-1], path)
+        try:
+            os.chown(parts[-1], *self.owner, dir_fd=parent, follow_symlinks=False)
+        finally:
+            os.close(parent)
+
     def file(self, path: str, chunks: Iterable[bytes], mode: int = 0o644) -> None:
         parts = self._marker(path)
         if parts is not None:
@@ -125,17 +140,20 @@ class LayerWriter(hostwrite.TreeWriter):
                 pass
             return self._whiteout(path, parts)
         super().file(path, chunks, mode)
+        self._own(path)
 
     def directory(self, path: str, mode: int = 0o755) -> None:
         parts = self._marker(path)
         if parts is not None:
             raise hostwrite.refused(path, "a directory named as a whiteout")
         super().directory(path, mode)
+        self._own(path)
 
     def symlink(self, path: str, target: str) -> None:
         if self._marker(path) is not None:
             raise hostwrite.refused(path, "a link named as a whiteout")
         super().symlink(path, target)
+        self._own(path)
 
     def hardlink(self, path: str, target: str) -> None:
         if self._marker(path) is not None:

@@ -158,6 +158,10 @@ class TreeWriter:
         self.limits = limits
         self.report = Report()
         self._entries = 0
+        # the owner (uid, gid) the archive gives the entry being written, set by write_tar
+        # before each call: this writer ignores it (files belong to the host process); a
+        # subclass may apply it (image layers: ephemeral/oci/unpack.py)
+        self.owner: tuple[int, int] = (0, 0)
 
     def _count(self, path: str) -> None:
         self._entries += 1
@@ -404,11 +408,22 @@ def _data(blocks: _Blocks, size: int, what: str) -> Iterator[bytes]:
     blocks.exactly(-size % BLOCK, what)
 
 
+def _id(pax: str | None, field: bytes, what: str) -> int:
+    """A uid or gid: the pax record's, else the header's (bounded to a 32-bit id)."""
+    if pax is not None and not pax.isdigit():
+        raise refused(what, "a pax uid or gid that is not a number")
+    value = int(pax) if pax is not None else _number(field, what)
+    if value > 0xFFFFFFFE:
+        raise refused(what, "a uid or gid out of range")
+    return value
+
+
 def write_tar(stream: BinaryIO, writer: TreeWriter) -> Report:
     """Write the tar (optionally gzipped) archive ``stream`` through ``writer``.
 
     Read: ustar, GNU (long names and links, base-256 sizes) and pax (``path``, ``linkpath``,
-    ``size``); anything else (sparse files, multi-volume, global pax names) is refused."""
+    ``size``, ``uid``, ``gid``); anything else (sparse files, multi-volume, global pax names) is
+    refused."""
     blocks = _Blocks(stream, writer.limits.max_archive_bytes)
     pending: dict[str, str] = {}
     headers = 0
@@ -452,11 +467,14 @@ def write_tar(stream: BinaryIO, writer: TreeWriter) -> Report:
                     if {"path", "linkpath", "size"} & set(fields):
                         raise refused(name, "a global pax header naming paths or sizes")
                     continue
-                pending.update({k: fields[k] for k in ("path", "linkpath", "size") if k in fields})
+                keep = ("path", "linkpath", "size", "uid", "gid")
+                pending.update({k: fields[k] for k in keep if k in fields})
             continue
         if size > writer.limits.max_file_bytes:
             raise refused(name, f"a file over {writer.limits.max_file_bytes} bytes")
         mode = _number(header[100:108], name)
+        writer.owner = (_id(pending.pop("uid", None), header[108:116], name),
+                        _id(pending.pop("gid", None), header[116:124], name))  # fmt: skip
         if kind in _FILE_TYPES:
             writer.file(name, _data(blocks, size, name), mode)
             continue

@@ -58,6 +58,9 @@ BASE = [
     L.directory("opq"),
     L.file("opq/old", "old"),
     L.file("bin/tool", "#!/bin/sh\n", mode=0o4755),
+    L.Entry("home/app", kind=b"5", mode=0o755, uid=1000, gid=1000),
+    L.Entry("home/app/notes", b"mine", uid=1000, gid=1001),
+    L.Entry("home/app/link", kind=b"2", link="notes", uid=1000, gid=1000),
 ]
 TOP = [
     L.file("a/.wh.x"),
@@ -91,6 +94,14 @@ def test_layers_unpack_once_in_overlay_form(
     assert os.readlink(top / "b" / "link") == "/etc/os-release"  # stored, never followed
     assert os.stat(top / "b" / "z").st_ino == os.stat(top / "b" / "z2").st_ino
     assert not os.stat(base / "bin" / "tool").st_mode & (stat.S_ISUID | stat.S_ISGID)
+    owners = {p: (st.st_uid, st.st_gid) for p in ("home/app", "home/app/notes", "home/app/link",
+              "etc/os-release") if (st := os.lstat(base / p))}  # fmt: skip
+    assert owners == {
+        "home/app": (1000, 1000),
+        "home/app/notes": (1000, 1001),
+        "home/app/link": (1000, 1000),
+        "etc/os-release": (0, 0),
+    }
     assert (store.root.stat().st_mode & 0o777) == 0o700
     listing = merged_listing([base, top], "a", "opq", "b")
     assert "a: y\n" in listing and "opq: new\n" in listing and "b: link z z2\n" in listing
