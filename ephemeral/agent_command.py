@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from ephemeral import errors
 from ephemeral.lifecycle import StopRun
 from ephemeral.lifecycle import TerminationReason as Reason
+from ephemeral.models import NO_MODEL
 
 if TYPE_CHECKING:
     from ephemeral.policy import Policy
@@ -81,7 +82,8 @@ class AgentRun(Protocol):
 def environment(run: AgentRun) -> dict[str, str]:
     """The agent command's variables: the image's, the proxy's and gateway's, the prompt's."""
     prompt = run.row.prompt or ""
-    env = {**run.exec_env(), "EPHEMERAL_PROMPT_FILE": PROMPT_FILE, "EPHEMERAL_MODEL": run.model}
+    named = "" if run.model == NO_MODEL else run.model  # a run naming none gets no model
+    env = {**run.exec_env(), "EPHEMERAL_PROMPT_FILE": PROMPT_FILE, "EPHEMERAL_MODEL": named}
     if len(prompt.encode()) <= ENV_PROMPT_MAX_BYTES:
         env["EPHEMERAL_PROMPT"] = prompt
     agent = run.policy.agent

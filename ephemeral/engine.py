@@ -70,10 +70,10 @@ from ephemeral.closing import abandoned_compute, close, record
 from ephemeral.executor import Dispatcher, Executor
 from ephemeral.ids import utcnow
 from ephemeral.lifecycle import OPEN_STATUSES, TERMINAL_STATUSES, RunStatus, TerminationReason
+from ephemeral.models import NO_MODEL, provider_of
 from ephemeral.owner import is_alive
 from ephemeral.policy import Policy
 from ephemeral.pricing import PriceBook
-from ephemeral.providers.registry import provider_for
 from ephemeral.sandbox.source import SandboxSource
 from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
@@ -322,8 +322,9 @@ class Engine:
                 )
             row = row.model_copy(update={"prompt": prompt})
         if policy.agent is not None:  # its gateway grants the run's model beside `models`
-            policy = policy.model_copy(update={"models": policy.granted_models(row.model)})
-        provider, provider_model = provider_for(row.model, self.settings)
+            model = None if row.model == NO_MODEL else row.model
+            policy = policy.model_copy(update={"models": policy.granted_models(model)})
+        provider, provider_model = provider_of(row.model, self.settings)
         image = policy.run_image or self.settings.image
         built = self.sandboxes.built_image(image)
         sandboxes = self.sandboxes

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ephemeral import errors
 from ephemeral.checks import CheckResult, evaluate
 from ephemeral.ids import new_id
+from ephemeral.models import NO_MODEL, default_model
 from ephemeral.money import usd
 from ephemeral.recipes import PlannedRun, Recipe, expand, iter_planned, validate_recipe
 
@@ -253,7 +254,8 @@ async def execute_planned(
         "repeat_index": planned.repeat_index,
         "suite_run_id": suite_run_id,
     }
-    request = RunRequest(prompt=planned.prompt, model=planned.model, **planned.policy.model_dump())
+    model = None if planned.model == NO_MODEL else planned.model
+    request = RunRequest(prompt=planned.prompt, model=model, **planned.policy.model_dump())
     try:
         row, _ = await runtime.admit(org_id, request, labels=labels)
     except errors.EphemeralError as exc:
@@ -510,7 +512,7 @@ def plan(evaluation: Evaluation, settings: Settings) -> list[tuple[PlannedRun, R
         validate_recipe(recipe, settings)
     out: list[tuple[PlannedRun, Recipe]] = []
     for recipe in evaluation.recipes:
-        out.extend((p, recipe) for p in expand(recipe, default_model=settings.default_model))
+        out.extend((p, recipe) for p in expand(recipe, default_model=default_model(settings)))
     return out
 
 
@@ -520,7 +522,7 @@ def iter_plan(evaluation: Evaluation, settings: Settings) -> Iterator[PlannedRun
     for recipe in evaluation.recipes:
         validate_recipe(recipe, settings)
     for recipe in evaluation.recipes:
-        yield from iter_planned(recipe, default_model=settings.default_model)
+        yield from iter_planned(recipe, default_model=default_model(settings))
 
 
 def planned_count(evaluation: Evaluation) -> int:

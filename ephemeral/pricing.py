@@ -220,6 +220,10 @@ class PriceBook:
             model, f"{model!r}: same_as chain is cyclic or deeper than {_MAX_ALIAS_DEPTH}"
         )
 
+    def listed_models(self) -> list[str]:
+        """The models the book names (its own entries; replays it does not list are not here)."""
+        return sorted(self._models)
+
     def model_price(self, model: str) -> ModelPrice:
         price = self._resolve(model)
         if price is not None:

@@ -48,6 +48,7 @@ from pydantic import (
 from ephemeral import datasets, templates
 from ephemeral.checks import CHECK_KINDS, Check, ShellCheck, ShellCondition, VerifyCondition
 from ephemeral.errors import InvalidRequest, RecipeError, UnknownModel
+from ephemeral.models import NO_DEFAULT, NO_MODEL, default_model
 from ephemeral.policy import (
     MAX_FILE_BYTES as MAX_RUN_FILE_BYTES,
 )
@@ -904,14 +905,26 @@ def load_any(path: str | os.PathLike[str]) -> Recipe | Suite:
     return _build_recipe(data, source, dups, p.parent)
 
 
-def iter_planned(recipe: Recipe, *, default_model: str) -> Iterator[PlannedRun]:
+def _run_model(recipe: Recipe, default_model: str | None) -> str:
+    """The model of the recipe's runs (the models axis aside): its own, the host's default, or
+    for an ``agent:`` recipe naming none, :data:`~ephemeral.models.NO_MODEL`."""
+    model = recipe.model or default_model
+    if model is not None or recipe.models:
+        return model or ""
+    if recipe.run_policy.agent is not None:
+        return NO_MODEL
+    source = recipe._source or _Source(file=f"<recipe {recipe.name}>")
+    _fail(source, [_Problem(("model",), f"the recipe names no model, and {NO_DEFAULT}")])
+
+
+def iter_planned(recipe: Recipe, *, default_model: str | None) -> Iterator[PlannedRun]:
     """Every run of the recipe, one at a time, in plan order (see :meth:`Recipe.iter_cells`).
 
     Streams: nothing but the current run is held, so a 100,000-row dataset plans in constant
     memory. The recipe was test-rendered at load; a row that fails now stops the plan.
     """
     source = recipe._source or _Source(file=f"<recipe {recipe.name}>")
-    model = recipe.model or default_model
+    model = _run_model(recipe, default_model)
     base = recipe.run_policy
     templated = bool(recipe.setup or recipe.verify)
     for item in iter_rendered(recipe):
@@ -930,7 +943,7 @@ def iter_planned(recipe: Recipe, *, default_model: str) -> Iterator[PlannedRun]:
         )
 
 
-def expand(recipe: Recipe, *, default_model: str) -> list[PlannedRun]:
+def expand(recipe: Recipe, *, default_model: str | None) -> list[PlannedRun]:
     """Every run of the recipe: matrix keys in file order, values in order, then repeats."""
     _check(recipe._source or _Source(file=f"<recipe {recipe.name}>"), _recipe_problems(recipe))
     return list(iter_planned(recipe, default_model=default_model))
@@ -961,7 +974,9 @@ def validate_recipe(recipe: Recipe, settings: Settings) -> None:
             _fail(source, [_Problem(("models", i), exc.detail)])
     if recipe.models:
         return
-    model = recipe.model or settings.default_model
+    model = _run_model(recipe, default_model(settings))
+    if model == NO_MODEL:
+        return
     try:
         book.check_model(model)
     except UnknownModel as exc:

@@ -192,7 +192,7 @@ async def cassette_of_run(store: Store, run_id: str) -> dict[str, Any]:
         model = str(through[0])
     if model.startswith(REPLAY_PREFIX):
         raise errors.InvalidRequest.field("run_id", "a replayed run is already a cassette")
-    return {
+    doc: dict[str, Any] = {
         "version": 1,
         "model": model,
         "recorded_at": rfc3339(utcnow()),
@@ -200,6 +200,9 @@ async def cassette_of_run(store: Store, run_id: str) -> dict[str, Any]:
         "description": f"recorded from {run_id}",
         "turns": turns,
     }
+    if model == row.model and row.prompt is not None:
+        doc["prompt"] = row.prompt  # our loop's turns answer the run's prompt, and only it
+    return doc
 
 
 def record_run(settings: Settings, row: Any, events: list[Event]) -> None:

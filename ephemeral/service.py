@@ -27,6 +27,7 @@ from ephemeral.executor import Executor, PlainExecutor
 from ephemeral.ids import new_run_id, utcnow
 from ephemeral.leases import ProcessLease
 from ephemeral.lifecycle import TERMINAL_STATUSES, TerminationReason
+from ephemeral.models import NO_MODEL, resolve_model
 from ephemeral.owner import is_alive, this_process
 from ephemeral.policy import Policy, RunRequest
 from ephemeral.pricing import PriceBook
@@ -171,14 +172,15 @@ class Runtime:
         labels: dict[str, Any] | None = None,
     ) -> tuple[RunRow, bool]:
         """Validate, reserve the budget and record the run ``queued``; nothing runs yet."""
-        model = request.model or self.settings.default_model
-        try:
-            provider_for(model, self.settings)
-            self.price_book.check_model(model)
-        except errors.UnknownModel as exc:
-            raise errors.UnknownModel(
-                exc.detail, errors=[{"field": "model", "message": exc.detail}]
-            ) from exc
+        model = resolve_model(request.model, self.settings, agent=request.agent is not None)
+        if model != NO_MODEL:  # an agent run naming no model has none to serve or price
+            try:
+                provider_for(model, self.settings)
+                self.price_book.check_model(model)
+            except errors.UnknownModel as exc:
+                raise errors.UnknownModel(
+                    exc.detail, errors=[{"field": "model", "message": exc.detail}]
+                ) from exc
         policy = request.policy()
         await self.require_connections(org_id, policy)
         await self.sandboxes.require_image(policy)  # 422 naming `image` (or `agent.image`)

@@ -44,7 +44,13 @@ class Settings(BaseSettings):
     state_dir: Path = Field(default_factory=_default_state_dir)
     database_url: str | None = None
     cache_dir: Path = Field(default_factory=_default_cache_dir)  # rebuildable: images, templates
-    default_model: str = "replay/sandbox-proof"
+    default_model: str | None = Field(
+        default=None,
+        description="The model of a run that names none. Unset: a real model of the first "
+        "provider with a key (ephemeral.models.PROVIDER_DEFAULTS), else none, and such a run "
+        "is refused naming `model`. `replay/sandbox-proof` makes the product page's sample "
+        "request run offline (a replay answers only the prompt it recorded).",
+    )
     isolation: Isolation = "auto"
     price_book: Path | None = None
     image: str = "default"

@@ -27,6 +27,7 @@ from ephemeral.api.auth import PAGE_COOKIE, get_runtime, page_principal
 from ephemeral.api.problems import field_name
 from ephemeral.api.runs import base_url, body_hash
 from ephemeral.events import Event
+from ephemeral.models import default_model, usable_models
 from ephemeral.money import parse_usd, usd
 from ephemeral.policy import RunRequest
 from ephemeral.runview import run_object
@@ -45,6 +46,15 @@ env = Environment(
 )
 env.globals["usd"] = usd
 env.filters["tojson_attr"] = lambda v: json.dumps(v, ensure_ascii=False)
+
+
+def _model_choices(request: Request) -> dict[str, Any]:
+    """What the playground's model field offers: GET /v1/models, and the default or None."""
+    runtime = get_runtime(request)
+    return {
+        "models": usable_models(runtime.settings, runtime.price_book),
+        "default_model": default_model(runtime.settings),
+    }
 
 
 def render(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
@@ -319,6 +329,7 @@ def _playground_defaults(request: Request, sample_name: str | None) -> dict[str,
         p = sample.policy
         values.update(
             prompt=sample.prompt,
+            model=sample.model,  # its replay answers this prompt; a blank model may have none
             web=bool(p.get("web")),
             shell=bool(p.get("shell")),
             timeout=str(p.get("timeout_seconds", 120)),
@@ -335,6 +346,7 @@ async def playground(request: Request, sample: str | None = None) -> Response:
         "playground.html.j2",
         signed_in=who,
         values=_playground_defaults(request, sample),
+        **_model_choices(request),
         errors={},
         error=None,
         token=secrets.token_hex(16),
@@ -400,6 +412,7 @@ async def playground_submit(request: Request) -> Response:
             status,
             signed_in=who,
             values=values,
+            **_model_choices(request),
             errors=field_errors or {},
             error=error,
             token=token,

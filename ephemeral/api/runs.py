@@ -19,12 +19,14 @@ from ephemeral.api.schemas import (
     Health,
     ImageList,
     IsolationInfo,
+    ModelList,
     RunObject,
     RunPage,
     problems,
 )
 from ephemeral.events import Event
 from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus
+from ephemeral.models import default_model, usable_models
 from ephemeral.policy import RunRequest
 from ephemeral.runview import run_object
 from ephemeral.service import Runtime
@@ -265,6 +267,19 @@ async def isolation(request: Request, who: Auth, runtime: Rt) -> dict[str, Any]:
         cache["info"] = await runtime.isolation_info()
     info: dict[str, Any] = cache["info"]
     return info
+
+
+@v1.get("/models", response_model=ModelList, responses=problems(401), tags=["meta"])
+async def list_models(who: Auth, runtime: Rt) -> dict[str, Any]:
+    """The models a run here can name, with their prices: a priced model whose provider has a
+    key here (or a local base URL), and the replays of this server's cassettes."""
+    settings = runtime.settings
+    listed = await asyncio.to_thread(usable_models, settings, runtime.price_book)
+    return {
+        "models": listed,
+        "default": default_model(settings),
+        "price_book": runtime.price_book.version,
+    }
 
 
 @v1.get("/images", response_model=ImageList, responses=problems(401), tags=["meta"])

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from ephemeral import errors
 from ephemeral.events import Event
 from ephemeral.ids import rfc3339, utcnow
+from ephemeral.models import default_model
 from ephemeral.runview import fold_events
 from ephemeral.settings import Settings
 
@@ -69,7 +70,7 @@ async def record_sample(runtime: Any, name: str) -> Path:
 
     settings: Settings = runtime.settings
     recipe = load_recipe(settings.recipes_dir / f"{name}.yaml")
-    planned = expand(recipe, default_model=settings.default_model)[0]
+    planned = expand(recipe, default_model=default_model(settings))[0]
     request = RunRequest(prompt=planned.prompt, model=planned.model, **planned.policy.model_dump())
     org = await runtime.local_org()
     row, _ = await runtime.admit(org, request, labels={"sample": name})

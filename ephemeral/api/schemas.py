@@ -123,6 +123,28 @@ class ImageList(BaseModel):
     default: str  # what a run that names no image gets
 
 
+class ModelPriceObject(BaseModel):
+    input_per_mtok: int  # micros per million tokens
+    output_per_mtok: int
+    cached_input_per_mtok: int
+
+
+class ModelObject(BaseModel):
+    id: str  # what a run's `model` names: provider/name
+    provider: str
+    default: bool  # what a run naming no model gets
+    price: ModelPriceObject
+    replays: str | None = None  # a replay: the model its cassette recorded
+    description: str | None = None
+    prompt: str | None = None  # a replay: the (first) prompt it answers, and the only ones
+
+
+class ModelList(BaseModel):
+    models: list[ModelObject]
+    default: str | None  # None: a run must name its model (422 naming `model` otherwise)
+    price_book: str  # the price book's version
+
+
 class Health(BaseModel):
     status: Literal["ok"]
 

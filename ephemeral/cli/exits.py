@@ -56,5 +56,7 @@ def for_status(status: str) -> Exit:
 
 
 def for_error(exc: errors.EphemeralError) -> Exit:
-    """Bad input is ``USAGE``; any other error of ours is ``ERROR``."""
-    return Exit.USAGE if isinstance(exc, errors.InvalidRequest) else Exit.ERROR
+    """Bad input (a model this host cannot serve included) is ``USAGE``; any other error of
+    ours is ``ERROR``."""
+    bad_input = isinstance(exc, errors.InvalidRequest | errors.UnknownModel)
+    return Exit.USAGE if bad_input else Exit.ERROR

@@ -12,6 +12,7 @@ import typer
 from ephemeral.cli.exits import Exit
 from ephemeral.cli.output import fail, report
 from ephemeral.errors import EphemeralError
+from ephemeral.models import default_model
 from ephemeral.money import usd
 from ephemeral.policy import Policy
 from ephemeral.recipes import (
@@ -132,7 +133,7 @@ def register(app: typer.Typer) -> None:
         try:
             item = _load(file, settings)
             plans = [
-                (r, expand(r, default_model=settings.default_model)) for r in iter_recipes(item)
+                (r, expand(r, default_model=default_model(settings))) for r in iter_recipes(item)
             ]
         except EphemeralError as exc:
             raise fail(exc, prefix=f"{file}: ") from None

@@ -51,6 +51,12 @@ async def _run_local(
                 sys.stdout.write(json.dumps(obj, indent=2) + "\n")
             else:
                 _print_output(output)
+                if row.status != "succeeded" and row.termination_detail:
+                    # why it ended (a replay asked another prompt, a provider's refusal, …)
+                    err.print(
+                        f"{row.status}: {row.termination_reason}: {row.termination_detail}",
+                        markup=False,
+                    )
             worst = max(worst, exits.for_status(row.status))
     finally:
         await runtime.close()
@@ -144,7 +150,11 @@ def register(app: typer.Typer) -> None:
         recipe: Annotated[Path | None, typer.Argument(help="A recipe YAML file.")] = None,
         prompt: Annotated[str | None, typer.Option(help="The task, instead of a recipe.")] = None,
         model: Annotated[
-            str | None, typer.Option(help="provider/name; default EPHEMERAL_DEFAULT_MODEL.")
+            str | None,
+            typer.Option(
+                help="provider/name; default EPHEMERAL_DEFAULT_MODEL, else a model of the "
+                "provider whose key is set (none: name one)."
+            ),
         ] = None,
         web: Annotated[
             bool, typer.Option("--web/--no-web", help="Let the agent fetch web pages (broker).")
@@ -209,6 +219,10 @@ def register(app: typer.Typer) -> None:
                         "image": image,
                     }
                 )
+                if not settings.url:  # refused now, not after Prefect's server has started
+                    from ephemeral.models import resolve_model
+
+                    resolve_model(model, settings)
         except errors.EphemeralError as exc:
             raise fail(exc, flags=FLAGS) from exc
         except ValueError as exc:  # pydantic validation: name the flag

@@ -2,8 +2,13 @@
 
 A cassette is JSON::
 
-    {"version": 1, "model": "openai/gpt-6-luna", "recorded_at": "…",
+    {"version": 1, "model": "openai/gpt-6-luna", "recorded_at": "…", "prompt": "…",
      "turns": [{"message": {assistant message}, "usage": {…}, "latency_ms": 812}, …]}
+
+A cassette answers only the prompt it recorded (``prompt``, compared with runs of whitespace
+made one space): a run with another prompt fails with ``model_error`` naming the mismatch, never
+replays a transcript that answers something else. A cassette written by hand as a script for
+any prompt says so with ``"any_prompt": true``; one with neither answers nothing.
 
 Which turn to play is derived from the conversation (the number of assistant messages already
 in it), not from state in the provider object: the agent loop may build a new provider for each
@@ -62,6 +67,10 @@ class Cassette(BaseModel):
     model: str
     recorded_at: str
     description: str | None = None
+    # The prompt the recorded turns answer (the run's user message), or the few prompts a
+    # hand-written script answers (a dataset's rows); None: see any_prompt.
+    prompt: str | list[str] | None = None
+    any_prompt: bool = False
     turns: list[CassetteTurn]
 
     @field_validator("model")
@@ -70,6 +79,34 @@ class Cassette(BaseModel):
         if v.startswith(PREFIX) or "/" not in v:
             raise ValueError("must name the recorded provider model, e.g. openai/gpt-6-luna")
         return v
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _preview(text: str, limit: int = 80) -> str:
+    flat = _words(text)
+    return repr(flat if len(flat) <= limit else flat[: limit - 1] + "…")
+
+
+def prompt_mismatch(cassette: Cassette, name: str, prompt: str) -> str | None:
+    """Why cassette ``name`` cannot answer ``prompt`` (None when it can)."""
+    if cassette.any_prompt:
+        return None
+    if cassette.prompt is None:
+        return (
+            f"{PREFIX}{name} records no prompt, so it answers none: add the prompt its turns "
+            'answer as "prompt" (or "any_prompt": true for a script written by hand)'
+        )
+    known = [cassette.prompt] if isinstance(cassette.prompt, str) else cassette.prompt
+    if _words(prompt) in {_words(p) for p in known}:
+        return None
+    return (
+        f"{PREFIX}{name} answers only the prompt it recorded ({_preview(known[0])}"
+        f"{f' and {len(known) - 1} more' if len(known) > 1 else ''}), not this run's "
+        f"({_preview(prompt)}); name a real model for a new prompt"
+    )
 
 
 def _unknown(model: str, message: str) -> UnknownModel:
@@ -121,6 +158,10 @@ class ReplayProvider:
         max_tokens: int,
         timeout: float,
     ) -> ModelReply:
+        asked = next((m for m in messages if m.role == "user"), None)
+        why = prompt_mismatch(self.cassette, self.name, (asked.content if asked else None) or "")
+        if why is not None:
+            raise ModelError(why)
         index = sum(1 for m in messages if m.role == "assistant")
         turns = self.cassette.turns
         if index >= len(turns):
@@ -144,8 +185,8 @@ def cassette_from_transcript(
     model: str, messages: list[dict[str, Any]], usages: list[dict[str, Any]], latencies: list[int]
 ) -> dict[str, Any]:
     """A cassette document from a finished run: its assistant messages in order, each with
-    the usage and latency of the call that produced it. Tool outputs are not kept: replay
-    runs the tools again."""
+    the usage and latency of the call that produced it, and the prompt they answer (its first
+    user message). Tool outputs are not kept: replay runs the tools again."""
     if model.startswith(PREFIX):
         raise InvalidRequest.field("model", "a replayed run is already a cassette")
     try:
@@ -153,6 +194,7 @@ def cassette_from_transcript(
     except ValidationError as exc:
         raise InvalidRequest.field("messages", first_error(exc)) from None
     replies = [m for m in parsed if m.role == "assistant"]
+    asked = next((m for m in parsed if m.role == "user"), None)
     if len(usages) != len(replies):
         raise InvalidRequest.field(
             "usages", f"{len(usages)} usages for {len(replies)} assistant messages"
@@ -165,6 +207,7 @@ def cassette_from_transcript(
         cassette = Cassette(
             model=model,
             recorded_at=datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
+            prompt=asked.content if asked is not None else None,
             turns=[
                 CassetteTurn(message=m, usage=Usage.model_validate(u), latency_ms=lat)
                 for m, u, lat in zip(replies, usages, latencies, strict=True)

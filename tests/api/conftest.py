@@ -41,6 +41,7 @@ def write_cassette(cassettes: Path, name: str, turns: list[dict]) -> str:
                 "version": 1,
                 "model": "openai/gpt-6-luna",
                 "recorded_at": "2026-11-29T00:00:00Z",
+                "any_prompt": True,  # a script written by hand, for any prompt
                 "turns": turns,
             }
         )

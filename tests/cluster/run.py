@@ -49,7 +49,8 @@ def main() -> None:
         print(
             "\nready. Try:\n"
             f"  export EPHEMERAL_URL={url} EPHEMERAL_API_KEY={key}\n"
-            "  ephemeral run --prompt 'prove the sandbox' --model replay/sandbox-proof\n"
+            "  ephemeral run --model replay/sandbox-proof --prompt \"$(python3 -c 'import json; "
+            'print(json.load(open("recipes/cassettes/sandbox-proof.json"))["prompt"])\')"\n'
             f"logs: {root}/*.log   (Ctrl-C stops everything)",
             flush=True,
         )

@@ -40,6 +40,7 @@ def write_cassette(directory: Path, name: str, commands: list[str], final: str) 
                 "version": 1,
                 "model": "openai/gpt-6-luna",
                 "recorded_at": "2026-11-29T00:00:00Z",
+                "any_prompt": True,  # a script written by hand, for any prompt
                 "turns": turns,
             }
         )

@@ -21,6 +21,7 @@ from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from ephemeral.store import Store
 from tests.evals.prefect_server import PREFECT, REPO, PrefectServer
+from tests.sample import SAMPLE_PROMPT
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.prefect, pytest.mark.slow]
 
@@ -59,7 +60,8 @@ async def test_deployments_run_on_a_process_worker(server: PrefectServer, tmp_pa
     runtime = await Runtime.start(settings)
     try:
         row, _ = await runtime.admit(
-            await runtime.local_org(), RunRequest(prompt="the sample", model="replay/sandbox-proof")
+            await runtime.local_org(),
+            RunRequest(prompt=SAMPLE_PROMPT, model="replay/sandbox-proof"),
         )
     finally:
         await runtime.close()

@@ -9,6 +9,7 @@ import pytest
 
 from tests.evals.conftest import REPO, cli
 from tests.recipes.helpers import write
+from tests.sample import SAMPLE_PROMPT
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -66,14 +67,14 @@ def test_failing_gate_and_recipe_budget(tmp_path: Path, state_dir: Path) -> None
         """
         name: proof-twice
         model: replay/sandbox-proof
-        prompt: the sample
+        prompt: SAMPLE
         repeat: 2
         budget_micros: 40000
         policy: {max_cost_micros: 40000, timeout_seconds: 60}
         checks:
           - status: succeeded
           - output_contains: "this is not in the output"
-    """,
+    """.replace("SAMPLE", json.dumps(SAMPLE_PROMPT)),
         name="proof-twice.yaml",
     )
     suite = write(

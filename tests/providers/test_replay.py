@@ -24,6 +24,7 @@ from ephemeral.providers.replay import (
 )
 from ephemeral.settings import REPO_ROOT, Settings
 from ephemeral.testing.providers import FakeAnthropicServer, FakeOpenAIServer
+from tests.sample import SAMPLE_PROMPT
 
 from .conftest import SHELL
 
@@ -31,11 +32,13 @@ SAMPLE = REPO_ROOT / "recipes" / "cassettes" / "sandbox-proof.json"
 PRIMES = "2 3 5 7 11 13 17 19 23 29 31 37 41 43 47"
 
 
-async def _play(provider: Provider, tools: list[ToolSpec]) -> list[ModelReply]:
+async def _play(
+    provider: Provider, tools: list[ToolSpec], prompt: str = SAMPLE_PROMPT
+) -> list[ModelReply]:
     """Drive a conversation the way the agent loop does, answering every tool call."""
     messages = [
         Message(role="system", content="You are an agent in a sandbox."),
-        Message(role="user", content="This is a sandbox test."),
+        Message(role="user", content=prompt),
     ]
     replies = []
     while True:
@@ -93,7 +96,7 @@ def test_sample_primes_script_is_real(tmp_path: Path) -> None:
 
 async def test_turn_is_chosen_by_the_conversation_so_a_retry_gets_the_same_turn() -> None:
     provider = ReplayProvider.from_file(SAMPLE)
-    start = [Message(role="user", content="go")]
+    start = [Message(role="user", content=SAMPLE_PROMPT)]
     a = await provider.complete(model="x", messages=start, tools=[SHELL], max_tokens=999, timeout=1)
     b = await ReplayProvider.from_file(SAMPLE).complete(
         model="x", messages=start, tools=[SHELL], max_tokens=999, timeout=1
@@ -106,9 +109,45 @@ async def test_turn_is_chosen_by_the_conversation_so_a_retry_gets_the_same_turn(
     assert len(again.message.tool_calls) == 2
 
 
+async def test_a_replay_answers_only_the_prompt_it_recorded() -> None:
+    """Asked anything else, the sample's cassette refuses, naming both prompts; it never plays
+    the primes transcript for `uname -a`."""
+    provider = ReplayProvider.from_file(SAMPLE)
+    with pytest.raises(ModelError) as caught:
+        await _play(provider, [SHELL], prompt="Run uname -a and report it.")
+    assert "replay/sandbox-proof answers only the prompt it recorded" in caught.value.detail
+    assert "'Run uname -a and report it.'" in caught.value.detail
+    assert "'This is a sandbox test. Do these steps" in caught.value.detail
+    # The same prompt with its lines folded differently (a YAML `|` block) is the same prompt.
+    wrapped = SAMPLE_PROMPT.replace(" 1) ", "\n1) ").replace(" 2) ", "\n  2) ") + "\n"
+    assert len(await _play(provider, [SHELL], prompt=wrapped)) == 3
+
+
+async def test_a_cassette_without_a_prompt_answers_none_unless_written_for_any(
+    tmp_path: Path,
+) -> None:
+    doc = json.loads(SAMPLE.read_text())
+    del doc["prompt"]
+    (tmp_path / "bare.json").write_text(json.dumps(doc))
+    with pytest.raises(ModelError, match=r'records no prompt, so it answers none.*"any_prompt"'):
+        await _play(ReplayProvider.from_file(tmp_path / "bare.json"), [SHELL])
+    (tmp_path / "script.json").write_text(json.dumps({**doc, "any_prompt": True}))
+    replies = await _play(ReplayProvider.from_file(tmp_path / "script.json"), [SHELL], "hi")
+    assert len(replies) == 3
+
+
+async def test_a_hand_written_cassette_may_answer_a_few_prompts(tmp_path: Path) -> None:
+    doc = json.loads(SAMPLE.read_text())
+    (tmp_path / "rows.json").write_text(json.dumps({**doc, "prompt": ["row one", "row two"]}))
+    provider = ReplayProvider.from_file(tmp_path / "rows.json")
+    assert len(await _play(provider, [SHELL], prompt="row two")) == 3
+    with pytest.raises(ModelError, match=r"\('row one' and 1 more\), not this run's"):
+        await _play(provider, [SHELL], prompt="row three")
+
+
 async def test_exhausted_cassette_is_a_model_error() -> None:
     provider = ReplayProvider.from_file(SAMPLE)
-    history = [Message(role="user", content="go")] + [
+    history = [Message(role="user", content=SAMPLE_PROMPT)] + [
         Message(role="assistant", content="x") for _ in range(3)
     ]
     with pytest.raises(ModelError, match="cassette exhausted"):
@@ -119,7 +158,11 @@ async def test_unoffered_tool_is_still_returned() -> None:
     # shell not granted: the loop, not the cassette, refuses the call
     provider = ReplayProvider.from_file(SAMPLE)
     out = await provider.complete(
-        model="x", messages=[Message(role="user", content="go")], tools=[], max_tokens=99, timeout=1
+        model="x",
+        messages=[Message(role="user", content=SAMPLE_PROMPT)],
+        tools=[],
+        max_tokens=99,
+        timeout=1,
     )
     assert [c.name for c in out.message.tool_calls] == ["shell", "shell"]
 
@@ -128,7 +171,7 @@ async def test_output_never_billed_past_max_tokens() -> None:
     provider = ReplayProvider.from_file(SAMPLE)
     out = await provider.complete(
         model="x",
-        messages=[Message(role="user", content="go")],
+        messages=[Message(role="user", content=SAMPLE_PROMPT)],
         tools=[SHELL],
         max_tokens=10,
         timeout=1,
@@ -161,7 +204,8 @@ async def test_record_then_replay_round_trip(tmp_path: Path) -> None:
     assert path == tmp_path / "mine.json"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.json"]
 
-    replies = await _play(ReplayProvider.from_file(path), [SHELL])
+    assert doc["prompt"] == "prompt"  # the turns answer this prompt, and only it
+    replies = await _play(ReplayProvider.from_file(path), [SHELL], prompt="prompt")
     assert [r.message.content for r in replies] == [None, "It is Sunday."]
     assert replies[0].message.tool_calls[0].arguments == {"command": "date"}
     assert replies[1].usage.cached_input_tokens == 64

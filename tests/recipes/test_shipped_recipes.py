@@ -15,6 +15,7 @@ from ephemeral.recipes import (
     validate_recipe,
 )
 from ephemeral.settings import Settings
+from tests.sample import SAMPLE_PROMPT
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = [
@@ -23,16 +24,7 @@ SHIPPED = [
     *sorted((REPO / "recipes/suites").glob("*.yaml")),
 ]
 
-# The "prompt" of request.json on the product page, verbatim.
-PAGE_PROMPT = (
-    "This is a sandbox test. Do these steps with the shell and report the real output, never "
-    "what you expect. 1) Write a small script that prints the first 15 prime numbers, run it "
-    "and show the output. 2) Run `whoami` and `pwd`. 3) Try to reach the internet with "
-    "`curl -sS -m 8 https://example.com` (and, if curl is missing, python3 with urllib) and "
-    "report the exact error. 4) Write a file named /tmp/proof.txt and list it. Reply in "
-    "Markdown, at most 120 words: one line per step with the result, then one sentence saying "
-    "whether the network call succeeded."
-)
+PAGE_PROMPT = SAMPLE_PROMPT
 
 
 def test_there_is_something_to_check() -> None:

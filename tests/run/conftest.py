@@ -37,6 +37,7 @@ def make_cassette(cassettes: Path) -> Callable[..., str]:
                     "version": 1,
                     "model": model,
                     "recorded_at": "2026-11-29T00:00:00Z",
+                    "any_prompt": True,  # a script written by hand, for any prompt
                     "turns": turns,
                 }
             )

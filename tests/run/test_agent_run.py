@@ -9,15 +9,17 @@ from pathlib import Path
 
 import pytest
 
+from ephemeral.models import NO_MODEL
 from ephemeral.policy import RunRequest
 from ephemeral.records import Records
 from ephemeral.runview import fold_events, run_object
 from ephemeral.service import Runtime
+from ephemeral.settings import Settings
+from tests import runlevel
 from tests.run.conftest import turn
+from tests.sample import SAMPLE_PROMPT
 
 pytestmark = [pytest.mark.sandbox]
-
-SAMPLE_PROMPT = "This is a sandbox test. Do these steps with the shell and report the real output."
 
 
 def types(events: list) -> list[str]:
@@ -83,6 +85,30 @@ async def test_records_are_written_and_queryable(runtime: Runtime, run_settings)
         f"select kind, count(*) from steps where run_id = '{row.id}' group by 1 order by 1"
     )
     assert dict(steps)["model"] == 3 and dict(steps)["shell"] >= 4
+
+
+async def test_an_agent_run_naming_no_model_records_none(run_settings: Settings) -> None:
+    """Its program calls no model: the run, its records and `costs --by model` say `(none)`,
+    never the default (here replay/sandbox-proof, which the sample's runs keep)."""
+    settings = run_settings.model_copy(update={"default_model": "replay/sandbox-proof"})
+    request = RunRequest.model_validate(
+        {
+            "prompt": "count to three",
+            "timeout_seconds": 60,
+            "agent": {"command": 'echo "model=[$EPHEMERAL_MODEL]"; echo 1 2 3'},
+        }
+    )
+    async with runlevel.started(settings) as runtime:
+        row, events = await run_to_end(runtime, request)
+    assert row.status == "succeeded", row.termination_detail
+    assert row.model == NO_MODEL and run_object(row)["model"] == NO_MODEL
+    assert row.output is not None and "model=[]" in row.output  # granted none
+    started = next(e.data for e in events if e.type == "agent.started")
+    assert started["models"] == []
+    _, by_model = Records(run_settings.records_dir).query(
+        f"select model from runs where run_id = '{row.id}'"
+    )
+    assert by_model == [(NO_MODEL,)]
 
 
 async def test_budget_exhausted_stops_before_overspending(

@@ -5,6 +5,7 @@ Real runs in a real sandbox, replayed model turns: one per ending a script must 
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from typer.testing import CliRunner
 from ephemeral.cli import app
 from ephemeral.cli.exits import FOR_STATUS, Exit
 from ephemeral.lifecycle import TERMINAL_STATUSES
+from tests.sample import SAMPLE_MODEL, SAMPLE_PROMPT
 
 from .conftest import turn
 
@@ -23,15 +25,17 @@ pytestmark = [pytest.mark.sandbox]
 
 @pytest.fixture
 def run_cli(tmp_path: Path, cassettes: Path) -> Callable[..., tuple[int, str]]:
-    env = {
+    base = {
         "EPHEMERAL_STATE_DIR": str(tmp_path / "state"),
         "EPHEMERAL_CASSETTES_DIR": str(cassettes),
         "EPHEMERAL_EXECUTOR": "plain",
         "EPHEMERAL_URL": "",
+        # no provider key: the default, where a test wants one, is named
+        **dict.fromkeys(("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENROUTER_API_KEY"), ""),
     }
 
-    def invoke(*args: str) -> tuple[int, str]:
-        result = CliRunner().invoke(app, ["run", *args], env=env)
+    def invoke(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+        result = CliRunner().invoke(app, ["run", *args], env={**base, **(env or {})})
         return result.exit_code, result.output
 
     return invoke
@@ -45,9 +49,37 @@ def test_every_terminal_status_has_its_own_code() -> None:
 
 
 def test_a_succeeded_run_exits_0(run_cli: Callable[..., tuple[int, str]]) -> None:
-    code, output = run_cli("--prompt", "hello", "--model", "replay/sandbox-proof")
+    code, output = run_cli("--prompt", SAMPLE_PROMPT, "--model", "replay/sandbox-proof")
     assert code == Exit.OK == 0, output
     assert "Settled" in output
+
+
+def test_a_prompt_is_never_answered_by_another_prompts_transcript(
+    run_cli: Callable[..., tuple[int, str]],
+) -> None:
+    """The sample's replay asked for `uname -a` fails saying why; it plays none of the
+    sample's commands (primes, whoami, curl) and never says succeeded."""
+    code, output = run_cli("--prompt", "Run uname -a and report it.", "--model", SAMPLE_MODEL)
+    assert code == Exit.FAILED, output
+    flat = " ".join(output.split())
+    assert "replay/sandbox-proof answers only the prompt it recorded" in flat, output
+    assert "'Run uname -a and report it.'" in flat, output
+    assert "Shell:" not in output and "Model:" not in output, output  # nothing was played
+    assert "0 model calls" in output and "model_error" in output, output
+    for played in ("whoami", "curl", "2 3 5 7", "proof.txt"):
+        assert played not in output, output
+    assert "succeeded" not in output.lower(), output
+
+
+def test_no_model_and_no_default_is_refused_naming_how_to_configure_one(
+    run_cli: Callable[..., tuple[int, str]],
+) -> None:
+    code, output = run_cli("--prompt", "hello", env={"EPHEMERAL_DEFAULT_MODEL": ""})
+    assert code == Exit.USAGE, output
+    flat = " ".join(output.split())
+    assert flat.startswith("error: --model: no model named, and this server has no default"), flat
+    assert "OPENAI_API_KEY" in flat and "EPHEMERAL_DEFAULT_MODEL" in flat, flat
+    assert "run_" not in output  # nothing was admitted
 
 
 @pytest.mark.parametrize(
@@ -82,7 +114,7 @@ def test_a_budget_past_the_cap_names_the_flag_in_dollars(
 def _recipe(tmp_path: Path, extra: str, checks: str) -> Path:
     path = tmp_path / "proof.yaml"
     path.write_text(
-        "name: proof\nmodel: replay/sandbox-proof\nprompt: prove it\n"
+        f"name: proof\nmodel: {SAMPLE_MODEL}\nprompt: {json.dumps(SAMPLE_PROMPT)}\n"
         f"{extra}"
         "policy: {shell: true, timeout_seconds: 60, max_cost_micros: 40000}\n"
         f"checks:\n{checks}"

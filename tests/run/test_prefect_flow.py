@@ -15,6 +15,7 @@ from ephemeral.policy import RunRequest
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.run.conftest import turn
+from tests.sample import SAMPLE_PROMPT
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.prefect, pytest.mark.slow]
 
@@ -43,7 +44,7 @@ async def test_sample_runs_as_a_prefect_flow(
         # Each admitted just before it executes: a run admitted here and left unexecuted for
         # two watchdog sweeps (the first flow on a loaded box takes longer) is abandoned.
         sample, _ = await runtime.admit(
-            org, RunRequest(prompt="sample", model="replay/sandbox-proof")
+            org, RunRequest(prompt=SAMPLE_PROMPT, model="replay/sandbox-proof")
         )
         sample = await runtime.execute(sample.id)
         zdr, _ = await runtime.admit(

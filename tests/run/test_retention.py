@@ -11,6 +11,7 @@ from ephemeral.policy import RunRequest
 from ephemeral.records import Records
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
+from tests.sample import SAMPLE_PROMPT
 
 
 async def test_purge_erases_content_and_keeps_billing(run_settings: Settings) -> None:
@@ -18,12 +19,12 @@ async def test_purge_erases_content_and_keeps_billing(run_settings: Settings) ->
     try:
         org = await runtime.local_org()
         row, _ = await runtime.admit(
-            org, RunRequest(prompt="keep me", model="replay/sandbox-proof")
+            org, RunRequest(prompt=SAMPLE_PROMPT, model="replay/sandbox-proof")
         )
         row = await runtime.execute(row.id)
     finally:
         await runtime.close()
-    assert row.prompt == "keep me" and row.output
+    assert row.prompt == SAMPLE_PROMPT and row.output
 
     summary = run_settings.state_dir / "evals" / "suite_old.json"
     summary.parent.mkdir(parents=True)
