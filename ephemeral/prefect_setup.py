@@ -69,7 +69,9 @@ def ensure_template(settings: Settings) -> Path:
 
 
 def configure(settings: Settings) -> None:
-    """Point Prefect at our state directory with offline defaults; the user's values win."""
+    """Point Prefect at our state directory with offline defaults; the user's values win.
+    (Entry points call :func:`ephemeral.flows.embedded_server.configure`, which also makes an
+    embedded server end with their process.)"""
     home = settings.prefect_home
     home.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_HOME", str(home))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+from types import FrameType
+
 import typer
 
 from ephemeral.cli import (
@@ -37,5 +40,13 @@ sandboxes.register(app)
 worker.register(app)
 
 
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    # SIGTERM (what a service manager or container runtime sends) unwinds like Ctrl-C: runs are
+    # cancelled, their sandboxes destroyed and Prefect's embedded server stopped. Python's
+    # default ends the process at once and leaves them. `serve` and `worker` install their own.
+    signal.signal(signal.SIGTERM, _terminated)
     app()

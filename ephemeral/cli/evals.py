@@ -172,7 +172,7 @@ def register(app: typer.Typer) -> None:
                 )
             evaluation = evals.evaluation_for(str(suite), settings, compare_with=compare)
             if settings.executor != "plain":
-                from ephemeral.prefect_setup import configure
+                from ephemeral.flows.embedded_server import configure
 
                 configure(settings)
             report = asyncio.run(_run(settings, evaluation, suite, console))

@@ -232,7 +232,7 @@ def register(app: typer.Typer) -> None:
 
             raise typer.Exit(run_remote(settings, [(request, {})], as_json))
         if settings.executor != "plain":
-            from ephemeral.prefect_setup import configure
+            from ephemeral.flows.embedded_server import configure
 
             configure(settings)
         try:

@@ -51,7 +51,7 @@ def register(app: typer.Typer) -> None:
         given = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
         settings = Settings.load(pool_size=size, **given)
         if settings.executor != "plain":
-            from ephemeral.prefect_setup import configure
+            from ephemeral.flows.embedded_server import configure
 
             configure(settings)
         if settings.executor == "dispatch":

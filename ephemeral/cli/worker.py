@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
         a shared EPHEMERAL_DATABASE_URL, records root and seal key (checked at start);
         EPHEMERAL_HOST_ID names the host. SIGTERM drains it (docs/deploy.md).
         """
-        from ephemeral.prefect_setup import configure
+        from ephemeral.flows.embedded_server import configure
 
         base = Settings.load()
         if drain:
