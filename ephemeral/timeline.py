@@ -15,6 +15,32 @@ def _first_line(text: str | None, limit: int = 160) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+# Commands shown with their exit code, duration and output: the agent's shell steps, a session's
+# execs, and the grading around a run (its setup before the first turn, its verify after).
+COMMAND_EVENTS = ("shell.executed", "sandbox.exec", "setup.executed", "verify.executed")
+
+
+def command_text(d: dict[str, Any]) -> str:
+    """``$ first line`` of a command (``… (+N lines)`` when it has more), or its size when its
+    content was not kept (zero data retention)."""
+    cmd = d.get("command")
+    if cmd is None:
+        return f"$ ({d.get('command_bytes', 0)} bytes)"
+    lines = cmd.strip().splitlines() or [""]
+    more = f" … (+{len(lines) - 1} lines)" if len(lines) > 1 else ""
+    return f"$ {_first_line(cmd)}{more}"
+
+
+def _graded(d: dict[str, Any]) -> str:
+    """A setup or verify step: ``$ cmd → exit 0 · 412 ms``, or why it was skipped."""
+    if d.get("skipped"):
+        return f"{command_text(d)}  → skipped: {d['skipped']}"
+    ending = " (timed out)" if d.get("timed_out") else ""
+    duration = f" · {d['duration_ms']} ms" if d.get("duration_ms") is not None else ""
+    truncated = " (truncated)" if d.get("truncated") else ""
+    return f"{command_text(d)}  → exit {d.get('exit_code')}{ending}{duration}{truncated}"
+
+
 def describe(event: Event | dict[str, Any]) -> tuple[str, str]:
     """(stage, text) for one event, e.g. ("Shell", "$ pwd; whoami")."""
     ev = event if isinstance(event, Event) else Event.model_validate(event)
@@ -53,6 +79,10 @@ def describe(event: Event | dict[str, Any]) -> tuple[str, str]:
         return "Shell", f"{text}  → exit {d.get('exit_code')}" + (
             " (truncated)" if d.get("truncated") else ""
         )
+    if t == "setup.executed":
+        return "Setup", _graded(d)
+    if t == "verify.executed":
+        return "Verify", _graded(d)
     if t == "agent.started":
         cmd = d.get("command")
         text = (

@@ -32,6 +32,7 @@ from ephemeral.money import parse_usd, usd
 from ephemeral.policy import RunRequest
 from ephemeral.runview import run_object
 from ephemeral.store import Principal
+from ephemeral.timeline import COMMAND_EVENTS
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
 PLAYGROUND_FIELDS = {"max_cost_micros": "budget", "timeout_seconds": "timeout"}
@@ -45,6 +46,7 @@ env = Environment(
     lstrip_blocks=True,
 )
 env.globals["usd"] = usd
+env.globals["COMMAND_EVENTS"] = COMMAND_EVENTS
 env.filters["tojson_attr"] = lambda v: json.dumps(v, ensure_ascii=False)
 
 
@@ -199,6 +201,7 @@ async def run_page(request: Request, run_id: str) -> Response:
         signed_in=who,
         **_summary_context(run),
         rows=[view.timeline_row(e, t0) for e in events],
+        grading=view.grading(row.labels or {}, events),
         permissions=view.permission_rows(row.policy, runtime.settings.retention_days),
         prompt=row.prompt,
         live=not settled,

@@ -9,9 +9,10 @@ from typing import Any
 from markdown_it import MarkdownIt
 from markupsafe import Markup
 
+from ephemeral.checks import CheckResult
 from ephemeral.events import Event
 from ephemeral.money import usd
-from ephemeral.timeline import describe
+from ephemeral.timeline import COMMAND_EVENTS, describe
 
 # The output is written by the model: raw HTML stays text ("html": False) and markdown-it's
 # link validation refuses javascript:/vbscript:/data: links.
@@ -56,8 +57,10 @@ def timeline_row(ev: Event, t0: str | None = None) -> dict[str, Any]:
         "offset_ms": max(0, int(offset * 1000)),
         "kind": ev.type.split(".", 1)[0],
     }
-    if ev.type in ("shell.executed", "sandbox.exec"):  # a sandbox session's command reads alike
+    if ev.type in COMMAND_EVENTS:  # a session's exec, setup and verify read like a shell step
         row["command"] = d.get("command")
+        row["timed_out"] = bool(d.get("timed_out"))
+        row["skipped"] = d.get("skipped")  # verify.executed only: why it did not run
         row["stdout"] = d.get("stdout") or ""
         row["stderr"] = d.get("stderr") or ""
         row["exit_code"] = d.get("exit_code")
@@ -67,6 +70,25 @@ def timeline_row(ev: Event, t0: str | None = None) -> dict[str, Any]:
         row["output_html"] = markdown(d.get("markdown"))
         row["erased"] = d.get("markdown") is None
     return row
+
+
+def grading(labels: dict[str, Any], events: list[Event]) -> dict[str, Any]:
+    """How the run was graded, for its page: the verdicts of its recipe's checks (stored in its
+    labels when the evaluation judged it) and its verify commands' results (their events)."""
+    checks = []
+    for item in labels.get("checks") or []:
+        try:
+            checks.append(CheckResult.model_validate(item))
+        except ValueError:
+            continue  # not a verdict this version wrote: not shown rather than guessed
+    verify = [e.data for e in events if e.type == "verify.executed"]
+    passed = [v for v in verify if not v.get("skipped") and v.get("exit_code") == 0]
+    return {
+        "checks": checks,
+        "checks_passed": sum(1 for c in checks if c.passed),
+        "verify_count": len(verify),
+        "verify_passed": len(passed),
+    }
 
 
 def permission_rows(policy: dict[str, Any], retention_days: int) -> list[tuple[str, str]]:

@@ -21,9 +21,10 @@ from rich.markup import escape
 
 from ephemeral import errors
 from ephemeral.cli.exits import Exit, for_error
-from ephemeral.timeline import describe
+from ephemeral.timeline import COMMAND_EVENTS, describe
 
 out = Console(highlight=False, soft_wrap=True)
+MAX_COMMAND_LINES = 20  # of a multi-line command (a heredoc) printed under its step
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
@@ -69,7 +70,12 @@ def usage(message: str) -> typer.Exit:
 def print_event(ev: Any, index: int) -> None:
     stage, text = describe(ev)
     out.print(f"{index:>3}. [bold]{stage}[/bold]: {text}")
-    if ev.type == "shell.executed":
+    if ev.type in COMMAND_EVENTS:
+        cmd = (ev.data.get("command") or "").strip().splitlines()
+        for line in cmd[1:MAX_COMMAND_LINES]:  # a heredoc keeps its lines
+            out.print(f"       $ {line}", markup=False)
+        if len(cmd) > MAX_COMMAND_LINES:
+            out.print(f"       $ … ({len(cmd) - MAX_COMMAND_LINES} more lines)", markup=False)
         for stream in ("stdout", "stderr"):
             body = (ev.data.get(stream) or "").rstrip()
             if body:

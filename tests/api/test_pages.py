@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import httpx
 import pytest
 
 from ephemeral.api.pages import PAGE_COOKIE
 from ephemeral.api.samples import load_sample
+from ephemeral.evals import execute_planned
+from ephemeral.recipes import expand, load_recipe
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.api.conftest import SAMPLE_BODY, Member, new_member
@@ -213,3 +216,54 @@ async def test_live_stream_ignores_a_bad_t0_and_needs_sign_in(
     assert anon.status_code == 401
     r = await signed_in(http, member).get(f"/runs/{rid}/live", params={"t0": "yesterday"})
     assert r.status_code == 200 and "run.settled" in r.text
+
+
+@pytest.mark.sandbox
+async def test_run_page_shows_the_grading_check_verdicts_and_verify(
+    http: httpx.AsyncClient, member: Member, runtime: Runtime, tmp_path: Path
+) -> None:
+    """A run judged by its recipe: its page says PASS/FAIL per check with the reason, the
+    verify result, and each verify command as a timeline step with its exit code and output."""
+    recipe_file = tmp_path / "graded.yaml"
+    recipe_file.write_text(
+        "name: graded\nmodel: replay/api-quick\nprompt: say hello\n"
+        "policy: {shell: true, timeout_seconds: 60, max_cost_micros: 40000}\n"
+        "verify:\n"
+        "  - echo graded-ok\n"
+        "  - |\n"
+        "    cat <<'EOF' >&2\n"
+        "    no answer.txt\n"
+        "    EOF\n"
+        "    exit 3\n"
+        "checks:\n"
+        "  - status: succeeded\n"
+        "  - output_contains: Done\n"
+        "  - verify: {exit_code: 0}\n"
+    )
+    recipe = load_recipe(recipe_file)
+    [planned] = expand(recipe, default_model=None)
+    result = await execute_planned(runtime, member.org_id, planned, recipe, "suite_test")
+    assert result.run_id is not None and result.status == "succeeded", result.detail
+    page = await signed_in(http, member).get(f"/runs/{result.run_id}")
+    html = page.text
+    grading = html[
+        html.index('<section id="grading">') : html.index("</section>", html.index('id="grading"'))
+    ]
+    assert 'id="verify-result" data-passed="1" data-count="2"' in grading
+    assert ">FAIL</span>\n      1 of 2 command(s) exited 0" in grading
+    assert "Checks: 2 of 3 passed." in grading
+    rows = re.findall(
+        r'<tr data-passed="(\d)">.*?>(PASS|FAIL)<.*?<code>(.*?)</code></td><td>(.*?)</td>', grading
+    )
+    assert [(r[1], r[2]) for r in rows] == [
+        ("PASS", "status: succeeded"),
+        ("PASS", "output_contains: Done"),
+        ("FAIL", "verify: exit code 0"),
+    ], rows
+    assert rows[2][3].endswith("exit code 3, wanted 0")  # the failing check says why
+    assert html.count('data-type="verify.executed"') == 2
+    assert (
+        '<code class="cmd">$ cat &lt;&lt;&#39;EOF&#39; &gt;&amp;2\nno answer.txt\nEOF\nexit 3'
+        in html
+    )
+    assert '<span class="exit bad">exit 3</span>' in html and "no answer.txt\n</pre>" in html
