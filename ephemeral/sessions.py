@@ -49,7 +49,7 @@ from ephemeral.lifecycle import (
     TerminationReason,
     compute_charge,
 )
-from ephemeral.policy import Policy, _fail, _Strict
+from ephemeral.policy import MAX_COST_MICROS, Policy, _fail, _Strict
 from ephemeral.pricing import PriceBook
 from ephemeral.runview import cost_view, termination_view, timestamp
 from ephemeral.sandbox import users
@@ -290,8 +290,22 @@ class Sessions:
         before the failure).
         """
         policy = request.policy()
+        if "max_cost_micros" not in request.model_fields_set:
+            policy = policy.model_copy(
+                update={"max_cost_micros": self.default_budget(policy.timeout_seconds, limits)}
+            )
         async with self._in_turn(policy):
             return await self._create(org_id, policy, idempotency_key, body_hash, labels, limits)
+
+    def default_budget(self, timeout_seconds: int, limits: Limits | None = None) -> int:
+        """The budget of a session that names none: its sandbox's compute for the whole time
+        limit it asked for (a session is charged by the second), never less than a run's
+        default. A fixed default ended a 600 s session ``budget_exhausted`` after ~50 s."""
+        rate = self.sandboxes.compute_rate(
+            limits or self.sandboxes.limits(timeout_seconds), self.price_book
+        )
+        run_default = int(Policy.model_fields["max_cost_micros"].default)
+        return min(MAX_COST_MICROS, max(run_default, rate * timeout_seconds))
 
     def _in_turn(self, policy: Policy) -> asyncio.Semaphore:
         kind = (policy.isolation, policy.run_image)

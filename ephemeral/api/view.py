@@ -195,5 +195,5 @@ def request_json(prompt: str, policy: dict[str, Any], model: str | None = None) 
 CURL = """curl -X POST $EPHEMERAL_URL/v1/runs \\
   -H "Authorization: Bearer $EPHEMERAL_API_KEY" \\
   -H "Content-Type: application/json" \\
-  -H "Idempotency-Key: $(uuidgen)" \\
+  -H "Idempotency-Key: $(python3 -c 'import uuid; print(uuid.uuid4())')" \\
   -d @request.json"""

@@ -55,8 +55,11 @@ def _show(obj: dict[str, Any], as_json: bool) -> None:
 def create(
     isolation: str = typer.Option("auto", "--isolation", help="auto, gvisor, namespaces, …"),
     timeout: int = typer.Option(600, "--timeout", help="Time limit of the session, seconds."),
-    budget: str = typer.Option(
-        "0.50", "--budget", help="Hard cap in dollars, e.g. 0.50 (reserved up front)."
+    budget: str | None = typer.Option(
+        None,
+        "--budget",
+        help="Hard cap in dollars, e.g. 0.50 (reserved up front); default: the sandbox's "
+        "compute for the whole --timeout (the server's default, as for the API and client).",
     ),
     zdr: bool = typer.Option(False, "--zdr", help="Zero data retention."),
     web: bool = typer.Option(
@@ -73,8 +76,10 @@ def create(
         "timeout_seconds": "--timeout",
         "max_cost_micros": "--budget",
     }
+    asked: dict[str, Any] = {}
     try:
-        max_cost_micros = parse_usd(budget, field="--budget")
+        if budget is not None:
+            asked["max_cost_micros"] = parse_usd(budget, field="--budget")
     except errors.EphemeralError as exc:
         raise fail(exc) from exc
     with _client() as client:
@@ -82,9 +87,9 @@ def create(
             obj = client.sandboxes.create(
                 isolation=isolation,
                 timeout_seconds=timeout,
-                max_cost_micros=max_cost_micros,
                 zero_data_retention=zdr,
                 web={"allow": allow} if allow else web,
+                **asked,
             )
         except errors.EphemeralError as exc:
             raise fail(exc, flags=flags) from exc

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
+from ephemeral.api import view
 from ephemeral.api.pages import PAGE_COOKIE
 from ephemeral.api.samples import load_sample
 from ephemeral.evals import execute_planned
@@ -267,3 +270,15 @@ async def test_run_page_shows_the_grading_check_verdicts_and_verify(
         in html
     )
     assert '<span class="exit bad">exit 3</span>' in html and "no answer.txt\n</pre>" in html
+
+
+def test_the_sample_curl_makes_its_key_without_uuidgen() -> None:
+    """uuidgen is not installed on a fresh Debian: the curl then sent no Idempotency-Key at all.
+    The served command makes the key with python3, and that command really prints a UUID."""
+    assert "uuidgen" not in view.CURL
+    made = re.search(r'"Idempotency-Key: (\$\(.*\))"', view.CURL)
+    assert made is not None, view.CURL
+    printed = subprocess.run(
+        ["sh", "-c", f"echo {made.group(1)}"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert str(uuid.UUID(printed)) == printed

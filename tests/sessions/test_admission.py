@@ -5,6 +5,7 @@ Nothing is reserved or started for a refused request."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from ephemeral.service import Runtime
 from tests.api.conftest import Member
@@ -58,3 +59,33 @@ async def test_an_ip_literal_in_the_allow_list_is_a_422_naming_web(
         assert r.status_code == 422, r.text
         [error] = r.json()["errors"]
         assert error["field"] == "web" and "is an IP address" in error["message"], error
+
+
+@pytest.mark.sandbox
+async def test_a_session_naming_no_budget_gets_one_covering_its_time_limit(
+    http: httpx.AsyncClient, runtime: Runtime, member: Member
+) -> None:
+    """The docs' Python example (timeout_seconds=600, no budget) used to end budget_exhausted
+    after ~50 s on the $0.04 default: the default now covers the sandbox's compute for the
+    whole time limit; a budget the request names is kept."""
+    rate = runtime.sessions.sandboxes.compute_rate(
+        runtime.sessions.sandboxes.limits(600), runtime.price_book
+    )
+    r = await http.post(
+        "/v1/sandboxes",
+        json={"isolation": "namespaces", "timeout_seconds": 600},
+        headers=member.headers,
+    )
+    assert r.status_code == 201, r.text
+    session = r.json()
+    assert session["cost"]["reserved_micros"] == rate * 600 > 40_000
+    assert session["policy"]["max_cost_micros"] == rate * 600
+    await http.delete(f"/v1/sandboxes/{session['id']}", headers=member.headers)
+    named = await http.post(
+        "/v1/sandboxes",
+        json={"isolation": "namespaces", "timeout_seconds": 600, "max_cost_micros": 20_000},
+        headers=member.headers,
+    )
+    assert named.status_code == 201, named.text
+    assert named.json()["cost"]["reserved_micros"] == 20_000
+    await http.delete(f"/v1/sandboxes/{named.json()['id']}", headers=member.headers)
