@@ -12,9 +12,14 @@ for runs in flight to settle; when nothing is in flight and it still does not fi
 skipped (``skipped``, reason ``budget``). A run whose settlement is unknown (an error after
 admission) keeps its whole reservation committed.
 
-Verdicts: a run passes when every check of its recipe passes (a recipe without checks: when
-it succeeded). A recipe's pass rate is passing runs over *planned* runs, so a run skipped for
-budget or refused at admission counts against the gate, never silently for it.
+Verdicts: every planned run ends in one outcome (``ephemeral.outcomes``): ``pass`` when every
+check of its recipe passes (a recipe without checks: when it succeeded), ``fail``, ``error``
+(the infrastructure's: a sandbox that died or was wrecked, a failed setup, a provider or
+internal failure, a refused admission), ``cancelled`` or ``budget`` (skipped or stopped for
+money). Only pass and fail are graded: a recipe's pass rate is passes over graded runs, so an
+infrastructure error never counts as the model's failure nor as its success. The runs that
+were not graded are counted apart in the table and the export, and fail the gate on a line of
+their own (a gate cannot pass on runs that never ran or were never judged).
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
 from ephemeral import errors
 from ephemeral.checks import CheckResult, evaluate
 from ephemeral.ids import new_id
 from ephemeral.models import NO_MODEL, default_model
 from ephemeral.money import usd
+from ephemeral.outcomes import GRADED, OUTCOMES, Outcome, outcome_of
 from ephemeral.recipes import PlannedRun, Recipe, expand, iter_planned, validate_recipe
 
 if TYPE_CHECKING:
@@ -91,14 +97,30 @@ class RunResult(BaseModel):
     charged_micros: int = 0
     duration_ms: int | None = None
     checks: list[CheckResult] = Field(default_factory=list)
+    termination_reason: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived(cls, data: Any) -> Any:
+        # A saved report carries the outcome it computed; it is derived again, never trusted.
+        if isinstance(data, dict) and "outcome" in data:
+            data = {k: v for k, v in data.items() if k != "outcome"}
+        return data
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def outcome(self) -> Outcome:
+        if self.run_id is None:
+            return outcome_of(self.status, None)
+        return outcome_of(self.status, self.termination_reason, [c.passed for c in self.checks])
 
     @property
     def passed(self) -> bool:
-        if self.run_id is None:
-            return False
-        if self.checks:
-            return all(c.passed for c in self.checks)
-        return self.status == "succeeded"
+        return self.outcome is Outcome.PASS
+
+    @property
+    def graded(self) -> bool:
+        return self.outcome in GRADED
 
 
 def unrun(planned: PlannedRun, status: str, detail: str) -> RunResult:
@@ -285,6 +307,7 @@ async def execute_planned(
         update={
             "run_id": row.id,
             "status": row.status,
+            "termination_reason": row.termination_reason,
             "detail": row.termination_detail,
             "reserved_micros": row.reserved_micros,
             "charged_micros": row.charged_micros if settled else row.reserved_micros,
@@ -300,7 +323,7 @@ async def execute_planned(
 class CheckStat(BaseModel):
     check: str
     passed: int
-    total: int
+    total: int  # graded runs
 
     @property
     def rate(self) -> float:
@@ -317,10 +340,20 @@ class RecipeStat(BaseModel):
     charged_micros: int
     duration_ms: int  # sum over the recipe's runs
     checks: list[CheckStat]
+    # How many runs ended in each outcome (every outcome present): pass + fail are graded.
+    outcomes: dict[str, int] = Field(default_factory=dict)
+
+    @property
+    def graded(self) -> int:
+        return self.outcomes.get(Outcome.PASS, 0) + self.outcomes.get(Outcome.FAIL, 0)
+
+    @property
+    def not_graded(self) -> dict[str, int]:
+        return {o: n for o, n in self.outcomes.items() if o not in GRADED and n}
 
     @property
     def pass_rate(self) -> float:
-        return self.passed / self.planned if self.planned else 0.0
+        return self.passed / self.graded if self.graded else 0.0
 
 
 class Flip(BaseModel):
@@ -367,6 +400,14 @@ class Report(BaseModel):
     def passed(self) -> bool:
         return not self.gate_failures
 
+    @property
+    def outcomes(self) -> dict[str, int]:
+        """How many planned runs ended in each outcome, over the whole suite run."""
+        totals = dict.fromkeys((str(o) for o in OUTCOMES), 0)
+        for r in self.results:
+            totals[r.outcome] += 1
+        return totals
+
 
 def recipe_stats(recipes: Sequence[Recipe], results: Sequence[RunResult]) -> list[RecipeStat]:
     """One row per recipe; a recipe with a ``models:`` axis gets one row per model
@@ -382,15 +423,19 @@ def recipe_stats(recipes: Sequence[Recipe], results: Sequence[RunResult]) -> lis
             if r.recipe == recipe.name and (model is None or r.cell.get("model") == model)
         ]
         ran = [r for r in mine if r.run_id is not None]
+        graded = [r for r in mine if r.graded]
         labels = [c.label() for c in recipe.checks]
         checks = [
             CheckStat(
                 check=label,
-                total=len(mine),
-                passed=sum(1 for r in ran for v in r.checks if v.check == label and v.passed),
+                total=len(graded),
+                passed=sum(1 for r in graded for v in r.checks if v.check == label and v.passed),
             )
             for label in labels
         ]
+        outcomes = dict.fromkeys(OUTCOMES, 0)
+        for r in mine:
+            outcomes[r.outcome] += 1
         stats.append(
             RecipeStat(
                 recipe=recipe.name if model is None else f"{recipe.name} [{model}]",
@@ -402,18 +447,33 @@ def recipe_stats(recipes: Sequence[Recipe], results: Sequence[RunResult]) -> lis
                 charged_micros=sum(r.charged_micros for r in mine),
                 duration_ms=sum(r.duration_ms or 0 for r in ran),
                 checks=checks,
+                outcomes={str(k): v for k, v in outcomes.items()},
             )
         )
     return stats
 
 
+def not_graded_text(counts: dict[str, int]) -> str:
+    """``2 error, 1 budget``: the runs the gate did not grade, by outcome."""
+    return ", ".join(f"{n} {o}" for o, n in counts.items() if n)
+
+
 def gate_failures(stats: Sequence[RecipeStat], min_pass_rate: float) -> list[str]:
+    """The gate. A recipe's pass rate is over its graded runs (an infrastructure error is not
+    the model's failure), and it fails below ``min_pass_rate``; it fails too, on a line of its
+    own, when some of its planned runs were not graded (error, cancelled, budget): a gate
+    cannot pass on runs that never ran or were never judged."""
     failures = []
     for s in stats:
-        if s.pass_rate < min_pass_rate:
+        if s.graded and s.pass_rate < min_pass_rate:
             failures.append(
-                f"{s.recipe}: pass rate {s.pass_rate:.0%} ({s.passed}/{s.planned}) "
+                f"{s.recipe}: pass rate {s.pass_rate:.0%} ({s.passed}/{s.graded} graded) "
                 f"below min_pass_rate {min_pass_rate:.0%}"
+            )
+        if s.not_graded:
+            failures.append(
+                f"{s.recipe}: {not_graded_text(s.not_graded)} not graded "
+                f"({s.graded}/{s.planned} runs graded)"
             )
     return failures
 
@@ -455,8 +515,9 @@ def load_previous(records: Records, suite_run_id: str) -> list[RunResult]:
     import duckdb
 
     sql = (
-        "SELECT run_id, recipe, recipe_cell, repeat_index, status, reserved_micros, "
-        "charged_micros, duration_ms, checks FROM runs WHERE suite_run_id = $1 ORDER BY run_id"
+        "SELECT run_id, recipe, recipe_cell, repeat_index, status, termination_reason, "
+        "reserved_micros, charged_micros, duration_ms, checks "
+        "FROM runs WHERE suite_run_id = $1 ORDER BY run_id"
     )
     con = records.connect()
     try:
@@ -470,7 +531,7 @@ def load_previous(records: Records, suite_run_id: str) -> list[RunResult]:
             "compare", f"no recorded runs for suite run {suite_run_id!r}"
         )
     out = []
-    for run_id, recipe, cell_text, rep, status, reserved, charged, duration, checks in rows:
+    for run_id, recipe, cell_text, rep, status, reason, reserved, charged, duration, checks in rows:
         cell = json.loads(cell_text) if cell_text else {}
         out.append(
             RunResult(
@@ -480,6 +541,7 @@ def load_previous(records: Records, suite_run_id: str) -> list[RunResult]:
                 repeat_index=rep or 0,
                 run_id=run_id,
                 status=status,
+                termination_reason=reason,
                 reserved_micros=reserved,
                 charged_micros=charged,
                 duration_ms=duration,
@@ -626,7 +688,9 @@ def resolve_path(path: str, settings: Settings) -> Path:
 
 
 def table_rows(report: Report) -> list[dict[str, Any]]:
-    """One row per recipe and check: the pass table (content-free: labels, counts, money)."""
+    """One row per recipe and check: the pass table (content-free: labels, counts, money).
+    ``passed``/``runs`` are over graded runs; ``error``, ``cancelled`` and ``budget`` count the
+    recipe's runs that were not graded."""
     rows = []
     for s in report.recipes:
         rows.append(
@@ -634,8 +698,12 @@ def table_rows(report: Report) -> list[dict[str, Any]]:
                 "recipe": s.recipe,
                 "check": "(all checks)",
                 "passed": s.passed,
-                "runs": s.planned,
+                "runs": s.graded,
                 "pass_rate": round(s.pass_rate, 4),
+                "failed": s.outcomes.get(Outcome.FAIL, 0),
+                "error": s.outcomes.get(Outcome.ERROR, 0),
+                "cancelled": s.outcomes.get(Outcome.CANCELLED, 0),
+                "budget": s.outcomes.get(Outcome.BUDGET, 0),
                 "charged_micros": s.charged_micros,
                 "duration_ms": s.duration_ms,
             }
@@ -648,6 +716,10 @@ def table_rows(report: Report) -> list[dict[str, Any]]:
                     "passed": c.passed,
                     "runs": c.total,
                     "pass_rate": round(c.rate, 4),
+                    "failed": c.total - c.passed,
+                    "error": None,
+                    "cancelled": None,
+                    "budget": None,
                     "charged_micros": None,
                     "duration_ms": None,
                 }
@@ -667,25 +739,33 @@ def render_markdown(report: Report, *, reasons: bool = True) -> str:
         + (f" of a {usd(report.budget_micros)} budget" if report.budget_micros else "")
         + f" · {report.wall_ms / 1000:.1f} s · gate min_pass_rate {report.min_pass_rate:.0%}",
         "",
-        "| recipe | check | passed | rate | charged | run time |",
-        "|---|---|---:|---:|---:|---:|",
+        "| recipe | check | passed | rate | error | cancelled | budget | charged | run time |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in table_rows(report):
         charged = usd(row["charged_micros"]) if row["charged_micros"] is not None else ""
         took = f"{row['duration_ms'] / 1000:.1f} s" if row["duration_ms"] is not None else ""
         check = row["check"].replace("|", "\\|")
+        apart = " | ".join(
+            "" if row[k] is None else str(row[k]) for k in ("error", "cancelled", "budget")
+        )
         lines.append(
             f"| {row['recipe']} | {check} | {row['passed']}/{row['runs']} | "
-            f"{row['pass_rate']:.0%} | {charged} | {took} |"
+            f"{row['pass_rate']:.0%} | {apart} | {charged} | {took} |"
         )
     lines.append("")
     for failure in report.gate_failures:
         lines.append(f"- gate failed: {failure}")
-    failing = [(r, c) for r in report.results for c in r.checks if not c.passed]
-    not_run = [r for r in report.results if r.run_id is None]
+    failing = [(r, c) for r in report.results if r.graded for c in r.checks if not c.passed]
+    not_run = [r for r in report.results if not r.graded]
     if not_run:
-        lines += ["", "## Not run", ""]
-        lines += [f"- `{r.pair_key}`: {r.status}: {r.detail}" for r in not_run]
+        lines += ["", "## Not graded", ""]
+        lines += [
+            f"- `{r.pair_key}`: {r.outcome} ({r.status}"
+            + (f", `{r.run_id}`" if r.run_id else "")
+            + f"): {r.detail}"
+            for r in not_run
+        ]
     if failing:
         lines += ["", "## Failing checks", ""]
         for r, c in failing[:MAX_SHOWN_FAILURES]:
@@ -727,6 +807,7 @@ def summary(report: Report) -> dict[str, Any]:
         "passed": report.passed,
         "runs": len(report.results),
         "passing": sum(1 for r in report.results if r.passed),
+        "outcomes": report.outcomes,
         "charged_micros": report.charged_micros,
         "wall_ms": report.wall_ms,
         "gate_failures": report.gate_failures,
@@ -740,8 +821,10 @@ def report_json(report: Report) -> dict[str, Any]:
     data = report.model_dump(mode="json")
     data["passed"] = report.passed
     data["charged_micros"] = report.charged_micros
+    data["outcomes"] = report.outcomes
     for s, raw in zip(report.recipes, data["recipes"], strict=True):
         raw["pass_rate"] = s.pass_rate
+        raw["graded"] = s.graded
     return data
 
 

@@ -7,6 +7,10 @@ written under a temporary name next to ``out`` and renamed, so a reader never se
 Zero data retention: the records of such a run hold no prompt, output, command or verify
 output, and the export adds none: those columns are null and each check reason is the ZDR
 placeholder; status, verdicts, exit codes, tokens and money remain.
+
+Each row's ``outcome`` (pass / fail / error / cancelled / budget, ``ephemeral.outcomes``) is the
+one the records hold; ``passed`` is ``outcome = 'pass'``, so an infrastructure error is neither
+a pass nor a fail.
 """
 
 from __future__ import annotations
@@ -37,13 +41,8 @@ SELECT
     termination_reason,
     CASE WHEN zero_data_retention THEN NULL ELSE prompt END AS prompt,
     CASE WHEN zero_data_retention THEN NULL ELSE output END AS output,
-    CASE
-        WHEN checks IS NULL OR json_array_length(checks::JSON) = 0 THEN status = 'succeeded'
-        ELSE (
-            SELECT bool_and(coalesce(json_extract(c, '$.passed')::BOOLEAN, false))
-            FROM (SELECT unnest(json_extract(checks::JSON, '$[*]')) AS c)
-        )
-    END AS passed,
+    outcome,
+    outcome = 'pass' AS passed,
     checks::JSON AS verdicts,
     verify::JSON AS verify,
     model_calls,
@@ -76,6 +75,7 @@ COLUMNS = (
     "termination_reason",
     "prompt",
     "output",
+    "outcome",
     "passed",
     "verdicts",
     "verify",

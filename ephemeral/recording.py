@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ephemeral import errors
 from ephemeral.events import Event
 from ephemeral.ids import rfc3339, utcnow
+from ephemeral.outcomes import GRADED, outcome_of_labels
 from ephemeral.providers.replay import PREFIX as REPLAY_PREFIX
 from ephemeral.records import EventRecord, RunRecord, StepRecord, write_run
 from ephemeral.settings import Settings
@@ -43,6 +44,15 @@ def _verify_column(events: list[Event], zdr: bool) -> str | None:
             {k: v for k, v in f.items() if k not in ("command", "stdout", "stderr")} for f in found
         ]
     return json.dumps(found)
+
+
+def _outcome(row: Any, labels: dict[str, Any]) -> str | None:
+    """The run's outcome. A sandbox session (Harbor, Inspect) is graded by its harness, not here:
+    it records only what is known on this side (error, cancelled, budget), else nothing."""
+    found = outcome_of_labels(row.status, row.termination_reason, labels)
+    if getattr(row, "kind", None) == "session" and found in GRADED:
+        return None
+    return str(found)
 
 
 def build_records(
@@ -84,6 +94,7 @@ def build_records(
         compute_micros=int(breakdown.get("compute_micros", 0)),
         duration_ms=duration,
         checks=json.dumps(labels["checks"]) if "checks" in labels else None,
+        outcome=_outcome(row, labels),
         host=getattr(row, "host", None) or host or socket.gethostname(),
         image=getattr(row, "image", None),
         image_hash=getattr(row, "image_hash", None),

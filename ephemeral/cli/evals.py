@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -79,7 +80,7 @@ def _line(p: evals.Progress, r: evals.RunResult) -> str:
     if r.run_id is None:
         return f"{where}  {r.status}: {r.detail}"
     ok = sum(1 for c in r.checks if c.passed)
-    verdict = "PASS" if r.passed else "FAIL"
+    verdict = r.outcome.upper()
     took = f"{(r.duration_ms or 0) / 1000:.1f} s"
     return (
         f"{where}  {verdict}  {r.run_id} {r.status} · checks {ok}/{len(r.checks)} · "
@@ -96,6 +97,9 @@ def _print_report(report: evals.Report, console: Console) -> None:
         ("check", "left"),
         ("passed", "right"),
         ("rate", "right"),
+        ("error", "right"),
+        ("cancelled", "right"),
+        ("budget", "right"),
         ("charged", "right"),
         ("run time", "right"),
     ):
@@ -110,20 +114,29 @@ def _print_report(report: evals.Report, console: Console) -> None:
             row["check"],
             f"{row['passed']}/{row['runs']}",
             f"[{colour}]{rate:.0%}[/{colour}]",
+            *("" if row[k] is None else str(row[k]) for k in ("error", "cancelled", "budget")),
             usd(row["charged_micros"]) if row["charged_micros"] is not None else "",
             f"{row['duration_ms'] / 1000:.1f} s" if row["duration_ms"] is not None else "",
             style=style,
         )
     console.print(table)
     for r in report.results:
+        if not r.graded:
+            console.print(
+                f"[yellow]{r.outcome.upper()}[/yellow] "
+                + escape(f"{r.run_id or '(not run)'} {r.pair_key} · {r.status}: {r.detail}"),
+                highlight=False,
+            )
+            continue
         for c in r.checks:
             if not c.passed:
                 console.print(
                     f"[red]FAIL[/red] {r.run_id} {r.pair_key} · {c.check}: {c.reason}",
                     highlight=False,
                 )
+    counts = " · ".join(f"{n} {o}" for o, n in report.outcomes.items())
     console.print(
-        f"{len(report.results)} runs · {sum(1 for r in report.results if r.passed)} passing · "
+        f"{len(report.results)} runs: {counts} · "
         f"charged {usd(report.charged_micros)} · {report.wall_ms / 1000:.1f} s",
         highlight=False,
     )
@@ -134,6 +147,7 @@ def _print_report(report: evals.Report, console: Console) -> None:
             console.print(f"[bold]{line.lstrip('# ')}[/bold]", highlight=False)
     for failure in report.gate_failures:
         console.print(f"[red]gate failed:[/red] {failure}", highlight=False)
+
     verdict = "[green]PASSED[/green]" if report.passed else "[red]FAILED[/red]"
     console.print(
         f"{verdict} · compare a later run with: ephemeral eval SUITE "

@@ -85,6 +85,9 @@ class RunRecord(_Record):
     compute_micros: int
     duration_ms: int | None
     checks: str | None = None  # JSON text
+    # pass / fail / error / cancelled / budget (ephemeral.outcomes); None in files written
+    # before the column existed
+    outcome: str | None = None
     host: str
     image: str | None = None  # the image's name and definition hash (sandbox.ready)
     image_hash: str | None = None

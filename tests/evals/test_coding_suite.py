@@ -34,7 +34,7 @@ def test_coding_suite_passes_offline_and_exports_its_samples(
     built = built_image(Settings.load(state_dir=state_dir), "python-dev")
     run = cli(state_dir, "eval", CODING, "--no-prefect")
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "3 runs · 3 passing" in run.stdout and "PASSED" in run.stdout
+    assert "3 runs: 3 pass · 0 fail · 0 error" in run.stdout and "PASSED" in run.stdout
     suite_run_id = run.stdout.rsplit("--compare ", 1)[1].split()[0]
 
     jsonl, parquet = tmp_path / "samples.jsonl", tmp_path / "samples.parquet"

@@ -21,7 +21,7 @@ def test_smoke_suite_runs_records_and_compares(state_dir: Path) -> None:
     first = cli(state_dir, "eval", SMOKE, "--no-prefect")
     assert first.returncode == 0, first.stdout + first.stderr
     out = first.stdout
-    assert "3 runs · 3 passing" in out
+    assert "3 runs: 3 pass · 0 fail · 0 error · 0 cancelled · 0 budget" in out
     for name in RECIPES:
         assert f"{name}/{{}}/0  PASS" in out
         assert name in out
@@ -95,7 +95,12 @@ def test_failing_gate_and_recipe_budget(tmp_path: Path, state_dir: Path) -> None
     assert "not in the output" in first["checks"][1]["reason"]
     assert second["status"] == "skipped" and second["run_id"] is None
     assert "budget: recipe proof-twice" in second["detail"]
-    assert report["gate_failures"] == ["proof-twice: pass rate 0% (0/2) below min_pass_rate 50%"]
+    assert [r["outcome"] for r in report["results"]] == ["fail", "budget"]
+    assert report["outcomes"] == {"pass": 0, "fail": 1, "error": 0, "cancelled": 0, "budget": 1}
+    assert report["gate_failures"] == [
+        "proof-twice: pass rate 0% (0/1 graded) below min_pass_rate 50%",
+        "proof-twice: 1 budget not graded (1/2 runs graded)",
+    ]
     assert report["charged_micros"] <= 40_000
 
 
@@ -121,7 +126,7 @@ def test_smoke_suite_through_embedded_prefect(state_dir: Path) -> None:
     """The default path: each run an agent-run subflow of eval-suite, Prefect in the state dir."""
     res = cli(state_dir, "eval", SMOKE)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    assert "3 runs · 3 passing" in res.stdout
+    assert "3 runs: 3 pass · 0 fail · 0 error · 0 cancelled · 0 budget" in res.stdout
     suite_run_id = res.stdout.rsplit("--compare ", 1)[1].split()[0]
     report = json.loads((state_dir / "evals" / f"{suite_run_id}.json").read_text())
     assert [r["status"] for r in report["results"]] == ["succeeded"] * 3

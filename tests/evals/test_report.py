@@ -87,14 +87,14 @@ def test_compare_pairs_by_cell_not_by_position() -> None:
     assert compare(now, before, "x").flips == []
 
 
-def _recipe(tmp_path, checks: str = "") -> object:
+def _recipe(tmp_path, checks: str = "", repeat: int = 4) -> object:
     return load_recipe(
         write(
             tmp_path,
             f"""
         name: r
         prompt: hi
-        repeat: 4
+        repeat: {repeat}
         checks:
           - status: succeeded
           - output_contains: "ok"
@@ -104,25 +104,62 @@ def _recipe(tmp_path, checks: str = "") -> object:
     )
 
 
-def test_pass_rate_counts_skipped_runs_against_the_gate(tmp_path) -> None:
-    recipe = _recipe(tmp_path)
+def test_pass_rate_is_over_graded_runs_and_the_rest_fail_the_gate_apart(tmp_path) -> None:
+    recipe = _recipe(tmp_path, repeat=6)
     both = {"status: succeeded": True, "output_contains: ok": True}
     results = [
         result(0, both, 10),
         result(1, both, 10),
         result(2, {"status: succeeded": True, "output_contains: ok": False}, 10),
         RunResult(pair_key="r/{}/3", recipe="r", repeat_index=3, status="skipped", detail="budget"),
+        # The sandbox died under the run: its checks fail, but the model is not to blame.
+        result(
+            4, {"status: succeeded": False, "output_contains: ok": False}, 10, status="failed"
+        ).model_copy(update={"termination_reason": "sandbox_error"}),
+        result(5, both, 10, status="cancelled").model_copy(
+            update={"termination_reason": "cancelled"}
+        ),
     ]
+    assert [r.outcome for r in results] == ["pass", "pass", "fail", "budget", "error", "cancelled"]
     [stat] = recipe_stats([recipe], results)
-    assert (stat.planned, stat.ran, stat.passed, stat.skipped) == (4, 3, 2, 1)
-    assert stat.pass_rate == 0.5
+    assert (stat.planned, stat.ran, stat.passed, stat.skipped, stat.graded) == (6, 5, 2, 1, 3)
+    assert stat.outcomes == {"pass": 2, "fail": 1, "error": 1, "cancelled": 1, "budget": 1}
+    assert stat.pass_rate == 2 / 3
     assert {c.check: (c.passed, c.total) for c in stat.checks} == {
-        "status: succeeded": (3, 4),
-        "output_contains: ok": (2, 4),
+        "status: succeeded": (3, 3),
+        "output_contains: ok": (2, 3),
     }
-    assert gate_failures([stat], 0.5) == []
-    [failure] = gate_failures([stat], 0.75)
-    assert "r: pass rate 50% (2/4)" in failure and "75%" in failure
+    assert gate_failures([stat], 0.5) == [
+        "r: 1 error, 1 cancelled, 1 budget not graded (3/6 runs graded)"
+    ]
+    rate, apart = gate_failures([stat], 0.75)
+    assert rate == "r: pass rate 67% (2/3 graded) below min_pass_rate 75%"
+    assert apart.startswith("r: 1 error")
+    # Only graded runs pass the gate; a recipe with all runs graded and passing has no failure.
+    [clean] = recipe_stats([recipe], results[:2])
+    assert gate_failures([clean], 1.0) == []
+
+
+def test_a_dead_sandbox_is_never_a_pass() -> None:
+    # Every check passed, but the run ended on an infrastructure error: an error, not a pass.
+    dead = result(0, {"output_contains: ok": True}, 1, status="failed").model_copy(
+        update={"termination_reason": "sandbox_error"}
+    )
+    assert dead.outcome == "error" and not dead.passed and not dead.graded
+    for reason in ("infra_error", "model_error", "setup_failed"):
+        assert dead.model_copy(update={"termination_reason": reason}).outcome == "error"
+    assert (
+        result(0, {}, 1, status="timed_out")
+        .model_copy(update={"termination_reason": "timeout"})
+        .outcome
+        == "fail"
+    )
+    assert RunResult(pair_key="k", recipe="r", status="refused").outcome == "error"
+    assert RunResult(pair_key="k", recipe="r", status="error").outcome == "error"
+    # A saved report's outcome is derived again on load, never taken from the file.
+    saved = dead.model_dump(mode="json")
+    assert saved["outcome"] == "error"
+    assert RunResult.model_validate({**saved, "outcome": "pass"}).outcome == "error"
 
 
 def test_a_run_without_checks_passes_when_it_succeeded() -> None:
@@ -158,9 +195,9 @@ def test_summary_markdown_and_table(tmp_path) -> None:
     report = report.model_copy(update={"comparison": compare(report.results, old, "suite_old")})
     md = render_markdown(report)
     assert md.startswith("# Eval `smoke`: FAILED")
-    assert "| r | (all checks) | 3/4 | 75% | $0.0004 | 4.0 s |" in md
-    assert "| r | output_contains: ok | 3/4 | 75% |" in md
-    assert "gate failed: r: pass rate 75% (3/4)" in md
+    assert "| r | (all checks) | 3/4 | 75% | 0 | 0 | 0 | $0.0004 | 4.0 s |" in md
+    assert "| r | output_contains: ok | 3/4 | 75% |  |  |  |" in md
+    assert "gate failed: r: pass rate 75% (3/4 graded)" in md
     assert "why output_contains: ok" in md  # the reason, for our own records
     assert "## Compared with `suite_old`" in md
     assert "4 paired runs (0 new, 0 missing); cost of the paired runs +$0.0002" in md
@@ -172,6 +209,10 @@ def test_summary_markdown_and_table(tmp_path) -> None:
         "passed": 3,
         "runs": 4,
         "pass_rate": 0.75,
+        "failed": 1,
+        "error": 0,
+        "cancelled": 0,
+        "budget": 0,
         "charged_micros": 400,
         "duration_ms": 4000,
     }

@@ -307,4 +307,6 @@ def test_the_pass_table_has_one_row_per_model(tmp_path: Path) -> None:
         ("env [p/one]", "p/one", 1, 1),
         ("env [p/two]", "p/two", 0, 1),
     ]
-    assert gate_failures(stats, 1.0) == ["env [p/two]: pass rate 0% (0/1) below min_pass_rate 100%"]
+    assert gate_failures(stats, 1.0) == [
+        "env [p/two]: pass rate 0% (0/1 graded) below min_pass_rate 100%"
+    ]
