@@ -133,7 +133,9 @@ _DESCRIPTIONS = {
     "cache_dir": "Rebuildable caches (images, Prefect template DB); default `~/.cache/ephemeral`.",
     "default_model": "Model used when a request names none.",
     "isolation": "Default isolation: `auto`, `gvisor`, `namespaces`, `microvm`, `microvm-tcg`.",
-    "price_book": "Operator YAML overlaid on the shipped price book.",
+    "price_book": "Operator YAML overlaid on the shipped price book. A model no book prices "
+    "is refused with the YAML that adds it (`models: {NAME: {input_per_mtok: …, "
+    "output_per_mtok: …, cached_input_per_mtok: …}}`, micro-dollars per million tokens).",
     "image": "Sandbox image name under `sandbox_images/`.",
     "images_dir": "Where image definitions live.",
     "recipes_dir": "Where recipes live.",

@@ -235,9 +235,13 @@ class PriceBook:
                 return price
             raise _unknown(
                 model,
-                f"{model!r} replays {recorded!r}, which has no price in price book {self.version}",
+                f"{model!r} replays {recorded!r}, which has no price in price book "
+                f"{self.version}; {_how_to_price(recorded)}",
             )
-        raise _unknown(model, f"{model!r} has no price in price book {self.version}")
+        raise _unknown(
+            model,
+            f"{model!r} has no price in price book {self.version}; {_how_to_price(model)}",
+        )
 
     def _recorded_model(self, cassette: str) -> str:
         # The loop prices every turn; re-read a cassette only when its file changed.
@@ -294,6 +298,16 @@ class PriceBook:
         total = _exact(vcpu_seconds, "vcpu_seconds") * self._compute.per_vcpu_second_micros
         total += _exact(gib_seconds, "gib_seconds") * self._compute.per_gib_second_micros
         return math.ceil(total)
+
+
+def _how_to_price(model: str) -> str:
+    return (
+        "to add it, write a YAML file with `models: {"
+        f"{json.dumps(model)}: {{input_per_mtok: MICROS, output_per_mtok: MICROS, "
+        "cached_input_per_mtok: MICROS}}` "
+        "(micro-dollars per million tokens; 0 for a local model) and set "
+        "EPHEMERAL_PRICE_BOOK to its path (docs/settings.md)"
+    )
 
 
 def _unknown(model: str, message: str) -> UnknownModel:

@@ -102,6 +102,18 @@ def test_unknown_model_is_refused_naming_the_field(tmp_path: Path) -> None:
             book.worst_case(model, 1, 1)
 
 
+def test_the_refusal_says_how_to_price_the_model_and_the_advice_works(tmp_path: Path) -> None:
+    book = PriceBook.load(Settings.load(cassettes_dir=tmp_path))
+    with pytest.raises(UnknownModel) as info:
+        book.check_model("local/qwen-7b")
+    message = info.value.errors[0]["message"]
+    assert "EPHEMERAL_PRICE_BOOK" in message
+    # The YAML the message suggests, with the placeholders filled in, prices the model.
+    snippet = message.split("`")[1].replace("MICROS", "0")
+    priced = _override(tmp_path, snippet)
+    assert priced.model_cost("local/qwen-7b", Usage(input_tokens=1000, output_tokens=10)) == 0
+
+
 def test_replay_of_an_unpriced_recorded_model_is_refused(tmp_path: Path) -> None:
     (tmp_path / "odd.json").write_text(
         '{"version": 1, "model": "openai/unpriced", "recorded_at": "t", "turns": []}'
