@@ -201,7 +201,8 @@ class Settings(BaseSettings):
     image_cache_max_mib: int = Field(
         default=20480,
         ge=0,
-        description="Size of the image cache (builds and base layers) kept after each build: "
+        description="Size of the image cache (builds, base layers, pulled images' layers) kept "
+        "after each build: "
         "the least recently used builds and layers no live sandbox or pool uses are removed "
         "past it (`ephemeral images gc`); 0 keeps everything.",
     )

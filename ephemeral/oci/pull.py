@@ -23,6 +23,7 @@ from ephemeral.oci import reference
 from ephemeral.oci.registry import Registry
 from ephemeral.oci.store import LayerInfo, LayerStore, PulledImage
 from ephemeral.oci.unpack import Budget, unpack_layer
+from ephemeral.sandbox.image_gc import mark_used
 from ephemeral.settings import Settings
 
 PARALLEL_LAYERS = 3
@@ -121,6 +122,7 @@ async def _ensure_layer(
             os.close(fd)
             with contextlib.suppress(OSError):
                 lock.unlink()
+    mark_used(store.layer_dir(diff_id))  # a pull is a use (images gc: least recently used)
     return LayerInfo(
         digest=d.digest,
         diff_id=diff_id,

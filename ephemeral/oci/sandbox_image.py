@@ -57,8 +57,12 @@ def agent_layer(settings: Settings) -> tuple[Path, str]:
 
 
 def _config(settings: Settings, name: str, pulled: PulledImage) -> images.ImageConfig:
+    from ephemeral.sandbox.image_gc import mark_used
+
     store = LayerStore(settings)
     layers = [store.layer_root(layer.diff_id) for layer in pulled.layers]
+    for layer in layers:  # what images gc reads as this layer's last use
+        mark_used(layer.parent)
     agent_fs, agent_path = agent_layer(settings)
     # /etc/passwd as the agent will see it: the topmost layer that has one
     etc = next((p for p in reversed(layers) if (p / "etc" / "passwd").exists()), layers[-1])

@@ -15,6 +15,8 @@ stored form, so the disk of N images sharing a base is the sum of their unique l
 their small manifests and configs). ``gc`` removes what no reference reaches: images no ref
 names, layers no image lists, blobs nothing lists, and leftovers in ``tmp/``. Pulls hold the
 store's lock shared; ``gc`` holds it exclusively, so it never removes what a pull is writing.
+``ephemeral images gc`` runs it, then sizes the whole image cache with the layers as entries
+(:meth:`LayerStore.gc_entries`, least recently used first, never one a sandbox mounts).
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from ephemeral.sandbox.image_gc import Entry
 
 from ephemeral.oci.reference import Reference
 from ephemeral.settings import Settings
@@ -114,12 +120,19 @@ class LayerStore:
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     @contextlib.contextmanager
-    def locked(self, *, exclusive: bool) -> Iterator[None]:
+    def locked(self, *, exclusive: bool, wait: bool = True) -> Iterator[bool]:
+        """Hold the store's lock; yields False (not held) when ``wait`` is False and another
+        process holds it."""
         self.ensure()
         fd = os.open(self.root / ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            yield
+            flags = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+            try:
+                fcntl.flock(fd, flags if wait else flags | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
         finally:
             os.close(fd)
 
@@ -224,12 +237,46 @@ class LayerStore:
 
     # ---- garbage collection
 
-    def gc(self, *, dry_run: bool = False) -> GcReport:
-        """Remove what no reference reaches (see the module's docstring)."""
+    def live_layers(self) -> set[str]:
+        """The hex diff ids of the layers of every image some reference names."""
+        live_images = set(self.references().values())
+        return {
+            _hex(layer.diff_id)
+            for image in self.all_images()
+            if image.digest in live_images
+            for layer in image.layers
+        }
+
+    def gc_entries(self) -> Iterator[Entry]:
+        """The layers as ``images gc`` entries (``sandbox/image_gc.py``): its plan removes the
+        least recently used first, never one a live sandbox mounts; a layer no named image
+        lists counts as never used. An image whose layer went is pulled again when next
+        named (``resolve`` answers only for complete images)."""
+        from ephemeral.sandbox.image_gc import USED, Entry
+
+        if not self.layers.is_dir():
+            return
+        live = self.live_layers()
+        for d in sorted(self.layers.iterdir()):
+            if d.is_symlink() or not d.is_dir():
+                continue
+            last = 0.0
+            if d.name in live:
+                for marker in (d / USED, d / "layer.json"):
+                    with contextlib.suppress(OSError):
+                        last = marker.stat().st_mtime
+                        break
+            yield Entry("layer", d, du(d), last)
+
+    def gc(self, *, dry_run: bool = False, wait: bool = True) -> GcReport:
+        """Remove what no reference reaches (see the module's docstring). With ``wait=False``
+        nothing is done while a pull holds the store (the next gc will)."""
         report = GcReport()
         if not self.root.is_dir():
             return report
-        with self.locked(exclusive=True):
+        with self.locked(exclusive=True, wait=wait) as held:
+            if not held:
+                return report
             live_images = set(self.references().values())
             live_layers: set[str] = set()
             live_blobs: set[str] = set()

@@ -95,8 +95,15 @@ def _bases(settings: Settings) -> Iterator[Entry]:
         yield Entry("base", d, _du(d), _last_used(d, done))
 
 
+def _pulled_layers(settings: Settings) -> Iterable[Entry]:
+    """The layers of pulled registry images (``ephemeral/oci/store.py``)."""
+    from ephemeral.oci.store import LayerStore
+
+    return LayerStore(settings).gc_entries()
+
+
 # every kind of entry the cache holds (a new store adds its collector here)
-COLLECTORS: list[Callable[[Settings], Iterable[Entry]]] = [_builds, _bases]
+COLLECTORS: list[Callable[[Settings], Iterable[Entry]]] = [_builds, _bases, _pulled_layers]
 
 
 def _used_paths() -> set[str]:
@@ -181,9 +188,14 @@ def remove(found: list[Entry]) -> list[Path]:
 def collect(
     settings: Settings, *, dry_run: bool = False, max_bytes: int | None = None
 ) -> list[Entry]:
-    """Stale build areas (build_area.sweep), then :func:`plan`, removed unless ``dry_run``."""
+    """Stale build areas (build_area.sweep) and what no pulled image's reference reaches
+    (``LayerStore.gc``, skipped while a pull holds the store), then :func:`plan`, removed
+    unless ``dry_run``."""
     if not dry_run:
+        from ephemeral.oci.store import LayerStore
+
         build_area.sweep(settings.image_cache_dir)
+        LayerStore(settings).gc(wait=False)
     chosen = plan(settings, max_bytes)
     if not dry_run:
         remove(chosen)

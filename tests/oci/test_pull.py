@@ -358,3 +358,48 @@ def test_the_connection_goes_to_the_address_that_was_checked(
     fs = LayerStore(settings).layer_root(image.layers[0].diff_id)
     assert (fs / "f").read_text() == "dialed"
     assert checked and set(checked) == {"registry.test:True"}
+
+
+def test_images_gc_sizes_the_layers_with_the_builds(
+    oci_settings: Settings, registry: Registry, tmp_path: Path
+) -> None:
+    """``ephemeral images gc`` (sandbox/image_gc.py): first what no reference reaches goes,
+    then layers by last use, never one a sandbox mounts; an image that lost a layer is pulled
+    again when named."""
+    import subprocess as sp
+
+    from ephemeral.oci.reference import parse
+    from ephemeral.sandbox import image_gc
+
+    shared = L.tar([L.file("base", os.urandom(64 << 10))])
+    registry.push_image(tmp_path, "test/lru1:1", [shared, L.tar([L.file("one", "1")])])
+    registry.push_image(tmp_path, "test/lru2:1", [shared, L.tar([L.file("two", "2")])])
+    one = _pull(oci_settings, f"{registry.host}/test/lru1:1")
+    two = _pull(oci_settings, f"{registry.host}/test/lru2:1")
+    store = LayerStore(oci_settings)
+    store.remove_ref(parse(f"{registry.host}/test/lru1:1"))
+    kinds = {e.path.name: e.last_used for e in image_gc.entries(oci_settings) if e.kind == "layer"}
+    assert kinds[one.layers[1].diff_id.split(":")[1]] == 0.0  # unreferenced: first to go
+    image_gc.collect(oci_settings)  # under the size limit: only the unreferenced layer goes
+    assert store.layer_info(one.layers[1].diff_id) is None
+    assert all(store.layer_info(layer.diff_id) for layer in two.layers)
+    # now everything, as --max-mib 0: the base is mounted by a "sandbox", the top is old
+    for layer in two.layers:
+        os.utime(store.layer_dir(layer.diff_id) / image_gc.USED, (1, 1))
+    base = store.layer_root(two.layers[0].diff_id)
+    holder = sp.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f'm=$(mktemp -d) && mount --bind "{base}" "$m" && echo ok && exec sleep 60'],
+        stdout=sp.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "ok\n"
+        gone = image_gc.collect(oci_settings, max_bytes=0)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert [e.path.name for e in gone] == [two.layers[1].diff_id.split(":")[1]]
+    assert store.layer_info(two.layers[0].diff_id) is not None  # in use: kept
+    assert store.resolve(parse(f"{registry.host}/test/lru2:1")) is None  # incomplete now
+    again = asyncio.run(oci_pull.ensure_image(oci_settings, f"{registry.host}/test/lru2:1"))
+    assert again.digest == two.digest and store.complete(again)
