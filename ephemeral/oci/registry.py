@@ -82,7 +82,11 @@ class Registry:
             self.bases = [f"https://{host}"]
             if self._may_use_http(host):
                 self.bases.append(f"http://{host}")
-        self.credential: Credential | None = CredentialStore(settings).get(ref.domain)
+        # a mirror's own credentials first (images login MIRROR-HOST), else the registry's
+        creds = CredentialStore(settings)
+        self.credential: Credential | None = (
+            creds.get(self.host) if mirror else None
+        ) or creds.get(ref.domain)
         self._auth: str | None = None
         self._client: httpx.AsyncClient | None = None
 

@@ -403,3 +403,16 @@ def test_images_gc_sizes_the_layers_with_the_builds(
     assert store.resolve(parse(f"{registry.host}/test/lru2:1")) is None  # incomplete now
     again = asyncio.run(oci_pull.ensure_image(oci_settings, f"{registry.host}/test/lru2:1"))
     assert again.digest == two.digest and store.complete(again)
+
+
+def test_a_mirror_serves_a_registry_without_reaching_it(
+    oci_settings: Settings, registry: Registry, tmp_path: Path
+) -> None:
+    """``registry_mirrors``: ``docker.io`` references are pulled from the mirror only (here
+    the loopback registry, holding ``library/mirrored``), with the mirror's credentials."""
+    digest = registry.push_image(tmp_path, "library/mirrored:1", [L.tar([L.file("m", "hub")])])
+    settings = oci_settings.model_copy(
+        update={"registry_mirrors": {"docker.io": f"https://{registry.host}"}}
+    )
+    image = _pull(settings, "mirrored:1")  # docker.io/library/mirrored:1
+    assert image.digest == digest and image.reference == "docker.io/library/mirrored:1"
