@@ -76,7 +76,8 @@ def _config(settings: Settings, name: str, pulled: PulledImage) -> images.ImageC
         # as Docker's exec: the config's WorkingDir and User (root when it names none) are a
         # session exec's defaults; a run's commands still run as worker in its scratch dir
         cwd=pulled.workdir,
-        user=pulled.user or "root",
+        # `user`, `uid`, `user:group` or `uid:gid`: the user (its group part is not applied)
+        user=(pulled.user or "").split(":", 1)[0] or "root",
         pulled=True,
     )
 

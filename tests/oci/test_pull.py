@@ -416,3 +416,26 @@ def test_a_mirror_serves_a_registry_without_reaching_it(
     )
     image = _pull(settings, "mirrored:1")  # docker.io/library/mirrored:1
     assert image.digest == digest and image.reference == "docker.io/library/mirrored:1"
+
+
+def test_the_config_gives_a_session_its_defaults(
+    oci_settings: Settings, registry: Registry, tmp_path: Path
+) -> None:
+    """Env for every command; WorkingDir and User (its user part: `uid:gid` → `uid`) as a
+    session exec's defaults; no User is root, as in Docker."""
+    from ephemeral.sandbox import images
+
+    for tag, user, want in (("u", "1000:1000", "1000"), ("n", "", "root"), ("a", "app", "app")):
+        registry.push_image(
+            tmp_path,
+            f"test/conf:{tag}",
+            [L.tar([L.file(f"etc/{tag}", tag)])],
+            config={"Env": ["K=v"], "WorkingDir": "/work", "User": user},
+        )
+        ref = f"{registry.host}/test/conf:{tag}"
+        assert images.built_image(oci_settings, ref) is None  # never pulls
+        _pull(oci_settings, ref)
+        got = images.built_image(oci_settings, ref)
+        assert got is not None and got.pulled
+        assert (got.env, got.cwd, got.user) == ({"K": "v"}, "/work", want)
+        assert got.layers[-1].name == "fs" and (got.layers[-1] / "opt").is_dir()  # the agent's
