@@ -207,6 +207,14 @@ class Settings(BaseSettings):
         "past it (`ephemeral images gc`); 0 keeps everything.",
     )
 
+    prebuild_workers: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description="Environments `ephemeral images prebuild` pulls or builds at once "
+        "(`--jobs` overrides it); 0: the host's cores.",
+    )
+
     # providers: keys never leave the host process
     openai_api_key: SecretStr | None = Field(
         default=None, validation_alias=AliasChoices("OPENAI_API_KEY", "EPHEMERAL_OPENAI_API_KEY")

@@ -349,8 +349,9 @@ def images_gc(
 def register(app: typer.Typer) -> None:
     """Add this group's commands to the main app."""
     app.add_typer(sandbox_app, name="sandbox")
-    from ephemeral.cli import registry_images
+    from ephemeral.cli import prebuild, registry_images
 
     registry_images.register(images_app)
+    prebuild.register(images_app)
     app.add_typer(images_app, name="images")
     app.command("isolation")(isolation_cmd)

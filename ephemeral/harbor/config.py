@@ -33,6 +33,10 @@ class HarborConfig(BaseModel):
         default=False,
         description="let tasks with network_mode public or allowlist out through the broker",
     )
+    retry_failed: bool = Field(
+        default=False,
+        description="build again a Dockerfile whose build failed before (else its error at once)",
+    )
     timeout_seconds: int = Field(default=3600, ge=1, le=3600)
     max_cost_micros: int = Field(default=5_000_000, ge=1, le=MAX_COST_MICROS)
     zero_data_retention: bool = False

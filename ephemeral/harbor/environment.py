@@ -15,7 +15,6 @@ import inspect
 import io
 import logging
 import os
-import re
 import secrets
 import shlex
 import time
@@ -38,7 +37,7 @@ from harbor.models.trial.config import ResourceMode
 from harbor.models.trial.paths import EnvironmentPaths
 from harbor.utils.path_filter import filter_paths_by_patterns
 
-from ephemeral import errors
+from ephemeral import errors, prebuild
 from ephemeral.harbor import backend, commands
 from ephemeral.harbor.config import HarborConfig, load_config
 from ephemeral.sandbox import hostread, hostwrite, images
@@ -53,9 +52,8 @@ from ephemeral.sessions import (
 
 log = logging.getLogger("ephemeral.harbor")
 
-DOCKERFILE = "Dockerfile"
-IMAGE_PREFIX = "harbor-"
-COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml")
+DOCKERFILE = prebuild.DOCKERFILE
+COMPOSE_FILES = prebuild.COMPOSE_FILES
 # A file up to this size comes back as base64 on stdout (one exec); a larger one is copied
 # to /tmp and read as a file (the session's file limit, 128 MiB).
 INLINE_DOWNLOAD_BYTES = 3 << 20
@@ -63,8 +61,6 @@ HOUSEKEEPING_TIMEOUT = 600.0
 MAX_OUTPUT_BYTES = 64 << 20  # per stream of one command
 SKIPS_LOGGED = 20  # entries of a download not written (links, devices) named in the log
 CLEANUP_BATCH = 16  # finished commands whose files one rm removes (in the next starter)
-# One image build per environment (content hash) at a time in this process.
-_builds: dict[str, asyncio.Lock] = {}
 # Harbor's verifier starts by removing the reward files, as root (``Verifier._remove_reward_files``,
 # built from the same paths): the end of the agent phase. Harbor tells an environment nothing
 # else between the phases; tests/harbor runs the real Harbor, so a change there fails them.
@@ -247,28 +243,42 @@ class EphemeralEnvironment(BaseEnvironment):
 
     # images ---------------------------------------------------------------------------------
     async def _resolve_image(self, force_build: bool) -> images.ImageConfig:
+        """The task's image, as Harbor with Docker has it (``ephemeral/prebuild.py``): its
+        ``docker_image`` pulled (or one of ours), else its Dockerfile built; made once per
+        environment across trials and processes, a failed build not tried again until asked.
+        Any failure is Harbor's environment error (retried, never graded)."""
         settings = self._runtime.settings
         if self.config.image:
             return self._built(settings, self.config.image, "--ek image")
-        dockerfile = Path(self.environment_dir) / DOCKERFILE
         docker_image = self.task_env_config.docker_image
-        if docker_image and not (force_build and dockerfile.is_file()):
-            name = self.config.images.get(docker_image)
-            if name is not None:
-                return self._built(settings, name, f"--ek images[{docker_image!r}]")
-            found = _our_image(settings, docker_image)
-            if found is not None:
-                return self._built(settings, found, f"docker_image {docker_image!r}")
-            if not dockerfile.is_file():
-                raise SandboxBuildFailedError(
-                    f"ephemeral: docker_image {docker_image!r} is not an image here (no "
-                    "registry is reached): map it to a built image with --ek "
-                    f'\'images={{"{docker_image}": "NAME"}}\', or add environment/{DOCKERFILE}'
-                )
-        if not dockerfile.is_file():
-            raise SandboxBuildFailedError(f"ephemeral: {dockerfile} not found")
-        async with _builds.setdefault(self.environment_id, asyncio.Lock()):
-            return await self._build(settings, dockerfile)
+        mapped = self.config.images.get(docker_image) if docker_image else None
+        if mapped is not None and not (force_build and self._has_dockerfile()):
+            return self._built(settings, mapped, f"--ek images[{docker_image!r}]")
+        env = prebuild.for_harbor(
+            settings,
+            Path(self.environment_dir),
+            docker_image,
+            source=str(Path(self.environment_dir).parent),
+            force_build=force_build,
+        )
+        t0 = time.monotonic()
+        outcome = await prebuild.ensure(settings, env, retry_failed=self.config.retry_failed)
+        if outcome.status == "failed":
+            raise SandboxBuildFailedError(f"ephemeral: {outcome.detail}")
+        found = images.built_image(settings, outcome.image)
+        if found is None:  # collected between the two lines: the next attempt makes it again
+            raise SandboxBuildFailedError(f"ephemeral: image {outcome.image!r} is gone")
+        log.info(
+            "%s: image %s %s in %.1f s",
+            self.session_id,
+            outcome.image,
+            outcome.status,
+            time.monotonic() - t0,
+        )
+        return found
+
+    def _has_dockerfile(self) -> bool:
+        return (Path(self.environment_dir) / DOCKERFILE).is_file()
 
     @staticmethod
     def _built(settings: Any, name: str, where: str) -> images.ImageConfig:
@@ -279,34 +289,6 @@ class EphemeralEnvironment(BaseEnvironment):
                 f"(ephemeral images build {name}; built: {', '.join(images.available(settings))})"
             )
         return found
-
-    async def _build(self, settings: Any, dockerfile: Path) -> images.ImageConfig:
-        try:
-            from ephemeral.sandbox.dockerfile import abuild_dockerfile
-        except ImportError as exc:
-            raise SandboxBuildFailedError(
-                f"ephemeral: {dockerfile}: this version cannot build Dockerfiles"
-            ) from exc
-        digests: list[str] = []
-
-        def named(digest: str) -> str:  # of exactly what is built (the builder's own digest)
-            digests.append(digest)
-            return _image_name(digest)
-
-        t0 = time.monotonic()
-        try:
-            built = await abuild_dockerfile(
-                dockerfile, Path(self.environment_dir), name=named, settings=settings
-            )
-        except errors.EphemeralError as exc:  # DockerfileError names the file, line, instruction
-            raise SandboxBuildFailedError(f"ephemeral: {exc.detail}") from exc
-        if built.hash != digests[-1]:
-            raise SandboxBuildFailedError(
-                f"ephemeral: image {built.name} is the build {built.hash[:16]}, not "
-                f"{digests[-1][:16]} of {dockerfile}"
-            )
-        log.info("%s: image %s in %.1f s", self.session_id, built.name, time.monotonic() - t0)
-        return built
 
     # commands -------------------------------------------------------------------------------
     def _user(self, user: str | int | None) -> str:
@@ -624,26 +606,6 @@ class EphemeralEnvironment(BaseEnvironment):
             ) from exc
         finally:
             await self._call(["rm", "-f", "--", tmp], user="root")
-
-
-def _image_name(digest: str) -> str:
-    """``harbor-`` and the sha256 of what is built, as far as an image name's 41 characters go
-    (136 bits): environments that differ in any input of the build never share a name."""
-    return IMAGE_PREFIX + digest[: 41 - len(IMAGE_PREFIX)]
-
-
-def _our_image(settings: Any, docker_image: str) -> str | None:
-    """Our image for a ``docker_image`` name: a Debian bookworm base is ``default``, an alias
-    (``ephemeral images alias``) what it names, one of our images itself; else None."""
-    try:
-        from ephemeral.sandbox.dockerfile import resolve_image
-    except ImportError:  # this version has no Dockerfile images: only our own names
-        ok = re.match(r"^[a-z0-9][a-z0-9-]{0,40}$", docker_image)
-        return docker_image if ok and images.built_image(settings, docker_image) else None
-    try:
-        return resolve_image(settings, docker_image)
-    except errors.EphemeralError:
-        return None
 
 
 def _check(res: Any, what: str) -> None:

@@ -282,8 +282,10 @@ def run_job(
     n: int = 4,
     timeout: float = 900,
     job: str = "job",
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """One ``harbor run -c JOB.yaml``: every agent on every task (the CLI takes one agent)."""
+    """One ``harbor run -c JOB.yaml``: every agent on every task (the CLI takes one agent);
+    ``env``: more environment variables for it."""
     config = {
         "job_name": job,
         "jobs_dir": str(jobs),
@@ -298,7 +300,7 @@ def run_job(
     path.write_text(json.dumps(config))  # JSON is YAML
     argv = [str(HARBOR), "run", "-c", str(path), "-y"]
     return subprocess.run(
-        argv, env=harbor_env(state), capture_output=True, text=True, timeout=timeout
+        argv, env=harbor_env(state) | (env or {}), capture_output=True, text=True, timeout=timeout
     )
 
 
