@@ -238,15 +238,16 @@ def test_gc_removes_the_least_recently_used_first_and_keeps_what_is_used(
 
 
 @pytest.mark.sandbox
+@pytest.mark.parametrize("isolation", ["namespaces", "gvisor"])
 async def test_gc_never_removes_the_image_of_a_live_sandbox(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, isolation: str
 ) -> None:
-    """A real namespaces sandbox booted from a Dockerfile image: its build stays through a
-    collection that removes everything else not in use."""
+    """A real sandbox booted from a Dockerfile image: its build stays through a collection
+    that removes everything else not in use."""
     import time
 
     from ephemeral.sandbox.base import Limits
-    from ephemeral.sandbox.namespaces import NamespacesDriver
+    from ephemeral.sandbox.registry import get_driver
     from tests.drivers import unavailable
 
     monkeypatch.setattr(images, "build_with_image", lambda *_: None)
@@ -259,9 +260,9 @@ async def test_gc_never_removes_the_image_of_a_live_sandbox(
     old = time.time() - 3600
     for d in (built.rootfs.parent, other):
         os.utime(d / image_gc.USED, (old, old))
-    driver = NamespacesDriver(settings.model_copy(update={"image": "used"}))
+    driver = get_driver(isolation, settings.model_copy(update={"image": "used"}))
     if (why := await driver.probe()) is not None:
-        unavailable(why, "namespaces")
+        unavailable(why, isolation)
     box = await driver.create(owner="test", limits=Limits())
     try:
         for d in (built.rootfs.parent, other):  # the boot marked it used: make it old again
