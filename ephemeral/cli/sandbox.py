@@ -323,7 +323,7 @@ def images_gc(
             "--max-mib",
             min=0,
             help="Keep the cache within this size (default EPHEMERAL_IMAGE_CACHE_MAX_MIB; "
-            "0 removes every build and layer not in use).",
+            "0 removes every build and layer that may go).",
         ),
     ] = None,
 ) -> None:

@@ -10,7 +10,10 @@ remove until the cache fits ``image_cache_max_mib``. Never removed:
   ``/proc``: every mount namespace's mount roots, every process's root and open files, so a
   sandbox of any state directory counts, and a pool's too), or a build holds its lock;
 - an entry used in the last :data:`RECENT_S` seconds (a run admitted a moment ago boots
-  from it soon).
+  from it soon);
+- the current build of an image definition (``sandbox_images/NAME``): a run naming it needs
+  it, and admission refuses a name that is not built (``ephemeral images rm NAME`` removes
+  it). Its older builds, Dockerfile images and mmdebstrap layers are collected.
 
 A use is recorded by :func:`mark_used` (``.used``'s mtime) when a build or a lookup returns
 the entry. ``ephemeral images gc`` runs it (``--dry-run`` lists what would go); each build
@@ -45,6 +48,7 @@ class Entry:
     last_used: float
     extra: list[Path] = field(default_factory=list)  # removed with it (a microVM disk, a name)
     in_use: bool = False
+    kept: bool = False  # the current build of an image definition: `images rm NAME` only
 
 
 def mark_used(path: Path) -> None:
@@ -69,8 +73,21 @@ def _du(path: Path) -> int:
     return total
 
 
+def _current_definition_builds(settings: Settings) -> set[Path]:
+    """The build of each image definition's current hash: what a run naming it needs."""
+    from ephemeral.sandbox import images  # images imports this module
+
+    found: set[Path] = set()
+    if settings.images_dir.is_dir():
+        for yaml in settings.images_dir.glob("*/image.yaml"):
+            with contextlib.suppress(Exception):  # a broken definition protects nothing
+                found.add(images.image_dir(settings, yaml.parent.name))
+    return found
+
+
 def _builds(settings: Settings) -> Iterator[Entry]:
     cache = settings.image_cache_dir
+    current = _current_definition_builds(settings)
     pointers: dict[str, list[Path]] = {}
     for ptr in (cache / "dockerfile").glob("*.json"):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
@@ -84,7 +101,7 @@ def _builds(settings: Settings) -> Iterator[Entry]:
         if ext4.is_file():
             extra.append(ext4)
         size = _du(d) + sum(p.stat().st_size for p in extra if p.suffix == ".ext4")
-        yield Entry("image", d, size, _last_used(d, marker), extra)
+        yield Entry("image", d, size, _last_used(d, marker), extra, kept=d in current)
 
 
 def _bases(settings: Settings) -> Iterator[Entry]:
@@ -154,7 +171,7 @@ def entries(settings: Settings) -> list[Entry]:
 
 def plan(settings: Settings, max_bytes: int | None = None) -> list[Entry]:
     """What to remove for the cache to hold at most ``max_bytes`` (default: the setting,
-    whose 0 keeps everything; ``max_bytes=0`` removes every entry not in use), least recently
+    whose 0 keeps everything; ``max_bytes=0`` removes every entry that may go), least recently
     used first, never an entry in use."""
     limit = max_bytes if max_bytes is not None else settings.image_cache_max_mib << 20
     if max_bytes is None and limit <= 0:
@@ -165,7 +182,7 @@ def plan(settings: Settings, max_bytes: int | None = None) -> list[Entry]:
     for e in found:
         if total <= limit:
             break
-        if e.in_use:
+        if e.in_use or e.kept:
             continue
         out.append(e)
         total -= e.size_bytes

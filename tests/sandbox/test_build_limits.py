@@ -205,11 +205,13 @@ async def test_the_build_area_is_a_size_limited_filesystem_host_root_only(tmp_pa
 # ------------------------------------------------------------------ garbage collection
 
 
-def _fake_entry(settings: Settings, name: str, size: int, age_s: float) -> Path:
+def _fake_entry(
+    settings: Settings, name: str, size: int, age_s: float, d: Path | None = None
+) -> Path:
     import json
     import time
 
-    d = settings.image_cache_dir / f"{name}-{'ab' * 8}"
+    d = d or settings.image_cache_dir / f"{name}-{'ab' * 8}"
     (d / "rootfs").mkdir(parents=True)
     (d / "rootfs" / "blob").write_bytes(os.urandom(size))
     (d / "image.json").write_text(json.dumps({"name": name, "hash": "ab" * 32, "built_at": 1}))
@@ -227,14 +229,16 @@ def test_gc_removes_the_least_recently_used_first_and_keeps_what_is_used(
     older = _fake_entry(settings, "older", 300_000, 3600)
     recent = _fake_entry(settings, "recent", 300_000, 1)  # a run admitted a moment ago
     held = _fake_entry(settings, "held", 300_000, 9000)
+    # the current build of a definition: a run naming `default` needs it (images rm only)
+    current = _fake_entry(settings, "default", 1000, 99999, images.image_dir(settings))
     with open(held / "rootfs" / "blob", "rb"):  # a process has it open: it is in use
-        dry = image_gc.collect(settings, dry_run=True, max_bytes=700_000)
+        dry = image_gc.collect(settings, dry_run=True, max_bytes=710_000)
         assert [e.path for e in dry] == [oldest, older]
         assert oldest.exists() and older.exists()  # a dry run removes nothing
         gone = image_gc.collect(settings, max_bytes=0)
         assert [e.path for e in gone] == [oldest, older]
     assert not oldest.exists() and not older.exists()
-    assert recent.exists() and held.exists()
+    assert recent.exists() and held.exists() and current.exists()
 
 
 @pytest.mark.sandbox
