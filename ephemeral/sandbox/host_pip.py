@@ -9,8 +9,10 @@ metadata, ``--only-binary`` or not. So what reaches the host's pip is checked fi
 (:func:`requirement_problem`: a PEP 508 *name* requirement and nothing else), follows ``--``
 (never an option), and pip runs (:func:`run`):
 
-- in a fresh, empty scratch directory (its working directory and ``HOME``): a bare name can
-  find no file of the caller's;
+- in a fresh, empty scratch directory (its working directory and ``HOME``), made in the
+  build's size-limited area (:mod:`ephemeral.sandbox.build_area`) and seen by pip at an empty
+  mount point of its own: a bare name can find no file of the caller's, and what pip
+  downloads counts against the build's disk;
 - as the first host uid of a uid slot of its own (:mod:`ephemeral.sandbox.uid_slots`, held for
   the call): a uid above every real user that owns nothing on the host but the scratch
   directory, with no supplementary groups and no new privileges;
@@ -35,7 +37,7 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 
 from ephemeral import errors
-from ephemeral.sandbox.build_sandbox import run_bounded
+from ephemeral.sandbox.build_sandbox import MOUNT_DIR, _mounts_prefix, run_bounded
 from ephemeral.sandbox.uid_slots import allocate_slot
 
 # pip's ARCHIVE_EXTENSIONS (pip/_internal/utils/filetypes.py): a name ending so is a file to pip
@@ -99,23 +101,33 @@ async def run(
     timeout: float,
     files: Sequence[Path] = (),
     prefix: Sequence[str] = (),
+    within: Path | None = None,
 ) -> None:
     """Run ``python -m pip ARGS --dest|--target DIR -- REQUIREMENTS`` (``args`` names the
     subcommand and its options; ``{out}`` in it is replaced by pip's output directory) and
     move the wheels or tree it made into ``into``. ``files`` (wheels the definition ships)
     are copied into the scratch directory first, as ``{file0}``, ``{file1}``... ``prefix``
-    goes before everything (the build's cgroup)."""
+    goes before everything (the build's cgroup). The scratch directory is made in ``within``
+    (the build's size-limited area; default the host's temporary directory) and bound, in a
+    private mount namespace, on an empty mount point the uid can reach: the directories
+    above it are host root's only."""
     for r in requirements:
         if not any(r == f"{{file{i}}}" for i in range(len(files))) and (
             why := requirement_problem(r)
         ):
             raise errors.InvalidRequest.field("requirement", f"{r!r}: {why}")
     uid, slot_fd = allocate_slot()
-    scratch = Path(tempfile.mkdtemp(prefix="ephemeral-pip-"))
+    scratch = Path(tempfile.mkdtemp(prefix="ephemeral-pip-", dir=within))
+    points = MOUNT_DIR / str(uid)
+    at = points / "pip"
     try:
-        subs = await asyncio.to_thread(_prepare, scratch, uid, files)
+        subs = await asyncio.to_thread(_prepare, scratch, uid, files, at)
+        shutil.rmtree(points, ignore_errors=True)
+        at.mkdir(parents=True, mode=0o755)
         argv = [
             *prefix,
+            *_mounts_prefix([(scratch, at)]),
+            *("/bin/sh", "-c", 'cd "$0" && exec "$@"', str(at / "cwd")),  # as root, then
             "setpriv",
             f"--reuid={uid}",
             f"--regid={uid}",
@@ -130,23 +142,24 @@ async def run(
             "--",
             *(subs.get(r, r) for r in requirements),
         ]
-        env = _env(scratch / "home")
-        await run_bounded(argv, what, timeout=timeout, env=env, cwd=str(scratch / "cwd"))
+        await run_bounded(argv, what, timeout=timeout, env=_env(at / "home"))
         await asyncio.to_thread(_take, scratch / "out", into)
     finally:
         os.close(slot_fd)
+        shutil.rmtree(points, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _prepare(scratch: Path, uid: int, files: Sequence[Path]) -> dict[str, str]:
+def _prepare(scratch: Path, uid: int, files: Sequence[Path], at: Path) -> dict[str, str]:
     """The scratch directory, owned by ``uid``: ``home``, ``cwd`` (empty: pip's working
-    directory), ``out`` (what pip makes) and a copy of each shipped wheel; the placeholders."""
-    subs = {"{out}": str(scratch / "out")}
+    directory), ``out`` (what pip makes) and a copy of each shipped wheel; the placeholders,
+    as pip sees them (the scratch directory bound at ``at``)."""
+    subs = {"{out}": str(at / "out")}
     for i, f in enumerate(files):
         shipped = scratch / f"shipped-{i}" / f.name
         shipped.parent.mkdir()
         shutil.copyfile(f, shipped, follow_symlinks=False)
-        subs[f"{{file{i}}}"] = str(shipped)
+        subs[f"{{file{i}}}"] = str(at / shipped.relative_to(scratch))
     for d in ("home", "out", "cwd"):
         (scratch / d).mkdir()
     for p in [scratch, *scratch.rglob("*")]:

@@ -572,6 +572,7 @@ async def _pip_install(
             raise errors.InvalidRequest.field(f"pip[{i}]", f"{defdir / 'image.yaml'}: {why}")
     version = image_python(rootfs)
     target = stage / f"pip-{d.name}"
+    await asyncio.to_thread(stage.mkdir, exist_ok=True)
     shipped = [_source(defdir, r[2:]) for r in d.pip if r.startswith("./")]
     n = iter(range(len(shipped)))
     reqs = [f"{{file{next(n)}}}" if r.startswith("./") else r for r in d.pip]
@@ -596,6 +597,7 @@ async def _pip_install(
         timeout=PIP_TIMEOUT_S,
         files=shipped,
         prefix=box.cgroup.prefix() if box.cgroup else (),
+        within=stage,  # in the build's area: what pip downloads counts against its disk
     )
     await _install(
         box,

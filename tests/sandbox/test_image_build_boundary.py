@@ -424,3 +424,16 @@ async def test_mmdebstrap_and_what_it_runs_are_not_host_root(
     dash = rootfs / "bin" / "dash"
     assert (dash.stat().st_uid, dash.stat().st_gid) == (0, 0)
     assert not list(settings.image_cache_dir.glob("base/*.partial"))
+
+
+def test_the_hosts_pip_gets_no_secret_of_the_callers_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ephemeral.sandbox import host_pip
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret")
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    env = host_pip._env(tmp_path)
+    assert env["PIP_INDEX_URL"] == "http://127.0.0.1:9/simple"  # the mirrors pip is set up for
+    assert "OPENAI_API_KEY" not in env and "sk-secret" not in env.values()
+    assert env["HOME"] == str(tmp_path)

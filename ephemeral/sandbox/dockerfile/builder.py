@@ -621,7 +621,13 @@ async def _pip_download(
     ]
     try:
         await host_pip.run(
-            args, reqs[cut + 1 :], "pip download", wheels, timeout=PIP_TIMEOUT_S, prefix=prefix
+            args,
+            reqs[cut + 1 :],
+            "pip download",
+            wheels,
+            timeout=PIP_TIMEOUT_S,
+            prefix=prefix,
+            within=wheels.parent,  # the build's stage directory, in its area
         )
     except errors.EphemeralError as exc:
         detail = exc.detail.removeprefix("image build: ")
