@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ephemeral import errors
-from ephemeral.sandbox import build_area, cgroups, image_gc, images
+from ephemeral.sandbox import build_area, build_sandbox, image_gc, images
 from ephemeral.sandbox import dockerfile as df
 from ephemeral.sandbox.dockerfile import builder
 from ephemeral.settings import Settings
@@ -39,12 +39,19 @@ def _snapshot(cache: Path) -> dict[str, int]:
     return out
 
 
-def _build_cgroups() -> set[str]:
-    found: set[str] = set()
-    for d in cgroups.CgroupSet.for_id("x").dirs:
-        if d.parent.is_dir():
-            found |= {p.name for p in d.parent.iterdir() if p.name.startswith("build-")}
-    return found
+def _record_cgroups(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Every cgroup directory the builds of this test make (other builds may run on the host)."""
+    made: list[Path] = []
+    enter = build_sandbox.BuildCgroup.__enter__
+
+    def recording(self: build_sandbox.BuildCgroup) -> build_sandbox.BuildCgroup:
+        out = enter(self)
+        assert self.cg is not None
+        made.extend(self.cg.dirs)
+        return out
+
+    monkeypatch.setattr(build_sandbox.BuildCgroup, "__enter__", recording)
+    return made
 
 
 def _mounts_under(path: Path) -> list[str]:
@@ -131,7 +138,7 @@ def test_an_exhausting_build_fails_its_own_build_and_leaves_the_host_as_it_was(
     plan, _, _ = df.load(ctx / "Dockerfile", None, {}, settings)
     _linked(settings, plan)
     before = _snapshot(settings.image_cache_dir)
-    groups = _build_cgroups()
+    groups = _record_cgroups(monkeypatch)
     with pytest.raises(errors.DockerfileError) as exc:
         df.build_dockerfile(ctx / "Dockerfile", name="hostile", settings=settings)
     assert exc.value.line == 3, exc.value.detail
@@ -141,7 +148,7 @@ def test_an_exhausting_build_fails_its_own_build_and_leaves_the_host_as_it_was(
     assert {k for k in after if k not in before} <= {".hostile.lock"}, after.keys() - before.keys()
     assert {k: v for k, v in after.items() if k in before} == before
     assert not list(settings.image_cache_dir.glob("*.partial"))
-    assert _build_cgroups() <= groups  # its cgroup, and every process in it, is gone
+    assert groups and not [d for d in groups if d.exists()]  # its cgroup and processes: gone
     assert _mounts_under(settings.image_cache_dir) == []
     assert images.built_image(settings, "hostile") is None
 
