@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -90,6 +91,7 @@ class RunResult(BaseModel):
     recipe: str
     cell: dict[str, Any] = Field(default_factory=dict)
     repeat_index: int = 0
+    model: str | None = None  # the model it was planned on (``--model`` replaces the recipe's)
     run_id: str | None = None
     status: str  # a run status, or "skipped" / "refused" / "error"
     detail: str | None = None
@@ -129,6 +131,7 @@ def unrun(planned: PlannedRun, status: str, detail: str) -> RunResult:
         recipe=planned.recipe,
         cell=planned.cell,
         repeat_index=planned.repeat_index,
+        model=planned.model,
         status=status,
         detail=detail,
     )
@@ -340,6 +343,11 @@ class RecipeStat(BaseModel):
     charged_micros: int
     duration_ms: int  # sum over the recipe's runs
     checks: list[CheckStat]
+    # With repeats (``--repeat K``, epochs): runs per cell, the cells, and the cells at least one
+    # of whose runs passed (pass@k, k = epochs).
+    epochs: int = 1
+    cells: int = 0
+    cells_passing: int = 0
     # How many runs ended in each outcome (every outcome present): pass + fail are graded.
     outcomes: dict[str, int] = Field(default_factory=dict)
 
@@ -424,6 +432,9 @@ def recipe_stats(recipes: Sequence[Recipe], results: Sequence[RunResult]) -> lis
         ]
         ran = [r for r in mine if r.run_id is not None]
         graded = [r for r in mine if r.graded]
+        by_cell: dict[str, list[RunResult]] = {}
+        for r in mine:
+            by_cell.setdefault(json.dumps(r.cell, sort_keys=True, default=str), []).append(r)
         labels = [c.label() for c in recipe.checks]
         checks = [
             CheckStat(
@@ -448,6 +459,9 @@ def recipe_stats(recipes: Sequence[Recipe], results: Sequence[RunResult]) -> lis
                 duration_ms=sum(r.duration_ms or 0 for r in ran),
                 checks=checks,
                 outcomes={str(k): v for k, v in outcomes.items()},
+                epochs=max((len(rs) for rs in by_cell.values()), default=1),
+                cells=len(by_cell),
+                cells_passing=sum(1 for rs in by_cell.values() if any(r.passed for r in rs)),
             )
         )
     return stats
@@ -566,6 +580,51 @@ class Evaluation:
     suite_run_id: str = field(default_factory=new_suite_run_id)
     compare_with: str | None = None
     watchers: Watchers | None = None
+    # Run-time knobs (``ephemeral eval --limit/--filter``): which planned runs run at all.
+    limit: int | None = None
+    filters: list[tuple[str, str]] = field(default_factory=list)
+
+
+FILTER_KEYS = ("recipe", "model")  # besides a cell's own keys (matrix, dataset columns)
+
+
+def parse_filter(expr: str) -> tuple[str, str]:
+    """``KEY=VALUE`` (``recipe=exit-codes``, ``model=…``, a matrix or dataset column of the
+    cell, ``function=add``); refused naming ``--filter`` otherwise."""
+    key, sep, value = expr.partition("=")
+    if not sep or not key.strip():
+        raise errors.InvalidRequest.field(
+            "--filter",
+            f"{expr!r} is not KEY=VALUE (a cell's matrix or dataset column, "
+            f"or {' or '.join(FILTER_KEYS)})",
+        )
+    return key.strip(), value.strip()
+
+
+def _matches(planned: PlannedRun, filters: list[tuple[str, str]]) -> bool:
+    for key, value in filters:
+        if key == "recipe":
+            got: Any = planned.recipe
+        elif key == "model":
+            got = planned.model
+        else:
+            got = planned.cell.get(key)
+        if got is None or str(got) != value:
+            return False
+    return True
+
+
+def with_knobs(
+    recipes: list[Recipe], *, model: str | None = None, repeat: int | None = None
+) -> list[Recipe]:
+    """The recipes with ``--model`` (replaces each recipe's model and models axis) and
+    ``--repeat`` (epochs: runs per cell) applied."""
+    update: dict[str, Any] = {}
+    if model is not None:
+        update |= {"model": model, "models": []}
+    if repeat is not None:
+        update["repeat"] = repeat
+    return [r.model_copy(update=update) for r in recipes] if update else recipes
 
 
 def plan(evaluation: Evaluation, settings: Settings) -> list[tuple[PlannedRun, Recipe]]:
@@ -583,12 +642,26 @@ def iter_plan(evaluation: Evaluation, settings: Settings) -> Iterator[PlannedRun
     each run as it is about to start (a 100,000-row dataset is never held whole)."""
     for recipe in evaluation.recipes:
         validate_recipe(recipe, settings)
-    for recipe in evaluation.recipes:
-        yield from iter_planned(recipe, default_model=default_model(settings))
+    yield from _selected(evaluation, settings)
 
 
-def planned_count(evaluation: Evaluation) -> int:
-    return sum(r.run_count() for r in evaluation.recipes)
+def _selected(evaluation: Evaluation, settings: Settings) -> Iterator[PlannedRun]:
+    every = (
+        p
+        for recipe in evaluation.recipes
+        for p in iter_planned(recipe, default_model=default_model(settings))
+        if _matches(p, evaluation.filters)
+    )
+    yield from itertools.islice(every, evaluation.limit)
+
+
+def planned_count(evaluation: Evaluation, settings: Settings | None = None) -> int:
+    """How many runs will run: every planned one, or with ``--filter`` those that match
+    (counted by planning them once) and at most ``--limit``."""
+    if evaluation.filters and settings is not None:
+        return sum(1 for _ in _selected(evaluation, settings))
+    total = sum(r.run_count() for r in evaluation.recipes)
+    return total if evaluation.limit is None else min(total, evaluation.limit)
 
 
 async def run_evaluation(runtime: Runtime, evaluation: Evaluation) -> Report:
@@ -606,7 +679,7 @@ async def run_evaluation(runtime: Runtime, evaluation: Evaluation) -> Report:
     caps = {
         r.name: [suite_cap, Cap(f"recipe {r.name}", r.budget_micros)] for r in evaluation.recipes
     }
-    progress = Progress(total=planned_count(evaluation))
+    progress = Progress(total=planned_count(evaluation, runtime.settings))
 
     def on_result(result: RunResult) -> None:
         progress.done += 1
@@ -633,7 +706,10 @@ async def run_evaluation(runtime: Runtime, evaluation: Evaluation) -> Report:
         concurrency=evaluation.concurrency,
         on_result=on_result,
     )
-    stats = recipe_stats(evaluation.recipes, results)
+    judged = evaluation.recipes
+    if evaluation.filters or evaluation.limit is not None:  # a recipe left out is not gated
+        judged = [r for r in judged if any(res.recipe == r.name for res in results)]
+    stats = recipe_stats(judged, results)
     return Report(
         suite=evaluation.name,
         suite_run_id=evaluation.suite_run_id,
@@ -666,7 +742,34 @@ def evaluation_for(path: str, settings: Settings, **kw: Any) -> Evaluation:
         }
     else:
         base = {"name": item.name, "recipes": [item], "budget_micros": None}
+    model, repeat = kw.pop("model", None), kw.pop("repeat", None)
+    if kw.get("compare_with") == "last":
+        kw["compare_with"] = last_suite_run(settings, base["name"])
+    base["recipes"] = with_knobs(base["recipes"], model=model, repeat=repeat)
     return Evaluation(**{**base, **{k: v for k, v in kw.items() if v is not None}})
+
+
+def last_suite_run(settings: Settings, suite: str) -> str:
+    """The latest earlier suite run of ``suite`` on this host (``--compare last``): its report
+    in ``<state>/evals``."""
+    best: tuple[float, str] | None = None
+    for path in (settings.state_dir / "evals").glob("suite_*.json"):
+        try:
+            doc = json.loads(path.read_text())
+            stamp = path.stat().st_mtime
+        except (OSError, ValueError):
+            continue
+        if (
+            isinstance(doc, dict)
+            and doc.get("suite") == suite
+            and (best is None or stamp > best[0])
+        ):
+            best = (stamp, path.stem)
+    if best is None:
+        raise errors.InvalidRequest.field(
+            "--compare", f"no earlier suite run of {suite!r} on this host to compare with"
+        )
+    return best[1]
 
 
 def resolve_path(path: str, settings: Settings) -> Path:
@@ -708,6 +811,22 @@ def table_rows(report: Report) -> list[dict[str, Any]]:
                 "duration_ms": s.duration_ms,
             }
         )
+        if s.epochs > 1:
+            rows.append(
+                {
+                    "recipe": s.recipe,
+                    "check": f"pass@{s.epochs} (cells)",
+                    "passed": s.cells_passing,
+                    "runs": s.cells,
+                    "pass_rate": round(s.cells_passing / s.cells, 4) if s.cells else 0.0,
+                    "failed": s.cells - s.cells_passing,
+                    "error": None,
+                    "cancelled": None,
+                    "budget": None,
+                    "charged_micros": None,
+                    "duration_ms": None,
+                }
+            )
         for c in s.checks:
             rows.append(
                 {

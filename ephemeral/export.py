@@ -28,9 +28,11 @@ Format = Literal["jsonl", "parquet"]
 FORMATS: tuple[Format, ...] = ("jsonl", "parquet")
 
 # One row per run, in plan order (recipe, then cell, then repeat); JSON text columns become
-# JSON values, so a JSONL line holds objects, not strings of JSON.
-_SELECT = """
+# JSON values, so a JSONL line holds objects, not strings of JSON. ``epochs`` is how many runs
+# the run's cell had (``eval --repeat K``) and ``cell_pass_at_k`` whether any of them passed.
+_RUNS = """
 SELECT
+    recipe_cell AS cell_key,
     run_id,
     suite_run_id,
     recipe,
@@ -61,7 +63,6 @@ SELECT
     created_at
 FROM runs
 WHERE suite_run_id = $1
-ORDER BY recipe, recipe_cell, repeat_index, model, run_id
 """
 
 COLUMNS = (
@@ -93,7 +94,17 @@ COLUMNS = (
     "isolation",
     "zero_data_retention",
     "created_at",
+    "epochs",
+    "cell_pass_at_k",
 )
+_SELECT = f"""
+SELECT {", ".join(f'"{c}"' for c in COLUMNS[:-2])},
+    count(*) OVER cell AS epochs,
+    bool_or(passed) OVER cell AS cell_pass_at_k
+FROM ({_RUNS})
+WINDOW cell AS (PARTITION BY recipe, cell_key, model)
+ORDER BY recipe, cell_key, "repeat", model, run_id
+"""
 
 
 def export_suite_run(records_dir: Path, suite_run_id: str, out: Path, fmt: Format = "jsonl") -> int:

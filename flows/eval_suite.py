@@ -22,11 +22,17 @@ async def eval_suite(
     suite: str = "smoke",
     compare: str | None = None,
     suite_run_id: str | None = None,
+    knobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run a suite (a path or a shipped suite's name); returns a content-free summary."""
+    """Run a suite (a path or a shipped suite's name); returns a content-free summary.
+    ``knobs``: ``ephemeral eval``'s ``limit``, ``filters``, ``model``, ``repeat``,
+    ``concurrency`` (names and numbers, never content)."""
     runtime = current()
     settings = runtime.settings if runtime is not None else Settings.load()
+    given = dict(knobs or {})
+    if given.get("filters"):
+        given["filters"] = [tuple(f) for f in given["filters"]]
     evaluation = evals.evaluation_for(
-        suite, settings, compare_with=compare, suite_run_id=suite_run_id
+        suite, settings, compare_with=compare, suite_run_id=suite_run_id, **given
     )
     return evals.summary(await run_and_publish(evaluation))

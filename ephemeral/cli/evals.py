@@ -10,7 +10,7 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -29,7 +29,11 @@ if TYPE_CHECKING:
 
 
 async def _run(
-    settings: Settings, evaluation: evals.Evaluation, source: Path, console: Console
+    settings: Settings,
+    evaluation: evals.Evaluation,
+    source: Path,
+    console: Console,
+    knobs: dict[str, Any],
 ) -> evals.Report:
     from ephemeral import evals
     from ephemeral.flows.executor import executor_for
@@ -37,7 +41,7 @@ async def _run(
 
     for recipe in evaluation.recipes:  # a bad recipe fails here, before any run
         evals.validate_recipe(recipe, settings)
-    total = evals.planned_count(evaluation)
+    total = evals.planned_count(evaluation, settings)
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -64,6 +68,7 @@ async def _run(
                         suite=str(evals.resolve_path(str(source), settings).resolve()),
                         compare=evaluation.compare_with,
                         suite_run_id=evaluation.suite_run_id,
+                        knobs=knobs,
                     )
                     saved = settings.state_dir / "evals" / f"{evaluation.suite_run_id}.json"
                     return evals.Report.model_validate_json(saved.read_text())
@@ -168,6 +173,36 @@ def register(app: typer.Typer) -> None:
         no_prefect: Annotated[
             bool, typer.Option("--no-prefect", help="Run without Prefect.")
         ] = False,
+        limit: Annotated[
+            int | None, typer.Option("--limit", min=1, help="Run only the first N planned runs.")
+        ] = None,
+        filter_: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--filter",
+                help="Only the runs whose cell has KEY=VALUE (a matrix or dataset column, "
+                "recipe=NAME or model=M); repeat to require several.",
+            ),
+        ] = None,
+        model: Annotated[
+            str | None,
+            typer.Option("--model", help="Run every recipe on this model (replaces models:)."),
+        ] = None,
+        concurrency: Annotated[
+            int | None,
+            typer.Option(
+                "--concurrency", min=1, max=64, help="Runs at once (the suite's, else 2)."
+            ),
+        ] = None,
+        repeat: Annotated[
+            int | None,
+            typer.Option(
+                "--repeat",
+                min=1,
+                max=100,
+                help="Epochs: runs per cell (replaces repeat:); the table adds pass@K per recipe.",
+            ),
+        ] = None,
     ) -> None:
         """Run an eval suite locally with live progress; print the pass table.
 
@@ -184,16 +219,48 @@ def register(app: typer.Typer) -> None:
                 raise errors.InvalidRequest.field(
                     "EPHEMERAL_URL", "eval runs suites on this host; unset it to run one here"
                 )
-            evaluation = evals.evaluation_for(str(suite), settings, compare_with=compare)
+            filters = [evals.parse_filter(f) for f in filter_ or []]
+            if model is not None:
+                _require_model(model, settings)
+            knobs: dict[str, Any] = {
+                k: v
+                for k, v in {
+                    "limit": limit,
+                    "filters": filters,
+                    "model": model,
+                    "repeat": repeat,
+                    "concurrency": concurrency,
+                }.items()
+                if v
+            }
+            evaluation = evals.evaluation_for(str(suite), settings, compare_with=compare, **knobs)
             if settings.executor != "plain":
                 from ephemeral.flows.embedded_server import configure
 
                 configure(settings)
-            report = asyncio.run(_run(settings, evaluation, suite, console))
+            report = asyncio.run(_run(settings, evaluation, suite, console, knobs))
         except errors.EphemeralError as exc:
             raise fail(exc) from exc
         if as_json:
             sys.stdout.write(json.dumps(evals.report_json(report), indent=2) + "\n")
         else:
             _print_report(report, console)
+        # where it is, on stderr so that --json stays clean: the id for `export`, the report
+        report_path = settings.state_dir / "evals" / f"{report.suite_run_id}.json"
+        where = Console(stderr=True, highlight=False, soft_wrap=True)
+        where.print(f"suite run: {report.suite_run_id}", markup=False)
+        where.print(f"report: {report_path} (and .md)", markup=False)
         raise typer.Exit(Exit.OK if report.passed else Exit.FAILED)
+
+
+def _require_model(model: str, settings: Settings) -> None:
+    """``--model`` must be a model this host can serve and price, refused naming the flag."""
+    from ephemeral.pricing import PriceBook
+    from ephemeral.providers.registry import provider_for
+
+    try:
+        provider_for(model, settings)
+        PriceBook.load(settings).check_model(model)
+    except errors.UnknownModel as exc:
+        message = exc.errors[0]["message"] if exc.errors else exc.detail
+        raise errors.InvalidRequest.field("--model", message) from exc

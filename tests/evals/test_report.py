@@ -216,7 +216,21 @@ def test_summary_markdown_and_table(tmp_path) -> None:
         "charged_micros": 400,
         "duration_ms": 4000,
     }
-    assert len(rows) == 3
+    # four repeats of one cell, three passing: the cell passes at pass@4
+    assert rows[1] == {
+        "recipe": "r",
+        "check": "pass@4 (cells)",
+        "passed": 1,
+        "runs": 1,
+        "pass_rate": 1.0,
+        "failed": 0,
+        "error": None,
+        "cancelled": None,
+        "budget": None,
+        "charged_micros": None,
+        "duration_ms": None,
+    }
+    assert len(rows) == 4
 
 
 def test_summary_for_prefect_leaves_reasons_out(tmp_path) -> None:
