@@ -48,7 +48,8 @@ def test_oracle_scores_one_and_nop_zero(tmp_path: Path, isolation: str) -> None:
     state, jobs = tmp_path / "state", tmp_path / "jobs"
     done = tasks.run_job(
         sorted(root.iterdir()), jobs, state, agents=["oracle", "nop"],
-        ek={"isolation": isolation}, n=4,
+        # retry_failed: a build that failed in an earlier run (the cache is shared) runs again
+        ek={"isolation": isolation, "retry_failed": True}, n=4,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     found = _by_task(trials(jobs))
