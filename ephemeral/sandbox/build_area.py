@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from ephemeral import errors
-from ephemeral.sandbox.build_sandbox import run_bounded
+from ephemeral.sandbox.build_sandbox import run_bounded, sweep_cgroups
 
 SUFFIX = ".partial"
 LOCK = ".lock"
@@ -158,8 +158,10 @@ def stale(path: Path) -> bool:
 
 def sweep(root: Path) -> list[Path]:
     """Remove the areas under ``root`` (the image cache, one level of subdirectories) that
-    dead builds left, mounts included; returns what went."""
+    dead builds left, mounts included, and the cgroups of dead builders (killing what is
+    left in them); returns the areas that went."""
     removed: list[Path] = []
+    sweep_cgroups()
     if not root.is_dir():
         return removed
     for parent in [root, *(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())]:

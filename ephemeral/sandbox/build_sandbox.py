@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ephemeral import errors
-from ephemeral.sandbox import cgroups
+from ephemeral.sandbox import cgroups, handles
 from ephemeral.sandbox.base import Limits
 from ephemeral.sandbox.uid_slots import allocate_slot
 from ephemeral.settings import Settings
@@ -102,7 +102,9 @@ class BuildCgroup:
 
     def __init__(self, limits: BuildLimits) -> None:
         self.limits = limits
-        self.id = f"build-{secrets.token_hex(8)}"
+        # the builder's pid and start time: a cgroup whose builder is gone is swept
+        pid = os.getpid()
+        self.id = f"build-{pid}-{handles.process_start_time(pid) or 0}-{secrets.token_hex(4)}"
         self.cg: cgroups.CgroupSet | None = None
 
     def __enter__(self) -> BuildCgroup:
@@ -140,6 +142,30 @@ class BuildCgroup:
                             f"out of processes (the build's limit is build_pids={self.limits.pids})"
                         )
         return None
+
+
+def sweep_cgroups() -> list[str]:
+    """Kill what is left in, and remove, the cgroups of builds whose builder process is gone
+    (a crash or a kill: its steps may outlive it); returns their ids."""
+    gone: list[str] = []
+    if cgroups.available() is not None:
+        return gone
+    found: set[str] = set()
+    for d in cgroups.CgroupSet.for_id("build-").dirs:
+        with contextlib.suppress(OSError):
+            found |= {p.name for p in d.parent.iterdir() if p.name.startswith("build-")}
+    for name in sorted(found):
+        parts = name.split("-")
+        if len(parts) != 4 or not (parts[1].isdigit() and parts[2].isdigit()):
+            continue
+        if handles.pid_alive(int(parts[1]), int(parts[2]) or None):
+            continue
+        try:
+            cgroups.CgroupSet.for_id(name).remove()
+        except errors.SandboxError:
+            continue  # still busy: the next sweep tries again
+        gone.append(name)
+    return gone
 
 
 def explain(

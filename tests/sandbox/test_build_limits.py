@@ -343,3 +343,39 @@ def test_a_dockerfile_that_is_a_symlink_is_refused_without_reading_it(tmp_path: 
     with pytest.raises(errors.DockerfileError) as exc:
         df.load(ctx / "Dockerfile", None, {}, settings)
     assert "root" not in exc.value.detail.split(":", 2)[-1]
+
+
+@pytest.mark.sandbox
+def test_a_dead_builders_cgroup_is_emptied_and_removed_a_live_ones_kept() -> None:
+    """A builder killed mid-build leaves its cgroup and the steps in it: the next sweep kills
+    them and removes it; a live builder's cgroup stays."""
+    import shlex
+    import subprocess
+
+    from ephemeral.sandbox import cgroups, handles
+    from ephemeral.sandbox.base import Limits
+
+    if (why := cgroups.available()) is not None:
+        pytest.skip(why)
+    builder = subprocess.Popen(["sleep", "30"])  # stands for the builder that dies
+    started = handles.process_start_time(builder.pid)
+    builder.kill()
+    builder.wait()
+    name = f"build-{builder.pid}-{started}-0a0b0c0d"
+    dead = cgroups.CgroupSet.create(name, Limits())
+    join = " && ".join(f"echo $$ > {shlex.quote(f)}" for f in dead.procs_files)
+    step = subprocess.Popen(["/bin/sh", "-c", join + " && exec sleep 600"])
+    try:
+        while not dead.pids():
+            assert step.poll() is None
+        with build_sandbox.BuildCgroup(build_sandbox.BuildLimits()) as live:
+            assert live.cg is not None
+            gone = build_sandbox.sweep_cgroups()
+            assert name in gone and live.id not in gone
+            assert all(d.is_dir() for d in live.cg.dirs)
+        assert not [d for d in dead.dirs if d.exists()]
+        assert step.wait(timeout=10) == -9  # the step it left was killed
+    finally:
+        step.kill()
+        step.wait()
+        dead.remove()
