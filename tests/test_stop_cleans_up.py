@@ -1,5 +1,5 @@
-"""A stop that cleans up: `serve`, `run` and `eval`, stopped by SIGTERM or killed by SIGKILL,
-leave no embedded Prefect server, sandbox or port behind.
+"""A stop that cleans up: `serve`, `run`, `eval` and `worker`, stopped by SIGTERM or killed by
+SIGKILL, leave no embedded Prefect server, sandbox or port behind.
 
 Each entry point runs as a real process (embedded Prefect, real sandboxes) until its Prefect
 server and a sandbox are up; then it gets the signal, and every process it had started is
@@ -198,3 +198,52 @@ def test_a_stopped_entry_point_leaves_no_prefect_server_sandbox_or_port(
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         log.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
+def test_a_stopped_worker_leaves_no_sandbox(
+    sig: signal.Signals, env: dict[str, str], tmp_path: Path
+) -> None:
+    """`ephemeral worker` talks to a shared Prefect server (never an embedded one): stopped,
+    it leaves none of the processes it started (its warm sandbox); killed, the next start
+    reaps its sandbox."""
+    from tests.evals.prefect_server import PrefectServer
+
+    server = PrefectServer(tmp_path / "prefect").start()
+    started: dict[int, str] = {}
+    try:
+        worker = server.spawn(
+            "worker",
+            sys.executable,
+            "-m",
+            "ephemeral.cli",
+            "worker",
+            "--pool",
+            "1",
+            **{k: v for k, v in env.items() if k.startswith("EPHEMERAL_") or k == "PYTHONPATH"},
+        )
+
+        def up() -> bool:
+            assert worker.poll() is None, server.tail()
+            started.update(_descendants(worker.pid))
+            return bool(_sandboxes(started))
+
+        _wait(up, UP_SECONDS, "the worker's warm sandbox")
+        assert _prefect_server(started) is None  # a worker starts no Prefect server of its own
+        worker.send_signal(sig)
+        worker.wait(timeout=GONE_SECONDS + 30)  # a TERM drains first
+        if sig == signal.SIGKILL:
+            reap = subprocess.run(
+                [sys.executable, "-m", "ephemeral.cli", "sandbox", "reap"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert reap.returncode == 0, reap.stdout + reap.stderr
+        _wait(lambda: not _alive(started), GONE_SECONDS, f"all gone: {_alive(started)}")
+    finally:
+        for pid in _alive(started):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        server.stop()
