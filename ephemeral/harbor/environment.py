@@ -262,7 +262,10 @@ class EphemeralEnvironment(BaseEnvironment):
             force_build=force_build,
         )
         t0 = time.monotonic()
-        outcome = await prebuild.ensure(settings, env, retry_failed=self.config.retry_failed)
+        try:
+            outcome = await prebuild.ensure(settings, env, retry_failed=self.config.retry_failed)
+        except Exception as exc:  # the host's (a full disk, say): still not the agent's 0
+            raise SandboxBuildFailedError(f"ephemeral: {env.label}: {exc}") from exc
         if outcome.status == "failed":
             raise SandboxBuildFailedError(f"ephemeral: {outcome.detail}")
         found = images.built_image(settings, outcome.image)
