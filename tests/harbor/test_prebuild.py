@@ -94,3 +94,47 @@ def test_recipes_and_suites_name_their_images(tmp_path: Path) -> None:
     assert [(o.env.kind, o.env.image, len(o.sources)) for o in found] == [("image", "default", 3)]
     bad = prebuild.find(Settings.load(), [tmp_path])
     assert bad[0].env.kind == "invalid" and "neither a Harbor task" in bad[0].env.error
+
+
+@pytest.mark.parametrize(
+    ("toml", "dockerfile", "force", "want"),
+    [
+        ('docker_image = "alexgshaw/chess-best-move:20251031"', True, False,
+         ("pull", "docker.io/alexgshaw/chess-best-move:20251031")),
+        ('docker_image = "ubuntu"', False, False, ("pull", "docker.io/library/ubuntu:latest")),
+        ('docker_image = "ubuntu:24.04"', True, True, ("dockerfile", "")),
+        ('docker_image = "ubuntu:24.04"', False, True, ("pull", "docker.io/library/ubuntu:24.04")),
+        ('docker_image = "debian:bookworm-slim"', False, False, ("image", "default")),
+        ("", True, False, ("dockerfile", "")),
+        ("", False, False, ("invalid", "not found and the task sets no docker_image")),
+        ('docker_image = "Not A Reference"', False, False, ("invalid", "not an image reference")),
+        ("docker_image = 3", False, False, ("invalid", "docker_image is not a string")),
+        ("docker_image = [", False, False, ("invalid", "task.toml")),
+    ],
+)  # fmt: skip
+def test_a_task_resolves_as_harbor_with_docker_does(
+    tmp_path: Path, toml: str, dockerfile: bool, force: bool, want: tuple[str, str]
+) -> None:
+    """docker_image wins unless --force-build with a Dockerfile; a Debian bookworm name is our
+    image; any other is a registry image with Docker's reference rules."""
+    (tmp_path / "environment").mkdir()
+    (tmp_path / "task.toml").write_text(f"[environment]\n{toml}\n")
+    if dockerfile:
+        (tmp_path / "environment" / "Dockerfile").write_text("FROM debian:bookworm\n")
+    env = prebuild.harbor_task(Settings.load(), tmp_path, force_build=force)
+    kind, text = want
+    assert env.kind == kind, env
+    if kind == "invalid":
+        assert text in env.error
+    elif kind == "dockerfile":
+        assert env.dockerfile == tmp_path / "environment" / "Dockerfile"
+    else:
+        assert env.image == text
+
+
+def test_compose_tasks_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "environment").mkdir()
+    (tmp_path / "environment" / "docker-compose.yaml").write_text("services: {}\n")
+    (tmp_path / "task.toml").write_text('[environment]\ndocker_image = "ubuntu:24.04"\n')
+    env = prebuild.harbor_task(Settings.load(), tmp_path)
+    assert env.kind == "invalid" and "docker-compose tasks" in env.error
