@@ -35,10 +35,10 @@ from ephemeral import prefect_setup
 from ephemeral.api import create_app
 from ephemeral.settings import Settings
 from ephemeral.store import Store
+from tests.sample import SAMPLE_PROMPT
 
 BODY = {
-    "prompt": "This is a sandbox test. Do these steps with the shell and report the real output, "
-    "never what you expect.",
+    "prompt": SAMPLE_PROMPT,  # the one prompt replay/sandbox-proof answers
     "web": False,
     "shell": True,
     "timeout_seconds": 120,

@@ -21,9 +21,11 @@ from typing import Any
 from ephemeral import prefect_setup
 from ephemeral.flows.executor import executor_for
 from ephemeral.policy import RunRequest
+from ephemeral.providers.replay import cassette_path, load_cassette
 from ephemeral.settings import Settings
 
-PROMPT = "This is a sandbox test (bench)."
+# replay/sandbox-proof answers only the prompt it recorded (the product page's sample)
+PROMPT = str(load_cassette(cassette_path(Settings.load().cassettes_dir, "sandbox-proof")).prompt)
 
 
 def pct(values: list[float], p: float) -> float:

@@ -52,6 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.evals.prefect_server import PREFECT, PrefectServer  # noqa: E402
+from tests.sample import SAMPLE_PROMPT  # noqa: E402
 
 EPHEMERAL_CMD = [sys.executable, "-m", "ephemeral.cli"]
 
@@ -156,8 +157,7 @@ async def _tasks(marks: Path, n: int) -> list[float]:
 
 
 BODY = {
-    "prompt": "This is a sandbox test. Do these steps with the shell and report the real output, "
-    "never what you expect.",
+    "prompt": SAMPLE_PROMPT,  # the one prompt replay/sandbox-proof answers
     "model": "replay/sandbox-proof",
     "shell": True,
     "timeout_seconds": 120,

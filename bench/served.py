@@ -29,12 +29,12 @@ if str(REPO) not in sys.path:
 
 from ephemeral.settings import Settings  # noqa: E402
 from ephemeral.store import Store  # noqa: E402
+from tests.sample import SAMPLE_PROMPT  # noqa: E402
 
 SERVE = [sys.executable, "-m", "ephemeral.cli", "serve"]
 # The product page's request with its recorded model: 3 model calls, 4 shell commands.
 SEED_BODY: dict[str, Any] = {
-    "prompt": "This is a sandbox test. Do these steps with the shell and report the real output, "
-    "never what you expect.",
+    "prompt": SAMPLE_PROMPT,  # the one prompt replay/sandbox-proof answers
     "model": "replay/sandbox-proof",
     "web": False,
     "shell": True,

@@ -238,6 +238,7 @@ def web_cassettes(state: Path, port: int) -> Path:
         "model": "openai/gpt-6-luna",
         "recorded_at": "2026-12-04T00:00:00Z",
         "description": "bench/soak.py --web: two fetches through the egress proxy",
+        "any_prompt": True,  # a script written by hand, for the soak's prompts
         "turns": turns,
     }
     (folder / "web-soak.json").write_text(json.dumps(cassette))
