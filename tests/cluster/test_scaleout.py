@@ -29,14 +29,14 @@ from ephemeral.sandbox import handles
 from tests.cluster.harness import EPHEMERAL, Cluster
 from tests.evals.conftest import write_cassette
 from tests.fixtures_pg import PG_BIN, PgCluster
+from tests.sample import SAMPLE_PROMPT
 
 pytestmark = [pytest.mark.prefect, pytest.mark.postgres, pytest.mark.slow, pytest.mark.sandbox]
 
 REPO = Path(__file__).resolve().parents[2]
 LEASE_SECONDS = 5.0
 SAMPLE = {
-    "prompt": "This is a sandbox test. Do these steps with the shell and report the real output, "
-    "never what you expect.",
+    "prompt": SAMPLE_PROMPT,  # the one prompt replay/sandbox-proof answers
     "model": "replay/sandbox-proof",
     "shell": True,
     "timeout_seconds": 120,
