@@ -4,10 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EPH := $(VENV)/bin/ephemeral
 # Debian packages. What the demo needs: the gVisor and namespaces sandboxes and the image builder
-# (gcc: the default image's preload shims). What only the tests and microVMs add: QEMU and its
+# (gcc: the default image's preload shims; python3-pip: the host's pip of builds, run by an
+# unprivileged uid: sandbox/host_pip.py). What only the tests and microVMs add: QEMU and its
 # boot artifacts' tools, Chromium for the page tests, PostgreSQL for the ledger tests, the CNCF
 # registry and skopeo for the registry-image tests (a real registry on loopback).
-APT_RUNTIME := bubblewrap runsc mmdebstrap gcc libc6-dev util-linux libseccomp2
+APT_RUNTIME := bubblewrap runsc mmdebstrap gcc libc6-dev util-linux libseccomp2 python3-pip
 APT_PACKAGES := $(APT_RUNTIME) qemu-system-x86 e2fsprogs busybox-static cpio chromium postgresql \
                 docker-registry skopeo
 # One per core; loadfile keeps each file on one worker, in order (module fixtures

@@ -13,6 +13,10 @@ metadata, ``--only-binary`` or not. So what reaches the host's pip is checked fi
   build's size-limited area (:mod:`ephemeral.sandbox.build_area`) and seen by pip at an empty
   mount point of its own: a bare name can find no file of the caller's, and what pip
   downloads counts against the build's disk;
+- with Debian's interpreter and pip (``/usr/bin/python3``, package ``python3-pip``), not the
+  caller's: a uid that owns nothing must be able to run it, and an interpreter under a private
+  home (pyenv's in ``/root``, mode 0700, as Harbor's Python 3.12 venv has it) cannot be loaded
+  by one;
 - as the first host uid of a uid slot of its own (:mod:`ephemeral.sandbox.uid_slots`, held for
   the call): a uid above every real user that owns nothing on the host but the scratch
   directory, with no supplementary groups and no new privileges;
@@ -29,7 +33,6 @@ import os
 import re
 import shutil
 import stat
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +42,10 @@ from packaging.requirements import InvalidRequirement, Requirement
 from ephemeral import errors
 from ephemeral.sandbox.build_sandbox import MOUNT_DIR, _mounts_prefix, run_bounded
 from ephemeral.sandbox.uid_slots import allocate_slot
+
+# Debian's (python3-pip, installed by `make apt-runtime`): any uid can run it, whatever venv
+# (and whose interpreter) the caller runs in.
+HOST_PYTHON = "/usr/bin/python3"
 
 # pip's ARCHIVE_EXTENSIONS (pip/_internal/utils/filetypes.py): a name ending so is a file to pip
 ARCHIVE_EXTENSIONS = (
@@ -134,7 +141,7 @@ async def run(
             "--clear-groups",
             "--no-new-privs",
             "--",
-            sys.executable,
+            HOST_PYTHON,
             "-m",
             "pip",
             *(subs.get(a, a) for a in args),
