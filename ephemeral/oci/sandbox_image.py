@@ -8,9 +8,9 @@ reference (``ubuntu:24.04``, ``ghcr.io/o/i:t``, ``host:5000/r@sha256:…``). So 
 pull it.
 
 The agent layer (``<cache_dir>/oci/agent/<hash>/fs``) holds the root image's guest agent at its
-image path, by the hash of its source: the sandbox runs it with the image's own
-``/usr/bin/python3``, so until the agent stops needing one (issue 36, item 2) only images with
-Python 3 can host a sandbox.
+image path, by the hash of its source. ``namespaces`` and ``gvisor`` no longer run it: their
+agent runs on the agent runtime mounted at ``/.ephemeral`` (``sandbox/agent_runtime.py``), so
+any pulled image hosts a sandbox there, with Python or without.
 """
 
 from __future__ import annotations

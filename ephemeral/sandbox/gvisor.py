@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ephemeral import errors
-from ephemeral.sandbox import cgroups, handles, writable_root
+from ephemeral.sandbox import agent_runtime, cgroups, handles, writable_root
 from ephemeral.sandbox.base import AGENT_CAPS, Limits, Sandbox
 from ephemeral.sandbox.probe import runtime_version
 from ephemeral.sandbox.process import ProcessDriver, ProcessSandbox, new_handle
@@ -62,7 +62,8 @@ def _tmpfs(dest: str, size: int) -> dict[str, Any]:
     }
 
 
-def oci_spec(rootfs: str, agent_path: str, limits: Limits, cgroups_path: str) -> dict[str, Any]:
+def oci_spec(rootfs: str, agent: list[str], limits: Limits, cgroups_path: str) -> dict[str, Any]:
+    """The bundle's config.json; ``agent``: the agent's command line (``AgentRuntime.argv``)."""
     sizes = writable_root.tmpfs_sizes(limits, SMALL_TMPFS)
     home = {
         "destination": "/home/worker",
@@ -80,16 +81,16 @@ def oci_spec(rootfs: str, agent_path: str, limits: Limits, cgroups_path: str) ->
             "terminal": False,
             "user": {"uid": 0, "gid": 0, "additionalGids": []},
             "args": [
-                "/usr/bin/python3",
-                "-I",
-                "-S",
-                agent_path,
+                *agent,
                 "--channel",
                 "stdio",
                 "--max-memory-mib",
                 str(limits.memory_mib),
+                # the image's glibc programs get the statx shim (statx_shim.c says why)
+                "--preload",
+                agent_runtime.SHIM,
             ],
-            "env": ["PATH=/usr/local/bin:/usr/bin:/bin", "HOME=/home/worker", "LANG=C.UTF-8"],
+            "env": [f"{k}={v}" for k, v in agent_runtime.ENV.items()],
             "cwd": "/",
             "capabilities": caps,
             "noNewPrivileges": True,
@@ -112,6 +113,13 @@ def oci_spec(rootfs: str, agent_path: str, limits: Limits, cgroups_path: str) ->
                 "type": "sysfs",
                 "source": "sysfs",
                 "options": ["nosuid", "noexec", "nodev", "ro"],
+            },
+            # the agent runtime, read-only (writable_root.AGENT is a read-only overlay of it)
+            {
+                "destination": agent_runtime.MOUNT,
+                "type": "bind",
+                "source": str(writable_root.AGENT),
+                "options": ["rbind", "ro", "nosuid", "nodev"],
             },
             _tmpfs("/tmp", sizes.large),
             _tmpfs("/run", sizes.small),
@@ -178,11 +186,9 @@ class GVisorDriver(ProcessDriver):
         try:
             state_root.mkdir(parents=True, mode=0o700)
             bundle.mkdir(mode=0o700)
+            agent_dir, agent = self._agent_argv()
             spec = oci_spec(
-                str(writable_root.MOUNT_POINT),
-                self._agent_path,
-                limits,
-                f"/{cgroups.PARENT}/{handle.id}",
+                str(writable_root.MOUNT_POINT), agent, limits, f"/{cgroups.PARENT}/{handle.id}"
             )
             (bundle / "config.json").write_text(json.dumps(spec))
             cg = cgroups.CgroupSet.create(
@@ -208,6 +214,7 @@ class GVisorDriver(ProcessDriver):
                         writable_root.tmpfs_sizes(limits, SMALL_TMPFS).large,
                         handle.id,
                         helper,
+                        agent_dir,
                     ),
                     *self.runsc_argv(runsc, state_root, bundle, handle.id),
                 ]

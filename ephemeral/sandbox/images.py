@@ -489,7 +489,7 @@ async def _compile_preloads(
             f"compile {item.source}",
             env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
             timeout=INSTALL_TIMEOUT_S,
-            ro=[(_source(defdir, item.source), f"{IN_DIR}/shim.c")],
+            ro=[(source_path(defdir, item.source), f"{IN_DIR}/shim.c")],
             rw=[(out, OUT_DIR)],
             host_usr=True,
         )
@@ -504,7 +504,7 @@ async def _compile_preloads(
     )
 
 
-def _source(defdir: Path, source: str) -> Path:
+def source_path(defdir: Path, source: str) -> Path:
     """A definition's source path, resolved; checked again here (the build trusts no load)."""
     if (why := source_problem(defdir, source)) is not None:
         raise errors.InvalidRequest.field("source", f"{defdir / 'image.yaml'}: {source}: {why}")
@@ -512,8 +512,9 @@ def _source(defdir: Path, source: str) -> Path:
 
 
 async def _precompile_agent(box: BuildSandbox, agent_path: str) -> None:
-    """Compile the agent with the image's own python: a script run as __main__ is otherwise
-    recompiled at every start (~10 ms of a ~50 ms cold start). Best effort: the .py still runs."""
+    """Compile the agent with the image's own python (best effort): a script run as __main__ is
+    recompiled at every start (~10 ms). namespaces and gvisor now run the agent runtime's own
+    compiled agent; this one is what they ran before, which bench/agent_runtime.py compares."""
     code = (
         "import py_compile; py_compile.compile("
         f"{agent_path!r}, cfile={agent_path + 'c'!r}, doraise=True, "
@@ -528,12 +529,6 @@ async def _precompile_agent(box: BuildSandbox, agent_path: str) -> None:
         )
     except errors.SandboxError as exc:
         log.warning("%s", exc.detail)
-
-
-def agent_exec_path(rootfs: Path | str, agent_path: str) -> str:
-    """The path to run inside the guest: the precompiled agent when the image has one."""
-    compiled = agent_path + "c"
-    return compiled if (Path(rootfs) / compiled.lstrip("/")).is_file() else agent_path
 
 
 def _build_steps(defdir: Path) -> list[Path]:
@@ -573,7 +568,7 @@ async def _pip_install(
     version = image_python(rootfs)
     target = stage / f"pip-{d.name}"
     await asyncio.to_thread(stage.mkdir, exist_ok=True)
-    shipped = [_source(defdir, r[2:]) for r in d.pip if r.startswith("./")]
+    shipped = [source_path(defdir, r[2:]) for r in d.pip if r.startswith("./")]
     n = iter(range(len(shipped)))
     reqs = [f"{{file{next(n)}}}" if r.startswith("./") else r for r in d.pip]
     args = [
@@ -609,7 +604,7 @@ async def _pip_install(
 
 async def _copy_files(box: BuildSandbox, defdir: Path, d: ImageDefinition) -> None:
     for i, f in enumerate(d.files):
-        await _install(box, _source(defdir, f.source), f.path, f"{d.name}: files[{i}]", f.mode)
+        await _install(box, source_path(defdir, f.source), f.path, f"{d.name}: files[{i}]", f.mode)
 
 
 async def _run_build_steps(box: BuildSandbox, d: ImageDefinition, env: dict[str, str]) -> None:
@@ -656,7 +651,7 @@ async def _assemble(
     workdir: str | None = None
     async with BuildSandbox(rootfs, limits) as box:
         await _install(
-            box, _source(root_dir, root.agent.source), root.agent.path, "install agent", "0755"
+            box, source_path(root_dir, root.agent.source), root.agent.path, "install agent", "0755"
         )
         await _precompile_agent(box, root.agent.path)
         await _compile_preloads(box, root_dir, root, stage)

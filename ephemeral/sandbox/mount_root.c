@@ -2,7 +2,7 @@
  * private mount namespace: one exec instead of a shell's six, and the idmapped mount this
  * host's util-linux cannot make.
  *
- *   mount-root ROOTFS LOWER UPPER TARGET SIZE_BYTES TAG OWNER [USERNS]
+ *   mount-root ROOTFS LOWER UPPER TARGET SIZE_BYTES TAG OWNER RUNTIME RUNTIME_AT EMPTY [USERNS]
  *
  * ROOTFS is bound read-only at LOWER (idmapped into the user namespace file USERNS when given),
  * a tmpfs of SIZE_BYTES named TAG at UPPER holds the overlay's upper and work directories (the
@@ -10,7 +10,11 @@
  *
  * A ROOTFS of several directories joined by ':' (a pulled image's layers, topmost first) gets a
  * small tmpfs at LOWER and each layer bound (idmapped) read-only at LOWER/<i>: the overlay's
- * lower layers are then LOWER/0:LOWER/1:..., so the mount options name no host path. */
+ * lower layers are then LOWER/0:LOWER/1:..., so the mount options name no host path.
+ *
+ * The agent runtime (agent_runtime.py) RUNTIME is mounted at RUNTIME_AT as a read-only overlay
+ * of it and the empty directory EMPTY (an overlay needs two layers to have no upper one): its
+ * own filesystem, so the sandbox's mountinfo names /proc/self/fd/N instead of a host path. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -65,18 +69,27 @@ static void bind_ro(const char *source, const char *dest, int ns) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 8 && argc != 9) {
-        fprintf(stderr, "usage: mount-root ROOTFS LOWER UPPER TARGET SIZE TAG OWNER [USERNS]\n");
+    if (argc != 11 && argc != 12) {
+        fprintf(stderr, "usage: mount-root ROOTFS LOWER UPPER TARGET SIZE TAG OWNER RUNTIME "
+                        "RUNTIME_AT EMPTY [USERNS]\n");
         return 2;
     }
     const char *rootfs = argv[1], *lower = argv[2], *upper = argv[3], *target = argv[4];
     const char *size = argv[5], *tag = argv[6];
     unsigned owner = (unsigned)strtoul(argv[7], NULL, 10);
+    const char *runtime = argv[8], *runtime_at = argv[9], *empty = argv[10];
     char buf[4096];
 
+    int rt = open(runtime, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (rt < 0) fail("open the agent runtime");
+    snprintf(buf, sizeof buf, "lowerdir=/proc/self/fd/%d:%s", rt, empty);
+    if (mount("ephemeral-agent", runtime_at, "overlay", MS_RDONLY | MS_NOSUID | MS_NODEV, buf) < 0)
+        fail("the agent runtime's mount");
+    close(rt);
+
     int ns = -1;
-    if (argc == 9) {
-        ns = open(argv[8], O_RDONLY | O_CLOEXEC);
+    if (argc == 12) {
+        ns = open(argv[11], O_RDONLY | O_CLOEXEC);
         if (ns < 0) fail("open the user namespace");
     }
     char lowers[4096] = "";

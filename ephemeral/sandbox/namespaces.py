@@ -58,13 +58,12 @@ import os
 import uuid
 from pathlib import Path
 
-from ephemeral.sandbox import cgroups, handles, seccomp, writable_root
+from ephemeral.sandbox import agent_runtime, cgroups, handles, seccomp, writable_root
 from ephemeral.sandbox.base import AGENT_CAPS, Limits, Sandbox
 from ephemeral.sandbox.process import ProcessDriver, ProcessSandbox, new_handle
 from ephemeral.sandbox.uid_slots import allocate_slot
 from ephemeral.settings import Settings
 
-AGENT_ARGV = ["/usr/bin/python3", "-I", "-S"]
 SMALL_TMPFS = ("/run", "/var/tmp", "/home/worker", "/dev/shm")  # sized by tmpfs_sizes
 # Docker's masked /proc paths that exist here read empty; these read per-sandbox values.
 MASKED = ("/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug")
@@ -86,6 +85,7 @@ def _launcher(
     upper_size: int,
     sandbox_id: str,
     helper: Path | None,
+    agent: Path,
 ) -> list[str]:
     """argv prefix: private mount namespace, then (unless privileged) the user namespace, the
     writable root's overlay (over an image idmapped into that namespace), and the namespace
@@ -120,7 +120,8 @@ def _launcher(
         )
     return [
         "unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", script, "sh",
-        *writable_root.args(rootfs, upper_size, sandbox_id), str(host_base or 0), str(nsfd),
+        *writable_root.args(rootfs, upper_size, sandbox_id, agent), str(host_base or 0),
+        str(nsfd),
     ]  # fmt: skip
 
 
@@ -138,7 +139,8 @@ class NamespacesDriver(ProcessDriver):
         """What a sandbox of this driver is called in runs and logs."""
         return PRIVILEGED_LABEL if self.privileged else self.isolation
 
-    def argv(self, rootfs: str, limits: Limits, fds: dict[str, int]) -> list[str]:
+    def argv(self, rootfs: str, limits: Limits, fds: dict[str, int], agent: list[str]) -> list[str]:
+        """bwrap's argv; ``agent``: the agent's command line (``AgentRuntime.argv``)."""
         sizes = writable_root.tmpfs_sizes(limits, len(SMALL_TMPFS))
         argv = [
             "bwrap",
@@ -163,6 +165,10 @@ class NamespacesDriver(ProcessDriver):
             "--bind",
             rootfs,
             "/",
+            # the agent runtime, read-only (writable_root.AGENT is a read-only overlay of it)
+            "--ro-bind",
+            str(writable_root.AGENT),
+            agent_runtime.MOUNT,
             "--proc",
             "/proc",
             "--dev",
@@ -188,24 +194,14 @@ class NamespacesDriver(ProcessDriver):
             ("boot_id", "/proc/sys/kernel/random/boot_id"),
         ):
             argv += ["--perms", "0444", "--ro-bind-data", str(fds[name]), path]
+        argv += ["--chdir", "/", "--clearenv"]
+        for name, value in agent_runtime.ENV.items():
+            argv += ["--setenv", name, value]
         argv += [
-            "--chdir",
-            "/",
-            "--clearenv",
-            "--setenv",
-            "PATH",
-            "/usr/local/bin:/usr/bin:/bin",
-            "--setenv",
-            "HOME",
-            "/home/worker",
-            "--setenv",
-            "LANG",
-            "C.UTF-8",
             "--add-seccomp-fd",
             str(fds["seccomp"]),
             "--",
-            *AGENT_ARGV,
-            self._agent_path,
+            *agent,
             "--channel",
             "stdio",
             "--drop-bounding-set",
@@ -247,16 +243,19 @@ class NamespacesDriver(ProcessDriver):
                 cleanup=(lambda: os.close(held)) if held is not None else None,
             )
             slot_fd = None  # the sandbox's destroy releases it now
+            runtime, agent = self._agent_argv()
+            passed = [*fds.values()]
             argv = [
                 *_launcher(
                     rootfs,
                     host_base,
-                    [*fds.values()],
+                    passed,
                     writable_root.tmpfs_sizes(limits, len(SMALL_TMPFS)).large,
                     handle.id,
                     helper,
+                    runtime,
                 ),
-                *self.argv(str(writable_root.MOUNT_POINT), limits, fds),
+                *self.argv(str(writable_root.MOUNT_POINT), limits, fds, agent),
             ]
             await sbx._start(argv, pass_fds=list(fds.values()), oom_protected=True)
             return sbx

@@ -19,7 +19,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ephemeral import errors, ids
-from ephemeral.sandbox import cgroups, handles, images, sidechannel, spawn, writable_root
+from ephemeral.sandbox import (
+    agent_runtime,
+    cgroups,
+    handles,
+    images,
+    sidechannel,
+    spawn,
+    writable_root,
+)
 from ephemeral.sandbox.base import Handle, Limits, Sandbox
 from ephemeral.sandbox.cgroups import CgroupSet
 from ephemeral.sandbox.guest import GuestBacked, GuestClient
@@ -195,7 +203,9 @@ def new_handle(driver: str, owner: str, sandbox_id: str | None = None) -> Handle
 
 
 class ProcessDriver:
-    """What the process drivers (gvisor, namespaces) share: the image's rootfs and a probe.
+    """What the process drivers (gvisor, namespaces) share: the image's rootfs, the agent
+    runtime the agent runs on (``agent_runtime.py``: nothing of the image runs our side) and a
+    probe.
 
     A subclass names its runtime ``binary`` and the package that installs it.
     """
@@ -207,7 +217,8 @@ class ProcessDriver:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._rootfs: str | None = None
-        self._agent_path = "/opt/ephemeral/agent.py"
+        self._runtime: agent_runtime.AgentRuntime | None = None
+        self._agent_path = ""  # the agent inside the sandbox: the runtime's, once known
 
     async def _image(self) -> str:
         """What the writable root mounts: the built rootfs, or a pulled image's layers (pulled
@@ -217,20 +228,24 @@ class ProcessDriver:
 
             if sandbox_image.is_reference(self.settings.image):
                 pulled = await sandbox_image.ensure(self.settings, self.settings.image)
-                self._agent_path = pulled.agent_path
-                self._rootfs = self._with_etc(pulled.lower())
-                return self._rootfs
-            root = await images.ensure_image(self.settings, self.settings.image)
-            built = images.built_image(self.settings, self.settings.image)
-            agent = built.agent_path if built else "/opt/ephemeral/agent.py"
-            self._agent_path = images.agent_exec_path(root, agent)
-            self._rootfs = self._with_etc(str(root))
+                lower = pulled.lower()
+            else:
+                lower = str(await images.ensure_image(self.settings, self.settings.image))
+            # the agent runs on the runtime whatever the image holds (Python or not)
+            self._runtime = await agent_runtime.ensure_runtime(self.settings)
+            self._agent_path = self._runtime.agent
+            self._rootfs = self._with_etc(lower)
         return self._rootfs
 
     def _with_etc(self, lower: str) -> str:
         """/etc/hosts, hostname and resolv.conf as a container has them (writable_root.py)."""
         cache = self.settings.image_cache_dir
         return writable_root.with_container_etc(lower, cache)
+
+    def _agent_argv(self) -> tuple[Path, list[str]]:
+        """The agent runtime's directory on the host and the agent's command line inside."""
+        assert self._runtime is not None, "_image() first"
+        return self._runtime.root, self._runtime.argv(self._agent_path)
 
     def binary_path(self) -> str | None:
         """The runtime binary to run; None when it is missing."""

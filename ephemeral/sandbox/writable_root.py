@@ -26,6 +26,9 @@ need anyway; without it, the same steps as shell commands and a Python idmap hel
   ``::1``), ``hostname`` and a ``resolv.conf`` that fails at once (no server answers on
   loopback; with ``web`` names resolve in the egress proxy). They hide the image's own, and
   are the sandbox's to change (copied up into its upper layer, as any file of the image).
+- the agent runtime (``agent_runtime.py``) is mounted at :data:`AGENT`, a read-only overlay of
+  it and :data:`EMPTY` (a filesystem of its own, so the sandbox's ``/proc/self/mountinfo``
+  names no host path for it either), which the driver maps read-only at ``/.ephemeral``.
 
 The mounts exist only in that mount namespace: when the sandbox's last process dies (destroy,
 or the reaper killing the leftovers of a crashed host), the kernel frees them, upper layer
@@ -53,6 +56,8 @@ RUN_DIR = Path("/run/ephemeral")
 LOWER = RUN_DIR / "lower"  # the image, bound at a path that says nothing about the host
 UPPER = RUN_DIR / "upper"  # the sandbox's tmpfs: upper and work directories of the overlay
 MOUNT_POINT = RUN_DIR / "rootfs"  # the overlay the runtime makes the sandbox's /
+AGENT = RUN_DIR / "agent"  # the agent runtime, read-only, mapped at agent_runtime.MOUNT
+EMPTY = RUN_DIR / "empty"  # the agent runtime overlay's second layer (it has no upper one)
 UPPER_TAG = "sandbox-upper-"
 SOURCE = Path(__file__).with_name("mount_root.c")
 log = logging.getLogger(__name__)
@@ -184,7 +189,7 @@ def with_container_etc(lower: str, cache_dir: Path) -> str:
 
 
 def prepare_dirs() -> None:
-    for d in (RUN_DIR, LOWER, UPPER, MOUNT_POINT):
+    for d in (RUN_DIR, LOWER, UPPER, MOUNT_POINT, AGENT, EMPTY):
         d.mkdir(mode=0o755, exist_ok=True)
 
 
@@ -192,24 +197,31 @@ def tag(sandbox_id: str) -> str:
     return UPPER_TAG + sandbox_id
 
 
-# The launcher script's first three arguments, as :func:`args` gives them.
-ARGS = "rootfs=$1 size=$2 tag=$3\nshift 3\n"
+# The launcher script's first four arguments, as :func:`args` gives them.
+ARGS = "rootfs=$1 size=$2 tag=$3 agent=$4\nshift 4\n"
 
 
-def args(rootfs: str, size: int, sandbox_id: str) -> list[str]:
-    """``size``: the upper layer's, in bytes (:func:`tmpfs_sizes`)."""
-    return [rootfs, str(size), tag(sandbox_id)]
+def args(rootfs: str, size: int, sandbox_id: str, agent: Path) -> list[str]:
+    """``size``: the upper layer's, in bytes (:func:`tmpfs_sizes`); ``agent``: the agent
+    runtime's directory."""
+    return [rootfs, str(size), tag(sandbox_id), str(agent)]
 
 
 def mount_script(*, helper: Path | None, idmap_userns: str | None, owner: str = "0") -> str:
-    """Shell that mounts the overlay; expects ``$rootfs $size $tag`` set. ``idmap_userns``: a
-    path (shell word) of the user namespace the image's owners are shifted into, and
-    ``owner`` the host uid that is root there (the upper root directory's owner)."""
+    """Shell that mounts the overlay and the agent runtime; expects ``$rootfs $size $tag
+    $agent`` set. ``idmap_userns``: a path (shell word) of the user namespace the image's
+    owners are shifted into, and ``owner`` the host uid that is root there (the upper root
+    directory's owner)."""
     if helper is not None:
         return (
             f'{shlex.quote(str(helper))} "$rootfs" {LOWER} {UPPER} {MOUNT_POINT} "$size" "$tag" '
-            f"{owner} {idmap_userns or ''} || exit 1\n"
+            f'{owner} "$agent" {AGENT} {EMPTY} {idmap_userns or ""} || exit 1\n'
         )
+    # the runtime's lower layer by an fd, as the helper does: mountinfo shows no host path
+    agent = (
+        f'(exec 9<"$agent" && mount -t overlay -o ro,nosuid,nodev,'
+        f"lowerdir=/proc/self/fd/9:{EMPTY} ephemeral-agent {AGENT}) || exit 1\n"
+    )
     if idmap_userns is None:
         bind = 'mount --bind "$src" "$dst" && mount -o remount,bind,ro "$dst" || exit 1\n'
     else:
@@ -219,7 +231,7 @@ def mount_script(*, helper: Path | None, idmap_userns: str | None, owner: str = 
         )
     # a pulled image's layers, topmost first, joined by ':' (as mount_root.c takes them)
     return (
-        'case "$rootfs" in\n*:*)\n'
+        agent + 'case "$rootfs" in\n*:*)\n'
         f"mount -t tmpfs -o size=64k,mode=0755 layers {LOWER} || exit 1\n"
         "i=0; lowers=; IFS=:\n"
         "for src in $rootfs; do\n"
@@ -238,12 +250,15 @@ def mount_script(*, helper: Path | None, idmap_userns: str | None, owner: str = 
     )
 
 
-def launcher(rootfs: str, size: int, sandbox_id: str, helper: Path | None) -> list[str]:
+def launcher(
+    rootfs: str, size: int, sandbox_id: str, helper: Path | None, agent: Path
+) -> list[str]:
     """argv prefix for a runtime that needs nothing else: a private mount namespace with the
-    overlay at :data:`MOUNT_POINT`, then the runtime's argv (which follows)."""
+    overlay at :data:`MOUNT_POINT` and the agent runtime at :data:`AGENT`, then the runtime's
+    argv (which follows)."""
     prepare_dirs()
     script = ARGS + mount_script(helper=helper, idmap_userns=None) + 'exec "$@"'
     return [
         "unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", script, "sh",
-        *args(rootfs, size, sandbox_id),
+        *args(rootfs, size, sandbox_id, agent),
     ]  # fmt: skip

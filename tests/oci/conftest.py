@@ -20,6 +20,7 @@ from ephemeral.oci.credentials import Credential, CredentialStore
 from ephemeral.settings import Settings
 from tests.oci.layouts import Layout
 from tests.oci.token_server import ISSUER, SERVICE, TokenServer
+from tests.sandbox.image_cache import link_runtime_source
 
 USER, PASSWORD = "tester", "s3cret-pass"
 
@@ -174,4 +175,5 @@ def oci_settings(tmp_path: Path, registry: Registry) -> Settings:
         registry_private_hosts=[registry.host],
     )
     CredentialStore(settings).set(registry.host, Credential(username=USER, password=PASSWORD))
+    link_runtime_source(settings)  # the agent runtime's python, not rebuilt in this cache
     return settings

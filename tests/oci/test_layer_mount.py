@@ -19,6 +19,8 @@ def test_layers_stack_topmost_first(tmp_path: Path, compiled: bool) -> None:
     (top / "a" / "f").write_text("top\n")
     (base / "a" / "f").write_text("base")
     (base / "a" / "only-base").write_text("b")
+    agent = tmp_path / "agent"  # the agent runtime's mount comes with the root's
+    agent.mkdir()
     helper = writable_root.helper(tmp_path / "cache") if compiled else None
     if compiled and helper is None:
         pytest.skip("gcc missing: the helper cannot be built")
@@ -31,7 +33,7 @@ def test_layers_stack_topmost_first(tmp_path: Path, compiled: bool) -> None:
     )
     out = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
-         *writable_root.args(f"{top}:{base}", 1, "layers-test")],
+         *writable_root.args(f"{top}:{base}", 1, "layers-test", agent)],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     lines = out.stdout.split()

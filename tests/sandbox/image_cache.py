@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ephemeral.sandbox import images
+from ephemeral.sandbox import agent_runtime, images
 from ephemeral.settings import Settings
 from tests.drivers import unavailable
 
@@ -27,6 +27,8 @@ def isolated_settings(
     )
     layers = images.chain(images.definition_dir(settings, name))
     link_shared_layer(settings, shared, images._layer_spec([d for _, d in layers]))
+    if name != agent_runtime.SOURCE_IMAGE:
+        link_runtime_source(settings)
     # the microVM's boot artifacts are another module's business and take minutes
     monkeypatch.setattr(images, "build_with_image", lambda *_: None)
     return settings
@@ -44,3 +46,15 @@ def link_shared_layer(
     link = settings.image_cache_dir / "base" / digest
     link.parent.mkdir(parents=True, exist_ok=True)
     link.symlink_to(layer)
+
+
+def link_runtime_source(settings: Settings) -> None:
+    """Link the shared build of the image the agent runtime is made of (``default``) into
+    ``settings``' cache, so a sandbox started there does not build it again (when the shared
+    cache has it: else the first sandbox builds it, as anywhere)."""
+    shared = Settings.load(images_dir=settings.images_dir)
+    built = images.image_dir(shared, agent_runtime.SOURCE_IMAGE)
+    link = settings.image_cache_dir / built.name
+    if (built / "image.json").is_file() and not link.exists():
+        settings.image_cache_dir.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(built)

@@ -85,9 +85,8 @@ def test_the_agent_and_shim_sources_are_confined_too(defs: Path) -> None:
     y.write_text(y.read_text().replace("source: guest/agent.py", "source: /etc/passwd"))
     assert _field_error(defs / "default")["field"] == "agent.source"
     y.write_text(
-        y.read_text()
-        .replace("source: /etc/passwd", "source: guest/agent.py")
-        .replace("source: guest/statx_shim.c", "source: ../../../etc/shadow")
+        y.read_text().replace("source: /etc/passwd", "source: guest/agent.py")
+        + "preload:\n  - {source: ../../../etc/shadow, path: /usr/lib/shim.so}\n"
     )
     assert _field_error(defs / "default")["field"] == "preload[0].source"
 

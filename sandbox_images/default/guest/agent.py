@@ -29,9 +29,12 @@ Optional request fields (absent = the behaviour above; sandbox sessions use them
 
 Flags: --no-root (the agent is host root: refuse every user whose uid or gid is 0, however it
 is spelled), --drop-bounding-set (cut the bounding set to the agent's six capabilities; needs
-CAP_SETPCAP, which is then dropped too).
+CAP_SETPCAP, which is then dropped too), --preload PATH (add PATH to the image's
+/etc/ld.so.preload when the image's programs use glibc's loader: gVisor's statx shim).
 
-Stdlib only; runs as `python3 -I -S agent.py --channel stdio|virtio:<port-name>`.
+Stdlib only; runs as `python3 -I -S agent.py --channel stdio|virtio:<port-name>`: under
+namespaces and gVisor on the agent runtime's own interpreter, mounted read-only at /.ephemeral
+(ephemeral/sandbox/agent_runtime.py), so the image needs no Python; in a microVM on the image's.
 """
 
 # signal's Python layer imports enum, and through it functools and collections: see _json_codec
@@ -75,6 +78,8 @@ AGENT_CAP_BITS = (0, 1, 3, 5, 6, 7)
 COMMAND_OOM_SCORE_ADJ = b"1000"
 NO_ROOT = False  # --no-root
 DROP_BOUNDING_SET = False  # --drop-bounding-set
+PRELOAD: list[str] = []  # --preload PATH (repeatable)
+GLIBC_LOADER = "/lib64/ld-linux-x86-64.so.2"  # the ELF interpreter of every x86-64 glibc program
 
 
 def _json_codec():
@@ -1510,6 +1515,32 @@ def make_workdir():
     return scratch
 
 
+def add_preloads():
+    """Append each --preload library to /etc/ld.so.preload if the image runs glibc programs (a
+    musl or static image has no GLIBC_LOADER, and neither musl nor a static binary reads that
+    file). Best effort: a sandbox whose image refuses it still serves, without the shim."""
+    if not PRELOAD or not os.path.exists(GLIBC_LOADER):
+        return
+    path = "/etc/ld.so.preload"
+    try:
+        if not os.path.isdir("/etc") or os.path.islink("/etc"):
+            return
+        try:
+            with open(path, "rb") as fh:
+                listed = fh.read(1 << 16).decode("utf-8", "replace").split()
+        except FileNotFoundError:
+            listed = []
+        missing = "".join(f"{p}\n" for p in PRELOAD if p not in listed)
+        if missing:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+            try:
+                os.write(fd, missing.encode())
+            finally:
+                os.close(fd)
+    except OSError as exc:
+        log(f"{path}: {exc}")
+
+
 def parse_args(argv):
     global RLIMIT_AS_BYTES, resource, NO_ROOT, DROP_BOUNDING_SET
     channel = "stdio"
@@ -1534,10 +1565,13 @@ def parse_args(argv):
         elif a == "--drop-bounding-set":
             DROP_BOUNDING_SET = True
             i += 1
+        elif a == "--preload" and i + 1 < len(argv) and argv[i + 1].startswith("/"):
+            PRELOAD.append(argv[i + 1])
+            i += 2
         else:
             raise SystemExit(
                 "usage: agent.py [--channel stdio|virtio:<port-name>] [--max-memory-mib N]"
-                " [--no-root] [--drop-bounding-set]"
+                " [--no-root] [--drop-bounding-set] [--preload PATH]"
             )
     return channel
 
@@ -1558,6 +1592,7 @@ def main(argv):
     else:
         raise SystemExit(f"unknown channel {channel_spec!r}")
     os.umask(0o022)
+    add_preloads()
     workdir = make_workdir()
     try:
         return Agent(channel, workdir).serve()
