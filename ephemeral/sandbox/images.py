@@ -340,6 +340,60 @@ _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,40}")
 _NAME_DIR = re.compile(r"[a-z0-9][a-z0-9-]{0,40}-[0-9a-f]{16}")
 
 
+def register_rootfs(
+    settings: Settings,
+    name: str,
+    rootfs: Path,
+    *,
+    digest: str,
+    env: dict[str, str] | None = None,
+    user: str | None = None,
+    cwd: str | None = None,
+    source: dict[str, Any] | None = None,
+) -> ImageConfig:
+    """Make image ``name`` boot the directory ``rootfs`` as it is: any distribution, with or
+    without Python or glibc (``namespaces`` and ``gvisor`` run the agent on the agent runtime,
+    never on the image). ``rootfs`` stays where it is and read-only to us: the image's cache
+    entry ``<name>-<hash16>/`` holds ``image.json`` and a ``rootfs`` symlink to it, and the
+    name points at that entry as a Dockerfile image's does, so a run, a session or a driver
+    naming ``name`` gets it (``ensure_image``, ``built_image``) and ``images rm`` drops the entry
+    but never the tree. ``digest`` identifies the content (an OCI image's, say); ``env``,
+    ``user`` and ``cwd`` are what its commands run with, as for a Dockerfile image; ``source``
+    is kept in ``image.json`` for whoever registered it."""
+    if not _NAME.fullmatch(name) or (settings.images_dir / name / "image.yaml").is_file():
+        raise errors.InvalidRequest.field(
+            "name", f"{name!r}: lowercase letters, digits and '-', not an image definition's"
+        )
+    root = rootfs.resolve()
+    if not root.is_dir():
+        raise errors.InvalidRequest.field("rootfs", f"{rootfs} is not a directory")
+    out = settings.image_cache_dir / f"{name}-{hashlib.sha256(digest.encode()).hexdigest()[:16]}"
+    out.mkdir(parents=True, exist_ok=True)
+    link = out / "rootfs"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(root)
+    meta = {
+        "name": name,
+        "hash": digest,
+        "built_at": time.time(),
+        "env": dict(env or {}),
+        "exec_user": user,
+        "cwd": cwd,
+        "python": _python_or_none(root),
+        "rootfs_source": str(root),
+        "source": source,
+        "size_bytes": 0,  # the tree is not ours to count
+    }
+    tmp = out / f".{_MARKER}.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, out / _MARKER)
+    point_name(settings, name, out)
+    found = built_image(settings, name)
+    assert found is not None
+    return found
+
+
 def built_rootfs(settings: Settings, name: str = "default") -> Path | None:
     """The rootfs of the current definition if it is built, else None (never builds)."""
     d = image_dir(settings, name)
