@@ -226,6 +226,13 @@ class MicroVMDriver:
             rootfs = await images.ensure_image(self.settings, name)
             built = images.built_image(self.settings, name)
             self._agent_path = built.agent_path if built else self._agent_path
+            python = rootfs / "usr" / "bin" / "python3"
+            if not (python.is_symlink() or python.exists()):
+                # namespaces and gvisor bring their own (agent_runtime.py); a VM boots the disk
+                raise errors.SandboxError(
+                    f"{self.isolation}: image {name} has no /usr/bin/python3, which a microVM's "
+                    "agent runs on (namespaces and gvisor run any image: docs/images.md)"
+                )
             image_hash = images.image_dir(self.settings, name).name.rsplit("-", 1)[-1]
             memo_key = (str(self.settings.image_cache_dir), name, image_hash)
             art = _ARTIFACTS.get(memo_key)
