@@ -280,7 +280,9 @@ async def execute_planned(
         "suite_run_id": suite_run_id,
     }
     model = None if planned.model == NO_MODEL else planned.model
-    request = RunRequest(prompt=planned.prompt, model=model, **planned.policy.model_dump())
+    request = RunRequest(
+        prompt=planned.prompt, model=model, labels=recipe.labels, **planned.policy.model_dump()
+    )
     try:
         row, _ = await runtime.admit(org_id, request, labels=labels)
     except errors.EphemeralError as exc:

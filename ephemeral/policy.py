@@ -24,6 +24,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from ephemeral.labels import Labels
 from ephemeral.oci.reference import check_image_value
 from ephemeral.settings import Isolation
 
@@ -350,7 +351,10 @@ def _fail(loc: tuple[str | int, ...], value: object, message: str) -> NoReturn:
 # The policy fields and their checks are Policy's own (inherited, never copied): a request is
 # validated exactly like the policy it carries. _Prompt comes last so prompt and model lead.
 class RunRequest(Policy, _Prompt):
-    """The body of ``POST /v1/runs``: a prompt, an optional model and the policy fields."""
+    """The body of ``POST /v1/runs``: a prompt, an optional model, ``labels`` (a bounded string
+    map for cost attribution, ``ephemeral.labels``) and the policy fields."""
+
+    labels: Labels = Field(default_factory=dict)
 
     def policy(self) -> Policy:
         return Policy.model_validate(self.model_dump(include=set(Policy.model_fields)))

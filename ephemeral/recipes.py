@@ -48,6 +48,7 @@ from pydantic import (
 from ephemeral import datasets, templates
 from ephemeral.checks import CHECK_KINDS, Check, ShellCheck, ShellCondition, VerifyCondition
 from ephemeral.errors import InvalidRequest, RecipeError, UnknownModel
+from ephemeral.labels import Labels
 from ephemeral.models import NO_DEFAULT, NO_MODEL, default_model
 from ephemeral.policy import (
     MAX_FILE_BYTES as MAX_RUN_FILE_BYTES,
@@ -122,6 +123,8 @@ class Recipe(_Strict):
     policy: Policy = Field(default_factory=Policy)
     budget_micros: Budget = _budget_field()
     checks: list[Check] = Field(default_factory=list)
+    # Cost attribution (ephemeral.labels): on every run of the recipe, beside `recipe`.
+    labels: Labels = Field(default_factory=dict)
     # The run's environment (see docs/recipes.md): a built image, commands around the agent
     # (Jinja templates like the prompt) and files put into scratch before setup. The image is a
     # built image's name or an OCI reference.

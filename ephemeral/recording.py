@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ephemeral import errors
 from ephemeral.events import Event
 from ephemeral.ids import rfc3339, utcnow
+from ephemeral.labels import string_labels
 from ephemeral.outcomes import GRADED, outcome_of_labels
 from ephemeral.providers.replay import PREFIX as REPLAY_PREFIX
 from ephemeral.records import EventRecord, RunRecord, StepRecord, write_run
@@ -95,6 +96,7 @@ def build_records(
         duration_ms=duration,
         checks=json.dumps(labels["checks"]) if "checks" in labels else None,
         outcome=_outcome(row, labels),
+        labels=json.dumps(string_labels(labels), sort_keys=True),
         host=getattr(row, "host", None) or host or socket.gethostname(),
         image=getattr(row, "image", None),
         image_hash=getattr(row, "image_hash", None),

@@ -193,7 +193,8 @@ class Runtime:
             # for a run another host executes, sealed in the store until that host takes it).
             prompt=None if policy.zero_data_retention else request.prompt,
             policy=policy.model_dump(mode="json"),
-            labels=labels,
+            # The request's own labels cannot use a reserved name, so the system's stay true.
+            labels={**request.labels, **(labels or {})},
             idempotency_key=idempotency_key,
             body_hash=body_hash,
             # A dispatched run has no owner until a worker claims it: no process's death or

@@ -42,6 +42,7 @@ from ephemeral.budget import RunBudget
 from ephemeral.closing import close, record
 from ephemeral.events import redact_for_zdr
 from ephemeral.ids import new_run_id, rfc3339, utcnow
+from ephemeral.labels import Labels, string_labels
 from ephemeral.lifecycle import (
     TERMINAL_STATUSES,
     RunStatus,
@@ -87,7 +88,10 @@ class SessionRequest(Policy):
     """The body of ``POST /v1/sandboxes``: a run's policy fields, nothing else.
 
     ``web`` and ``connections`` work as for a run: the sandbox gets the broker's egress
-    forwarder and every exec'd command its proxy variables (``ephemeral.broker.attach``)."""
+    forwarder and every exec'd command its proxy variables (``ephemeral.broker.attach``).
+    ``labels`` as for a run (``ephemeral.labels``)."""
+
+    labels: Labels = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _no_setup_or_verify(self) -> SessionRequest:
@@ -294,6 +298,7 @@ class Sessions:
             policy = policy.model_copy(
                 update={"max_cost_micros": self.default_budget(policy.timeout_seconds, limits)}
             )
+        labels = {**request.labels, **(labels or {})}  # the caller's own can never be reserved
         async with self._in_turn(policy):
             return await self._create(org_id, policy, idempotency_key, body_hash, labels, limits)
 
@@ -749,6 +754,7 @@ def session_object(row: RunRow, base_url: str | None = None) -> dict[str, Any]:
         "termination": termination_view(row),
         "usage": {"execs": int((row.usage or {}).get("execs", 0))},
         "cost": cost_view(row),
+        "labels": string_labels(row.labels),
         "links": {
             "self": f"{prefix}/v1/sandboxes/{row.id}",
             "events": f"{prefix}/v1/runs/{row.id}/events",

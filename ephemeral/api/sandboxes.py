@@ -56,6 +56,7 @@ class SessionObject(BaseModel):
     termination: Termination | None
     usage: SessionUsage
     cost: SessionCost
+    labels: dict[str, str] = Field(default_factory=dict)
     links: SessionLinks
 
 

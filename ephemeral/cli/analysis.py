@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ephemeral.cli.output import fail
 from ephemeral.errors import EphemeralError
-from ephemeral.records import COST_COLUMNS, COST_DIMENSIONS, Records, parse_since
+from ephemeral.records import COST_COLUMNS, COST_DIMENSIONS, Records, cost_dimensions, parse_since
 from ephemeral.records.report import render_costs_html, usd
 from ephemeral.settings import Settings
 
@@ -36,7 +36,8 @@ def _remote_costs(
 
     with Client(settings) as client:
         page = client.costs(by=by, since=since)
-    columns = list(COST_COLUMNS)
+    dims = cost_dimensions(by)
+    columns = [*(["key"] if len(dims) == 1 else [d[0] for d in dims]), *COST_COLUMNS[1:]]
     return columns, [tuple(row[c] for c in columns) for row in page["rows"]]
 
 
@@ -98,13 +99,15 @@ def _cost_rows(
 
 
 def _cost_table(by: str, columns: list[str], rows: list[tuple[Any, ...]]) -> None:
-    table = _table(by, "runs", "charged", "model", "web", "compute", "tokens in", "tokens out")
-    totals = [0] * (len(columns) - 1)
+    dims = columns[: columns.index("runs")]
+    heads = [by] if dims == ["key"] else dims
+    table = _table(*heads, "runs", "charged", "model", "web", "compute", "tokens in", "tokens out")
+    totals = [0] * (len(columns) - len(dims))
     for row in rows:
         values = dict(zip(columns, row, strict=True))
-        totals = [t + int(v or 0) for t, v in zip(totals, row[1:], strict=True)]
+        totals = [t + int(v or 0) for t, v in zip(totals, row[len(dims) :], strict=True)]
         table.add_row(
-            _cell(values["key"]),
+            *(_cell(values[d]) for d in dims),
             str(values["runs"]),
             usd(values["charged_micros"]),
             usd(values["model_micros"]),
@@ -116,10 +119,11 @@ def _cost_table(by: str, columns: list[str], rows: list[tuple[Any, ...]]) -> Non
     if not rows:
         table.caption = "no recorded runs in this window"
     else:
-        t = dict(zip(columns[1:], totals, strict=True))
+        t = dict(zip(columns[len(dims) :], totals, strict=True))
         table.add_section()
         table.add_row(
             "total",
+            *([""] * (len(dims) - 1)),
             str(t["runs"]),
             usd(t["charged_micros"]),
             usd(t["model_micros"]),
@@ -144,14 +148,21 @@ def query(
 
 
 def costs(
-    by: str = typer.Option(..., "--by", help=f"One of: {', '.join(COST_DIMENSIONS)}."),
+    by_options: list[str] = typer.Option(
+        ...,
+        "--by",
+        help=f"One or more of: {', '.join(COST_DIMENSIONS)}, label:KEY; separated by commas "
+        "or repeated (--by model --by recipe groups by both).",
+    ),
     since: str = typer.Option("30d", "--since", help="Window like 30d, 12h, 2w, or 'all'."),
     fmt: Format = typer.Option(Format.table, "--format", help="table, csv or json."),
 ) -> None:
-    """Spend grouped by model, recipe, day, org, status or kind (USD; csv/json add raw micros).
+    """Spend grouped by model, recipe, day, org, status, kind or a label, or several of them
+    (USD; csv/json add raw micros).
 
     With EPHEMERAL_URL set, asks that server for your org's spend instead of local records.
     """
+    by = ",".join(by_options)
     settings = Settings.load()
     try:
         if settings.url:
@@ -230,10 +241,16 @@ async def _erase_expired(settings: Settings, days: int) -> int:
 def report_costs(
     html: Path = typer.Option(..., "--html", help="Write the report to this HTML file."),
     since: str = typer.Option("30d", "--since", help="Window like 30d, 12h, 2w, or 'all'."),
+    by_options: list[str] = typer.Option(
+        [],
+        "--by",
+        help="Also a table grouped by these dimensions, as for `costs --by` "
+        "(model,recipe,label:team).",
+    ),
 ) -> None:
     """Write a self-contained HTML cost report (totals, breakdown, per-day chart)."""
     try:
-        page = render_costs_html(_records(), parse_since(since))
+        page = render_costs_html(_records(), parse_since(since), by=",".join(by_options) or None)
     except EphemeralError as err:
         raise fail(err) from err
     html.write_text(page, encoding="utf-8")

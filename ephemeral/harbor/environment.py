@@ -40,6 +40,7 @@ from harbor.utils.path_filter import filter_paths_by_patterns
 from ephemeral import errors, prebuild
 from ephemeral.harbor import backend, commands
 from ephemeral.harbor.config import HarborConfig, load_config
+from ephemeral.labels import bounded
 from ephemeral.sandbox import hostread, hostwrite, images
 from ephemeral.sandbox.base import Limits
 from ephemeral.sessions import (
@@ -161,6 +162,15 @@ class EphemeralEnvironment(BaseEnvironment):
                 "the broker (docs/broker.md), or set network_mode = 'no-network' in task.toml"
             )
 
+    def _labels(self) -> dict[str, str]:
+        """Which job, task and trial this session's money went to (``costs --by
+        label:harbor_job``): Harbor puts a trial's directory in its job's."""
+        labels = {"harbor_session": self.session_id, "harbor_task": self.environment_name}
+        trial_dir = getattr(getattr(self, "trial_paths", None), "trial_dir", None)
+        if isinstance(trial_dir, Path):
+            labels |= {"harbor_trial": trial_dir.name, "harbor_job": trial_dir.parent.name}
+        return {k: bounded(v) for k, v in labels.items()}
+
     # lifecycle ------------------------------------------------------------------------------
     async def start(self, force_build: bool) -> None:
         runtime, org = await backend.acquire()
@@ -172,7 +182,7 @@ class EphemeralEnvironment(BaseEnvironment):
             row, _ = await runtime.sessions.create(
                 org,
                 request,
-                labels={"harbor_session": self.session_id, "harbor_task": self.environment_name},
+                labels=self._labels(),
                 limits=self._limits(),
             )
         except errors.EphemeralError as exc:

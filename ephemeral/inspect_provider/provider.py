@@ -36,6 +36,7 @@ from pydantic import BaseModel
 from ephemeral import errors
 from ephemeral.inspect_provider.backends import Backend, LocalBackend
 from ephemeral.inspect_provider.config import EphemeralSandboxConfig, load_config
+from ephemeral.labels import bounded
 from ephemeral.sessions import MAX_EXEC_OUTPUT, MAX_FILE_BYTES, ExecRequest
 from ephemeral.settings import Settings
 
@@ -135,6 +136,7 @@ class EphemeralSandboxEnvironment(SandboxEnvironment):
             request = cfg.session_request()
         except errors.EphemeralError as exc:
             raise ValueError(f"ephemeral sandbox config: {exc.detail}") from exc
+        request = request.model_copy(update={"labels": {**request.labels, **_labels(task_name)}})
         backend, open_sessions = await BACKENDS.get(cfg)
         try:
             session_id = await backend.create(request)
@@ -245,6 +247,25 @@ class EphemeralSandboxEnvironment(SandboxEnvironment):
         except errors.EphemeralError as exc:
             raise _file_error(exc, file) from exc
         return data.decode("utf-8") if text else data
+
+
+def _labels(task_name: str) -> dict[str, str]:
+    """Which task and sample this session's money went to (``costs --by label:inspect_task``).
+    Inspect enters the sample's context before its sandboxes, so the sample is known here."""
+    labels = {"inspect_task": bounded(task_name)}
+    try:
+        from inspect_ai.log._samples import sample_active
+
+        active = sample_active()
+    except ImportError:  # a private module of Inspect's: without it, the task alone
+        active = None
+    sample = getattr(active, "sample", None)
+    if sample is not None and getattr(sample, "id", None) is not None:
+        labels["inspect_sample"] = bounded(sample.id)
+    epoch = getattr(active, "epoch", None)
+    if isinstance(epoch, int):
+        labels["inspect_epoch"] = str(epoch)
+    return labels
 
 
 def _config(config: SandboxEnvironmentConfigType | None) -> EphemeralSandboxConfig:

@@ -6,7 +6,13 @@ Layout, columns and units: ``docs/records.md``. Writers (the settle/record task)
 
 from __future__ import annotations
 
-from ephemeral.records.reader import COST_COLUMNS, COST_DIMENSIONS, Records, parse_since
+from ephemeral.records.reader import (
+    COST_COLUMNS,
+    COST_DIMENSIONS,
+    Records,
+    cost_dimensions,
+    parse_since,
+)
 from ephemeral.records.schema import (
     KINDS,
     SCHEMA_VERSION,
@@ -25,6 +31,7 @@ __all__ = [
     "Records",
     "RunRecord",
     "StepRecord",
+    "cost_dimensions",
     "parse_since",
     "write_run",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import duckdb
 
 from ephemeral.errors import EphemeralError, InvalidRequest
 from ephemeral.ids import utcnow
+from ephemeral.labels import valid_key
 from ephemeral.records import compaction, retention
 from ephemeral.records.schema import KINDS
 from ephemeral.records.views import schema_root, view_sql
@@ -40,6 +42,44 @@ COST_DIMENSIONS: dict[str, str] = {
     "status": "status",
     "kind": "coalesce(kind, 'run')",
 }
+MAX_COST_DIMENSIONS = 4
+LABEL_PREFIX = "label:"
+
+
+def cost_dimensions(by: str | Sequence[str]) -> list[tuple[str, str, str | None]]:
+    """``model,recipe,label:team`` (or a list of such, as repeated ``--by`` give) as
+    ``(name, SQL expression, parameter)`` per dimension, in order, each at most once.
+
+    ``label:KEY`` groups by the run's label ``KEY`` (``(none)`` where it has none).
+    """
+    names = [n.strip() for part in ([by] if isinstance(by, str) else by) for n in part.split(",")]
+    if not names or any(not n for n in names):
+        raise InvalidRequest.field("by", "name one or more dimensions, separated by commas")
+    if len(names) > MAX_COST_DIMENSIONS:
+        raise InvalidRequest.field("by", f"at most {MAX_COST_DIMENSIONS} dimensions")
+    if len(set(names)) != len(names):
+        raise InvalidRequest.field("by", "a dimension is named twice")
+    out: list[tuple[str, str, str | None]] = []
+    for name in names:
+        if name.startswith(LABEL_PREFIX):
+            key = name.removeprefix(LABEL_PREFIX)
+            if not valid_key(key):
+                raise InvalidRequest.field(
+                    "by", f"{name!r}: a label key is 1-63 of A-Z a-z 0-9 _ . - (not first)"
+                )
+            path = f'$."{key}"'
+            out.append((name, "coalesce(json_extract_string(labels, $ARG), '(none)')", path))
+        elif name in COST_DIMENSIONS:
+            out.append((name, COST_DIMENSIONS[name], None))
+        else:
+            raise InvalidRequest.field(
+                "by",
+                f"must be one of {', '.join(COST_DIMENSIONS)} or label:KEY "
+                f"(several separated by commas), not {name!r}",
+            )
+    return out
+
+
 COST_COLUMNS = [
     "key",
     "runs",
@@ -207,34 +247,41 @@ class Records:
 
     def costs(
         self,
-        by: str,
+        by: str | Sequence[str],
         since: timedelta | None,
         *,
         now: datetime | None = None,
         org_id: str | None = None,
     ) -> tuple[list[str], list[tuple[Any, ...]]]:
-        """Spend grouped by one dimension; money in micros, most expensive first (days in order).
+        """Spend grouped by one or more dimensions (:func:`cost_dimensions`); money in micros,
+        most expensive first (by day: days in order).
 
-        ``org_id`` limits it to one org's runs (the HTTP API always passes the caller's).
+        One dimension: the group is the column ``key``, as always; several: one column each,
+        named as asked (``model``, ``recipe``, ``label:team``). ``org_id`` limits it to one
+        org's runs (the HTTP API always passes the caller's).
         """
-        key = COST_DIMENSIONS.get(by)
-        if key is None:
-            raise InvalidRequest.field(
-                "by", f"must be one of {', '.join(COST_DIMENSIONS)}, not {by!r}"
-            )
+        dims = cost_dimensions(by)
         where, params = self._since(since, now)
         if org_id is not None:
             params.append(org_id)
             where += (" AND " if where else "WHERE ") + f"org_id = ${len(params)}"
-        order = "key" if by == "day" else "charged_micros DESC, key"
+        selects = []
+        for name, expr, arg in dims:
+            if arg is not None:
+                params.append(arg)
+                expr = expr.replace("$ARG", f"${len(params)}")
+            selects.append(f'{expr} AS "{"key" if len(dims) == 1 else name}"')
+        groups = ", ".join(str(i + 1) for i in range(len(dims)))
+        keys = ", ".join(f"{i + 1}" for i in range(len(dims)))
+        order = keys if [d[0] for d in dims] == ["day"] else f"charged_micros DESC, {keys}"
         sql = (
-            f"SELECT {key} AS key, count(*) AS runs, "
+            f"SELECT {', '.join(selects)}, count(*) AS runs, "
             "sum(charged_micros)::BIGINT AS charged_micros, "
             "sum(model_micros)::BIGINT AS model_micros, sum(web_micros)::BIGINT AS web_micros, "
             "sum(compute_micros)::BIGINT AS compute_micros, "
             "sum(input_tokens)::BIGINT AS input_tokens, "
             "sum(output_tokens)::BIGINT AS output_tokens "
-            f"FROM runs {where} GROUP BY 1 ORDER BY {order}"
+            f"FROM runs {where} GROUP BY {groups} ORDER BY {order}"
         )
         return self._run(sql, params)
 

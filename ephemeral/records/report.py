@@ -102,8 +102,20 @@ def describe_period(since: timedelta | None, now: datetime) -> str:
     return f"last {since.total_seconds() / 3600:g} hours (since {start})"
 
 
+def grouped(records: Records, by: str, since: timedelta | None, now: datetime) -> dict[str, Any]:
+    """Spend by the dimensions asked for (``model,recipe,label:team``): one table, a column
+    per dimension."""
+    cols, rows = records.costs(by, since, now=now)
+    dims = cols[: cols.index("runs")]
+    return {"by": by, "dims": dims, "rows": _with_usd(cols, rows)}
+
+
 def report_context(
-    records: Records, since: timedelta | None, *, now: datetime | None = None
+    records: Records,
+    since: timedelta | None,
+    *,
+    now: datetime | None = None,
+    by: str | None = None,
 ) -> dict[str, Any]:
     now = now or utcnow()
     totals = records.totals(since, now=now)
@@ -118,10 +130,10 @@ def report_context(
         }
         for name, v in parts
     ]
-    by = {}
+    by_dim = {}
     for dim in ("model", "recipe", "status"):
         cols, rows = records.costs(dim, since, now=now)
-        by[dim] = _with_usd(cols, rows)
+        by_dim[dim] = _with_usd(cols, rows)
     _, day_rows = records.costs("day", since, now=now)
     return {
         "generated_at": rfc3339(now),
@@ -135,13 +147,18 @@ def report_context(
             },
         },
         "breakdown": breakdown,
-        "by": by,
+        "by": by_dim,
         "chart": cost_chart(day_rows, since, now),
+        "grouped": grouped(records, by, since, now) if by else None,
     }
 
 
 def render_costs_html(
-    records: Records, since: timedelta | None, *, now: datetime | None = None
+    records: Records,
+    since: timedelta | None,
+    *,
+    now: datetime | None = None,
+    by: str | None = None,
 ) -> str:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES_DIR),
@@ -149,5 +166,5 @@ def render_costs_html(
         undefined=jinja2.StrictUndefined,
     )
     return env.get_template("report_costs.html.j2").render(
-        **report_context(records, since, now=now)
+        **report_context(records, since, now=now, by=by)
     )

@@ -88,6 +88,8 @@ class RunRecord(_Record):
     # pass / fail / error / cancelled / budget (ephemeral.outcomes); None in files written
     # before the column existed
     outcome: str | None = None
+    # JSON text: the run's string labels (ephemeral.labels; the system's and the caller's)
+    labels: str | None = None
     host: str
     image: str | None = None  # the image's name and definition hash (sandbox.ready)
     image_hash: str | None = None

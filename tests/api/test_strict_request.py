@@ -46,6 +46,7 @@ REQUEST_FIELDS: dict[str, set[str]] = {
     "verify_files": {"array"},
     "models": {"array"},
     "agent": {"object", "null"},
+    "labels": {"object"},
 }
 FILE_FIELDS = {"path": {"string"}, "content_base64": {"string"}}
 CONNECTION_FIELDS = {"name": {"string"}, "methods": {"array"}, "paths": {"array"}}
@@ -81,7 +82,7 @@ def _cases() -> list[tuple[str, str, Any]]:
 
 def test_the_table_covers_every_field_of_the_request() -> None:
     assert set(REQUEST_FIELDS) == set(RunRequest.model_fields)
-    assert set(RunRequest.model_fields) - {"prompt", "model"} == set(Policy.model_fields)
+    assert set(RunRequest.model_fields) - {"prompt", "model", "labels"} == set(Policy.model_fields)
     assert set(FILE_FIELDS) == set(FileSpec.model_fields)
     assert set(CONNECTION_FIELDS) == set(Connection.model_fields)
 

@@ -40,6 +40,7 @@ def _recipe(root: Path, name: str, model: str, isolation: str) -> object:
         model: {model}
         prompt: "run it"
         verify: ["echo graded"]
+        labels: {{team: evals}}
         policy: {{isolation: {isolation}, timeout_seconds: 90, max_cost_micros: 20000}}
         checks:
           - verify: {{exit_code: 0, stdout_contains: graded}}
@@ -131,3 +132,9 @@ async def test_a_sandbox_killed_mid_run_is_an_error_in_table_export_and_gate(
     assert (rows["killed"]["outcome"], rows["killed"]["passed"]) == ("error", False)
     assert rows["killed"]["termination_reason"] == "sandbox_error"
     assert (rows["healthy"]["outcome"], rows["healthy"]["passed"]) == ("pass", True)
+    # The recipe's labels, beside the runner's own, on every run (costs --by label:team).
+    assert rows["healthy"]["labels"] == {
+        "recipe": "healthy",
+        "suite_run_id": report.suite_run_id,
+        "team": "evals",
+    }

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import costs
 from tests.harbor import tasks
 
 pytestmark = pytest.mark.sandbox
@@ -39,3 +40,10 @@ def test_the_environment_as_harbor_calls_it(tmp_path: Path, isolation: str) -> N
     assert seen["exec_files"] < 3 * 16 + 3  # finished commands' files go in batches
     assert seen["stopped"] is True
     assert list((tmp_path / "state" / "sandboxes").glob("*.json")) == []
+    # The session's spend is labelled with Harbor's task and trial (its directory's name).
+    rows = costs.grouped(
+        tasks.harbor_env(tmp_path / "state"), "label:harbor_task,label:harbor_trial"
+    )
+    assert [(r["label:harbor_task"], r["label:harbor_trial"], r["runs"]) for r in rows] == [
+        ("probe", "trial", 1)
+    ]

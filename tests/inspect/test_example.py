@@ -43,6 +43,12 @@ def test_example_task_runs_offline_in_ephemeral_sandboxes(tmp_path: Path) -> Non
     rows = costs.by_kind(env)
     assert rows["session"]["runs"] == 3 and rows["session"]["compute_micros"] > 0
     assert list((state / "sandboxes").glob("*.json")) == []
+    # Each sample's session is labelled with its task and sample: spend per sample.
+    per_sample = costs.grouped(env, "label:inspect_task,label:inspect_sample")
+    assert {r["label:inspect_task"] for r in per_sample} == {log.eval.task}
+    assert sorted(r["label:inspect_sample"] for r in per_sample) == sorted(
+        str(s.id) for s in log.samples
+    )
 
 
 async def test_task_cleanup_ends_sessions_a_sample_left_open(

@@ -64,6 +64,23 @@ def test_unknown_key_suggests_the_right_one(tmp_path: Path) -> None:
     assert "'description'" in err["message"]
 
 
+def test_labels_are_bounded_and_the_runners_names_reserved(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+        name: labelled
+        prompt: hi
+        labels:
+          team: evals
+          suite_run_id: suite_forged
+    """,
+    )
+    err = only(recipe_errors(path), "labels")
+    assert "'suite_run_id' reserved" in err["message"]
+    path.write_text(path.read_text().replace("  suite_run_id: suite_forged\n", ""))
+    assert load_recipe(path).labels == {"team": "evals"}
+
+
 def test_unknown_policy_key(tmp_path: Path) -> None:
     path = write(
         tmp_path,
