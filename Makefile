@@ -106,6 +106,7 @@ bench: setup
 	$(PY) bench/seccomp.py
 	$(PY) bench/side_channels.py
 	$(PY) bench/images.py
+	$(PY) bench/agent_runtime.py
 	$(PY) bench/ledger.py
 	$(PY) bench/broker.py
 	$(PY) bench/gateway.py

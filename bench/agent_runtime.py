@@ -1,0 +1,134 @@
+"""Agent start on the agent runtime against the image's own python, beside the bare runtime's
+floor, in the same sitting (prints; asserts nothing).
+
+    .venv/bin/python bench/agent_runtime.py [--levels gvisor,namespaces] [--n 10]
+
+Per level, ``--n`` rounds; each round starts one sandbox of every variant in turn (alternated,
+so the load's drift touches all alike), measures its boot (spawn until the agent's hello,
+``ProcessSandbox.boot_ms``), runs ``true`` in it and destroys it:
+
+- ``image python``: the agent as before the runtime, the ``default`` image's ``/usr/bin/python3``
+  running ``/opt/ephemeral/agent.pyc`` (the runtime is mounted but unused);
+- ``runtime``: what the drivers do, the agent runtime's loader and python at ``/.ephemeral``;
+- ``runtime, mounts shared`` (gvisor): the same without ``--file-access-mounts=exclusive``, so
+  the Sentry revalidates every runtime file with the Gofer (runsc's default for a bind mount);
+- ``runtime, busybox image``: the same on an image of Debian's static busybox alone;
+- floor: a bare ``runsc do true`` (gvisor) or ``bwrap ... true`` (namespaces), one per round;
+- (gvisor) the interpreter alone under a bare ``runsc do``: the host's Debian
+  ``/usr/bin/python3 -I -S -c pass`` (the same build as the image's) and the runtime's, through
+  its own loader, from its host directory.
+
+Then p50 / min / max of each and each p50's ratio to the floor's p50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.sandbox import timed_proc
+from ephemeral.sandbox import agent_runtime, images, registry
+from ephemeral.sandbox.base import Limits
+from ephemeral.sandbox.gvisor import GVisorDriver
+from ephemeral.sandbox.process import ProcessDriver
+from ephemeral.settings import Settings
+from tests.sandbox.conftest import busybox_tree
+
+IMAGE_PYTHON = ["/usr/bin/python3", "-I", "-S", "/opt/ephemeral/agent.pyc"]
+PASS = ["-I", "-S", "-c", "pass"]
+EXCLUSIVE = "--file-access-mounts=exclusive"
+
+
+def floors(level: str, rootfs: Path, state: str, runtime: Path) -> dict[str, list[str]]:
+    """The bare commands measured beside the sandboxes, by name."""
+    if level == "gvisor":
+        runsc = ["runsc", f"--root={state}", "--network=none", "--platform=ptrace", "do"]
+        ours = [
+            str(runtime / "lib" / agent_runtime.LOADER), "--inhibit-cache",
+            "--library-path", str(runtime / "lib"), str(runtime / "bin" / "python3"),
+        ]  # fmt: skip
+        return {
+            "floor": [*runsc, "true"],
+            "runsc do image python -c pass": [*runsc, "/usr/bin/python3", *PASS],
+            "runsc do runtime python -c pass": [*runsc, *ours, *PASS],
+        }
+    bwrap = [
+        "bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", str(rootfs), "/",
+        "--proc", "/proc", "--dev", "/dev", "/bin/true",
+    ]  # fmt: skip
+    return {"floor": bwrap}
+
+
+async def boot_once(settings: Settings, level: str, variant: str) -> float:
+    driver = registry.get_driver(level, settings)
+    assert isinstance(driver, ProcessDriver)
+    if variant == "image python":
+        await driver._image()
+        runtime = driver._runtime
+        assert runtime is not None
+        driver._agent_argv = lambda: (runtime.root, IMAGE_PYTHON)  # type: ignore[method-assign]
+    if variant == "runtime, mounts shared":
+        argv = GVisorDriver.runsc_argv
+        driver.runsc_argv = lambda *a: [x for x in argv(*a) if x != EXCLUSIVE]  # type: ignore[attr-defined]
+    sbx = await driver.create(owner="bench", limits=Limits())
+    try:
+        res = await sbx.exec("true")
+        if res.exit_code != 0:
+            raise SystemExit(f"{level} {variant}: true exited {res.exit_code}: {res.stderr}")
+        return float(sbx.boot_ms)
+    finally:
+        await sbx.destroy()
+
+
+async def level_bench(settings: Settings, busybox: str, level: str, n: int) -> None:
+    rootfs = await images.ensure_image(settings)
+    variants = {"image python": settings, "runtime": settings}
+    if level == "gvisor":
+        variants["runtime, mounts shared"] = settings
+    variants["runtime, busybox image"] = settings.model_copy(update={"image": busybox})
+    runtime = await agent_runtime.ensure_runtime(settings)
+    with tempfile.TemporaryDirectory(prefix="bench-runsc-") as state:
+        bare = floors(level, rootfs, state, runtime.root)
+        times: dict[str, list[float]] = {v: [] for v in [*variants, *bare]}
+        for name, s in variants.items():  # warm: the runtime's build, the image checks
+            await boot_once(s, level, name)
+        for _ in range(n):
+            for name, s in variants.items():
+                times[name].append(await boot_once(s, level, name))
+            for name, argv in bare.items():
+                times[name].append(await timed_proc(argv))
+    floor = statistics.median(times["floor"])
+    print(f"\n{level} (n={n}, ms; a sandbox's: spawn to the agent's hello)")
+    for name, xs in times.items():
+        p50 = statistics.median(xs)
+        print(
+            f"  {name:32} p50 {p50:7.1f}  min {min(xs):7.1f}  max {max(xs):7.1f}"
+            f"  {p50 / floor:5.2f}x floor"
+        )
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--levels", default="gvisor,namespaces")
+    ap.add_argument("--n", type=int, default=10)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-agent-runtime-") as tmp:
+        settings = Settings.load(state_dir=Path(tmp) / "state", use_prefect=False)
+        busybox_tree(Path(tmp) / "busybox")
+        busybox = "bench-busybox"
+        images.register_rootfs(settings, busybox, Path(tmp) / "busybox", digest=f"bench:{tmp}")
+        try:
+            for level in args.levels.split(","):
+                await level_bench(settings, busybox, level, args.n)
+        finally:
+            images.remove_images(settings, busybox)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
