@@ -22,6 +22,7 @@ from ephemeral.api.pages import pages
 from ephemeral.api.runs import router, v1
 from ephemeral.api.sandboxes import sandboxes
 from ephemeral.api.schemas import Problem, ProblemItem
+from ephemeral.api.viewer import viewer
 from ephemeral.service import Runtime, freeze_startup_heap
 from ephemeral.settings import Settings
 
@@ -111,6 +112,7 @@ def create_app(
     app.include_router(router)
     app.include_router(v1)
     app.include_router(sandboxes)
+    app.include_router(viewer)  # before pages: /runs is the list, /runs/{id} a run
     app.include_router(pages)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 

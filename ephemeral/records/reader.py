@@ -245,6 +245,10 @@ class Records:
             )
         return self._run(statements[0])
 
+    def select(self, sql: str, params: list[Any]) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """A query of our own (not a caller's SQL: see :meth:`query`), with bound parameters."""
+        return self._run(sql, params)
+
     def costs(
         self,
         by: str | Sequence[str],
