@@ -19,6 +19,7 @@ none lands after the books close and the close's usage and transcript count them
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any
@@ -26,9 +27,13 @@ from typing import Any
 from ephemeral.events import Event
 from ephemeral.ids import rfc3339, utcnow
 from ephemeral.lifecycle import OPEN_STATUSES, RunStatus, TerminationReason, compute_charge
+from ephemeral.money import usd
 from ephemeral.recording import record_run
 from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
+
+# One INFO line per closed run or session (``ephemeral serve`` shows it in its log).
+log = logging.getLogger("ephemeral.runs")
 
 
 async def close(
@@ -62,6 +67,13 @@ async def close(
         expect=expect,
         compute=compute,
         transcript=transcript,
+    )
+    log.info(
+        "%s %s (%s), charged %s",
+        row.id,
+        row.status,
+        row.termination_reason,
+        usd(row.charged_micros),
     )
     if settings is not None:
         return await record(store, settings, row)

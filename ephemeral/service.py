@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from ephemeral import errors
+from ephemeral import errors, progress
 from ephemeral.closing import record
 from ephemeral.engine import EVENT_POLL_SECONDS, Engine, brief_error
 from ephemeral.events import Event
@@ -119,6 +119,7 @@ class Runtime:
         this loop stays free for admission and streaming.
         """
         settings.state_dir.mkdir(parents=True, exist_ok=True)
+        progress.stage("opening the store")
         store = await Store.open(settings.db_url)
         runtime = cls(settings, store, PriceBook.load(settings), executor)
         _by_loop[asyncio.get_running_loop()] = runtime

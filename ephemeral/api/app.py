@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
+from ephemeral import progress
 from ephemeral.api import problems
 from ephemeral.api.limits import BodyLimits
 from ephemeral.api.pages import pages
@@ -26,6 +28,7 @@ from ephemeral.api.viewer import viewer
 from ephemeral.service import Runtime, freeze_startup_heap
 from ephemeral.settings import Settings
 
+log = logging.getLogger("ephemeral.serve")
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 API_VERSION = "1.0.0"
 DESCRIPTION = (
@@ -46,6 +49,7 @@ def start_prefect_server() -> None:
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return
+    progress.stage("starting Prefect's embedded server")
     from prefect.server.api.server import SubprocessASGIServer
 
     SubprocessASGIServer().start()
@@ -89,6 +93,8 @@ def create_app(
         own = await start_runtime(settings, warm_pool=warm_pool)
         freeze_startup_heap()
         app.state.runtime = own
+        base = f"http://{settings.host}:{settings.port}"
+        log.info("ready: API %s/v1 (GET %s/healthz), run pages %s/runs/<run_id>", base, base, base)
         try:
             yield
         finally:

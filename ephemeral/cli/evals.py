@@ -18,9 +18,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ephemeral import errors
+from ephemeral import errors, progress
 from ephemeral.cli.exits import Exit
 from ephemeral.cli.output import fail
+from ephemeral.cli.progress import announcing, quiet, start_prefect
 from ephemeral.money import usd
 from ephemeral.settings import Settings
 
@@ -51,6 +52,9 @@ async def _run(
     )
     with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
         task = bar.add_task(evaluation.name, total=total, status="starting")
+        if console.is_terminal:  # the bar holds the terminal: the stage is its status
+            quiet()
+            progress.listen(lambda stage: bar.update(task, status=stage))
 
         def observe(p: evals.Progress) -> None:
             status = f"passing {p.passing} · spent {usd(p.spent_micros)}"
@@ -234,11 +238,9 @@ def register(app: typer.Typer) -> None:
                 if v
             }
             evaluation = evals.evaluation_for(str(suite), settings, compare_with=compare, **knobs)
-            if settings.executor != "plain":
-                from ephemeral.flows.embedded_server import configure
-
-                configure(settings)
-            report = asyncio.run(_run(settings, evaluation, suite, console, knobs))
+            with announcing():  # on a terminal the progress bar shows the stages (_run)
+                start_prefect(settings)
+                report = asyncio.run(_run(settings, evaluation, suite, console, knobs))
         except errors.EphemeralError as exc:
             raise fail(exc) from exc
         if as_json:

@@ -15,6 +15,7 @@ from rich.markup import escape
 from ephemeral import errors
 from ephemeral.cli import exits
 from ephemeral.cli.output import err, fail, out, print_event
+from ephemeral.cli.progress import announcing, quiet, start_prefect
 from ephemeral.money import parse_usd, usd
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
@@ -34,6 +35,7 @@ async def _run_local(
         for request, labels in requests:
             row, _ = await runtime.admit(org_id, request, labels=labels)
             task = runtime.launch(row.id)
+            quiet()
             if not as_json:
                 out.print(f"[bold]{row.id}[/bold] · {row.model}")
             n = 0
@@ -84,6 +86,7 @@ async def _run_recipe(settings: Settings, path: Path, as_json: bool) -> int:
     async def follow(run_id: str, before: asyncio.Task[None] | None) -> None:
         if before is not None:
             await before
+        quiet()
         if as_json:
             return
         out.print(f"[bold]{run_id}[/bold]")
@@ -231,15 +234,13 @@ def register(app: typer.Typer) -> None:
             from ephemeral.cli.remote import run_remote
 
             raise typer.Exit(run_remote(settings, [(request, {})], as_json))
-        if settings.executor != "plain":
-            from ephemeral.flows.embedded_server import configure
-
-            configure(settings)
         try:
-            if recipe is not None:
-                code = asyncio.run(_run_recipe(settings, recipe, as_json))
-            else:
-                code = asyncio.run(_run_local(settings, [(request, {})], as_json))
+            with announcing():
+                start_prefect(settings)
+                if recipe is not None:
+                    code = asyncio.run(_run_recipe(settings, recipe, as_json))
+                else:
+                    code = asyncio.run(_run_local(settings, [(request, {})], as_json))
         except errors.EphemeralError as exc:
             raise fail(exc, flags=FLAGS) from exc
         raise typer.Exit(code)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+import copy
+from typing import Annotated, Any
 
 import typer
 
@@ -19,6 +20,20 @@ def pool_size(flag: int | None, base: Settings) -> int:
     if flag is not None:
         return flag
     return base.pool_size if "pool_size" in base.model_fields_set else DEFAULT_POOL
+
+
+# Our lines in uvicorn's log, formatted as its own: start-up stages (ephemeral.progress), where
+# the server is once healthy (ephemeral.serve), one line per closed run (ephemeral.runs).
+LOGGERS = ("ephemeral.progress", "ephemeral.serve", "ephemeral.runs")
+
+
+def log_config() -> dict[str, Any]:
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    for name in LOGGERS:
+        config["loggers"][name] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return config
 
 
 def register(app: typer.Typer) -> None:
@@ -66,6 +81,7 @@ def register(app: typer.Typer) -> None:
             app,
             host=settings.host,
             port=settings.port,
+            log_config=log_config(),
             log_level="info",
             proxy_headers=False,
             timeout_graceful_shutdown=10,

@@ -34,7 +34,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from ephemeral import errors
+from ephemeral import errors, progress
 from ephemeral.sandbox import build_area, host_pip, image_gc
 from ephemeral.sandbox.build_area import BuildArea
 from ephemeral.sandbox.build_sandbox import (
@@ -776,6 +776,7 @@ async def ensure_image(settings: Settings, name: str = "default") -> Path:
     async with _AsyncFileLock(lock):
         if (out / _MARKER).is_file():
             return out / "rootfs"
+        progress.stage(f"building image {name} (not built yet for this definition: minutes)")
         limits = BuildLimits.of(settings)
         await asyncio.to_thread(build_area.sweep, settings.image_cache_dir)
         spec = _layer_spec([d for _, d in layers])

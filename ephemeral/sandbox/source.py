@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any, cast
 
-from ephemeral import errors
+from ephemeral import errors, progress
 from ephemeral.policy import Policy
 from ephemeral.pricing import PriceBook
 from ephemeral.sandbox import images
@@ -122,6 +122,7 @@ class SandboxSource:
             self.limits(120),
             boots=self._boots,
         )
+        progress.stage(f"booting the warm pool ({self.settings.pool_size} {isolation} sandboxes)")
         await pool.start()
         # Per image: the pool holds sandboxes of the default image; a run naming another image
         # starts its sandbox cold (bench/images.py measures what that costs).
