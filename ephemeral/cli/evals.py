@@ -211,6 +211,10 @@ def register(app: typer.Typer) -> None:
         """Run an eval suite locally with live progress; print the pass table.
 
         Exit status: 0 every gate passed, 1 a gate failed, 2 bad input, 3 error.
+
+        While it starts, what it waits for (loading Prefect, its server, the store, an image)
+        is the progress bar's status on a terminal, one "ephemeral: <stage>" line on stderr
+        otherwise.
         """
         from ephemeral import evals
 

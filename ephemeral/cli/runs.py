@@ -196,6 +196,11 @@ def register(app: typer.Typer) -> None:
         Exit status: 0 succeeded, 1 failed (or a check failed), 2 bad input, 3 error, 4 timed
         out, 5 budget exhausted (or skipped for the recipe's budget), 6 cancelled; the highest
         of several runs.
+
+        While it starts it says on stderr what it waits for (loading Prefect, starting its
+        embedded server, opening the store, building an image): a spinner on a terminal, one
+        line "ephemeral: <stage>" each in a pipe, before the timeline. With --json, stdout
+        holds only the JSON.
         """
         settings = Settings.load(**({"executor": "plain"} if no_prefect else {}))
         try:

@@ -54,7 +54,12 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
     ) -> None:
-        """Serve the HTTP API and the run pages (embedded stores, Prefect, warm pool, reaper)."""
+        """Serve the HTTP API and the run pages (embedded stores, Prefect, warm pool, reaper).
+
+        Its log names each start-up stage (Prefect's server, the store, the warm pool), then
+        "ready: API <url>/v1 (GET <url>/healthz), run pages <url>/runs/<run_id>" once it
+        answers, and one line per run this process ends: id, status, reason, charge.
+        """
         import uvicorn
 
         from ephemeral.api import create_app
