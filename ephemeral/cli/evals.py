@@ -256,6 +256,10 @@ def register(app: typer.Typer) -> None:
         where = Console(stderr=True, highlight=False, soft_wrap=True)
         where.print(f"suite run: {report.suite_run_id}", markup=False)
         where.print(f"report: {report_path} (and .md)", markup=False)
+        where.print(
+            f"page: /suites/{report.suite_run_id} (ephemeral view, or ephemeral serve)",
+            markup=False,
+        )
         raise typer.Exit(Exit.OK if report.passed else Exit.FAILED)
 
 

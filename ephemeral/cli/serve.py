@@ -92,3 +92,72 @@ def register(app: typer.Typer) -> None:
             timeout_graceful_shutdown=10,
         )
         uvicorn.Server(config).run()
+
+
+def register_view(app: typer.Typer) -> None:
+    @app.command("view")
+    def view(
+        port: Annotated[
+            int, typer.Option(help="TCP port on 127.0.0.1 (0: any free one).", min=0, max=65535)
+        ] = 0,
+        browser: Annotated[
+            bool, typer.Option("--browser/--no-browser", help="Open the runs list in a browser.")
+        ] = True,
+    ) -> None:
+        """Browse the local results: the runs list, suite runs and compare pages, on 127.0.0.1.
+
+        Serves this state directory's records (no warm pool, no Prefect) with a member key of
+        the local org made for this session and revoked when it stops; sign in with the key
+        it prints.
+        """
+        import socket
+        import webbrowser
+
+        import uvicorn
+
+        from ephemeral.api import create_app
+
+        settings = Settings.load(host="127.0.0.1", pool_size=0, executor="plain")
+        if port == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        key_id, key = asyncio.run(_view_key(settings))
+        url = f"http://127.0.0.1:{port}/runs"
+        typer.echo(f"Results at {url}\nSign in with this key (revoked when view stops): {key}")
+        if browser:
+            webbrowser.open(f"http://127.0.0.1:{port}/login?next=/runs")
+        config = uvicorn.Config(
+            create_app(settings, warm_pool=False),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
+        try:
+            uvicorn.Server(config).run()
+        finally:
+            asyncio.run(_revoke(settings, key_id))
+
+
+async def _view_key(settings: Settings) -> tuple[str, str]:
+    from ephemeral.service import LOCAL_ORG, LOCAL_ORG_CREDIT_MICROS
+    from ephemeral.store import Store
+
+    store = await Store.open(settings.db_url)
+    try:  # the local org as `run` and `eval` make it, if they have not yet
+        org = await store.ensure_org(LOCAL_ORG, initial_credit_micros=LOCAL_ORG_CREDIT_MICROS)
+        key, plaintext = await store.create_key(org.id, "view@localhost")
+        return key.id, plaintext
+    finally:
+        await store.close()
+
+
+async def _revoke(settings: Settings, key_id: str) -> None:
+    from ephemeral.store import Store
+
+    store = await Store.open(settings.db_url)
+    try:
+        await store.revoke_key(key_id)
+    finally:
+        await store.close()

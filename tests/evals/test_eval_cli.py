@@ -29,6 +29,7 @@ def test_smoke_suite_runs_records_and_compares(state_dir: Path) -> None:
     suite_run_id = out.rsplit("--compare ", 1)[1].split()[0]
     assert suite_run_id.startswith("suite_")
     assert (state_dir / "evals" / f"{suite_run_id}.md").is_file()
+    assert f"page: /suites/{suite_run_id} (ephemeral view" in first.stderr
 
     costs = cli(state_dir, "costs", "--by", "recipe", "--format", "json")
     assert costs.returncode == 0, costs.stderr
