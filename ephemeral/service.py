@@ -28,6 +28,7 @@ from ephemeral.ids import new_run_id, utcnow
 from ephemeral.leases import ProcessLease
 from ephemeral.lifecycle import TERMINAL_STATUSES, TerminationReason
 from ephemeral.models import NO_MODEL, resolve_model
+from ephemeral.oci import sandbox_image
 from ephemeral.owner import is_alive, this_process
 from ephemeral.policy import Policy, RunRequest
 from ephemeral.pricing import PriceBook
@@ -497,7 +498,7 @@ class Runtime:
         out = []
         for info in images.list_images(self.settings):
             if info.current:
-                meta = images.built_image(self.settings, info.name)
+                meta = sandbox_image.built_image(self.settings, info.name)
                 out.append(
                     {
                         "name": info.name,

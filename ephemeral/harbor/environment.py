@@ -41,6 +41,7 @@ from ephemeral import errors, prebuild
 from ephemeral.harbor import backend, commands
 from ephemeral.harbor.config import HarborConfig, load_config
 from ephemeral.labels import bounded
+from ephemeral.oci import sandbox_image
 from ephemeral.sandbox import hostread, hostwrite, images
 from ephemeral.sandbox.base import Limits
 from ephemeral.sessions import (
@@ -278,7 +279,7 @@ class EphemeralEnvironment(BaseEnvironment):
             raise SandboxBuildFailedError(f"ephemeral: {env.label}: {exc}") from exc
         if outcome.status == "failed":
             raise SandboxBuildFailedError(f"ephemeral: {outcome.detail}")
-        found = images.built_image(settings, outcome.image)
+        found = sandbox_image.built_image(settings, outcome.image)
         if found is None:  # collected between the two lines: the next attempt makes it again
             raise SandboxBuildFailedError(f"ephemeral: image {outcome.image!r} is gone")
         log.info(
@@ -295,7 +296,7 @@ class EphemeralEnvironment(BaseEnvironment):
 
     @staticmethod
     def _built(settings: Any, name: str, where: str) -> images.ImageConfig:
-        found = images.built_image(settings, name)
+        found = sandbox_image.built_image(settings, name)
         if found is None:
             raise SandboxBuildFailedError(
                 f"ephemeral: {where}: image {name!r} is not built here "

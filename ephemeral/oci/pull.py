@@ -23,7 +23,7 @@ from ephemeral.oci import reference
 from ephemeral.oci.registry import Registry
 from ephemeral.oci.store import LayerInfo, LayerStore, PulledImage
 from ephemeral.oci.unpack import Budget, unpack_layer
-from ephemeral.sandbox.image_gc import mark_used
+from ephemeral.sandbox.cache_use import mark_used
 from ephemeral.settings import Settings
 
 PARALLEL_LAYERS = 3

@@ -25,6 +25,7 @@ from ephemeral.oci import reference
 from ephemeral.oci.reference import is_reference as is_reference
 from ephemeral.oci.store import LayerStore, PulledImage
 from ephemeral.sandbox import images
+from ephemeral.sandbox.cache_use import mark_used
 from ephemeral.settings import Settings
 
 
@@ -57,8 +58,6 @@ def agent_layer(settings: Settings) -> tuple[Path, str]:
 
 
 def _config(settings: Settings, name: str, pulled: PulledImage) -> images.ImageConfig:
-    from ephemeral.sandbox.image_gc import mark_used
-
     store = LayerStore(settings)
     layers = [store.layer_root(layer.diff_id) for layer in pulled.layers]
     for layer in layers:  # what images gc reads as this layer's last use
@@ -91,6 +90,14 @@ def image_config(settings: Settings, name: str) -> images.ImageConfig | None:
         return None
     pulled = LayerStore(settings).resolve(ref)
     return _config(settings, name, pulled) if pulled is not None else None
+
+
+def built_image(settings: Settings, name: str) -> images.ImageConfig | None:
+    """What an ``image`` value names on this host, or None (never builds, never pulls): the
+    pulled image for a registry reference, else the current build of that name."""
+    if is_reference(name):
+        return image_config(settings, name)
+    return images.built_image(settings, name)
 
 
 async def ensure(settings: Settings, name: str, field: str = "image") -> images.ImageConfig:

@@ -31,14 +31,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-if TYPE_CHECKING:
-    from ephemeral.sandbox.image_gc import Entry
-
 from ephemeral.oci.reference import Reference
+from ephemeral.sandbox.cache_use import USED, Entry
 from ephemeral.settings import Settings
 
 
@@ -252,8 +249,6 @@ class LayerStore:
         least recently used first, never one a live sandbox mounts; a layer no named image
         lists counts as never used. An image whose layer went is pulled again when next
         named (``resolve`` answers only for complete images)."""
-        from ephemeral.sandbox.image_gc import USED, Entry
-
         if not self.layers.is_dir():
             return
         live = self.live_layers()

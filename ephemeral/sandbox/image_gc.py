@@ -29,60 +29,39 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from ephemeral.oci.store import LayerStore
 from ephemeral.sandbox import build_area
+from ephemeral.sandbox.cache_use import CURRENT, Entry, du, last_used, mark_used
 from ephemeral.settings import Settings
 
 log = logging.getLogger(__name__)
-USED = ".used"
 RECENT_S = 600.0
 
 
-@dataclass
-class Entry:
-    kind: str  # "image" or "base" (or what a new collector names)
-    path: Path
-    size_bytes: int
-    last_used: float
-    extra: list[Path] = field(default_factory=list)  # removed with it (a microVM disk, a name)
-    in_use: bool = False
-    kept: bool = False  # the current build of an image definition: `images rm NAME` only
-
-
-def mark_used(path: Path) -> None:
-    """Record a use of the entry at ``path`` now (best effort: a read-only cache still works)."""
-    with contextlib.suppress(OSError):
-        (path / USED).touch()
-
-
-def _last_used(path: Path, fallback: Path) -> float:
-    for p in (path / USED, fallback):
-        with contextlib.suppress(OSError):
-            return os.stat(p).st_mtime
-    return 0.0
-
-
-def _du(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(root, f)).st_blocks * 512
-    return total
-
-
 def _current_definition_builds(settings: Settings) -> set[Path]:
-    """The build of each image definition's current hash: what a run naming it needs."""
-    from ephemeral.sandbox import images  # images imports this module
-
+    """The current build of each image definition (``sandbox_images/NAME``): what a run naming
+    it needs. ``images`` names it in ``<image cache>/current/NAME`` when it builds or finds it;
+    a definition with no such name yet (a cache older than it) keeps its newest build."""
+    cache = settings.image_cache_dir
     found: set[Path] = set()
-    if settings.images_dir.is_dir():
-        for yaml in settings.images_dir.glob("*/image.yaml"):
-            with contextlib.suppress(Exception):  # a broken definition protects nothing
-                found.add(images.image_dir(settings, yaml.parent.name))
-    return found
+    named: set[str] = set()
+    for ptr in (cache / CURRENT).glob("*"):
+        with contextlib.suppress(OSError):
+            target = ptr.read_text().strip()
+            if target and "/" not in target and not target.startswith("."):
+                found.add(cache / target)
+                named.add(ptr.name)
+    defined = {y.parent.name for y in settings.images_dir.glob("*/image.yaml")} - named
+    newest: dict[str, tuple[float, Path]] = {}
+    for marker in cache.glob("*/image.json") if defined else ():
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            meta = json.loads(marker.read_text())
+            name, at = meta.get("name"), float(meta.get("built_at") or 0)
+            if name in defined and at >= newest.get(name, (-1.0, marker))[0]:
+                newest[name] = (at, marker.parent)
+    return found | {d for _, d in newest.values()}
 
 
 def _builds(settings: Settings) -> Iterator[Entry]:
@@ -100,8 +79,8 @@ def _builds(settings: Settings) -> Iterator[Entry]:
         ext4 = cache / "microvm" / "rootfs" / f"{d.name}.ext4"
         if ext4.is_file():
             extra.append(ext4)
-        size = _du(d) + sum(p.stat().st_size for p in extra if p.suffix == ".ext4")
-        yield Entry("image", d, size, _last_used(d, marker), extra, kept=d in current)
+        size = du(d) + sum(p.stat().st_size for p in extra if p.suffix == ".ext4")
+        yield Entry("image", d, size, last_used(d, marker), extra, kept=d in current)
 
 
 def _bases(settings: Settings) -> Iterator[Entry]:
@@ -109,13 +88,11 @@ def _bases(settings: Settings) -> Iterator[Entry]:
         d = done.parent
         if d.is_symlink():
             continue
-        yield Entry("base", d, _du(d), _last_used(d, done))
+        yield Entry("base", d, du(d), last_used(d, done))
 
 
 def _pulled_layers(settings: Settings) -> Iterable[Entry]:
     """The layers of pulled registry images (``ephemeral/oci/store.py``)."""
-    from ephemeral.oci.store import LayerStore
-
     return LayerStore(settings).gc_entries()
 
 

@@ -51,6 +51,7 @@ from ephemeral.sandbox.build_sandbox import (
     run_bounded,
     shift_owners,
 )
+from ephemeral.sandbox.cache_use import CURRENT, mark_used
 from ephemeral.sandbox.host_pip import requirement_problem
 from ephemeral.sandbox.image_bases import base_name as _base_name
 from ephemeral.sandbox.image_bases import microvm_definition_dir as microvm_definition_dir
@@ -430,7 +431,7 @@ async def _ensure_base(settings: Settings, spec: dict[str, Any]) -> Path:
     base = settings.image_cache_dir / "base" / _base_hash(spec)[:16]
     rootfs = base / "rootfs"
     if (base / "done").is_file():
-        image_gc.mark_used(base)
+        mark_used(base)
         return rootfs
     if shutil.which("mmdebstrap") is None:
         raise errors.SandboxError("image build needs mmdebstrap (apt-get install mmdebstrap)")
@@ -762,14 +763,15 @@ async def ensure_image(settings: Settings, name: str = "default") -> Path:
     if not (settings.images_dir / name / "image.yaml").is_file():
         found = dockerfile_image_dir(settings, name)
         if found is not None and (found / _MARKER).is_file():
-            image_gc.mark_used(found)
+            mark_used(found)
             return found / "rootfs"  # built from a Dockerfile: only build_dockerfile builds it
     defdir = definition_dir(settings, name)
     layers = chain(defdir)
     digest = definition_hash(defdir)
     out = settings.image_cache_dir / f"{name}-{digest[:16]}"
     if (out / _MARKER).is_file():
-        image_gc.mark_used(out)
+        mark_used(out)
+        _name_current(settings, name, out)
         return out / "rootfs"
     lock = settings.image_cache_dir / f".{name}.lock"
     # flock blocks: take it in a thread so other coroutines keep running during a build
@@ -796,6 +798,7 @@ async def ensure_image(settings: Settings, name: str = "default") -> Path:
             }
             (work / _MARKER).write_text(json.dumps(meta, indent=1))
             await area.commit(work)
+        _name_current(settings, name, out)
         await asyncio.to_thread(image_gc.after_build, settings, out)
         # microVM hook (owned by microvm_image.py): kernel, initramfs and ext4 of this rootfs
         await asyncio.to_thread(build_with_image, settings, name, out / "rootfs", digest[:16])
@@ -818,6 +821,20 @@ class _AsyncFileLock:
             fcntl.flock(self._fh, fcntl.LOCK_UN)
             os.close(self._fh)
             self._fh = None
+
+
+def _name_current(settings: Settings, name: str, out: Path) -> None:
+    """Name ``out`` the current build of definition ``name`` (``images gc`` keeps it); written
+    only when it changes."""
+    ptr = settings.image_cache_dir / CURRENT / name
+    with contextlib.suppress(OSError):
+        if ptr.read_text() == out.name:
+            return
+    with contextlib.suppress(OSError):  # best effort, as mark_used: a read-only cache still works
+        ptr.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ptr.with_name(f".{name}.{os.getpid()}.tmp")
+        tmp.write_text(out.name)
+        os.replace(tmp, ptr)
 
 
 def _du(path: Path) -> int:
@@ -861,12 +878,8 @@ class ImageConfig(BaseModel):
 
 
 def built_image(settings: Settings, name: str) -> ImageConfig | None:
-    """The current build of image ``name``, or None when it is not built (never builds); for
-    a registry reference, the pulled image (never pulls)."""
-    from ephemeral.oci import sandbox_image
-
-    if sandbox_image.is_reference(name):
-        return sandbox_image.image_config(settings, name)
+    """The current build of image ``name``, or None when it is not built (never builds). A
+    registry reference is ``oci.sandbox_image.built_image``'s (that module builds on this one)."""
     try:
         d = image_dir(settings, name)
     except errors.InvalidRequest:
@@ -875,7 +888,9 @@ def built_image(settings: Settings, name: str) -> ImageConfig | None:
         meta = json.loads((d / _MARKER).read_text())
     except (OSError, ValueError):
         return None
-    image_gc.mark_used(d)
+    mark_used(d)
+    if (settings.images_dir / name / "image.yaml").is_file():
+        _name_current(settings, name, d)
     return ImageConfig(
         name=name,
         hash=str(meta.get("hash", "")),

@@ -13,6 +13,7 @@ import time
 from typing import Any, cast
 
 from ephemeral import errors, progress
+from ephemeral.oci import sandbox_image
 from ephemeral.policy import Policy
 from ephemeral.pricing import PriceBook
 from ephemeral.sandbox import images
@@ -81,8 +82,6 @@ class SandboxSource:
         if name is None:
             return
         where = "image" if policy.image is not None else "agent.image"
-        from ephemeral.oci import sandbox_image
-
         if sandbox_image.is_reference(name):
             level = await self.isolation_for(policy.isolation)
             if level.startswith("microvm"):  # docs/images.md: not yet in a microVM
@@ -106,7 +105,7 @@ class SandboxSource:
                 images.dockerfile_image_dir(self.settings, name) == found.rootfs.parent
             ):
                 return found
-        built = images.built_image(self.settings, name)
+        built = sandbox_image.built_image(self.settings, name)
         if built is not None:  # one built a moment from now is seen at once
             self._host_facts[("image", name)] = (time.monotonic(), built)
         return built

@@ -369,7 +369,7 @@ def test_images_gc_sizes_the_layers_with_the_builds(
     import subprocess as sp
 
     from ephemeral.oci.reference import parse
-    from ephemeral.sandbox import image_gc
+    from ephemeral.sandbox import cache_use, image_gc
 
     shared = L.tar([L.file("base", os.urandom(64 << 10))])
     registry.push_image(tmp_path, "test/lru1:1", [shared, L.tar([L.file("one", "1")])])
@@ -385,7 +385,7 @@ def test_images_gc_sizes_the_layers_with_the_builds(
     assert all(store.layer_info(layer.diff_id) for layer in two.layers)
     # now everything, as --max-mib 0: the base is mounted by a "sandbox", the top is old
     for layer in two.layers:
-        os.utime(store.layer_dir(layer.diff_id) / image_gc.USED, (1, 1))
+        os.utime(store.layer_dir(layer.diff_id) / cache_use.USED, (1, 1))
     base = store.layer_root(two.layers[0].diff_id)
     holder = sp.Popen(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c",
@@ -423,7 +423,7 @@ def test_the_config_gives_a_session_its_defaults(
 ) -> None:
     """Env for every command; WorkingDir and User (its user part: `uid:gid` → `uid`) as a
     session exec's defaults; no User is root, as in Docker."""
-    from ephemeral.sandbox import images
+    from ephemeral.oci import sandbox_image
 
     for tag, user, want in (("u", "1000:1000", "1000"), ("n", "", "root"), ("a", "app", "app")):
         registry.push_image(
@@ -433,9 +433,9 @@ def test_the_config_gives_a_session_its_defaults(
             config={"Env": ["K=v"], "WorkingDir": "/work", "User": user},
         )
         ref = f"{registry.host}/test/conf:{tag}"
-        assert images.built_image(oci_settings, ref) is None  # never pulls
+        assert sandbox_image.built_image(oci_settings, ref) is None  # never pulls
         _pull(oci_settings, ref)
-        got = images.built_image(oci_settings, ref)
+        got = sandbox_image.built_image(oci_settings, ref)
         assert got is not None and got.pulled
         assert (got.env, got.cwd, got.user) == ({"K": "v"}, "/work", want)
         assert got.layers[-1].name == "fs" and (got.layers[-1] / "opt").is_dir()  # the agent's

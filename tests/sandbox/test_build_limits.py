@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ephemeral import errors
-from ephemeral.sandbox import build_area, build_sandbox, image_gc, images
+from ephemeral.sandbox import build_area, build_sandbox, cache_use, image_gc, images
 from ephemeral.sandbox import dockerfile as df
 from ephemeral.sandbox.dockerfile import builder
 from ephemeral.settings import Settings
@@ -222,9 +222,9 @@ def _fake_entry(
     (d / "rootfs").mkdir(parents=True)
     (d / "rootfs" / "blob").write_bytes(os.urandom(size))
     (d / "image.json").write_text(json.dumps({"name": name, "hash": "ab" * 32, "built_at": 1}))
-    image_gc.mark_used(d)
+    cache_use.mark_used(d)
     when = time.time() - age_s
-    os.utime(d / image_gc.USED, (when, when))
+    os.utime(d / cache_use.USED, (when, when))
     return d
 
 
@@ -270,14 +270,14 @@ async def test_gc_never_removes_the_image_of_a_live_sandbox(
     other = _fake_entry(settings, "unused", 1000, 3600)
     old = time.time() - 3600
     for d in (built.rootfs.parent, other):
-        os.utime(d / image_gc.USED, (old, old))
+        os.utime(d / cache_use.USED, (old, old))
     driver = get_driver(isolation, settings.model_copy(update={"image": "used"}))
     if (why := await driver.probe()) is not None:
         unavailable(why, isolation)
     box = await driver.create(owner="test", limits=Limits())
     try:
         for d in (built.rootfs.parent, other):  # the boot marked it used: make it old again
-            os.utime(d / image_gc.USED, (old, old))
+            os.utime(d / cache_use.USED, (old, old))
         gone = [e.path for e in image_gc.collect(settings, max_bytes=0)]
         assert other in gone and built.rootfs.parent not in gone
         assert (await box.exec(["cat", "/marker"])).stdout == "used\n"
