@@ -36,7 +36,7 @@ def images_prebuild(
             "-j",
             min=1,
             max=prebuild.MAX_WORKERS,
-            help="Environments made at once (default: prebuild_workers, else the cores).",
+            help="Environments made at once (default: EPHEMERAL_PREBUILD_WORKERS, else the cores).",
         ),
     ] = None,
     retry_failed: Annotated[
