@@ -28,6 +28,7 @@ RECIPE = REPO / "recipes" / "sandbox-proof.yaml"
 CLI = [sys.executable, "-m", "ephemeral.cli"]
 # What `ephemeral run` waits for before its first run, in order (ephemeral/cli/progress.py)
 STAGES = [
+    "ephemeral: starting",
     "ephemeral: loading Prefect (--no-prefect runs without it)",
     "ephemeral: starting Prefect's embedded server",
     "ephemeral: opening the store",
@@ -92,7 +93,7 @@ def test_serve_logs_its_stages_and_where_it_is(env: dict[str, str], tmp_path: Pa
             stderr=subprocess.STDOUT,
         )
     base = f"http://127.0.0.1:{port}"
-    ready = f"ready: API {base}/v1 (GET {base}/healthz), run pages {base}/runs/<run_id>"
+    ready = f"ready: API {base}/v1 (GET {base}/healthz), runs {base}/runs"
     try:
         deadline = time.monotonic() + 300  # a cold Prefect server on a loaded 2-core host
         while ready not in log.read_text():

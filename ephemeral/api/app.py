@@ -94,7 +94,7 @@ def create_app(
         freeze_startup_heap()
         app.state.runtime = own
         base = f"http://{settings.host}:{settings.port}"
-        log.info("ready: API %s/v1 (GET %s/healthz), run pages %s/runs/<run_id>", base, base, base)
+        log.info("ready: API %s/v1 (GET %s/healthz), runs %s/runs", base, base, base)
         try:
             yield
         finally:

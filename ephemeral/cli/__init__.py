@@ -1,53 +1,32 @@
-"""The ``ephemeral`` command. Each command group lives in its own module; this one wires them."""
+"""The ``ephemeral`` command: :func:`main`; its Typer app, ``app``, is built on first use.
+
+Importing every command group takes ~0.9 s of CPU (seconds on a loaded host), so ``run`` and
+``eval`` say they are starting before that: a piped run's first line comes within a second
+(docs/deploy.md, "How long a start takes").
+"""
 
 from __future__ import annotations
 
-import signal
-from types import FrameType
+import sys
+from typing import Any
 
-import typer
-
-from ephemeral.cli import (
-    admin,
-    analysis,
-    connections,
-    evals,
-    export,
-    recipes,
-    runs,
-    sandbox,
-    sandboxes,
-    serve,
-    worker,
-)
-
-app = typer.Typer(
-    no_args_is_help=True,
-    add_completion=False,
-    help="Run AI agents on untrusted code in disposable sandboxes, under a hard money cap; "
-    "every run is recorded.",
-)
-runs.register(app)
-sandbox.register(app)
-admin.register(app)
-connections.register(app)
-recipes.register(app)
-analysis.register(app)
-serve.register(app)
-serve.register_view(app)
-evals.register(app)
-export.register(app)
-sandboxes.register(app)
-worker.register(app)
+STARTING = "ephemeral: starting"
+_ANNOUNCED = ("run", "eval")
 
 
-def _terminated(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
+def __getattr__(name: str) -> Any:
+    if name == "app":
+        from ephemeral.cli.commands import app
+
+        return app
+    raise AttributeError(name)
 
 
 def main() -> None:
-    # SIGTERM (what a service manager or container runtime sends) unwinds like Ctrl-C: runs are
-    # cancelled, their sandboxes destroyed and Prefect's embedded server stopped. Python's
-    # default ends the process at once and leaves them. `serve` and `worker` install their own.
-    signal.signal(signal.SIGTERM, _terminated)
-    app()
+    args = sys.argv[1:]
+    if args[:1] and args[0] in _ANNOUNCED and not {"--help", "-h"} & set(args):
+        sys.stderr.write(STARTING + "\n")
+        sys.stderr.flush()
+    from ephemeral.cli.commands import main as run_command
+
+    run_command()

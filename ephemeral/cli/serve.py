@@ -57,7 +57,7 @@ def register(app: typer.Typer) -> None:
         """Serve the HTTP API and the run pages (embedded stores, Prefect, warm pool, reaper).
 
         Its log names each start-up stage (Prefect's server, the store, the warm pool), then
-        "ready: API <url>/v1 (GET <url>/healthz), run pages <url>/runs/<run_id>" once it
+        "ready: API <url>/v1 (GET <url>/healthz), runs <url>/runs" (the runs list) once it
         answers, and one line per run this process ends: id, status, reason, charge.
         """
         import uvicorn
