@@ -30,6 +30,7 @@ import math
 import secrets
 import shlex
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -506,9 +507,7 @@ class Sessions:
         stdin = req.stdin()
         stdin_path = req.stdin_path
         spill: str | None = None
-        live.inflight += 1
-        live.idle.clear()
-        try:
+        async with self._busy(live):
             if len(stdin) > INLINE_STDIN:
                 spill = f"/tmp/.ephemeral-stdin-{secrets.token_hex(8)}"
                 await live.sandbox.put_file(spill, stdin, 0o600, user=req.user or "worker")
@@ -525,13 +524,6 @@ class Sessions:
             )
             if spill is not None:
                 await live.sandbox.exec(["rm", "-f", "--", spill], user=req.user, cwd="/")
-        except errors.SandboxError as exc:
-            await self._finish(live, TerminationReason.SANDBOX_ERROR, exc.detail)
-            raise
-        finally:
-            live.inflight -= 1
-            if not live.inflight:
-                live.idle.set()
         live.execs += 1
         # The row's usage counts each command as it happens: a live session reads as true
         # as a settled one (same transaction as the event).
@@ -563,10 +555,18 @@ class Sessions:
         kill = getattr(live.sandbox, "kill_all", None)
         if kill is None:  # a sandbox that runs no process of its own (the fake)
             return 0
+        async with self._busy(live):
+            killed: int = await kill()
+        return killed
+
+    @contextlib.asynccontextmanager
+    async def _busy(self, live: Live) -> AsyncIterator[None]:
+        """A request in the sandbox: counted in flight (the session's end waits for it), and a
+        sandbox that fails under it ends the session (``sandbox_error``)."""
         live.inflight += 1
         live.idle.clear()
         try:
-            killed: int = await kill()
+            yield
         except errors.SandboxError as exc:
             await self._finish(live, TerminationReason.SANDBOX_ERROR, exc.detail)
             raise
@@ -574,7 +574,6 @@ class Sessions:
             live.inflight -= 1
             if not live.inflight:
                 live.idle.set()
-        return killed
 
     def _check_user(self, live: Live, user: str | None) -> None:
         """Users are compared as the ids the guest makes of them ("00" is uid 0); an id
