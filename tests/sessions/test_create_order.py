@@ -38,6 +38,9 @@ class HeldBoots(SandboxSource):
     def built_image(self, name: str) -> None:
         return None
 
+    async def require_image(self, policy: Policy) -> None:
+        return None  # its sandboxes are fakes: any image name boots (admission checks none)
+
     async def acquire(self, policy: Policy, owner: str, limits: Limits) -> Sandbox:
         self.booting.append(owner)
         if policy.run_image is None:

@@ -195,7 +195,8 @@ async def test_a_session_sees_the_files_env_cwd_and_user(
         root = await run({"command": ["id", "-u"], "user": "root"})
         assert root["stdout"] == "0\n"
         r = await http.get("/v1/images", headers=h)
-        assert [i["name"] for i in r.json()["images"]] == ["df-session"]
+        # and `default`: the agent runtime every sandbox mounts is made from it, in this cache
+        assert [i["name"] for i in r.json()["images"]] == ["default", "df-session"]
     finally:
         r = await http.delete(f"/v1/sandboxes/{sid}", headers=h)
         assert r.status_code == 200, r.text
