@@ -22,7 +22,6 @@ store's lock shared; ``gc`` holds it exclusively, so it never removes what a pul
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -34,6 +33,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from ephemeral import flock
 from ephemeral.oci.reference import Reference
 from ephemeral.sandbox.cache_use import USED, Entry
 from ephemeral.settings import Settings
@@ -121,17 +121,8 @@ class LayerStore:
         """Hold the store's lock; yields False (not held) when ``wait`` is False and another
         process holds it."""
         self.ensure()
-        fd = os.open(self.root / ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        try:
-            flags = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-            try:
-                fcntl.flock(fd, flags if wait else flags | fcntl.LOCK_NB)
-            except BlockingIOError:
-                yield False
-                return
-            yield True
-        finally:
-            os.close(fd)
+        with flock.held(self.root / ".lock", exclusive=exclusive, wait=wait) as got:
+            yield got
 
     # ---- paths and records
 
