@@ -178,7 +178,7 @@ def definition_dir(settings: Settings, name: str) -> Path:
 
 def load_definition(defdir: Path) -> ImageDefinition:
     """Parse and check ``image.yaml``; errors name the file, the line and the field."""
-    from ephemeral.recipes import load_yaml_model
+    from ephemeral.yamlfile import load_yaml_model
 
     def on_disk(d: ImageDefinition) -> list[tuple[tuple[str | int, ...], str]]:
         problems = d.layering_problems()
