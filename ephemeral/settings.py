@@ -214,6 +214,13 @@ class Settings(BaseSettings):
         le=10_000_000,
         description="Members one `ADD` of a local archive may unpack.",
     )
+    build_allow_hosts: list[str] = Field(
+        default_factory=list,
+        description="Hosts a Dockerfile build's `RUN` may reach, through the build's proxy "
+        "(JSON list of host names and `*.` + a domain, as a run's `web` allow list; IP "
+        "literals never match). Each request is recorded beside the image. Empty: builds have "
+        "no network (the default).",
+    )
     image_cache_max_mib: int = Field(
         default=20480,
         ge=0,
@@ -405,6 +412,26 @@ class Settings(BaseSettings):
             last = text.rsplit(".", 1)[-1]
             if len(text) > 253 or not _HOST_NAME.match(text) or _NUMBER_LABEL.match(last):
                 raise ValueError(f"{entry!r} is neither a host name nor an IP network (CIDR)")
+            out.append(text)
+        return out
+
+    @field_validator("build_allow_hosts")
+    @classmethod
+    def _build_hosts(cls, v: list[str]) -> list[str]:
+        out = []  # the patterns of a run's web allow list (policy.WebAllow matches them)
+        for entry in v:
+            text = entry.strip().lower()
+            bare = text.removeprefix("*.")
+            last = bare.rsplit(".", 1)[-1]
+            if (
+                len(bare) > 253
+                or not _HOST_NAME.match(bare)
+                or _NUMBER_LABEL.match(last)
+                or (text.startswith("*.") and "." not in bare)
+            ):
+                raise ValueError(
+                    f"{entry!r} is not a host name or '*.' + a domain (IP literals never match)"
+                )
             out.append(text)
         return out
 
