@@ -186,7 +186,14 @@ class LayerStore:
         os.replace(tmp, self._ref_path(ref))
 
     def resolve(self, ref: Reference) -> PulledImage | None:
-        """The complete image ``ref`` was pulled as here, or None (never contacts a registry)."""
+        """The complete image ``ref`` was pulled as here, or None (never contacts a registry).
+        A reference with a digest is also the image stored under that manifest digest, pulled
+        under any name: a digest names the same bytes everywhere (how a run boots the digest
+        its admission recorded, ``sandbox_image.pinned_reference``)."""
+        if ref.digest is not None:
+            stored = self.image(ref.digest)
+            if stored is not None and self.complete(stored):
+                return stored
         try:
             data = json.loads(self._ref_path(ref).read_text())
         except (OSError, ValueError):
