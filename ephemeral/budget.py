@@ -8,8 +8,9 @@ this object decides whether the *next* step can still fit, so the run stops with
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
+
+from ephemeral.clock import SYSTEM, Clock
 
 
 @dataclass
@@ -19,9 +20,10 @@ class RunBudget:
     charged: dict[str, int] = field(
         default_factory=lambda: {"model_micros": 0, "web_micros": 0, "compute_micros": 0}
     )
-    sandbox_started: float | None = None  # monotonic
+    sandbox_started: float | None = None  # clock.monotonic()
     sandbox_stopped: float | None = None
     warned: bool = False
+    clock: Clock = SYSTEM
 
     # compute -------------------------------------------------------------------------------
     def sandbox_seconds(self, now: float | None = None) -> float:
@@ -30,7 +32,7 @@ class RunBudget:
         end = (
             self.sandbox_stopped
             if self.sandbox_stopped is not None
-            else (now if now is not None else time.monotonic())
+            else (now if now is not None else self.clock.monotonic())
         )
         return max(0.0, end - self.sandbox_started)
 
@@ -61,10 +63,11 @@ class RunBudget:
         return self.sandbox_started + max(0.0, left / self.compute_micros_per_second)
 
     def seconds_left(self, deadline: float) -> float:
-        """Seconds until ``deadline`` (monotonic) or the compute deadline, whichever is first."""
+        """Seconds until ``deadline`` (``clock.monotonic()``) or the compute deadline, whichever
+        is first."""
         compute = self.compute_deadline()
         limit = deadline if compute is None else min(deadline, compute)
-        return limit - time.monotonic()
+        return limit - self.clock.monotonic()
 
     def should_warn(self) -> bool:
         """True exactly once, when spending first reaches 80 % of the reservation."""

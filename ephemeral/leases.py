@@ -23,13 +23,12 @@ import asyncio
 import contextlib
 import logging
 import threading
-import time
 from datetime import timedelta
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ephemeral.ids import utcnow
+from ephemeral.clock import SYSTEM, Clock
 from ephemeral.store import ledger
 from ephemeral.store.engine import create_engine
 from ephemeral.store.schema import process_leases
@@ -40,13 +39,19 @@ TICK_SECONDS = 0.25  # how often the event loop marks that it turns
 
 
 async def renew(
-    engine: AsyncEngine, owner: str, host: str, lease_seconds: float, *, turned: float | None = None
+    engine: AsyncEngine,
+    owner: str,
+    host: str,
+    lease_seconds: float,
+    *,
+    turned: float | None = None,
+    clock: Clock = SYSTEM,
 ) -> None:
-    """``turned``: the ``time.monotonic()`` of the loop's last turn, when the process was last
+    """``turned``: the ``clock.monotonic()`` of the loop's last turn, when the process was last
     seen alive. The lease runs from then, not from this write: a renewal that is late (a
     starved thread, a busy store) cannot carry a loop that wedged meanwhile past one lease."""
-    now = utcnow()
-    alive_for = 0.0 if turned is None else max(0.0, time.monotonic() - turned)
+    now = clock.now()
+    alive_for = 0.0 if turned is None else max(0.0, clock.monotonic() - turned)
     expires = now + timedelta(seconds=lease_seconds - alive_for)
     values = {"host": host, "renewed_at": now, "expires_at": expires}
     async with engine.begin() as conn:
@@ -63,12 +68,12 @@ async def drop(engine: AsyncEngine, owner: str) -> None:
         await conn.execute(sa.delete(process_leases).where(process_leases.c.owner == owner))
 
 
-async def purge(engine: AsyncEngine, before: float = 86_400.0) -> None:
+async def purge(engine: AsyncEngine, before: float = 86_400.0, clock: Clock = SYSTEM) -> None:
     """Forget the leases of processes that died more than ``before`` seconds ago."""
     async with engine.begin() as conn:
         await conn.execute(
             sa.delete(process_leases).where(
-                process_leases.c.expires_at < utcnow() - timedelta(seconds=before)
+                process_leases.c.expires_at < clock.now() - timedelta(seconds=before)
             )
         )
 
@@ -76,11 +81,15 @@ async def purge(engine: AsyncEngine, before: float = 86_400.0) -> None:
 class ProcessLease:
     """Hold this process's lease from :meth:`start` until :meth:`stop`."""
 
-    def __init__(self, db_url: str, owner: str, host: str, lease_seconds: float) -> None:
+    def __init__(
+        self, db_url: str, owner: str, host: str, lease_seconds: float, clock: Clock = SYSTEM
+    ) -> None:
         self.db_url, self.owner, self.host = db_url, owner, host
         self.lease_seconds = lease_seconds
+        self.clock = clock
         self.renewals = 0
-        self._turned = time.monotonic()
+        self.stalls = 0  # renewals not made: the event loop had not turned for a whole lease
+        self._turned = clock.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ticker: asyncio.Task[None] | None = None
@@ -90,7 +99,7 @@ class ProcessLease:
     async def start(self) -> None:
         """Start the ticker on this event loop and the renewing thread; returns once the first
         renewal is committed (so a run claimed after this is covered)."""
-        self._turned = time.monotonic()
+        self._turned = self.clock.monotonic()
         self._ticker = asyncio.create_task(self._tick(), name="process-lease-tick")
         self._thread = threading.Thread(target=self._main, name="process-lease", daemon=True)
         self._thread.start()
@@ -109,8 +118,8 @@ class ProcessLease:
 
     async def _tick(self) -> None:
         while True:
-            self._turned = time.monotonic()
-            await asyncio.sleep(TICK_SECONDS)
+            self._turned = self.clock.monotonic()
+            await self.clock.sleep(TICK_SECONDS)
 
     def _main(self) -> None:
         asyncio.run(self._renew_forever())
@@ -119,17 +128,19 @@ class ProcessLease:
         engine = create_engine(self.db_url)
         try:
             try:
-                await renew(engine, self.owner, self.host, self.lease_seconds)
-                await purge(engine)
+                await renew(engine, self.owner, self.host, self.lease_seconds, clock=self.clock)
+                await purge(engine, clock=self.clock)
                 self.renewals += 1
             except Exception as exc:  # noqa: BLE001 - handed to start(), which raises it
                 self._error = exc
                 return
             finally:
                 self._ready.set()
-            while not self._stop.wait(self.lease_seconds / 3):  # this loop has nothing else
-                stalled = time.monotonic() - self._turned
+            # this loop has nothing else to do
+            while not self.clock.wait(self._stop, self.lease_seconds / 3):
+                stalled = self.clock.monotonic() - self._turned
                 if stalled >= self.lease_seconds:
+                    self.stalls += 1
                     log.error(
                         "the event loop has not turned for %.1f s: not renewing this process's"
                         " lease (its runs will be settled by another process)",
@@ -138,7 +149,12 @@ class ProcessLease:
                     continue
                 try:
                     await renew(
-                        engine, self.owner, self.host, self.lease_seconds, turned=self._turned
+                        engine,
+                        self.owner,
+                        self.host,
+                        self.lease_seconds,
+                        turned=self._turned,
+                        clock=self.clock,
                     )
                     self.renewals += 1
                 except Exception:

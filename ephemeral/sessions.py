@@ -40,6 +40,7 @@ from ephemeral import errors
 from ephemeral.broker.attach import WebCharges, cut_egress, egress_stop, start_egress
 from ephemeral.broker.broker import Broker
 from ephemeral.budget import RunBudget
+from ephemeral.clock import SYSTEM, Clock
 from ephemeral.closing import close, record
 from ephemeral.events import redact_for_zdr
 from ephemeral.ids import new_run_id, rfc3339, utcnow
@@ -185,7 +186,7 @@ class Live:
     policy: Policy
     sandbox: Sandbox
     budget: RunBudget
-    deadline: float  # monotonic
+    deadline: float  # the sessions' clock.monotonic()
     store: Store
     web: WebCharges
     egress: Egress | None = None  # the sandbox's proxy, when web or connections are granted
@@ -254,12 +255,15 @@ class Sessions:
         price_book: PriceBook,
         sandboxes: SandboxSource,
         owner: str,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.settings = settings
         self.store = store
         self.price_book = price_book
         self.sandboxes = sandboxes
         self.owner = owner
+        # a session's time limit, compute deadline and watchdog (its tests move a fake one)
+        self.clock = clock
         self._live: dict[str, Live] = {}
         self._starting: set[str] = set()  # admitted, sandbox on its way
         # Creates of one kind of sandbox start in the order they came, as many at once as
@@ -383,9 +387,12 @@ class Sessions:
             sandbox = await self.sandboxes.acquire(policy, row.id, limits, row.image_hash)
             rate = self.sandboxes.compute_rate(limits, self.price_book)
             budget = RunBudget(
-                reserved_micros=row.reserved_micros, compute_micros_per_second=float(rate)
+                reserved_micros=row.reserved_micros,
+                compute_micros_per_second=float(rate),
+                clock=self.clock,
             )
-            budget.sandbox_started = time.monotonic()
+            booted = time.monotonic()
+            budget.sandbox_started = self.clock.monotonic()
             live = Live(
                 id=row.id,
                 org_id=row.org_id,
@@ -416,7 +423,7 @@ class Sessions:
                 "isolation": sandbox.isolation,
                 "image": sandbox.image,
                 "image_hash": built.hash if built else None,
-                "boot_ms": int((budget.sandbox_started - t0) * 1000),
+                "boot_ms": int((booted - t0) * 1000),
                 "queue_wait_ms": 0,
                 "runtime": sandbox.runtime,
             }
@@ -642,7 +649,7 @@ class Sessions:
             left = live.time_left()
             if left <= 0 or live.stop() is not None:
                 break
-            await asyncio.sleep(min(left, 1.0))
+            await self.clock.sleep(min(left, 1.0))
         if live.inflight:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(live.idle.wait(), DEADLINE_GRACE_SECONDS)
@@ -653,7 +660,7 @@ class Sessions:
         if stop is not None:  # egress: its budget ran out, or the broker failed
             await self._finish(live, stop.reason, stop.detail)
             return
-        if time.monotonic() >= live.deadline:
+        if self.clock.monotonic() >= live.deadline:
             reason = TerminationReason.TIMEOUT
             detail = f"time limit of {live.policy.timeout_seconds} s reached"
         else:
@@ -679,7 +686,7 @@ class Sessions:
             await live.sandbox.destroy()
         finally:
             budget = live.budget
-            budget.sandbox_stopped = time.monotonic()
+            budget.sandbox_stopped = self.clock.monotonic()
             await live.web.flush()
             charged = await self.store.charged(live.id)
             compute = compute_charge(

@@ -15,6 +15,8 @@ from ephemeral.sandbox import images
 from ephemeral.sandbox.base import AGENT_CAPS
 from ephemeral.service import Runtime
 from ephemeral.sessions import ExecRequest, SessionRequest
+from ephemeral.store import RunRow
+from ephemeral.testing.clock import FakeClock
 from tests.drivers import built_image
 
 pytestmark = pytest.mark.sandbox
@@ -92,21 +94,31 @@ async def test_session_lifecycle_money_and_records(
     assert listed == []
 
 
+async def _settled(runtime: Runtime, org: str, session_id: str) -> RunRow:
+    """The session once settled in the store and let go here (what its watchdog does)."""
+    async with asyncio.timeout(30):
+        while not (done := await runtime.sessions.get(session_id, org)).settled or (
+            runtime.sessions.owns(session_id)
+        ):
+            await asyncio.sleep(0.01)
+    return done
+
+
 async def test_time_limit_ends_the_session(runtime: Runtime, org: str, isolation: str) -> None:
+    clock = runtime.sessions.clock = FakeClock()
     row, _ = await runtime.sessions.create(
         org, SessionRequest(isolation=isolation, timeout_seconds=2)
     )
+    clock.advance(1.95)  # a command started now is cut at the session's deadline
     res = await runtime.sessions.exec(row.id, org, ExecRequest(command="sleep 30"))
     assert res.timed_out  # cut at the session's deadline
-    async with asyncio.timeout(30):  # settled in the store, then let go here
-        while not (done := await runtime.sessions.get(row.id, org)).settled or (
-            runtime.sessions.owns(row.id)
-        ):
-            await asyncio.sleep(0.1)
+    clock.advance(0.1)  # past the deadline: the session's watchdog ends it
+    done = await _settled(runtime, org, row.id)
     assert done.status == "timed_out"  # no sandbox handle left: the runtime fixture checks
 
 
 async def test_budget_cap_ends_the_session(runtime: Runtime, org: str, isolation: str) -> None:
+    clock = runtime.sessions.clock = FakeClock()
     limits = runtime.sandboxes.limits(60)
     rate = runtime.price_book.compute_micros(
         vcpu_seconds=limits.cpus, gib_seconds=limits.memory_mib / 1024
@@ -115,9 +127,8 @@ async def test_budget_cap_ends_the_session(runtime: Runtime, org: str, isolation
     row, _ = await runtime.sessions.create(
         org, SessionRequest(isolation=isolation, timeout_seconds=60, max_cost_micros=budget)
     )
-    async with asyncio.timeout(15):
-        while not (done := await runtime.sessions.get(row.id, org)).settled:
-            await asyncio.sleep(0.1)
+    clock.advance(1.5)  # compute has used the budget up: the watchdog ends the session
+    done = await _settled(runtime, org, row.id)
     assert done.status == "budget_exhausted"
     assert done.charged_micros <= budget
     assert done.charged_micros + done.refunded_micros == budget

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -14,6 +15,7 @@ from ephemeral.ids import new_run_id, utcnow
 from ephemeral.lifecycle import RunStatus, TerminationReason
 from ephemeral.store import Org, RunRow, Store
 from ephemeral.store.schema import process_leases
+from ephemeral.testing.clock import FakeClock
 from tests.store.storehelp import policy
 
 
@@ -97,25 +99,39 @@ async def _lease_expires(store: Store, owner: str) -> object:
         )
 
 
+async def _until(done: Callable[[], bool]) -> None:
+    """Wait for the lease's thread to act on a clock move (its store write takes real time)."""
+    async with asyncio.timeout(60):
+        while not done():
+            await asyncio.sleep(0.01)
+
+
 async def test_a_process_lease_is_renewed_while_the_loop_turns_and_lapses_when_it_is_wedged(
     store: Store, db_url: str
 ) -> None:
-    lease = leases.ProcessLease(db_url, "host-a:9:9", "a", lease_seconds=0.6)
+    clock = FakeClock()
+    lease = leases.ProcessLease(db_url, "host-a:9:9", "a", lease_seconds=30, clock=clock)
     await lease.start()
     try:
         assert await _lease_expires(store, "host-a:9:9") is not None  # held from start()
         renewals = lease.renewals
-        deadline = time.monotonic() + 60
-        while lease.renewals < renewals + 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        for n in (1, 2):  # a third of a lease passes, twice, the loop turning
+            clock.advance(10)
+            await _until(lambda n=n: lease.renewals >= renewals + n)  # type: ignore[misc]
         assert lease.renewals >= renewals + 2  # renewed by its thread, the loop only turning
-        # a loop wedged for several leases (blocking call): the thread stops renewing
-        time.sleep(0.6 * 6)
+        # a loop wedged for two leases (a blocking call: this one waits for the thread without
+        # letting the loop turn): the thread stops renewing
+        clock.advance(60)
+        deadline = time.monotonic() + 60
+        while lease.stalls == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lease.stalls > 0
         wedged = await _lease_expires(store, "host-a:9:9")
-        assert wedged < utcnow()  # type: ignore[operator]
+        assert wedged < clock.now()  # type: ignore[operator]
         renewals = lease.renewals
-        while lease.renewals == renewals and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)  # turning again: renewed again
+        await asyncio.sleep(0)  # turning again (the ticker marks it): renewed again
+        clock.advance(10)
+        await _until(lambda: lease.renewals > renewals)
         assert (await _lease_expires(store, "host-a:9:9")) > wedged  # type: ignore[operator]
     finally:
         await lease.stop()
