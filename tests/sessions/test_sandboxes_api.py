@@ -11,6 +11,7 @@ import pytest
 
 from ephemeral.api.auth import PAGE_COOKIE
 from ephemeral.service import Runtime
+from ephemeral.testing.clock import FakeClock
 from tests.api.conftest import Member, new_member
 
 pytestmark = pytest.mark.sandbox
@@ -162,14 +163,16 @@ async def test_idempotency_and_402(
 
 
 async def test_time_limit_and_zdr_over_http(
-    http: httpx.AsyncClient, member: Member, isolation: str
+    runtime: Runtime, http: httpx.AsyncClient, member: Member, isolation: str
 ) -> None:
+    clock = runtime.sessions.clock = FakeClock()  # the limit comes when the test says
     h = member.headers
     sbx = await _create(http, member, isolation, timeout_seconds=1, zero_data_retention=True)
     r = await http.post(
         f"/v1/sandboxes/{sbx['id']}/exec", json={"command": "echo private"}, headers=h
     )
     assert r.json()["stdout"] == "private\n"
+    clock.advance(1)
     async with asyncio.timeout(10):
         while (await http.get(f"/v1/sandboxes/{sbx['id']}", headers=h)).json()["status"] == (
             "running"
