@@ -44,7 +44,7 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ephemeral import errors
 from ephemeral.settings import Settings
@@ -232,6 +232,25 @@ def _frame(header: dict[str, Any], body: bytes) -> bytes:
     return struct.pack(">I", len(raw)) + raw + body
 
 
+def split_frame(frame: bytes) -> tuple[dict[str, Any], bytes]:
+    """A whole frame handed over in one piece (no socket): its checked header and its body."""
+    if len(frame) < 4:
+        raise LinkError("a frame shorter than its length prefix")
+    size = _header_size(frame[:4])
+    header = _parse_header(frame[4 : 4 + size])
+    body = frame[4 + size :]
+    if len(body) != header["body_len"]:
+        raise LinkError(
+            f"a frame body of {len(body)} bytes where its header says {header['body_len']}"
+        )
+    return header, body
+
+
+def _refusal(why: str) -> bytes:
+    # Unsigned: whoever sent the request is trusted with nothing but the refusal.
+    return _frame({"v": VERSION, "refused": why, "body_len": 0}, b"")
+
+
 def _sha(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
@@ -289,6 +308,7 @@ class LinkServer:
         self._sweeper: asyncio.TimerHandle | None = None
         self.refused: Counter[str] = Counter()  # why connections were turned away, since start
         self._log_after = 0.0
+        self.closed = False
 
     async def start(self, address: str, port: int = 0) -> str:
         bind = check_bind_address(address)
@@ -310,6 +330,7 @@ class LinkServer:
         return self.address
 
     async def close(self) -> None:
+        self.closed = True
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self._sock is not None:
@@ -430,7 +451,7 @@ class LinkServer:
         self._authenticated(conn)
         if refusal:  # unsigned: whoever sent it is trusted with nothing but the refusal
             with contextlib.suppress(OSError):
-                conn.sock.send(_frame({"v": VERSION, "refused": refusal, "body_len": 0}, b""))
+                conn.sock.send(_refusal(refusal))
                 # A close with unread input is a reset, which can cost the peer the refusal:
                 # take what already arrived (a small body), not what a large one still sends.
                 for _ in range(DRAIN_READS):
@@ -538,10 +559,25 @@ class LinkServer:
             else:
                 writer.close()  # after what is still buffered (a refusal, an answer's tail)
 
+    async def exchange(self, frame: bytes) -> bytes:
+        """Answer one whole request frame handed over in this process (the in-memory
+        transport's way in): judged as a connection's frames are, refused unsigned the same."""
+        try:
+            header, body = split_frame(frame)
+        except LinkError as exc:
+            return _refusal(str(exc))
+        why = self._fresh(header)
+        if why is not None:
+            self._turned_away(f"refused a request: {why}", "in-process")
+            return _refusal(why)
+        if _sha(body) != header.get("body_sha256"):
+            return _refusal("the body does not match its signed hash")
+        return await self._answer(header, body)
+
     async def _refuse(self, writer: asyncio.StreamWriter, why: str) -> None:
         # Unsigned: whoever sent it cannot be trusted with anything but the refusal.
         with contextlib.suppress(Exception):
-            writer.write(_frame({"v": VERSION, "refused": why, "body_len": 0}, b""))
+            writer.write(_refusal(why))
             await writer.drain()
 
     async def _answer(self, header: dict[str, Any], body: bytes) -> bytes:
@@ -573,73 +609,63 @@ class LinkServer:
         return _frame(resp, out)
 
 
-class LinkClient:
-    """An API process's end: signed calls to hosts, over a few pooled connections each."""
+class Expect:
+    """What the answer to one request must be: signed by the key over this request's nonce,
+    and its body the one its header names. A transport asks it of the header before it reads
+    the body, and of the body once read."""
 
-    def __init__(self, key: bytes, sender: str) -> None:
-        self.key = key
-        self.sender = sender
+    def __init__(self, key: bytes, peer: Peer, nonce: str) -> None:
+        self.key, self.peer, self.nonce = key, peer, nonce
+
+    def header(self, resp: dict[str, Any]) -> None:
+        if "refused" in resp:
+            raise LinkRefused(f"host {self.peer.host} refused the request: {resp['refused']}")
+        if not _verify(self.key, _RESP, resp) or resp.get("re") != self.nonce:
+            raise LinkError(f"host {self.peer.host} answered without a valid signature")
+
+    def body(self, resp: dict[str, Any], out: bytes) -> None:
+        if _sha(out) != resp.get("body_sha256"):
+            raise LinkError(f"host {self.peer.host}'s answer does not match its hash")
+
+
+class Transport(Protocol):
+    """Moves one signed request frame to the host at ``address`` and its answer back (in the
+    manner of httpx's ``BaseTransport``): the :class:`LinkClient` signs and checks, a transport
+    only carries bytes. :class:`TCPTransport` is the real one; tests use
+    ``ephemeral.testing.hostlink.MemoryTransport``, which hands the frame to a
+    :class:`LinkServer` in this process. Failing to reach the host is an ``OSError``."""
+
+    async def exchange(
+        self, address: str, frame: bytes, expect: Expect
+    ) -> tuple[dict[str, Any], bytes]: ...
+
+    def forget(self, address: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class TCPTransport:
+    """A few pooled TCP connections per host."""
+
+    def __init__(self) -> None:
         self._idle: dict[str, deque[tuple[float, asyncio.StreamReader, asyncio.StreamWriter]]] = {}
 
-    async def call(
-        self,
-        peer: Peer,
-        op: str,
-        args: dict[str, Any],
-        body: bytes = b"",
-        *,
-        timeout: float,
+    async def exchange(
+        self, address: str, frame: bytes, expect: Expect
     ) -> tuple[dict[str, Any], bytes]:
-        """Ask ``peer`` to do ``op``; its result and body. A problem it answered is raised as
-        the error it names; an unreachable, silent or unauthentic host as :class:`LinkError`."""
-        check_peer_address(peer.address)
-        nonce = secrets.token_hex(16)
-        header = {
-            "v": VERSION,
-            "op": op,
-            "args": args,
-            "from": self.sender,
-            "to": peer.host,
-            "instance": peer.instance,
-            "ts": time.time(),
-            "nonce": nonce,
-            "body_len": len(body),
-            "body_sha256": _sha(body),
-        }
-        header["sig"] = _sign(self.key, _REQ, header)
+        reader, writer = await self._connect(address)
         try:
-            async with asyncio.timeout(timeout):
-                reader, writer = await self._connect(peer.address)
-                try:
-                    writer.write(_frame(header, body))
-                    await writer.drain()
-                    resp = await _read_header(reader)
-                    if "refused" in resp:
-                        raise LinkRefused(
-                            f"host {peer.host} refused the request: {resp['refused']}"
-                        )
-                    if not _verify(self.key, _RESP, resp) or resp.get("re") != nonce:
-                        raise LinkError(f"host {peer.host} answered without a valid signature")
-                    out = await reader.readexactly(resp["body_len"])
-                    if _sha(out) != resp.get("body_sha256"):
-                        raise LinkError(f"host {peer.host}'s answer does not match its hash")
-                except BaseException:
-                    writer.close()
-                    raise
-        except TimeoutError as exc:
-            raise LinkError(f"host {peer.host} did not answer within {timeout:.0f} s") from exc
-        except (OSError, asyncio.IncompleteReadError) as exc:
-            raise LinkError(f"host {peer.host} is unreachable: {type(exc).__name__}") from exc
-        self._release(peer.address, reader, writer)
-        if resp.get("status") != 200:
-            problem = resp.get("problem") or {}
-            slug = str(problem.get("type", "")).rsplit("/", 1)[-1] or None
-            cls = errors.error_for(int(resp.get("status", 500)), slug)
-            raise cls(
-                str(problem.get("detail", "failed on the host")), errors=problem.get("errors")
-            )
-        result = resp.get("result")
-        return (result if isinstance(result, dict) else {}), out
+            writer.write(frame)
+            await writer.drain()
+            resp = await _read_header(reader)
+            expect.header(resp)
+            out = await reader.readexactly(resp["body_len"])
+            expect.body(resp, out)
+        except BaseException:
+            writer.close()
+            raise
+        self._release(address, reader, writer)
+        return resp, out
 
     async def _connect(self, address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         idle = self._idle.get(address)
@@ -670,6 +696,67 @@ class LinkClient:
     async def close(self) -> None:
         for address in list(self._idle):
             self.forget(address)
+
+
+class LinkClient:
+    """An API process's end: signed calls to hosts, over ``transport`` (TCP by default)."""
+
+    def __init__(self, key: bytes, sender: str, transport: Transport | None = None) -> None:
+        self.key = key
+        self.sender = sender
+        self.transport: Transport = transport if transport is not None else TCPTransport()
+
+    async def call(
+        self,
+        peer: Peer,
+        op: str,
+        args: dict[str, Any],
+        body: bytes = b"",
+        *,
+        timeout: float,
+    ) -> tuple[dict[str, Any], bytes]:
+        """Ask ``peer`` to do ``op``; its result and body. A problem it answered is raised as
+        the error it names; an unreachable, silent or unauthentic host as :class:`LinkError`."""
+        check_peer_address(peer.address)
+        nonce = secrets.token_hex(16)
+        header = {
+            "v": VERSION,
+            "op": op,
+            "args": args,
+            "from": self.sender,
+            "to": peer.host,
+            "instance": peer.instance,
+            "ts": time.time(),
+            "nonce": nonce,
+            "body_len": len(body),
+            "body_sha256": _sha(body),
+        }
+        header["sig"] = _sign(self.key, _REQ, header)
+        try:
+            async with asyncio.timeout(timeout):
+                resp, out = await self.transport.exchange(
+                    peer.address, _frame(header, body), Expect(self.key, peer, nonce)
+                )
+        except TimeoutError as exc:
+            raise LinkError(f"host {peer.host} did not answer within {timeout:.0f} s") from exc
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            raise LinkError(f"host {peer.host} is unreachable: {type(exc).__name__}") from exc
+        if resp.get("status") != 200:
+            problem = resp.get("problem") or {}
+            slug = str(problem.get("type", "")).rsplit("/", 1)[-1] or None
+            cls = errors.error_for(int(resp.get("status", 500)), slug)
+            raise cls(
+                str(problem.get("detail", "failed on the host")), errors=problem.get("errors")
+            )
+        result = resp.get("result")
+        return (result if isinstance(result, dict) else {}), out
+
+    def forget(self, address: str) -> None:
+        """Close the idle connections to a host (it restarted, or stopped answering)."""
+        self.transport.forget(address)
+
+    async def close(self) -> None:
+        await self.transport.close()
 
 
 def check_peer_address(address: str) -> None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ephemeral import errors
 from ephemeral.closing import close
-from ephemeral.hostlink import LinkClient, LinkError, LinkRefused, Peer
+from ephemeral.hostlink import LinkClient, LinkError, LinkRefused, Peer, Transport
 from ephemeral.ids import utcnow
 from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus, TerminationReason
 from ephemeral.policy import Policy
@@ -59,11 +59,17 @@ CALL_MARGIN_SECONDS = 30.0  # past a command's own deadline before a call counts
 RETRY_SECONDS = 0.2  # between rounds over the hosts when every one was full
 
 
-def install(runtime: Runtime) -> None:
+def install(runtime: Runtime, transport: Transport | None = None) -> None:
     """Make the runtime's sessions placed ones (called by ``ephemeral serve`` when it
-    dispatches). Nothing of it starts until the first session."""
+    dispatches). Nothing of it starts until the first session. ``transport``: how the channel
+    reaches hosts (TCP unless a test hands an in-memory one)."""
     runtime.sessions = PlacedSessions(
-        runtime.settings, runtime.store, runtime.price_book, runtime.sandboxes, runtime.owner
+        runtime.settings,
+        runtime.store,
+        runtime.price_book,
+        runtime.sandboxes,
+        runtime.owner,
+        transport=transport,
     )
 
 
@@ -79,8 +85,11 @@ class PlacedSessions(Sessions):
         price_book: PriceBook,
         sandboxes: SandboxSource,
         owner: str,
+        *,
+        transport: Transport | None = None,
     ) -> None:
         super().__init__(settings, store, price_book, sandboxes, owner)
+        self._transport = transport
         self._link: LinkClient | None = None
         self._directory: tuple[float, list[hosts.HostRow]] = (0.0, [])
         self._pending: Counter[str] = Counter()  # placements in flight per host, from here
@@ -89,7 +98,9 @@ class PlacedSessions(Sessions):
         if self._link is None:
             from ephemeral.session_host import ensure_seal_key
 
-            self._link = LinkClient(ensure_seal_key(self.settings), self.settings.host_id)
+            self._link = LinkClient(
+                ensure_seal_key(self.settings), self.settings.host_id, self._transport
+            )
         return self._link
 
     # the directory -------------------------------------------------------------------------

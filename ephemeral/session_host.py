@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -66,10 +67,21 @@ class SessionHost:
         self.taking = True  # False once draining: new sessions go to other hosts
 
     @classmethod
-    async def start(cls, runtime: Runtime, *, slots: int) -> SessionHost:
+    async def start(
+        cls,
+        runtime: Runtime,
+        *,
+        slots: int,
+        listen: Callable[[LinkServer], Awaitable[str]] | None = None,
+    ) -> SessionHost:
+        """``listen``: how the channel's server is reached (a TCP socket on the settings'
+        address, unless a test serves it in memory: ``MemoryTransport.listen``)."""
         settings = runtime.settings
         host = cls(runtime, slots)
-        address = await host.server.start(settings.link_address, settings.link_port)
+        if listen is None:
+            address = await host.server.start(settings.link_address, settings.link_port)
+        else:
+            address = await listen(host.server)
         await host._register()
         host._tend_task = asyncio.create_task(host._tend(), name="session-host")
         log.warning("host %s takes sessions on %s (%d slots)", runtime.host, address, slots)

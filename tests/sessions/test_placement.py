@@ -1,8 +1,9 @@
 """Placement of sessions on worker hosts, in one process (issue 22; docs/deploy.md, "Sessions
 on worker hosts"): an API runtime with placed sessions and a host runtime with a
 :class:`~ephemeral.session_host.SessionHost`, sharing one SQLite store and one seal key, talking
-over the real internal channel on 127.0.0.1. The multi-process version, with host death, is
-``tests/cluster/test_sessions_placed.py``."""
+over the internal channel: on 127.0.0.1 (``tcp``) and, the same tests again, through the
+in-memory transport (``memory``: every check of the channel but the socket). The
+multi-process version, with host death, is ``tests/cluster/test_sessions_placed.py``."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ephemeral.service import Runtime
 from ephemeral.session_host import SessionHost
 from ephemeral.settings import Settings
 from ephemeral.store import hosts
+from ephemeral.testing.hostlink import MemoryTransport
 from tests.api.conftest import Member, new_member
 
 BODY = {"isolation": "namespaces", "timeout_seconds": 120, "max_cost_micros": 50_000}
@@ -37,13 +39,19 @@ def settings_for(tmp: Path, name: str, **over: object) -> Settings:
     )
 
 
+@pytest.fixture(params=["tcp", "memory"])
+def link(request: pytest.FixtureRequest) -> MemoryTransport | None:
+    """The channel's transport: None for TCP, else the in-memory one."""
+    return MemoryTransport() if request.param == "memory" else None
+
+
 @pytest.fixture
-async def api(tmp_path: Path) -> AsyncIterator[Runtime]:
+async def api(tmp_path: Path, link: MemoryTransport | None) -> AsyncIterator[Runtime]:
     # no watchdog: in one process the host's sessions carry this process's owner
     rt = await Runtime.start(
         settings_for(tmp_path, "api", placement_timeout_seconds=1.5), recover=False, watchdog=False
     )
-    placement.install(rt)
+    placement.install(rt, link)
     try:
         yield rt
     finally:
@@ -98,10 +106,14 @@ async def test_a_host_that_does_not_answer_ends_the_session_failed_and_refunded(
 
 @pytest.mark.sandbox
 async def test_a_placed_session_is_driven_through_the_host(
-    tmp_path: Path, api: Runtime, http: httpx.AsyncClient, member: Member
+    tmp_path: Path,
+    api: Runtime,
+    http: httpx.AsyncClient,
+    member: Member,
+    link: MemoryTransport | None,
 ) -> None:
     host_rt = await Runtime.start(settings_for(tmp_path, "h1"), recover=False, watchdog=False)
-    host = await SessionHost.start(host_rt, slots=1)
+    host = await SessionHost.start(host_rt, slots=1, listen=link.listen if link else None)
     try:
         h = member.headers
         r = await http.post("/v1/sandboxes", json=BODY, headers=h)
@@ -114,6 +126,7 @@ async def test_a_placed_session_is_driven_through_the_host(
 
         r = await http.post(f"/v1/sandboxes/{sid}/exec", json={"command": "echo hi"}, headers=h)
         assert r.status_code == 200 and r.json()["stdout"] == "hi\n", r.text
+        assert link is None or link.frames >= 2  # the start and the exec: never a socket
         r = await http.put(
             f"/v1/sandboxes/{sid}/files", params={"path": "a.txt"}, content=b"data", headers=h
         )
