@@ -18,7 +18,11 @@ so the load's drift touches all alike), measures its boot (spawn until the agent
   ``/usr/bin/python3 -I -S -c pass`` (the same build as the image's) and the runtime's, through
   its own loader, from its host directory.
 
-Then p50 / min / max of each and each p50's ratio to the floor's p50.
+Then p50 / p90 / min / max of each and each p50's ratio to the floor's p50, and the issue's
+figure (issue 36: gVisor cold start <= 1.1x bare ``runsc``): the ``runtime`` boot's p50 and p90
+over the floor's, and the same for ``runtime: first reply`` (spawn until the reply to the first
+``exec true``: the hello plus the first request's round trip, what a caller waits for).
+``--variants runtime`` measures only the drivers' own path (and the floors).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import asyncio
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -65,7 +70,8 @@ def floors(level: str, rootfs: Path, state: str, runtime: Path) -> dict[str, lis
     return {"floor": bwrap}
 
 
-async def boot_once(settings: Settings, level: str, variant: str) -> float:
+async def boot_once(settings: Settings, level: str, variant: str) -> tuple[float, float]:
+    """(boot, first reply) in ms: spawn until the hello, and create until ``true``'s reply."""
     driver = registry.get_driver(level, settings)
     assert isinstance(driver, ProcessDriver)
     if variant == "image python":
@@ -76,31 +82,43 @@ async def boot_once(settings: Settings, level: str, variant: str) -> float:
     if variant == "runtime, mounts shared":
         argv = GVisorDriver.runsc_argv
         driver.runsc_argv = lambda *a: [x for x in argv(*a) if x != EXCLUSIVE]  # type: ignore[attr-defined]
+    t0 = time.perf_counter()
     sbx = await driver.create(owner="bench", limits=Limits())
     try:
         res = await sbx.exec("true")
+        first = (time.perf_counter() - t0) * 1000
         if res.exit_code != 0:
             raise SystemExit(f"{level} {variant}: true exited {res.exit_code}: {res.stderr}")
-        return float(sbx.boot_ms)
+        return float(sbx.boot_ms), first
     finally:
         await sbx.destroy()
 
 
-async def level_bench(settings: Settings, busybox: str, level: str, n: int) -> None:
+def p90(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=10, method="inclusive")[-1]
+
+
+async def level_bench(settings: Settings, busybox: str, level: str, n: int, only: set[str]) -> None:
     rootfs = await images.ensure_image(settings)
     variants = {"image python": settings, "runtime": settings}
     if level == "gvisor":
         variants["runtime, mounts shared"] = settings
     variants["runtime, busybox image"] = settings.model_copy(update={"image": busybox})
+    variants = {k: v for k, v in variants.items() if not only or k in only}
     runtime = await agent_runtime.ensure_runtime(settings)
     with tempfile.TemporaryDirectory(prefix="bench-runsc-") as state:
         bare = floors(level, rootfs, state, runtime.root)
         times: dict[str, list[float]] = {v: [] for v in [*variants, *bare]}
+        if "runtime" in variants:
+            times["runtime: first reply"] = []
         for name, s in variants.items():  # warm: the runtime's build, the image checks
             await boot_once(s, level, name)
         for _ in range(n):
             for name, s in variants.items():
-                times[name].append(await boot_once(s, level, name))
+                boot, first = await boot_once(s, level, name)
+                times[name].append(boot)
+                if name == "runtime":
+                    times["runtime: first reply"].append(first)
             for name, argv in bare.items():
                 times[name].append(await timed_proc(argv))
     floor = statistics.median(times["floor"])
@@ -108,15 +126,25 @@ async def level_bench(settings: Settings, busybox: str, level: str, n: int) -> N
     for name, xs in times.items():
         p50 = statistics.median(xs)
         print(
-            f"  {name:32} p50 {p50:7.1f}  min {min(xs):7.1f}  max {max(xs):7.1f}"
-            f"  {p50 / floor:5.2f}x floor"
+            f"  {name:32} p50 {p50:7.1f}  p90 {p90(xs):7.1f}  min {min(xs):7.1f}"
+            f"  max {max(xs):7.1f}  {p50 / floor:5.2f}x floor"
         )
+    bare_name = "bare runsc do true" if level == "gvisor" else "bare bwrap true"
+    for name in ("runtime", "runtime: first reply"):
+        if name in times:
+            xs, fl = times[name], times["floor"]
+            print(
+                f"  {level} cold start, {name} / {bare_name}: p50 {statistics.median(xs):.1f} / "
+                f"{floor:.1f} = {statistics.median(xs) / floor:.2f}x, "
+                f"p90 {p90(xs):.1f} / {p90(fl):.1f} = {p90(xs) / p90(fl):.2f}x"
+            )
 
 
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--levels", default="gvisor,namespaces")
     ap.add_argument("--n", type=int, default=10)
+    ap.add_argument("--variants", default="", help="comma-separated subset (default: all)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-agent-runtime-") as tmp:
         settings = Settings.load(state_dir=Path(tmp) / "state", use_prefect=False)
@@ -125,7 +153,8 @@ async def main() -> None:
         images.register_rootfs(settings, busybox, Path(tmp) / "busybox", digest=f"bench:{tmp}")
         try:
             for level in args.levels.split(","):
-                await level_bench(settings, busybox, level, args.n)
+                only = {v for v in args.variants.split(",") if v}
+                await level_bench(settings, busybox, level, args.n, only)
         finally:
             images.remove_images(settings, busybox)
 
