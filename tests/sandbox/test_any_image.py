@@ -75,11 +75,41 @@ async def test_every_module_the_agent_imports_is_in_the_runtime(make_sandbox: Fa
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
-    assert {"socket", "threading", "ctypes", "resource"} <= names
+    assert {"socket", "threading", "ctypes", "resource", agent_runtime.NATIVE} <= names
+    names.discard(agent_runtime.NATIVE)  # optional (built where the host can): the test below
     sbx = await make_sandbox()
     python = shlex.join(agent_runtime.AgentRuntime(Path("/"), "-").argv()[:-1])
     res = await sbx.exec(f"{python} -c 'import {', '.join(sorted(names))}; print(\"ok\")'")
     assert (res.exit_code, res.stdout) == (0, "ok\n"), res.stderr
+
+
+async def test_the_agent_starts_on_the_runtimes_own_system_calls(
+    make_sandbox: Factory, sandbox_settings: Settings
+) -> None:
+    """The runtime's ``_ephemeral_agent`` (agent_sys.c) stands in for ctypes and resource at the
+    agent's start (~25 ms of a gVisor cold start), and its calls do what theirs did."""
+    runtime = await agent_runtime.ensure_runtime(sandbox_settings)
+    if not list(runtime.root.glob(f"lib/python3.*/lib-dynload/{agent_runtime.NATIVE}.*.so")):
+        pytest.skip("no Python.h of the runtime's python on this host: the agent uses ctypes")
+    sbx = await make_sandbox(memory_mib=300)
+    # a second agent, as a worker's command: its hello on stdout, then stdin's EOF ends it
+    *python, script = runtime.argv()
+    argv = [*python, "-X", "importtime", script, "--max-memory-mib", "64"]
+    res = await sbx.exec(f"{shlex.join(argv)} </dev/null")
+    assert res.exit_code == 0 and '"type":"hello"' in res.stdout, res.stderr
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in res.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert agent_runtime.NATIVE in imported, res.stderr
+    assert not imported & {"ctypes", "_ctypes", "resource"}, res.stderr
+    # the sandbox's own agent through it: commands lose every capability as the worker, and
+    # get the address-space cap under gVisor (the namespaces driver sets none)
+    caps = await sbx.exec("grep -E '^Cap(Inh|Prm|Eff)' /proc/self/status")
+    assert [line.split()[1] for line in caps.stdout.splitlines()] == ["0" * 16] * 3
+    if sbx.isolation == "gvisor":
+        assert (await sbx.exec("ulimit -v")).stdout == f"{300 * 1024}\n"
 
 
 async def _egress_round_trip(sbx: Sandbox) -> None:

@@ -349,6 +349,43 @@ class as_user:
         return False
 
 
+def _native():
+    """The agent runtime's ``_ephemeral_agent`` (ephemeral/sandbox/agent_sys.c: prctl, capset,
+    rlimits), or None where it is absent (a microVM runs us on the image's python): then ctypes
+    and resource, which cost ~25 ms of a gVisor cold start between them."""
+    try:
+        import _ephemeral_agent
+    except ImportError:
+        return None
+    return _ephemeral_agent
+
+
+def _syscalls():
+    """(prctl, capset): ``prctl(option, arg)`` and ``capset(effective, permitted, inheritable)``
+    (the low 32 capabilities of this thread), each raising OSError on failure."""
+    native = _native()
+    if native is not None:
+        return native.prctl, native.capset
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, self
+    caps = ctypes.c_uint32 * 6  # a type made here, not in a forked child
+
+    def prctl(option, arg=0):
+        r = libc.prctl(option, arg, 0, 0, 0)
+        if r < 0:
+            raise OSError(ctypes.get_errno(), "prctl")
+        return r
+
+    def capset(effective, permitted, inheritable):
+        data = caps(effective, permitted, inheritable, 0, 0, 0)
+        if libc.syscall(SYS_CAPSET, header, data) != 0:
+            raise OSError(ctypes.get_errno(), "capset")
+
+    return prctl, capset
+
+
 def set_subreaper_and_undumpable():
     """Orphans of a command re-parent to us, so a deadline can find and kill them. As pid 1
     (bwrap --as-pid-1, gVisor) that is already so. A root agent also turns itself non-dumpable:
@@ -356,41 +393,46 @@ def set_subreaper_and_undumpable():
     /proc/<pid>/fd, even if it shared our uid. A non-root agent shares the worker's uid anyway."""
     subreaper = os.getpid() != 1
     if not (subreaper or is_root()):
-        return  # skip the costly ctypes import
+        return  # skip loading the system calls' module
     global CAPSET
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
+    prctl, capset = _syscalls()
     if subreaper:
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        try:
+            prctl(PR_SET_CHILD_SUBREAPER, 1)
+        except OSError:
+            pass  # best effort: kill_all still finds the commands' own groups
     if is_root():
-        if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-            raise ProtocolError(f"prctl(PR_SET_DUMPABLE, 0) failed: errno {ctypes.get_errno()}")
-        # Built here, called in a forked child (which may not import): an all-zero capset.
-        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, self
-        data = (ctypes.c_uint32 * 6)()
-        CAPSET = lambda: libc.syscall(SYS_CAPSET, header, data)  # noqa: E731
+        try:
+            prctl(PR_SET_DUMPABLE, 0)
+        except OSError as exc:
+            raise ProtocolError(f"prctl(PR_SET_DUMPABLE, 0) failed: errno {exc.errno}") from None
+        # Made here, called in a forked child (which may not import): an all-zero capset.
+        CAPSET = lambda: capset(0, 0, 0)  # noqa: E731
         if DROP_BOUNDING_SET:
-            drop_bounding_set(ctypes, libc)
+            drop_bounding_set(prctl, capset)
 
 
-def drop_bounding_set(ctypes, libc):
+def drop_bounding_set(prctl, capset):
     """Cut the bounding set to AGENT_CAP_BITS, then drop CAP_SETPCAP (which the drop needed)
     from our own sets. bwrap leaves a full bounding set in the namespace: held back only by
     no-new-privileges, a root command could otherwise regain any capability at exec."""
     mask = sum(1 << bit for bit in AGENT_CAP_BITS)
     for cap in range(64):
-        held = libc.prctl(PR_CAPBSET_READ, cap, 0, 0, 0)
-        if held < 0:
+        try:
+            held = prctl(PR_CAPBSET_READ, cap)
+        except OSError:
             break  # past the kernel's last capability
-        if held and cap not in AGENT_CAP_BITS and libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0):
-            raise ProtocolError(f"PR_CAPBSET_DROP {cap}: errno {ctypes.get_errno()}")
-    header = (ctypes.c_uint32 * 2)(0x20080522, 0)
-    # effective, permitted, inheritable (low 32 bits; then the high 32): the six, no SETPCAP.
-    # The ambient set loses whatever leaves permitted or inheritable.
-    data = (ctypes.c_uint32 * 6)(mask, mask, mask, 0, 0, 0)
-    if libc.syscall(SYS_CAPSET, header, data) != 0:
-        raise ProtocolError(f"capset: errno {ctypes.get_errno()}")
+        if held and cap not in AGENT_CAP_BITS:
+            try:
+                prctl(PR_CAPBSET_DROP, cap)
+            except OSError as exc:
+                raise ProtocolError(f"PR_CAPBSET_DROP {cap}: errno {exc.errno}") from None
+    # effective, permitted, inheritable: the six, no SETPCAP. The ambient set loses whatever
+    # leaves permitted or inheritable.
+    try:
+        capset(mask, mask, mask)
+    except OSError as exc:
+        raise ProtocolError(f"capset: errno {exc.errno}") from None
     with open("/proc/self/status", "rb") as fh:
         status = dict(line.split(b":\t", 1) for line in fh.read().splitlines() if b":\t" in line)
     if int(status.get(b"CapBnd", b"f" * 16), 16) != mask:
@@ -955,8 +997,8 @@ def _demote(ids=None):
         os.setgid(gid)
         os.setuid(uid)
         # setuid cleared the permitted, effective and ambient sets; clear the inheritable too
-        if CAPSET is not None and CAPSET() != 0:
-            raise OSError(errno.EPERM, "capset")
+        if CAPSET is not None:
+            CAPSET()
 
 
 def _wait_exit(pid, deadline):
@@ -1554,9 +1596,11 @@ def parse_args(argv):
             channel = a.split("=", 1)[1]
             i += 1
         elif a == "--max-memory-mib" and i + 1 < len(argv) and argv[i + 1].isdigit():
-            import resource as _resource
+            resource = _native()  # its getrlimit and setrlimit are resource's
+            if resource is None:
+                import resource as _resource
 
-            resource = _resource
+                resource = _resource
             RLIMIT_AS_BYTES = int(argv[i + 1]) << 20
             i += 2
         elif a == "--no-root":
