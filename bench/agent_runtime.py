@@ -13,6 +13,9 @@ so the load's drift touches all alike), measures its boot (spawn until the agent
 - ``runtime, mounts shared`` (gvisor): the same without ``--file-access-mounts=exclusive``, so
   the Sentry revalidates every runtime file with the Gofer (runsc's default for a bind mount);
 - ``runtime, busybox image``: the same on an image of Debian's static busybox alone;
+- ``static hello (no python)``: the drivers' path with the agent replaced by a static C program
+  that writes a hello frame and waits (no interpreter; boot only, it answers nothing): what
+  the sandbox costs without Python, so the rest of ``runtime`` is the interpreter and the agent;
 - floor: a bare ``runsc do true`` (gvisor) or ``bwrap ... true`` (namespaces), one per round;
 - (gvisor) the interpreter alone under a bare ``runsc do``: the host's Debian
   ``/usr/bin/python3 -I -S -c pass`` (the same build as the image's) and the runtime's, through
@@ -29,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -70,10 +75,42 @@ def floors(level: str, rootfs: Path, state: str, runtime: Path) -> dict[str, lis
     return {"floor": bwrap}
 
 
-async def boot_once(settings: Settings, level: str, variant: str) -> tuple[float, float]:
-    """(boot, first reply) in ms: spawn until the hello, and create until ``true``'s reply."""
+STUB = """#include <string.h>
+#include <unistd.h>
+int main(void) {
+    const char *j = "{\\"type\\":\\"hello\\",\\"protocol\\":2,\\"pid\\":1,\\"uid\\":0,"
+                    "\\"workdir\\":\\"/tmp/ephemeral-run-stub/scratch\\"}";
+    unsigned n = strlen(j);
+    unsigned char h[4] = {n >> 24, n >> 16, n >> 8, n};
+    char buf[4096];
+    if (write(1, h, 4) != 4 || write(1, j, n) != (ssize_t)n) return 1;
+    while (read(0, buf, sizeof buf) > 0) {}
+    return 0;
+}
+"""
+STUBBED = "static hello (no python)"
+
+
+def build_stub(directory: Path) -> Path:
+    """``directory`` with ``hello`` in it: the static stand-in for the agent."""
+    (directory / "hello.c").write_text(STUB)
+    subprocess.run(
+        ["gcc", "-O2", "-static", "-o", str(directory / "hello"), str(directory / "hello.c")],
+        check=True,
+    )
+    (directory / "hello.c").unlink()
+    return directory
+
+
+async def boot_once(
+    settings: Settings, level: str, variant: str, stub: Path
+) -> tuple[float, float | None]:
+    """(boot, first reply) in ms: spawn until the hello, and create until ``true``'s reply
+    (None for the stub, which answers nothing)."""
     driver = registry.get_driver(level, settings)
     assert isinstance(driver, ProcessDriver)
+    if variant == STUBBED:
+        driver._agent_argv = lambda: (stub, [f"{agent_runtime.MOUNT}/hello"])  # type: ignore[method-assign]
     if variant == "image python":
         await driver._image()
         runtime = driver._runtime
@@ -85,6 +122,8 @@ async def boot_once(settings: Settings, level: str, variant: str) -> tuple[float
     t0 = time.perf_counter()
     sbx = await driver.create(owner="bench", limits=Limits())
     try:
+        if variant == STUBBED:
+            return float(sbx.boot_ms), None
         res = await sbx.exec("true")
         first = (time.perf_counter() - t0) * 1000
         if res.exit_code != 0:
@@ -104,20 +143,26 @@ async def level_bench(settings: Settings, busybox: str, level: str, n: int, only
     if level == "gvisor":
         variants["runtime, mounts shared"] = settings
     variants["runtime, busybox image"] = settings.model_copy(update={"image": busybox})
+    variants[STUBBED] = settings
     variants = {k: v for k, v in variants.items() if not only or k in only}
     runtime = await agent_runtime.ensure_runtime(settings)
-    with tempfile.TemporaryDirectory(prefix="bench-runsc-") as state:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-runsc-") as state,
+        tempfile.TemporaryDirectory(prefix="bench-stub-") as stubdir,
+    ):
+        os.chmod(stubdir, 0o755)
+        stub = build_stub(Path(stubdir))
         bare = floors(level, rootfs, state, runtime.root)
         times: dict[str, list[float]] = {v: [] for v in [*variants, *bare]}
         if "runtime" in variants:
             times["runtime: first reply"] = []
         for name, s in variants.items():  # warm: the runtime's build, the image checks
-            await boot_once(s, level, name)
+            await boot_once(s, level, name, stub)
         for _ in range(n):
             for name, s in variants.items():
-                boot, first = await boot_once(s, level, name)
+                boot, first = await boot_once(s, level, name, stub)
                 times[name].append(boot)
-                if name == "runtime":
+                if name == "runtime" and first is not None:
                     times["runtime: first reply"].append(first)
             for name, argv in bare.items():
                 times[name].append(await timed_proc(argv))
