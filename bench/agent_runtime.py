@@ -16,7 +16,9 @@ so the load's drift touches all alike), measures its boot (spawn until the agent
 - ``static hello (no python)``: the drivers' path with the agent replaced by a static C program
   that writes a hello frame and waits (no interpreter; boot only, it answers nothing): what
   the sandbox costs without Python, so the rest of ``runtime`` is the interpreter and the agent;
-- floor: a bare ``runsc do true`` (gvisor) or ``bwrap ... true`` (namespaces), one per round;
+- floor: a bare ``runsc do true`` (gvisor) or ``bwrap ... true`` (namespaces), one per round,
+  until it exits (its teardown included); and (gvisor) ``runsc do`` of the static hello until
+  its first byte on stdout, the bare start that compares with a sandbox's spawn-to-hello;
 - (gvisor) the interpreter alone under a bare ``runsc do``: the host's Debian
   ``/usr/bin/python3 -I -S -c pass`` (the same build as the image's) and the runtime's, through
   its own loader, from its host directory.
@@ -55,7 +57,27 @@ PASS = ["-I", "-S", "-c", "pass"]
 EXCLUSIVE = "--file-access-mounts=exclusive"
 
 
-def floors(level: str, rootfs: Path, state: str, runtime: Path) -> dict[str, list[str]]:
+FIRST_BYTE = "bare runsc do: first byte"
+
+
+async def first_byte(argv: list[str]) -> float:
+    """ms from spawn to ``argv``'s first byte on stdout (then it is waited for)."""
+    t0 = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    assert proc.stdout is not None
+    got = await proc.stdout.read(1)
+    ms = (time.perf_counter() - t0) * 1000
+    if not got or await proc.wait() != 0:
+        raise SystemExit(f"raw floor command failed: {' '.join(argv)}")
+    return ms
+
+
+def floors(level: str, rootfs: Path, state: str, runtime: Path, stub: Path) -> dict[str, list[str]]:
     """The bare commands measured beside the sandboxes, by name."""
     if level == "gvisor":
         runsc = ["runsc", f"--root={state}", "--network=none", "--platform=ptrace", "do"]
@@ -65,6 +87,7 @@ def floors(level: str, rootfs: Path, state: str, runtime: Path) -> dict[str, lis
         ]  # fmt: skip
         return {
             "floor": [*runsc, "true"],
+            FIRST_BYTE: [*runsc, str(stub / "hello")],
             "runsc do image python -c pass": [*runsc, "/usr/bin/python3", *PASS],
             "runsc do runtime python -c pass": [*runsc, *ours, *PASS],
         }
@@ -152,7 +175,7 @@ async def level_bench(settings: Settings, busybox: str, level: str, n: int, only
     ):
         os.chmod(stubdir, 0o755)
         stub = build_stub(Path(stubdir))
-        bare = floors(level, rootfs, state, runtime.root)
+        bare = floors(level, rootfs, state, runtime.root, stub)
         times: dict[str, list[float]] = {v: [] for v in [*variants, *bare]}
         if "runtime" in variants:
             times["runtime: first reply"] = []
@@ -165,7 +188,8 @@ async def level_bench(settings: Settings, busybox: str, level: str, n: int, only
                 if name == "runtime" and first is not None:
                     times["runtime: first reply"].append(first)
             for name, argv in bare.items():
-                times[name].append(await timed_proc(argv))
+                timer = first_byte if name == FIRST_BYTE else timed_proc
+                times[name].append(await timer(argv))
     floor = statistics.median(times["floor"])
     print(f"\n{level} (n={n}, ms; a sandbox's: spawn to the agent's hello)")
     for name, xs in times.items():
@@ -174,14 +198,18 @@ async def level_bench(settings: Settings, busybox: str, level: str, n: int, only
             f"  {name:32} p50 {p50:7.1f}  p90 {p90(xs):7.1f}  min {min(xs):7.1f}"
             f"  max {max(xs):7.1f}  {p50 / floor:5.2f}x floor"
         )
-    bare_name = "bare runsc do true" if level == "gvisor" else "bare bwrap true"
+    bares = {"floor": "bare runsc do true" if level == "gvisor" else "bare bwrap true"}
+    if FIRST_BYTE in times:
+        bares[FIRST_BYTE] = FIRST_BYTE
     for name in ("runtime", "runtime: first reply"):
-        if name in times:
-            xs, fl = times[name], times["floor"]
+        for bare_key, bare_name in bares.items():
+            if name not in times:
+                continue
+            xs, fl = times[name], times[bare_key]
+            a, b = statistics.median(xs), statistics.median(fl)
             print(
-                f"  {level} cold start, {name} / {bare_name}: p50 {statistics.median(xs):.1f} / "
-                f"{floor:.1f} = {statistics.median(xs) / floor:.2f}x, "
-                f"p90 {p90(xs):.1f} / {p90(fl):.1f} = {p90(xs) / p90(fl):.2f}x"
+                f"  {level} cold start, {name} / {bare_name}: p50 {a:.1f} / {b:.1f} = "
+                f"{a / b:.2f}x, p90 {p90(xs):.1f} / {p90(fl):.1f} = {p90(xs) / p90(fl):.2f}x"
             )
 
 
