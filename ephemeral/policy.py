@@ -33,6 +33,7 @@ MAX_FILES_BYTES = 8 << 20  # 8 MiB in total
 MAX_FILES = 64
 MAX_PROMPT_CHARS = 100_000
 MAX_COST_MICROS = 100_000_000  # $100 per run
+MIN_DISK_MIB = 16  # a writable root's least (an ext4 smaller than this holds little)
 MAX_STEP_COMMANDS = 32  # setup / verify commands per run
 MAX_STEP_COMMAND_CHARS = 16_384
 IMAGE_PATTERN = r"^[a-z0-9][a-z0-9-]{0,40}$"  # a built image's name
@@ -237,6 +238,10 @@ class Policy(_Strict):
     # A built image by name (GET /v1/images) or an OCI reference (pulled at admission);
     # None: the server's default image.
     image: ImageName | None = None
+    # The sandbox's writable root (its / and /tmp) in MiB, at most the host's disk_max_mib
+    # (checked at admission); above disk_tmpfs_max_mib it is a file on the host's disk, not
+    # memory (docs/images.md, "The root at run time"). None: the server's default.
+    disk_mib: int | None = Field(default=None, ge=MIN_DISK_MIB, le=1 << 20)
     # Commands run as worker in the scratch directory: setup before the first model call (its
     # output never reaches the model), verify after the final answer, in a reserved slice of
     # timeout_seconds (verify_timeout_seconds; default a quarter of it, at most 60 s).

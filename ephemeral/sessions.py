@@ -230,12 +230,17 @@ class Live:
 async def require_grants(
     store: Store, org_id: str, policy: Policy, price_book: PriceBook, settings: Settings
 ) -> None:
-    """A 422 naming ``connections[i].name`` when the org has no connection of that name, or
-    ``models[i]`` for a granted model this host cannot serve or price (runs and sandbox
-    sessions are admitted with the same check)."""
+    """A 422 naming ``connections[i].name`` when the org has no connection of that name,
+    ``models[i]`` for a granted model this host cannot serve or price, or ``disk_mib`` past
+    the host's ``disk_max_mib`` (runs and sandbox sessions are admitted with the same check)."""
     from ephemeral.broker.gateway import check_grants
 
     check_grants(policy.models, price_book, settings)
+    if policy.disk_mib is not None and policy.disk_mib > settings.disk_max_mib:
+        raise errors.InvalidRequest.field(
+            "disk_mib",
+            f"must be at most {settings.disk_max_mib} (this host's EPHEMERAL_DISK_MAX_MIB)",
+        )
     names = [c.name for c in policy.connections]
     missing = await store.missing_connections(org_id, names)
     if missing:
@@ -335,7 +340,7 @@ class Sessions:
     ) -> tuple[RunRow, bool]:
         await require_grants(self.store, org_id, policy, self.price_book, self.settings)
         await self.sandboxes.require_isolation(policy.isolation)
-        image_hash = await self.sandboxes.require_image(policy)  # a registry image's digest
+        await self.sandboxes.require_image(policy)
         row, replayed = await self.store.admit_run(
             org_id=org_id,
             run_id=new_run_id(),
@@ -347,7 +352,6 @@ class Sessions:
             body_hash=body_hash,
             owner=self.owner,
             kind=KIND,
-            image_hash=image_hash,
         )
         if replayed:
             if row.kind != KIND:
@@ -377,14 +381,14 @@ class Sessions:
         # on a session's provisioning, the create call itself does. A crash in between leaves
         # it queued with its sandbox handle owned by it: recovery settles it and reaps that.
         started_at = utcnow()
-        limits = self.sandboxes.limits(policy.timeout_seconds)
+        limits = self.sandboxes.limits(policy.timeout_seconds, policy.disk_mib)
         if asked is not None:
             limits = asked.model_copy(update={"lifetime_seconds": limits.lifetime_seconds})
         sandbox: Sandbox | None = None
         t0 = time.monotonic()
         try:
             await self.sandboxes.ensure_pool()
-            sandbox = await self.sandboxes.acquire(policy, row.id, limits, row.image_hash)
+            sandbox = await self.sandboxes.acquire(policy, row.id, limits)
             rate = self.sandboxes.compute_rate(limits, self.price_book)
             budget = RunBudget(
                 reserved_micros=row.reserved_micros,
@@ -415,7 +419,7 @@ class Sessions:
             )
             if attached is not None:
                 live.egress, live.egress_env = attached
-            built = await self.sandboxes.admitted_image(sandbox.image, row.image_hash)
+            built = self.sandboxes.built_image(sandbox.image)
             live.image_env = dict(built.env) if built else {}
             live.passwd = users.read_passwd(built.rootfs) if built else None
             live.image_user, live.image_cwd = (built.user, built.cwd) if built else (None, None)

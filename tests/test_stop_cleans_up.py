@@ -112,29 +112,6 @@ def _alive(pids: dict[int, str]) -> dict[int, str]:
     return {pid: cmd for pid, cmd in pids.items() if _stat(pid) is not None}
 
 
-def _reap(env: dict[str, str]) -> None:
-    """What the next start does first (Runtime.recover): reap a dead process's sandboxes."""
-    reap = subprocess.run(
-        [sys.executable, "-m", "ephemeral.cli", "sandbox", "reap"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert reap.returncode == 0, reap.stdout + reap.stderr
-
-
-def _all_gone(started: dict[int, str]) -> None:
-    _wait(lambda: not _alive(started), GONE_SECONDS, f"all gone: {_alive(started)}")
-
-
-def _kill_left(started: dict[int, str]) -> None:
-    """A failed test's leftovers, so that they do not outlive it."""
-    for pid in _alive(started):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-
-
 @pytest.fixture
 def env(tmp_path: Path, cassettes: Path) -> dict[str, str]:
     (cassettes / "slow.json").write_text(json.dumps(SLOW))
@@ -198,16 +175,28 @@ def test_a_stopped_entry_point_leaves_no_prefect_server_sandbox_or_port(
         assert server is not None
         proc.send_signal(sig)
         proc.wait(timeout=GONE_SECONDS)
-        if sig == signal.SIGKILL:
+        if sig == signal.SIGTERM:
+            _wait(lambda: not _alive(started), GONE_SECONDS, f"all gone: {_alive(started)}")
+        else:
             _wait(lambda: _stat(server[0]) is None, GONE_SECONDS, "the Prefect server ends")
-            _reap(env)
-        _all_gone(started)
+            # what the next start does first (Runtime.recover): reap the dead process's sandboxes
+            reap = subprocess.run(
+                [sys.executable, "-m", "ephemeral.cli", "sandbox", "reap"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert reap.returncode == 0, reap.stdout + reap.stderr
+            _wait(lambda: not _alive(started), GONE_SECONDS, f"all gone: {_alive(started)}")
         assert _port_free(server[1])
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        _kill_left(started)
+        for pid in _alive(started):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         log.close()
 
 
@@ -244,8 +233,17 @@ def test_a_stopped_worker_leaves_no_sandbox(
         worker.send_signal(sig)
         worker.wait(timeout=GONE_SECONDS + 30)  # a TERM drains first
         if sig == signal.SIGKILL:
-            _reap(env)
-        _all_gone(started)
+            reap = subprocess.run(
+                [sys.executable, "-m", "ephemeral.cli", "sandbox", "reap"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert reap.returncode == 0, reap.stdout + reap.stderr
+        _wait(lambda: not _alive(started), GONE_SECONDS, f"all gone: {_alive(started)}")
     finally:
-        _kill_left(started)
+        for pid in _alive(started):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         server.stop()

@@ -180,6 +180,14 @@ def register(app: typer.Typer) -> None:
             str | None,
             typer.Option(help="A built image (ephemeral images list) or an OCI reference."),
         ] = None,
+        disk_mib: Annotated[
+            int | None,
+            typer.Option(
+                "--disk-mib",
+                help="The sandbox's writable root (/ and /tmp) in MiB, up to "
+                "EPHEMERAL_DISK_MAX_MIB; default 256.",
+            ),
+        ] = None,
         as_json: Annotated[
             bool, typer.Option("--json", help="Print the run object as JSON.")
         ] = False,
@@ -225,6 +233,7 @@ def register(app: typer.Typer) -> None:
                         "isolation": isolation,
                         "zero_data_retention": zero_data_retention,
                         "image": image,
+                        "disk_mib": disk_mib,
                     }
                 )
                 if not settings.url:  # refused now, not after Prefect's server has started
@@ -319,6 +328,7 @@ FLAGS = {
     "isolation": "--isolation",
     "zero_data_retention": "--zero-data-retention",
     "image": "--image",
+    "disk_mib": "--disk-mib",
 }
 _BOUNDS = {"le": "at most", "lt": "less than", "ge": "at least", "gt": "more than"}
 

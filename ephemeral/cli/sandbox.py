@@ -15,6 +15,7 @@ import typer
 
 from ephemeral import errors
 from ephemeral.cli.output import fail
+from ephemeral.policy import MIN_DISK_MIB
 from ephemeral.sandbox import images, reaper, registry
 from ephemeral.sandbox.base import Limits, Sandbox
 from ephemeral.settings import Settings
@@ -45,11 +46,13 @@ async def _as_coro(fn: Callable[[], Awaitable[T]]) -> T:
     return await fn()
 
 
-async def _open(settings: Settings, isolation: str | None, owner: str) -> Sandbox:
+async def _open(
+    settings: Settings, isolation: str | None, owner: str, limits: Limits | None = None
+) -> Sandbox:
     await reaper.reap(settings)
     iso = await registry.resolve_isolation(isolation or settings.isolation, settings)
     driver = registry.get_driver(iso, settings)
-    return await driver.create(owner=owner, limits=Limits())
+    return await driver.create(owner=owner, limits=limits or Limits())
 
 
 def _command(words: list[str]) -> str | list[str]:
@@ -69,9 +72,25 @@ def exec_cmd(
         str | None,
         typer.Option(help="A built image (ephemeral images list) or an OCI reference."),
     ] = None,
+    disk_mib: Annotated[
+        int | None,
+        typer.Option(
+            "--disk-mib",
+            min=MIN_DISK_MIB,
+            help="The sandbox's writable root (/ and /tmp) in MiB, up to "
+            "EPHEMERAL_DISK_MAX_MIB; default 256.",
+        ),
+    ] = None,
 ) -> None:
     """Run one command in a fresh sandbox, print its output and exit with its code."""
     settings = Settings.load()
+    limits = Limits() if disk_mib is None else Limits(disk_mib=disk_mib)
+    if limits.disk_mib > settings.disk_max_mib:
+        raise fail(
+            errors.InvalidRequest.field(
+                "--disk-mib", f"must be at most {settings.disk_max_mib} (EPHEMERAL_DISK_MAX_MIB)"
+            )
+        )
     env: dict[str, str] = {}
     if image is not None:
         try:
@@ -88,7 +107,7 @@ def exec_cmd(
 
     async def go() -> int:
         t0 = time.monotonic()
-        sbx = await _open(settings, isolation, "cli")
+        sbx = await _open(settings, isolation, "cli", limits)
         try:
             res = await sbx.exec(_command(command), stdin=stdin, timeout=timeout, env=env or None)
         finally:

@@ -68,6 +68,12 @@ def create(
     allow: list[str] = typer.Option(
         [], "--allow", help="Limit web to this host pattern (repeat; implies --web)."
     ),
+    disk_mib: int | None = typer.Option(
+        None,
+        "--disk-mib",
+        help="The sandbox's writable root (/ and /tmp) in MiB, up to the server's "
+        "EPHEMERAL_DISK_MAX_MIB; default 256.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the session object."),
 ) -> None:
     """Start a sandbox session; prints its id (the other commands take it)."""
@@ -75,8 +81,9 @@ def create(
         "isolation": "--isolation",
         "timeout_seconds": "--timeout",
         "max_cost_micros": "--budget",
+        "disk_mib": "--disk-mib",
     }
-    asked: dict[str, Any] = {}
+    asked: dict[str, Any] = {} if disk_mib is None else {"disk_mib": disk_mib}
     try:
         if budget is not None:
             asked["max_cost_micros"] = parse_usd(budget, field="--budget")

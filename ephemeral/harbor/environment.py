@@ -42,6 +42,7 @@ from ephemeral.harbor import backend, commands
 from ephemeral.harbor.config import HarborConfig, load_config
 from ephemeral.labels import bounded
 from ephemeral.oci import sandbox_image
+from ephemeral.policy import MIN_DISK_MIB
 from ephemeral.sandbox import hostread, hostwrite, images
 from ephemeral.sandbox.base import Limits
 from ephemeral.sessions import (
@@ -80,6 +81,12 @@ def _runtime_request_error(action: str, message: str) -> Exception:
     except ImportError:  # pragma: no cover - an older Harbor
         return RuntimeError(message)
     return RuntimeRequestError(action, 0, message)
+
+
+def storage_disk_mib(storage_mb: int, max_storage_mb: int) -> int:
+    """A task's ``storage_mb`` as the session's ``disk_mib``: the job's ``max_storage_mb`` at
+    most (the host's ``disk_max_mib`` is checked at admission), the request's least at least."""
+    return max(MIN_DISK_MIB, min(storage_mb, max_storage_mb))
 
 
 class EphemeralEnvironment(BaseEnvironment):
@@ -235,6 +242,9 @@ class EphemeralEnvironment(BaseEnvironment):
             "max_cost_micros": self.config.max_cost_micros,
             "zero_data_retention": self.config.zero_data_retention,
             "image": image,
+            # the task's storage_mb: the host's disk_max_mib refuses more (Harbor's
+            # environment error), and above disk_tmpfs_max_mib the root is on disk
+            "disk_mib": self._limits().disk_mib,
         }
         try:
             return SessionRequest.model_validate(fields)
@@ -249,7 +259,7 @@ class EphemeralEnvironment(BaseEnvironment):
             cpus=float(cpus) if cpus else self.config.cpus,
             memory_mib=int(memory) if memory else self.config.memory_mb,
             pids=self.config.pids,
-            disk_mib=min(int(storage), self.config.max_storage_mb),
+            disk_mib=storage_disk_mib(int(storage), self.config.max_storage_mb),
         )
 
     # images ---------------------------------------------------------------------------------

@@ -98,7 +98,8 @@ class LayerWriter(hostwrite.TreeWriter):
 
     def _whiteout(self, path: str, parts: tuple[str, ...]) -> None:
         self._count(path)
-        parent, name = self._parent(path)
+        name = parts[-1]
+        parent = hostwrite._walk(self.root_fd, parts[:-1], path)
         try:
             if name == OPAQUE:
                 fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent)
@@ -123,11 +124,12 @@ class LayerWriter(hostwrite.TreeWriter):
         host process is root), walking to it without following a link, never through one."""
         if self.owner == (0, 0):
             return
-        if not hostwrite.split(path, self.limits):
-            return  # the root: its owner is the caller's
-        parent, name = self._parent(path)
+        parts = hostwrite.split(path, self.limits)
+        if not parts:
+            return
+        parent = hostwrite._walk(self.root_fd, parts[:-1], path)
         try:
-            os.chown(name, *self.owner, dir_fd=parent, follow_symlinks=False)
+            os.chown(parts[-1], *self.owner, dir_fd=parent, follow_symlinks=False)
         finally:
             os.close(parent)
 
@@ -189,10 +191,10 @@ def unpack_layer(blob: Path, dest: Path, budget: Budget) -> Unpacked:
     finally:
         os.close(root)
     budget.bytes -= stream.seen
-    budget.entries -= writer.entries
+    budget.entries -= writer._entries
     return Unpacked(
         diff_id="sha256:" + stream.hash.hexdigest(),
         bytes=stream.seen,
-        entries=writer.entries,
+        entries=writer._entries,
         skipped=len(report.skipped),
     )

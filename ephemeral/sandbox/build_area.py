@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from ephemeral import errors
+from ephemeral.sandbox import ext4
 from ephemeral.sandbox.build_sandbox import run_bounded, sweep_cgroups
 
 SUFFIX = ".partial"
@@ -54,15 +55,10 @@ class BuildArea:
         self.path.chmod(0o700)
         try:
             self._lock = _hold(self.path)
-            image = self.path / "fs.img"
-            with open(image, "wb") as f:
-                f.truncate(self.disk_mib << 20)
-            self.fs.mkdir(mode=0o700)
-            await run_bounded(
-                ["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1", str(image)],
-                "make the build's filesystem",
-                timeout=_TOOL_TIMEOUT_S,
+            image = await asyncio.to_thread(
+                ext4.make, self.path / "fs.img", self.disk_mib, timeout=_TOOL_TIMEOUT_S
             )
+            self.fs.mkdir(mode=0o700)
             await run_bounded(
                 ["mount", "-o", "loop,nosuid,nodev", str(image), str(self.fs)],
                 "mount the build's filesystem",

@@ -62,9 +62,12 @@ def _tmpfs(dest: str, size: int) -> dict[str, Any]:
     }
 
 
-def oci_spec(rootfs: str, agent: list[str], limits: Limits, cgroups_path: str) -> dict[str, Any]:
-    """The bundle's config.json; ``agent``: the agent's command line (``AgentRuntime.argv``)."""
-    sizes = writable_root.tmpfs_sizes(limits, SMALL_TMPFS)
+def oci_spec(
+    rootfs: str, agent: list[str], limits: Limits, cgroups_path: str, disk: bool = False
+) -> dict[str, Any]:
+    """The bundle's config.json; ``agent``: the agent's command line (``AgentRuntime.argv``);
+    ``disk``: the writable root is disk-backed, with /tmp on it (no tmpfs)."""
+    sizes = writable_root.tmpfs_sizes(limits, SMALL_TMPFS, disk)
     home = {
         "destination": "/home/worker",
         "type": "tmpfs",
@@ -121,7 +124,16 @@ def oci_spec(rootfs: str, agent: list[str], limits: Limits, cgroups_path: str) -
                 "source": str(writable_root.AGENT),
                 "options": ["rbind", "ro", "nosuid", "nodev"],
             },
-            _tmpfs("/tmp", sizes.large),
+            # on a disk-backed root /tmp is its own directory, bound so that runsc adds no
+            # tmpfs of its own there (one the Sentry's memory holds, sized by nothing)
+            {
+                "destination": "/tmp",
+                "type": "bind",
+                "source": f"{rootfs}/tmp",
+                "options": ["rbind", "rw", "nosuid", "nodev"],
+            }
+            if disk
+            else _tmpfs("/tmp", sizes.large),
             _tmpfs("/run", sizes.small),
             _tmpfs("/var/tmp", sizes.small),
             home,
@@ -190,8 +202,16 @@ class GVisorDriver(ProcessDriver):
             state_root.mkdir(parents=True, mode=0o700)
             bundle.mkdir(mode=0o700)
             agent_dir, agent = self._agent_argv()
+            on_disk = writable_root.on_disk(limits, self.settings)
+            disk = None
+            if on_disk:  # in run_dir, which the handle names: the reaper removes a leftover
+                disk = await asyncio.to_thread(writable_root.make_disk, run_dir, limits.disk_mib)
             spec = oci_spec(
-                str(writable_root.MOUNT_POINT), agent, limits, f"/{cgroups.PARENT}/{handle.id}"
+                str(writable_root.MOUNT_POINT),
+                agent,
+                limits,
+                f"/{cgroups.PARENT}/{handle.id}",
+                on_disk,
             )
             (bundle / "config.json").write_text(json.dumps(spec))
             cg = cgroups.CgroupSet.create(
@@ -214,10 +234,11 @@ class GVisorDriver(ProcessDriver):
                 [
                     *writable_root.launcher(
                         rootfs,
-                        writable_root.tmpfs_sizes(limits, SMALL_TMPFS).large,
+                        writable_root.tmpfs_sizes(limits, SMALL_TMPFS, on_disk).large,
                         handle.id,
                         helper,
                         agent_dir,
+                        disk,
                     ),
                     *self.runsc_argv(runsc, state_root, bundle, handle.id),
                 ]

@@ -86,6 +86,7 @@ def _launcher(
     sandbox_id: str,
     helper: Path | None,
     agent: Path,
+    disk: Path | None,
 ) -> list[str]:
     """argv prefix: private mount namespace, then (unless privileged) the user namespace, the
     writable root's overlay (over an image idmapped into that namespace), and the namespace
@@ -120,7 +121,7 @@ def _launcher(
         )
     return [
         "unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", script, "sh",
-        *writable_root.args(rootfs, upper_size, sandbox_id, agent), str(host_base or 0),
+        *writable_root.args(rootfs, upper_size, sandbox_id, agent, disk), str(host_base or 0),
         str(nsfd),
     ]  # fmt: skip
 
@@ -139,9 +140,17 @@ class NamespacesDriver(ProcessDriver):
         """What a sandbox of this driver is called in runs and logs."""
         return PRIVILEGED_LABEL if self.privileged else self.isolation
 
-    def argv(self, rootfs: str, limits: Limits, fds: dict[str, int], agent: list[str]) -> list[str]:
-        """bwrap's argv; ``agent``: the agent's command line (``AgentRuntime.argv``)."""
-        sizes = writable_root.tmpfs_sizes(limits, len(SMALL_TMPFS))
+    def argv(
+        self,
+        rootfs: str,
+        limits: Limits,
+        fds: dict[str, int],
+        agent: list[str],
+        disk: bool = False,
+    ) -> list[str]:
+        """bwrap's argv; ``agent``: the agent's command line (``AgentRuntime.argv``); ``disk``:
+        the writable root is disk-backed, with /tmp on it (no tmpfs)."""
+        sizes = writable_root.tmpfs_sizes(limits, len(SMALL_TMPFS), disk)
         argv = [
             "bwrap",
             "--unshare-ipc",
@@ -173,13 +182,9 @@ class NamespacesDriver(ProcessDriver):
             "/proc",
             "--dev",
             "/dev",
-            "--perms",
-            "1777",
-            "--size",
-            str(sizes.large),
-            "--tmpfs",
-            "/tmp",
         ]
+        if not disk:
+            argv += ["--perms", "1777", "--size", str(sizes.large), "--tmpfs", "/tmp"]
         for path, perms in zip(SMALL_TMPFS, ("0755", "1777", "0755", "1777"), strict=True):
             argv += ["--perms", perms, "--size", str(sizes.small), "--tmpfs", path]
         # bwrap cannot size /dev's tmpfs: read-only, root cannot fill it past the memory limit
@@ -218,6 +223,10 @@ class NamespacesDriver(ProcessDriver):
         handle = new_handle(self.isolation, owner)
         cg = cgroups.CgroupSet.for_id(handle.id)
         handle.cgroups = [str(d) for d in cg.dirs]
+        on_disk = writable_root.on_disk(limits, self.settings)
+        run_dir = self.settings.state_dir / "run" / handle.id
+        if on_disk:
+            handle.paths = [str(run_dir)]  # the disk file until the launcher unlinks it
         hfile = handles.write(self.settings.sandboxes_dir, handle)
         sbx: ProcessSandbox | None = None
         fds: dict[str, int] = {}
@@ -244,18 +253,22 @@ class NamespacesDriver(ProcessDriver):
             )
             slot_fd = None  # the sandbox's destroy releases it now
             runtime, agent = self._agent_argv()
+            disk = None
+            if on_disk:
+                disk = await asyncio.to_thread(writable_root.make_disk, run_dir, limits.disk_mib)
             passed = [*fds.values()]
             argv = [
                 *_launcher(
                     rootfs,
                     host_base,
                     passed,
-                    writable_root.tmpfs_sizes(limits, len(SMALL_TMPFS)).large,
+                    writable_root.tmpfs_sizes(limits, len(SMALL_TMPFS), on_disk).large,
                     handle.id,
                     helper,
                     runtime,
+                    disk,
                 ),
-                *self.argv(str(writable_root.MOUNT_POINT), limits, fds, agent),
+                *self.argv(str(writable_root.MOUNT_POINT), limits, fds, agent, on_disk),
             ]
             await sbx._start(argv, pass_fds=list(fds.values()), oom_protected=True)
             return sbx

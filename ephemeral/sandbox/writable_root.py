@@ -20,6 +20,13 @@ need anyway; without it, the same steps as shell commands and a Python idmap hel
   ``sandbox-upper-<id>`` (so a test can look for it in every mount namespace), holds the
   overlay's upper and work directories: a write past it is ENOSPC inside, never host disk;
   its pages are charged to the sandbox's memory cgroup like any tmpfs's;
+- or, for a disk limit above ``disk_tmpfs_max_mib`` (:func:`on_disk`), an ext4 file of the
+  disk limit instead (:func:`make_disk`: sparse, in the sandbox's host-root-only run
+  directory), on a loop device that frees itself with the mount: the layer may be larger than
+  memory and is not charged to it (only reclaimable page cache is), a write past it is ENOSPC,
+  and the sandbox's ``/tmp`` lives on it too instead of a tmpfs. The file's name is unlinked
+  once mounted, so its blocks go with the sandbox's mount namespace; a crash before that
+  leaves it in the run directory, which the handle names (the reaper removes it);
 - the overlay of both is mounted at :data:`MOUNT_POINT` and becomes the sandbox's ``/``;
 - above the image, one more read-only layer of our own (:func:`with_container_etc`) holds what
   Docker writes into every container's ``/etc``: ``hosts`` (``localhost`` on 127.0.0.1 and
@@ -32,7 +39,8 @@ need anyway; without it, the same steps as shell commands and a Python idmap hel
 
 The mounts exist only in that mount namespace: when the sandbox's last process dies (destroy,
 or the reaper killing the leftovers of a crashed host), the kernel frees them, upper layer
-included. Nothing is written to the image or anywhere else on the host.
+included (a disk-backed one's loop device and blocks with it). Nothing is written to the
+image, and nothing but that disk file anywhere else on the host.
 """
 
 from __future__ import annotations
@@ -49,7 +57,9 @@ import threading
 from pathlib import Path
 from typing import NamedTuple
 
+from ephemeral import errors
 from ephemeral.sandbox.base import Limits
+from ephemeral.settings import Settings
 
 # Empty directories on the host; the mounts on them exist only in each launcher's namespace.
 RUN_DIR = Path("/run/ephemeral")
@@ -126,22 +136,48 @@ SMALL_MIB = 16  # /run, /var/tmp, the worker's home, /dev/shm (/dev under gVisor
 
 
 class TmpfsSizes(NamedTuple):
-    large: int  # bytes: the upper layer, and /tmp apart from it
+    large: int  # bytes: the upper layer, and /tmp apart from it (0: both on the disk)
     small: int  # bytes: each of the small mounts
 
 
-def tmpfs_sizes(limits: Limits, small_mounts: int) -> TmpfsSizes:
+def on_disk(limits: Limits, settings: Settings) -> bool:
+    """Whether the writable layer is an ext4 file on the host's disk rather than a tmpfs: for
+    a disk limit above ``disk_tmpfs_max_mib`` (docs/images.md gives the measurement)."""
+    return limits.disk_mib > settings.disk_tmpfs_max_mib
+
+
+def tmpfs_sizes(limits: Limits, small_mounts: int, disk: bool = False) -> TmpfsSizes:
     """Sizes that fit together inside the memory limit, with headroom (issue 35, finding 9).
 
     Every tmpfs's pages are charged to the sandbox's memory cgroup and cannot be reclaimed
     (there is no swap): mounts that could hold more than the limit turned a full disk into an
     out-of-memory kill of the guest agent (``sandbox_error``). Sized so, filling every one of
     them ends in ``ENOSPC`` and the sandbox carries on. The upper layer and /tmp get the disk
-    limit each, or half of what the memory limit leaves them, whichever is less."""
+    limit each, or half of what the memory limit leaves them, whichever is less; with a
+    disk-backed layer (``disk``) neither is a tmpfs, and only the small mounts count."""
     room = max(0, limits.memory_mib - max(HEADROOM_MIB, limits.memory_mib // 8))
     small = max(1, min(SMALL_MIB, room // (2 * max(1, small_mounts))))
+    if disk:
+        return TmpfsSizes(0, small << 20)
     large = max(1, min(limits.disk_mib, (room - small_mounts * small) // 2))
     return TmpfsSizes(large << 20, small << 20)
+
+
+DISK_FILE = "upper.ext4"  # in the sandbox's run directory
+_MKFS_TIMEOUT_S = 120.0
+
+
+def make_disk(run_dir: Path, disk_mib: int) -> Path:
+    """The writable layer's ext4 file of ``disk_mib`` (sparse: the host's disk holds what the
+    sandbox wrote) in ``run_dir``, which is made host root's only (0700); neither is opened
+    through a link. The file is the launcher's to mount and unlink (:func:`mount_script`)."""
+    from ephemeral.sandbox import ext4
+
+    run_dir.mkdir(parents=True, mode=0o700, exist_ok=True)
+    if run_dir.is_symlink() or run_dir.lstat().st_uid != os.getuid():
+        raise errors.SandboxError(f"{run_dir} is not this host's own directory")
+    run_dir.chmod(0o700)
+    return ext4.make(run_dir / DISK_FILE, disk_mib, journal=False, timeout=_MKFS_TIMEOUT_S)
 
 
 HOSTNAME = "sandbox"  # the drivers' UTS hostname
@@ -197,25 +233,26 @@ def tag(sandbox_id: str) -> str:
     return UPPER_TAG + sandbox_id
 
 
-# The launcher script's first four arguments, as :func:`args` gives them.
-ARGS = "rootfs=$1 size=$2 tag=$3 agent=$4\nshift 4\n"
+# The launcher script's first five arguments, as :func:`args` gives them.
+ARGS = "rootfs=$1 size=$2 tag=$3 agent=$4 disk=$5\nshift 5\n"
 
 
-def args(rootfs: str, size: int, sandbox_id: str, agent: Path) -> list[str]:
-    """``size``: the upper layer's, in bytes (:func:`tmpfs_sizes`); ``agent``: the agent
-    runtime's directory."""
-    return [rootfs, str(size), tag(sandbox_id), str(agent)]
+def args(rootfs: str, size: int, sandbox_id: str, agent: Path, disk: Path | None) -> list[str]:
+    """``size``: the upper layer's tmpfs, in bytes (:func:`tmpfs_sizes`); ``agent``: the agent
+    runtime's directory; ``disk``: the ext4 file of a disk-backed layer (:func:`make_disk`),
+    or None for the tmpfs."""
+    return [rootfs, str(size), tag(sandbox_id), str(agent), str(disk) if disk else "-"]
 
 
 def mount_script(*, helper: Path | None, idmap_userns: str | None, owner: str = "0") -> str:
     """Shell that mounts the overlay and the agent runtime; expects ``$rootfs $size $tag
-    $agent`` set. ``idmap_userns``: a path (shell word) of the user namespace the image's
+    $agent $disk`` set. ``idmap_userns``: a path (shell word) of the user namespace the image's
     owners are shifted into, and ``owner`` the host uid that is root there (the upper root
     directory's owner)."""
     if helper is not None:
         return (
             f'{shlex.quote(str(helper))} "$rootfs" {LOWER} {UPPER} {MOUNT_POINT} "$size" "$tag" '
-            f'{owner} "$agent" {AGENT} {EMPTY} {idmap_userns or ""} || exit 1\n'
+            f'"$disk" {owner} "$agent" {AGENT} {EMPTY} {idmap_userns or ""} || exit 1\n'
         )
     # the runtime's lower layer by an fd, as the helper does: mountinfo shows no host path
     agent = (
@@ -242,16 +279,22 @@ def mount_script(*, helper: Path | None, idmap_userns: str | None, owner: str = 
         f'*) src="$rootfs"; dst={LOWER}; lowers={LOWER}\n'
         + bind
         + ";;\nesac\n"
+        + 'if [ "$disk" = - ]; then\n'
         + f'mount -t tmpfs -o "size=$size,mode=0700,nosuid,nodev" "$tag" {UPPER} || exit 1\n'
+        # util-linux's loop mount autoclears the device, as mount_root.c's does
+        + f'else mount -o loop,nosuid,nodev,noatime,noinit_itable "$disk" {UPPER} && '
+        + f'rm -f -- "$disk" && chmod 0700 {UPPER} || exit 1\nfi\n'
         + f"mkdir {UPPER}/root {UPPER}/work || exit 1\n"
         + f"chown {owner}:{owner} {UPPER}/root && chmod 0755 {UPPER}/root || exit 1\n"
+        + f'if [ "$disk" != - ]; then mkdir -m 1777 {UPPER}/root/tmp && '
+        + f"chown {owner}:{owner} {UPPER}/root/tmp || exit 1; fi\n"
         + 'mount -t overlay sandbox -o "lowerdir=$lowers,'
         + f'upperdir={UPPER}/root,workdir={UPPER}/work" {MOUNT_POINT} || exit 1\n'
     )
 
 
 def launcher(
-    rootfs: str, size: int, sandbox_id: str, helper: Path | None, agent: Path
+    rootfs: str, size: int, sandbox_id: str, helper: Path | None, agent: Path, disk: Path | None
 ) -> list[str]:
     """argv prefix for a runtime that needs nothing else: a private mount namespace with the
     overlay at :data:`MOUNT_POINT` and the agent runtime at :data:`AGENT`, then the runtime's
@@ -260,5 +303,5 @@ def launcher(
     script = ARGS + mount_script(helper=helper, idmap_userns=None) + 'exec "$@"'
     return [
         "unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", script, "sh",
-        *args(rootfs, size, sandbox_id, agent),
+        *args(rootfs, size, sandbox_id, agent, disk),
     ]  # fmt: skip

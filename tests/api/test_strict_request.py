@@ -40,6 +40,7 @@ REQUEST_FIELDS: dict[str, set[str]] = {
     "files": {"array"},
     "connections": {"array"},
     "image": {"string", "null"},
+    "disk_mib": {"integer", "null"},
     "setup": {"array"},
     "verify": {"array"},
     "verify_timeout_seconds": {"integer", "null"},

@@ -33,7 +33,7 @@ def test_layers_stack_topmost_first(tmp_path: Path, compiled: bool) -> None:
     )
     out = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
-         *writable_root.args(f"{top}:{base}", 1, "layers-test", agent)],
+         *writable_root.args(f"{top}:{base}", 1, "layers-test", agent, None)],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     lines = out.stdout.split()

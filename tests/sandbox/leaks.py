@@ -3,7 +3,8 @@
 Firecracker's test framework checks after every test that the microVM's processes, jails and
 files are gone; this does the same from what the sandbox declared when it was made: its handle
 file (``<sandboxes_dir>/<id>.json``), the processes, process group, cgroup directories and host
-paths the handle names, the processes in its cgroup, and any host mount naming it.
+paths the handle names, the processes in its cgroup, any host mount naming it, and any loop
+device whose backing file names it (a disk-backed writable root's).
 """
 
 from __future__ import annotations
@@ -71,4 +72,18 @@ def leftovers(fp: Footprint) -> list[str]:
     except OSError:
         mountinfo = []
     left += [f"mount {line}" for line in mountinfo if any(n in line for n in names)]
+    left += [f"loop device {dev}" for dev in loop_devices(fp.sandbox_id)]
     return left
+
+
+def loop_devices(name: str) -> list[str]:
+    """Loop devices whose backing file's path (deleted or not) contains ``name``: a
+    disk-backed writable root's until its last mount goes."""
+    found = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            if name in backing.read_text():
+                found.append(backing.parent.parent.name)
+        except OSError:
+            continue
+    return found

@@ -1,5 +1,7 @@
 """The writable root (issue 23): every sandbox's ``/`` is a private copy-on-write overlay of the
 shared image, bounded by the disk limit and gone with the sandbox; the image is never written.
+Above ``disk_tmpfs_max_mib`` its upper layer is an ext4 file on the host's disk instead of a
+tmpfs (issue 36, item 7): larger than memory, ``ENOSPC`` at the limit, gone with the sandbox.
 
 Real sandboxes on every level this host starts (``namespaces``, ``gvisor``; ``microvm-tcg`` in
 the ``tcg_slow`` set, where the overlay is the guest's own tmpfs).
@@ -23,10 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral.sandbox import reaper, registry, writable_root
+from ephemeral.sandbox import handles, reaper, registry, writable_root
 from ephemeral.sandbox.base import Limits, SandboxDriver
+from ephemeral.sandbox.process import new_handle
 from ephemeral.settings import Settings
 from tests.sandbox.conftest import Factory
+from tests.sandbox.leaks import loop_devices
 
 pytestmark = pytest.mark.sandbox
 
@@ -120,6 +124,42 @@ async def test_a_write_past_the_disk_limit_fails_inside(make_sandbox: Factory) -
     # the sandbox carries on, and freeing the space makes it writable again
     res = await sbx.exec("rm /usr/fill && echo again > /usr/small && cat /usr/small", user="root")
     assert (res.exit_code, res.stdout) == (0, "again\n"), res
+
+
+async def test_a_disk_backed_root_holds_more_than_memory(
+    driver: SandboxDriver, make_sandbox: Factory, sandbox_settings: Settings
+) -> None:
+    """1024 MiB of root for a sandbox of 512 MiB of memory (a tmpfs of it would be an OOM
+    kill): filled to ENOSPC, /tmp too (it is on the disk), and the sandbox carries on; at
+    destroy its loop device and file are gone (the factory checks every sandbox for loop
+    devices naming it, too). tests/sessions/test_disk.py writes 700 MiB and reads it back."""
+    _microvm_skip(driver)
+    sbx = await make_sandbox(memory_mib=512, disk_mib=1024)
+    assert loop_devices(sbx.id), "a disk-backed root is on a loop device while it lives"
+    df = await sbx.exec("df -k --output=size / /tmp | tail -n +2", user="root")
+    root_k, tmp_k = (int(k) for k in df.stdout.split())
+    assert 900 << 10 < root_k <= 1024 << 10 and tmp_k == root_k, df  # /tmp is on the disk
+    full = await sbx.exec("dd if=/dev/zero of=/tmp/fill bs=1M", timeout=600)
+    assert full.exit_code != 0 and "No space left on device" in full.stderr, full
+    size = await sbx.exec("stat -c %s /tmp/fill")
+    assert 900 << 20 < int(size.stdout) <= 1024 << 20, size
+    after = await sbx.exec("rm /tmp/fill && echo again > /again && cat /again", user="root")
+    assert (after.exit_code, after.stdout) == (0, "again\n"), after
+    run_dir = sandbox_settings.state_dir / "run" / sbx.id
+    assert not (run_dir / writable_root.DISK_FILE).exists()  # unlinked once mounted
+    await sbx.destroy()
+    assert loop_devices(sbx.id) == [] and not run_dir.exists()
+
+
+def test_a_disk_backed_root_counts_no_memory() -> None:
+    """The tmpfs sizes left to /tmp and the upper layer are none with a disk-backed root: the
+    memory limit holds only the small mounts."""
+    limits = Limits(memory_mib=512, disk_mib=1024)
+    assert writable_root.tmpfs_sizes(limits, 4, disk=True) == (0, 16 << 20)
+    assert writable_root.tmpfs_sizes(limits, 4).large == 192 << 20
+    settings = Settings.load(disk_tmpfs_max_mib=256)
+    assert not writable_root.on_disk(Limits(disk_mib=256), settings)
+    assert writable_root.on_disk(Limits(disk_mib=257), settings)
 
 
 def _microvm_skip(driver: SandboxDriver) -> None:
@@ -241,7 +281,8 @@ CRASHER = textwrap.dedent("""
     from ephemeral.sandbox.base import Limits
     async def main():
         s = Settings.load(state_dir=sys.argv[2])
-        sbx = await get_driver(sys.argv[1], s).create(owner="run_" + "0" * 32, limits=Limits())
+        limits = Limits(disk_mib=int(sys.argv[3]))
+        sbx = await get_driver(sys.argv[1], s).create(owner="run_" + "0" * 32, limits=limits)
         await sbx.exec("echo crashed > /etc/crash-mark", user="root")
         print(json.dumps({"id": sbx.id}), flush=True)
         time.sleep(600)
@@ -249,8 +290,9 @@ CRASHER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("disk_mib", [256, 1024], ids=["tmpfs", "disk"])
 async def test_the_reaper_frees_the_upper_layer_of_a_crashed_host(
-    driver: SandboxDriver, sandbox_settings: Settings, rootfs: Path
+    driver: SandboxDriver, sandbox_settings: Settings, rootfs: Path, disk_mib: int
 ) -> None:
     if driver.isolation.startswith("microvm"):
         pytest.skip("a microVM's upper layer is a tmpfs in guest RAM: it ends with QEMU")
@@ -260,28 +302,56 @@ async def test_the_reaper_frees_the_upper_layer_of_a_crashed_host(
         CRASHER,
         driver.isolation,
         str(sandbox_settings.state_dir),
+        str(disk_mib),
         stdout=asyncio.subprocess.PIPE,
         start_new_session=True,
     )
     assert proc.stdout is not None
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 120)
+        sandbox_id = json.loads(line)["id"]
+        held = loop_devices(sandbox_id)
     finally:
         os.kill(proc.pid, signal.SIGKILL)  # the host process dies without any cleanup
         await proc.wait()
-    sandbox_id = json.loads(line)["id"]
+    assert bool(held) == (disk_mib > sandbox_settings.disk_tmpfs_max_mib), held
     assert sandbox_id in await reaper.reap(sandbox_settings)
     assert _mount_namespaces_holding(writable_root.tag(sandbox_id)) == []
+    assert loop_devices(sandbox_id) == []  # its loop device and the file's blocks are freed
+    assert not (sandbox_settings.state_dir / "run" / sandbox_id).exists()
     assert not (rootfs / "etc/crash-mark").exists()
 
 
+async def test_the_reaper_removes_a_disk_file_a_crash_left_before_its_mount(
+    sandbox_settings: Settings,
+) -> None:
+    """A host that died between making a sandbox's disk file and its launcher's mount (which
+    unlinks it) leaves the file in the run directory its handle names: the reap removes it."""
+    dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True)
+    handle = new_handle("namespaces", "test")
+    handle.host_pid, handle.host_start_time = int(dead.stdout), 1  # gone (or another process)
+    run_dir = sandbox_settings.state_dir / "run" / handle.id
+    handle.paths = [str(run_dir)]
+    handles.write(sandbox_settings.sandboxes_dir, handle)
+    disk = writable_root.make_disk(run_dir, 64)
+    assert disk.is_file() and disk.stat().st_size == 64 << 20
+    assert (run_dir.stat().st_mode & 0o777, disk.stat().st_mode & 0o777) == (0o700, 0o600)
+    assert handle.id in await reaper.reap(sandbox_settings)
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("disk_mib", [16, 300], ids=["tmpfs", "disk"])
 async def test_without_the_compiled_helper_the_shell_makes_the_same_root(
-    driver: SandboxDriver, make_sandbox: Factory, rootfs: Path, monkeypatch: pytest.MonkeyPatch
+    driver: SandboxDriver,
+    make_sandbox: Factory,
+    rootfs: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    disk_mib: int,
 ) -> None:
     if driver.isolation.startswith("microvm"):
         pytest.skip("a microVM's overlay is made by its stage 0, not by the host")
     monkeypatch.setattr(writable_root, "helper", lambda cache_dir: None)  # as without gcc
-    sbx = await make_sandbox(disk_mib=16)
+    sbx = await make_sandbox(disk_mib=disk_mib)
     res = await sbx.exec(
         "echo fallback > /etc/fallback-mark && cat /etc/fallback-mark && stat -c %U /etc/passwd "
         "&& df -k / | tail -1",
@@ -290,7 +360,8 @@ async def test_without_the_compiled_helper_the_shell_makes_the_same_root(
     assert res.exit_code == 0, res
     mark, owner, *df = res.stdout.split()
     assert (mark, owner) == ("fallback", "root")
-    assert int(df[1]) <= 16 * 1024  # the disk limit's tmpfs
+    assert int(df[1]) <= disk_mib * 1024  # the disk limit's tmpfs, or its ext4 file
+    assert bool(loop_devices(sbx.id)) == (disk_mib > 256)
     assert (await sbx.exec("touch /etc/worker-file")).exit_code != 0
     assert not (rootfs / "etc/fallback-mark").exists()
 
