@@ -10,15 +10,18 @@ import sys
 
 
 def install() -> None:
-    # Every level the runtime asks for resolves to ``fake``; the registry's get_driver then
-    # returns the fake driver. Importing the source module does not import Prefect (which
-    # reads its settings once, before ``configure`` would set them).
-    from ephemeral.sandbox import registry, source
+    # Every level the runtime asks for resolves to ``fake`` and every driver the source asks
+    # for is the fake one (the sandbox registry knows only real drivers: the fakes are not
+    # shipped into it). Importing the source module does not import Prefect (which reads its
+    # settings once, before ``configure`` would set them).
+    from ephemeral.sandbox import source
+    from ephemeral.testing.sandbox import FakeDriver
 
     async def fake(requested: str, settings: object) -> str:
-        return registry.FAKE
+        return FakeDriver.isolation
 
     source.resolve_isolation = fake  # type: ignore[assignment]
+    source.get_driver = lambda isolation, settings: FakeDriver()  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

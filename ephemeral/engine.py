@@ -326,7 +326,8 @@ class Engine:
             policy = policy.model_copy(update={"models": policy.granted_models(model)})
         provider, provider_model = provider_of(row.model, self.settings)
         image = policy.run_image or self.settings.image
-        built = self.sandboxes.built_image(image)
+        # a registry image is the digest its admission recorded, whatever its name means now
+        built = await self.sandboxes.admitted_image(image, row.image_hash)
         sandboxes = self.sandboxes
         return AgentRun(
             store=self.store,
@@ -336,7 +337,9 @@ class Engine:
             provider=provider,
             provider_model=provider_model,
             price_book=self.price_book,
-            acquire_sandbox=lambda owner, limits: sandboxes.acquire(policy, owner, limits),
+            acquire_sandbox=lambda owner, limits: sandboxes.acquire(
+                policy, owner, limits, row.image_hash
+            ),
             limits=self.sandboxes.limits(policy.timeout_seconds, policy.disk_mib),
             max_turns=self.settings.max_turns,
             image=image,

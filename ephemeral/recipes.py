@@ -21,19 +21,15 @@ shell-quoted word. A template sees ``vars``, the values of its cell and ``repeat
 from __future__ import annotations
 
 import base64
-import dataclasses
-import difflib
 import itertools
 import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
-from typing import Annotated, Any, NamedTuple, NoReturn, TypeVar
+from typing import Annotated, Any, NamedTuple
 
-import yaml
 from jinja2 import TemplateSyntaxError
 from pydantic import (
     AliasChoices,
@@ -67,13 +63,21 @@ from ephemeral.policy import (
 )
 from ephemeral.sandbox import hostread
 from ephemeral.settings import Settings
+from ephemeral.yamlfile import (
+    Loc,
+    Problem,
+    Source,
+    check,
+    error_of,
+    fail,
+    fail_errors,
+    read_yaml,
+    schema_problems,
+)
 
-MAX_FILE_BYTES = 1 << 20
 # Planning streams (iter_planned), so this is a sanity bound, not a memory one: the recipe and
 # suite budgets are the real caps on what runs.
 MAX_PLANNED_RUNS = 1_000_000
-MAX_NODES = 100_000  # YAML values after alias expansion
-MAX_DEPTH = 64
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 MODEL_PATTERN = r"^[a-z0-9][a-z0-9_.-]*/[A-Za-z0-9_.:/-]+$"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -81,9 +85,6 @@ _RESERVED = frozenset({"repeat_index"})
 _NOT_IDENT = "must be an identifier (letters, digits, _) other than repeat_index"
 # A key the schema knows under two spellings: errors on one are shown at the line of the other.
 _ALIASES = {"budget_micros": "budget", "budget": "budget_micros"}
-
-Loc = tuple[str | int, ...]
-
 
 # --------------------------------------------------------------------------- schema
 
@@ -149,7 +150,7 @@ class Recipe(_Strict):
     dataset_sample: datasets.Sample | None = None
     dataset_limit: int | None = Field(default=None, ge=1)
 
-    _source: _Source | None = PrivateAttr(default=None)
+    _source: Source | None = PrivateAttr(default=None)
     _run_policy: Policy | None = PrivateAttr(default=None)
     _selection: datasets.Selection | None = PrivateAttr(default=None)
     _row_count: int | None = PrivateAttr(default=None)
@@ -240,7 +241,7 @@ class Suite(_Strict):
     gates: Gates = Field(default_factory=Gates)
     concurrency: int = Field(default=2, ge=1, le=64)
 
-    _source: _Source | None = PrivateAttr(default=None)
+    _source: Source | None = PrivateAttr(default=None)
     _loaded: list[Recipe] = PrivateAttr(default_factory=list)
 
     @property
@@ -256,157 +257,8 @@ class Suite(_Strict):
 # --------------------------------------------------------------------------- YAML with lines
 
 
-@dataclass(frozen=True)
-class _Source:
-    """Where a document came from, and the line of every key and list item in it."""
-
-    file: str
-    lines: dict[tuple[str, ...], int] = field(default_factory=dict)
-    prompt_node: yaml.Node | None = None
-
-    def line_of(self, loc: Loc) -> int:
-        key = tuple(str(p) for p in loc)
-        if key and key[0] in _ALIASES and key not in self.lines:
-            key = (_ALIASES[key[0]], *key[1:])
-        while key:
-            if key in self.lines:
-                return self.lines[key]
-            key = key[:-1]
-        return self.lines.get((), 1)
-
-    def template_line(self, lineno: int) -> int:
-        """The file line of line ``lineno`` of the prompt template."""
-        node = self.prompt_node
-        if node is None:
-            return self.line_of(("prompt",))
-        block = isinstance(node, yaml.ScalarNode) and node.style in ("|", ">")
-        return node.start_mark.line + lineno + (1 if block else 0)
-
-
-class _Problem(NamedTuple):
-    loc: Loc
-    message: str
-    template_line: int | None = None  # a line of the prompt template, mapped into the file
-    line: int | None = None  # a file line known directly (YAML syntax errors)
-
-
-def _field_name(loc: Loc) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else part
-    return out or "(root)"
-
-
-def _error(source: _Source, p: _Problem) -> dict[str, Any]:
-    if p.line is not None:
-        line = p.line
-    elif p.template_line is not None:
-        line = source.template_line(p.template_line)
-    else:
-        line = source.line_of(p.loc)
-    return {"field": _field_name(p.loc), "message": p.message, "file": source.file, "line": line}
-
-
-def _fail_errors(errors: list[dict[str, Any]]) -> NoReturn:
-    first = errors[0]
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    raise RecipeError(
-        f"{first['file']}:{first['line']}: {first['field']}: {first['message']}{more}",
-        errors=errors,
-    )
-
-
-def _fail(source: _Source, problems: list[_Problem]) -> NoReturn:
-    _fail_errors(sorted((_error(source, p) for p in problems), key=lambda e: e["line"]))
-
-
-def _check(source: _Source, problems: list[_Problem]) -> None:
-    if problems:
-        _fail(source, problems)
-
-
-def _index(root: yaml.Node, src: _Source) -> list[_Problem]:
-    """Record the line of every key and item; return duplicate keys.
-
-    Walks aliases too, so it counts what the document expands to: an alias bomb or a
-    self-referencing anchor stops here instead of in the validator or the template.
-    """
-    dups: list[_Problem] = []
-    todo: list[tuple[yaml.Node, tuple[str, ...]]] = [(root, ())]
-    visited = 0
-    while todo:
-        node, path = todo.pop()
-        visited += 1
-        if visited > MAX_NODES or len(path) > MAX_DEPTH:
-            raise _TooLarge
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value_node in node.value:
-                key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
-                here = (*path, key)
-                line = key_node.start_mark.line + 1
-                if here in src.lines:
-                    first = src.lines[here]
-                    dups.append(_Problem(here, f"duplicate key (first at line {first})", line=line))
-                    continue  # its children would only repeat the same complaint
-                src.lines[here] = line
-                todo.append((value_node, here))
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                src.lines[(*path, str(i))] = item.start_mark.line + 1
-                todo.append((item, (*path, str(i))))
-    return dups
-
-
-class _TooLarge(Exception):
-    pass
-
-
-def _read(path: Path, label: str) -> tuple[dict[str, Any], _Source, list[_Problem]]:
-    """Parse one YAML file into plain data, its line index and its duplicate keys."""
-    whole = _Source(file=label, lines={(): 0})  # line 0: the file as a whole
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        _fail(whole, [_Problem((), f"cannot read the file: {exc.strerror or exc}")])
-    if len(raw) > MAX_FILE_BYTES:
-        _fail(whole, [_Problem((), f"larger than {MAX_FILE_BYTES} bytes")])
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        _fail(whole, [_Problem((), f"not UTF-8 (byte {exc.start})")])
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        src = _Source(file=label, lines={(): node.start_mark.line + 1 if node else 1})
-        dups = _index(node, src) if node is not None else []
-        data = loader.construct_document(node) if node is not None else None
-    except (_TooLarge, RecursionError):
-        _fail(
-            whole,
-            [
-                _Problem(
-                    (),
-                    f"nests deeper than {MAX_DEPTH} levels or expands to more "
-                    f"than {MAX_NODES} values (through aliases?)",
-                    line=1,
-                )
-            ],
-        )
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark else 1
-        _fail(whole, [_Problem(("yaml",), exc.problem or str(exc), line=line)])
-    except yaml.YAMLError as exc:
-        _fail(whole, [_Problem(("yaml",), str(exc), line=1)])
-    finally:
-        loader.dispose()
-    if node is None or not isinstance(data, dict):
-        _fail(whole, [_Problem((), "must be a YAML mapping of fields", line=1)])
-    prompt = next((v for k, v in node.value if getattr(k, "value", None) == "prompt"), None)
-    return data, dataclasses.replace(src, prompt_node=prompt), dups
+def _read(p: Path, label: str) -> tuple[dict[str, Any], Source, list[Problem]]:
+    return read_yaml(p, label, template_key="prompt", aliases=_ALIASES)
 
 
 # --------------------------------------------------------------------------- pydantic errors
@@ -426,63 +278,20 @@ _SCHEMAS: tuple[type[BaseModel], ...] = (
 _KNOWN_FIELDS = sorted({name for model in _SCHEMAS for name in model.model_fields} | {"budget"})
 
 
-def _schema_problems(exc: ValidationError, known: Sequence[str] = _KNOWN_FIELDS) -> list[_Problem]:
-    problems = []
-    for err in exc.errors(include_url=False):
-        loc: Loc = tuple(p for p in err["loc"] if p != "[key]")
-        # A tagged check repeats its key in the location: checks.0.shell.shell.command_matches.
-        if len(loc) >= 4 and loc[0] == "checks" and loc[2] in CHECK_KINDS and loc[2] == loc[3]:
-            loc = loc[:2] + loc[3:]
-        kind, msg = err["type"], err["msg"]
-        if kind == "extra_forbidden":
-            name = str(loc[-1]) if loc else ""
-            if loc == ("budget",):
-                msg = "budget and budget_micros are the same cap: give one"
-            else:
-                close = difflib.get_close_matches(name, known, n=1)
-                msg = "unknown field" + (f" (did you mean {close[0]!r}?)" if close else "")
-        elif kind == "missing":
-            msg = "required"
-        elif kind == "value_error":
-            msg = msg.removeprefix("Value error, ")
-        problems.append(_Problem(loc, msg))
-    return problems
+def _check_loc(loc: Loc) -> Loc:
+    # A tagged check repeats its key in the location: checks.0.shell.shell.command_matches.
+    if len(loc) >= 4 and loc[0] == "checks" and loc[2] in CHECK_KINDS and loc[2] == loc[3]:
+        return loc[:2] + loc[3:]
+    return loc
 
 
-ModelT = TypeVar("ModelT", bound=BaseModel)
-Extra = Callable[[Any], list[tuple[Loc, str]]]
-
-
-def load_yaml_model(
-    path: Path,
-    model: type[ModelT],
-    *,
-    label: str | None = None,
-    extra: Extra | None = None,
-    error: type[InvalidRequest] = RecipeError,
-) -> ModelT:
-    """Any YAML file validated by ``model``, with the recipes' errors (file, line, field).
-
-    ``extra(obj)`` returns further problems as ``(location, message)`` once the schema passed;
-    image definitions use this for checks that need the file system.
-    """
-    data, source, dups = _read(path, label or str(path))
-    known = sorted(model.model_fields)
-    try:
-        obj = model.model_validate(data)
-    except ValidationError as exc:
-        problems = dups + _schema_problems(exc, known)
-    else:
-        problems = dups + [_Problem(loc, msg) for loc, msg in (extra(obj) if extra else [])]
-    if problems:
-        found = sorted((_error(source, p) for p in problems), key=lambda e: e["line"])
-        first = found[0]
-        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise error(
-            f"{first['file']}:{first['line']}: {first['field']}: {first['message']}{more}",
-            errors=found,
-        )
-    return obj
+def _schema_problems(exc: ValidationError, known: Sequence[str] = _KNOWN_FIELDS) -> list[Problem]:
+    return schema_problems(
+        exc,
+        known,
+        relocate=_check_loc,
+        not_allowed={("budget",): "budget and budget_micros are the same cap: give one"},
+    )
 
 
 # --------------------------------------------------------------------------- prompts
@@ -499,36 +308,36 @@ def _template_lineno(exc: BaseException) -> int | None:
     return line
 
 
-def _names_problems(recipe: Recipe) -> list[_Problem]:
+def _names_problems(recipe: Recipe) -> list[Problem]:
     problems = []
     for key in recipe.vars:
         if not _IDENT.match(key) or key in _RESERVED:
-            problems.append(_Problem(("vars", key), _NOT_IDENT))
+            problems.append(Problem(("vars", key), _NOT_IDENT))
     for key in recipe.matrix:
         if not _IDENT.match(key) or key in _RESERVED:
-            problems.append(_Problem(("matrix", key), _NOT_IDENT))
+            problems.append(Problem(("matrix", key), _NOT_IDENT))
         elif key in recipe.vars:
-            problems.append(_Problem(("matrix", key), "also defined in vars; rename one"))
+            problems.append(Problem(("matrix", key), "also defined in vars; rename one"))
     if recipe.models:
         if recipe.model is not None:
-            problems.append(_Problem(("models",), "give model or models, not both"))
+            problems.append(Problem(("models",), "give model or models, not both"))
         if len(set(recipe.models)) != len(recipe.models):
-            problems.append(_Problem(("models",), "lists a model twice"))
+            problems.append(Problem(("models",), "lists a model twice"))
         for where in ("vars", "matrix"):
             if "model" in getattr(recipe, where):
                 problems.append(
-                    _Problem((where, "model"), "`model` is the models axis's variable; rename it")
+                    Problem((where, "model"), "`model` is the models axis's variable; rename it")
                 )
     if recipe.run_count() > MAX_PLANNED_RUNS:
         problems.append(
-            _Problem(
+            Problem(
                 ("matrix",) if recipe.matrix else ("repeat",),
                 f"expands to {recipe.run_count()} runs, more than {MAX_PLANNED_RUNS}",
             )
         )
     if recipe.budget_micros is not None and recipe.budget_micros < recipe.policy.max_cost_micros:
         problems.append(
-            _Problem(
+            Problem(
                 ("budget_micros",),
                 f"{recipe.budget_micros} is below one run's policy.max_cost_micros "
                 f"({recipe.policy.max_cost_micros}): no run could start",
@@ -546,7 +355,7 @@ class Rendered(NamedTuple):
 
 
 class _RenderProblem(Exception):
-    def __init__(self, problem: _Problem) -> None:
+    def __init__(self, problem: Problem) -> None:
         self.problem = problem
 
 
@@ -555,7 +364,7 @@ class _Renderer:
 
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
-        self.problems: list[_Problem] = []
+        self.problems: list[Problem] = []
         self.prompt = self._compile(("prompt",), recipe.prompt)
         self.setup = [self._compile(("setup", i), t) for i, t in enumerate(recipe.setup)]
         self.verify = [self._compile(("verify", i), t) for i, t in enumerate(recipe.verify)]
@@ -567,10 +376,10 @@ class _Renderer:
             template = env.from_string(text)
         except TemplateSyntaxError as exc:
             line = exc.lineno if prompt else None
-            self.problems.append(_Problem(loc, f"template syntax: {exc.message}", line))
+            self.problems.append(Problem(loc, f"template syntax: {exc.message}", line))
             return None
         if not prompt:
-            self.problems += [_Problem(loc, why) for why in templates.command_problems(text)]
+            self.problems += [Problem(loc, why) for why in templates.command_problems(text)]
         return template
 
     def render(self, cell: dict[str, Any], i: int, row: int | None = None) -> Rendered:
@@ -581,10 +390,10 @@ class _Renderer:
             where = f" (cell {json.dumps(cell, default=str)})" if cell else ""
         text = self._one(("prompt",), self.prompt, context, where)
         if not text.strip():
-            raise _RenderProblem(_Problem(("prompt",), "renders to an empty prompt" + where))
+            raise _RenderProblem(Problem(("prompt",), "renders to an empty prompt" + where))
         if len(text) > MAX_PROMPT_CHARS:
             raise _RenderProblem(
-                _Problem(("prompt",), f"renders to more than {MAX_PROMPT_CHARS} characters" + where)
+                Problem(("prompt",), f"renders to more than {MAX_PROMPT_CHARS} characters" + where)
             )
         setup = [self._command(("setup", n), t, context, where) for n, t in enumerate(self.setup)]
         verify = [
@@ -599,13 +408,13 @@ class _Renderer:
         except Exception as exc:  # noqa: BLE001 - any failure of an author's template is a recipe error
             msg = f"template: {exc or type(exc).__name__}"
             line = _template_lineno(exc) if loc == ("prompt",) else None
-            raise _RenderProblem(_Problem(loc, msg + where, line)) from None
+            raise _RenderProblem(Problem(loc, msg + where, line)) from None
 
     def _command(self, loc: Loc, template: Any, context: dict[str, Any], where: str) -> str:
         text = self._one(loc, template, context, where)
         if not text.strip() or "\x00" in text or len(text) > MAX_STEP_COMMAND_CHARS:
             raise _RenderProblem(
-                _Problem(
+                Problem(
                     loc,
                     f"renders to an empty command, a NUL or more than {MAX_STEP_COMMAND_CHARS} "
                     "characters" + where,
@@ -617,7 +426,7 @@ class _Renderer:
 MAX_REPORTED = 20  # distinct render problems listed at most; the rest are counted
 
 
-def iter_rendered(recipe: Recipe) -> Iterator[Rendered | _Problem]:
+def iter_rendered(recipe: Recipe) -> Iterator[Rendered | Problem]:
     """Every cell and repeat, rendered in plan order; a cell that fails yields its problem."""
     renderer = _Renderer(recipe)
     if renderer.problems:
@@ -631,18 +440,18 @@ def iter_rendered(recipe: Recipe) -> Iterator[Rendered | _Problem]:
                 yield exc.problem
 
 
-def _render_problems(recipe: Recipe) -> list[_Problem]:
+def _render_problems(recipe: Recipe) -> list[Problem]:
     """Render every run once without keeping it; each distinct failure is reported once."""
-    problems: dict[str, _Problem] = {}
+    problems: dict[str, Problem] = {}
     for item in iter_rendered(recipe):
-        if isinstance(item, _Problem):
+        if isinstance(item, Problem):
             key = item.message.split(" (cell ")[0].split(" (dataset ")[0]
             if key not in problems and len(problems) < MAX_REPORTED:
                 problems[key] = item
     return list(problems.values())
 
 
-def _recipe_problems(recipe: Recipe) -> list[_Problem]:
+def _recipe_problems(recipe: Recipe) -> list[Problem]:
     names = _names_problems(recipe)
     if recipe.run_count() > MAX_PLANNED_RUNS:
         return names  # rendering that many cells is the problem itself
@@ -735,20 +544,20 @@ _ENVIRONMENT = ("image", "setup", "verify", "verify_timeout_seconds", "agent")
 _DATASET_FIELDS = ("dataset_filter", "dataset_sample", "dataset_limit")
 
 
-def _dataset_problems(recipe: Recipe, base_dir: Path | None) -> list[_Problem]:
+def _dataset_problems(recipe: Recipe, base_dir: Path | None) -> list[Problem]:
     """Resolve the dataset, check its filter, its columns and count its rows (DuckDB)."""
     if recipe.dataset is None:
         return [
-            _Problem((name,), "needs dataset:")
+            Problem((name,), "needs dataset:")
             for name in _DATASET_FIELDS
             if getattr(recipe, name) is not None
         ]
     if base_dir is None:
-        return [_Problem(("dataset",), "needs the recipe's file to be relative to")]
+        return [Problem(("dataset",), "needs the recipe's file to be relative to")]
     try:
         path = confined_path(base_dir, recipe.dataset, "dataset")
     except InvalidRequest as exc:
-        return [_Problem(("dataset",), (exc.errors or [{"message": exc.detail}])[0]["message"])]
+        return [Problem(("dataset",), (exc.errors or [{"message": exc.detail}])[0]["message"])]
     selection = datasets.Selection(
         path=path,
         filter=recipe.dataset_filter,
@@ -761,27 +570,27 @@ def _dataset_problems(recipe: Recipe, base_dir: Path | None) -> list[_Problem]:
         recipe._row_count = datasets.count(selection)
     except InvalidRequest as exc:
         first = (exc.errors or [{"field": "dataset", "message": exc.detail}])[0]
-        return [_Problem((first["field"],), first["message"])]
+        return [Problem((first["field"],), first["message"])]
     taken = (
         set(recipe.vars) | set(recipe.matrix) | _RESERVED | ({"model"} if recipe.models else set())
     )
-    problems = [_Problem(("dataset",), why) for why in datasets.bad_columns(names, taken)]
+    problems = [Problem(("dataset",), why) for why in datasets.bad_columns(names, taken)]
     if recipe._row_count == 0:
-        problems.append(_Problem(("dataset",), f"{selection.path}: no rows selected"))
+        problems.append(Problem(("dataset",), f"{selection.path}: no rows selected"))
     return problems
 
 
-def _environment_problems(recipe: Recipe, base_dir: Path | None) -> list[_Problem]:
+def _environment_problems(recipe: Recipe, base_dir: Path | None) -> list[Problem]:
     """Build the policy every run starts from (image, verify slice, files_from) and check it."""
     problems = [
-        _Problem(("policy", name), "give it at the top level of the recipe, not in policy")
+        Problem(("policy", name), "give it at the top level of the recipe, not in policy")
         for name in _ENVIRONMENT
         if name in recipe.policy.model_fields_set
     ]
     if recipe.agent is not None:
         # Our loop's shell tool writes shell.executed; an agent's commands are its own.
         problems += [
-            _Problem(
+            Problem(
                 ("checks", i, "shell"),
                 "an agent run has no shell.executed events (its commands are the agent's "
                 "own): check verify, the output or the status instead",
@@ -791,10 +600,10 @@ def _environment_problems(recipe: Recipe, base_dir: Path | None) -> list[_Proble
         ]
     files, why = _read_tree(recipe, base_dir, "files_from")
     if why is not None:
-        problems.append(_Problem(("files_from",), why))
+        problems.append(Problem(("files_from",), why))
     verify_files, why = _read_tree(recipe, base_dir, "verify_files_from")
     if why is not None:
-        problems.append(_Problem(("verify_files_from",), why))
+        problems.append(Problem(("verify_files_from",), why))
     if problems:
         return problems
     dumped = recipe.policy.model_dump()
@@ -821,16 +630,16 @@ def _environment_problems(recipe: Recipe, base_dir: Path | None) -> list[_Proble
 
 
 def _build_recipe(
-    data: Any, source: _Source, dups: list[_Problem], base_dir: Path | None = None
+    data: Any, source: Source, dups: list[Problem], base_dir: Path | None = None
 ) -> Recipe:
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
-        _fail(source, dups + _schema_problems(exc))
+        fail(source, dups + _schema_problems(exc))
     recipe._source = source
-    _check(source, dups + _environment_problems(recipe, base_dir))
-    _check(source, _dataset_problems(recipe, base_dir))
-    _check(source, _recipe_problems(recipe))
+    check(source, dups + _environment_problems(recipe, base_dir))
+    check(source, _dataset_problems(recipe, base_dir))
+    check(source, _recipe_problems(recipe))
     return recipe
 
 
@@ -848,20 +657,20 @@ def load_suite(path: str | os.PathLike[str], *, label: str | None = None) -> Sui
     return _build_suite(p, data, source, dups)
 
 
-def _build_suite(p: Path, data: Any, source: _Source, dups: list[_Problem]) -> Suite:
+def _build_suite(p: Path, data: Any, source: Source, dups: list[Problem]) -> Suite:
     try:
         suite = Suite.model_validate(data)
     except ValidationError as exc:
-        _fail(source, dups + _schema_problems(exc))
-    errors = [_error(source, d) for d in dups]
+        fail(source, dups + _schema_problems(exc))
+    errors = [error_of(source, d) for d in dups]
     loaded: list[Recipe] = []
     names: dict[str, int] = {}
     base_label = os.path.dirname(source.file)
     for i, rel in enumerate(suite.recipes):
-        where = _Problem(("recipes", i), "")
+        where = Problem(("recipes", i), "")
         target = (p.parent / rel).resolve()
         if not target.is_file():
-            errors.append(_error(source, where._replace(message=f"no recipe file at {target}")))
+            errors.append(error_of(source, where._replace(message=f"no recipe file at {target}")))
             continue
         try:
             recipe = load_recipe(target, label=os.path.normpath(os.path.join(base_label, rel)))
@@ -870,7 +679,7 @@ def _build_suite(p: Path, data: Any, source: _Source, dups: list[_Problem]) -> S
             continue
         if recipe.name in names:
             errors.append(
-                _error(
+                error_of(
                     source,
                     where._replace(
                         message=f"recipe name {recipe.name!r} is also recipes[{names[recipe.name]}]"
@@ -883,9 +692,9 @@ def _build_suite(p: Path, data: Any, source: _Source, dups: list[_Problem]) -> S
         for i, recipe in enumerate(loaded):
             if suite.budget_micros < recipe.policy.max_cost_micros:
                 errors.append(
-                    _error(
+                    error_of(
                         source,
-                        _Problem(
+                        Problem(
                             ("budget_micros",),
                             f"{suite.budget_micros} is below one run of {recipe.name!r} "
                             f"({recipe.policy.max_cost_micros}); recipes[{i}] could never start",
@@ -893,7 +702,7 @@ def _build_suite(p: Path, data: Any, source: _Source, dups: list[_Problem]) -> S
                     )
                 )
     if errors:
-        _fail_errors(errors)
+        fail_errors(errors)
     suite._source = source
     suite._loaded = loaded
     return suite
@@ -916,8 +725,8 @@ def _run_model(recipe: Recipe, default_model: str | None) -> str:
         return model or ""
     if recipe.run_policy.agent is not None:
         return NO_MODEL
-    source = recipe._source or _Source(file=f"<recipe {recipe.name}>")
-    _fail(source, [_Problem(("model",), f"the recipe names no model, and {NO_DEFAULT}")])
+    source = recipe._source or Source(file=f"<recipe {recipe.name}>")
+    fail(source, [Problem(("model",), f"the recipe names no model, and {NO_DEFAULT}")])
 
 
 def iter_planned(recipe: Recipe, *, default_model: str | None) -> Iterator[PlannedRun]:
@@ -926,13 +735,13 @@ def iter_planned(recipe: Recipe, *, default_model: str | None) -> Iterator[Plann
     Streams: nothing but the current run is held, so a 100,000-row dataset plans in constant
     memory. The recipe was test-rendered at load; a row that fails now stops the plan.
     """
-    source = recipe._source or _Source(file=f"<recipe {recipe.name}>")
+    source = recipe._source or Source(file=f"<recipe {recipe.name}>")
     model = _run_model(recipe, default_model)
     base = recipe.run_policy
     templated = bool(recipe.setup or recipe.verify)
     for item in iter_rendered(recipe):
-        if isinstance(item, _Problem):
-            _fail(source, [item])
+        if isinstance(item, Problem):
+            fail(source, [item])
         policy = base
         if templated:
             policy = base.model_copy(update={"setup": item.setup, "verify": item.verify})
@@ -948,7 +757,7 @@ def iter_planned(recipe: Recipe, *, default_model: str | None) -> Iterator[Plann
 
 def expand(recipe: Recipe, *, default_model: str | None) -> list[PlannedRun]:
     """Every run of the recipe: matrix keys in file order, values in order, then repeats."""
-    _check(recipe._source or _Source(file=f"<recipe {recipe.name}>"), _recipe_problems(recipe))
+    check(recipe._source or Source(file=f"<recipe {recipe.name}>"), _recipe_problems(recipe))
     return list(iter_planned(recipe, default_model=default_model))
 
 
@@ -969,12 +778,12 @@ def validate_recipe(recipe: Recipe, settings: Settings) -> None:
             return
         raise
     book = PriceBook.load(settings)
-    source = recipe._source or _Source(file=f"<recipe {recipe.name}>")
+    source = recipe._source or Source(file=f"<recipe {recipe.name}>")
     for i, model in enumerate(recipe.models):
         try:
             book.check_model(model)
         except UnknownModel as exc:
-            _fail(source, [_Problem(("models", i), exc.detail)])
+            fail(source, [Problem(("models", i), exc.detail)])
     if recipe.models:
         return
     model = _run_model(recipe, default_model(settings))
@@ -984,7 +793,7 @@ def validate_recipe(recipe: Recipe, settings: Settings) -> None:
         book.check_model(model)
     except UnknownModel as exc:
         why = "" if recipe.model else " (the default model: the recipe names none)"
-        _fail(source, [_Problem(("model",), f"{exc.detail}{why}")])
+        fail(source, [Problem(("model",), f"{exc.detail}{why}")])
 
 
 def iter_recipes(item: Recipe | Suite) -> Iterator[Recipe]:

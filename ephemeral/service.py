@@ -185,7 +185,8 @@ class Runtime:
                 ) from exc
         policy = request.policy()
         await self.require_connections(org_id, policy)
-        await self.sandboxes.require_image(policy)  # 422 naming `image` (or `agent.image`)
+        # 422 naming `image` (or `agent.image`); a registry image's digest, which it boots
+        image_hash = await self.sandboxes.require_image(policy)
         await self.sandboxes.require_isolation(policy.isolation)
         row, replayed = await self.store.admit_run(
             org_id=org_id,
@@ -202,6 +203,7 @@ class Runtime:
             # A dispatched run has no owner until a worker claims it: no process's death or
             # recovery may take it for an orphan while it waits in Prefect's queue.
             owner=None if self.dispatcher is not None else self.owner,
+            image_hash=image_hash,
         )
         if not replayed and policy.zero_data_retention:
             if self.dispatcher is not None:

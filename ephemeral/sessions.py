@@ -340,7 +340,7 @@ class Sessions:
     ) -> tuple[RunRow, bool]:
         await require_grants(self.store, org_id, policy, self.price_book, self.settings)
         await self.sandboxes.require_isolation(policy.isolation)
-        await self.sandboxes.require_image(policy)
+        image_hash = await self.sandboxes.require_image(policy)  # a registry image's digest
         row, replayed = await self.store.admit_run(
             org_id=org_id,
             run_id=new_run_id(),
@@ -352,6 +352,7 @@ class Sessions:
             body_hash=body_hash,
             owner=self.owner,
             kind=KIND,
+            image_hash=image_hash,
         )
         if replayed:
             if row.kind != KIND:
@@ -388,7 +389,7 @@ class Sessions:
         t0 = time.monotonic()
         try:
             await self.sandboxes.ensure_pool()
-            sandbox = await self.sandboxes.acquire(policy, row.id, limits)
+            sandbox = await self.sandboxes.acquire(policy, row.id, limits, row.image_hash)
             rate = self.sandboxes.compute_rate(limits, self.price_book)
             budget = RunBudget(
                 reserved_micros=row.reserved_micros,
@@ -419,7 +420,7 @@ class Sessions:
             )
             if attached is not None:
                 live.egress, live.egress_env = attached
-            built = self.sandboxes.built_image(sandbox.image)
+            built = await self.sandboxes.admitted_image(sandbox.image, row.image_hash)
             live.image_env = dict(built.env) if built else {}
             live.passwd = users.read_passwd(built.rootfs) if built else None
             live.image_user, live.image_cwd = (built.user, built.cwd) if built else (None, None)

@@ -6,6 +6,8 @@ each call :func:`Settings.load` (or receive a ``Settings``) and hand it on.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import socket
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +25,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # wheel carries them inside the package (pyproject.toml force-includes them as ``_data/``).
 _BUNDLED = Path(__file__).resolve().parent / "_data"
 DATA_ROOT = _BUNDLED if _BUNDLED.is_dir() else REPO_ROOT
+
+
+_LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
+_HOST_NAME = re.compile(rf"^({_LABEL}\.)*{_LABEL}$")
+_NUMBER_LABEL = re.compile(r"^(0x[0-9a-f]*|[0-9]+)$")  # URL parsers read it as an address
 
 
 def _default_state_dir() -> Path:
@@ -103,6 +110,15 @@ class Settings(BaseSettings):
         default=False,
         description="Let `web_fetch` and connections reach loopback and private addresses "
         "(link-local/metadata stays refused). For tests and internal APIs; unsafe in production.",
+    )
+    egress_allow_private: list[str] = Field(
+        default_factory=list,
+        description="Host names and IP networks (JSON list: `mirror.internal`, "
+        "`10.20.0.0/16`, `127.0.0.1/32`) that web traffic of runs and sessions with `web` "
+        "granted may reach although they resolve to loopback, private or any other "
+        "special-purpose address (an internal package mirror or proxy). A listed name passes "
+        "whatever it resolves to; nothing unlisted does. A run's `web` allow list still "
+        "applies; connections and runs without `web` are unaffected.",
     )
     egress_port: int = Field(
         default=3128,
@@ -213,6 +229,13 @@ class Settings(BaseSettings):
         ge=1,
         le=10_000_000,
         description="Members one `ADD` of a local archive may unpack.",
+    )
+    build_allow_hosts: list[str] = Field(
+        default_factory=list,
+        description="Hosts a Dockerfile build's `RUN` may reach, through the build's proxy "
+        "(JSON list of host names and `*.` + a domain, as a run's `web` allow list; IP "
+        "literals never match). Each request is recorded beside the image. Empty: builds have "
+        "no network (the default).",
     )
     image_cache_max_mib: int = Field(
         default=20480,
@@ -388,6 +411,45 @@ class Settings(BaseSettings):
     def _absolute_if_set(cls, v: Path | None) -> Path | None:
         # shared paths: the same on every host, never relative to a working directory
         return None if v is None else v.expanduser().resolve()
+
+    @field_validator("egress_allow_private")
+    @classmethod
+    def _private_entries(cls, v: list[str]) -> list[str]:
+        out = []
+        for entry in v:
+            text = entry.strip().lower().rstrip(".")
+            try:  # strict: host bits set (10.0.0.1/8) is a mistake, not a network
+                out.append(str(ipaddress.ip_network(text)))
+                continue
+            except ValueError as exc:
+                if "/" in text or ":" in text:
+                    raise ValueError(f"{entry!r} is not an IP network: {exc}") from None
+            # a host name's last label is never a number (0x7f.1 and 10.1 are addresses)
+            last = text.rsplit(".", 1)[-1]
+            if len(text) > 253 or not _HOST_NAME.match(text) or _NUMBER_LABEL.match(last):
+                raise ValueError(f"{entry!r} is neither a host name nor an IP network (CIDR)")
+            out.append(text)
+        return out
+
+    @field_validator("build_allow_hosts")
+    @classmethod
+    def _build_hosts(cls, v: list[str]) -> list[str]:
+        out = []  # the patterns of a run's web allow list (policy.WebAllow matches them)
+        for entry in v:
+            text = entry.strip().lower()
+            bare = text.removeprefix("*.")
+            last = bare.rsplit(".", 1)[-1]
+            if (
+                len(bare) > 253
+                or not _HOST_NAME.match(bare)
+                or _NUMBER_LABEL.match(last)
+                or (text.startswith("*.") and "." not in bare)
+            ):
+                raise ValueError(
+                    f"{entry!r} is not a host name or '*.' + a domain (IP literals never match)"
+                )
+            out.append(text)
+        return out
 
     @field_validator("runsc_path")
     @classmethod

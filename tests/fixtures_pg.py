@@ -7,7 +7,8 @@ Use it from a conftest: ``pytest_plugins = ["tests.fixtures_pg"]``. Fixtures:
 - ``postgres_db_url``: a fresh, empty database per test (``CREATE DATABASE`` ~0.1 s).
 
 The cluster lives in a temp directory, listens on 127.0.0.1 on a free port with fsync off, and
-is stopped and deleted at the end of the session. ``initdb`` refuses to run as root, so as root
+is stopped and deleted at the end of the session (by tests/watchdog.py if the test process dies
+first: ``pg_ctl`` detaches the server). ``initdb`` refuses to run as root, so as root
 every server command runs through ``runuser -u postgres``. Without the binaries (or, as root,
 without the ``postgres`` user) the tests skip with the reason.
 """
@@ -19,6 +20,7 @@ import contextlib
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -27,6 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests import watchdog
 
 PG_BIN = Path(os.environ.get("EPHEMERAL_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
 _SERVER_OPTS = (
@@ -73,6 +77,7 @@ class PgCluster:
 
     def start(self) -> PgCluster:
         self.dir = Path(tempfile.mkdtemp(prefix="ephemeral-pg-"))
+        watchdog.remove(self.dir)
         if self._as_postgres:
             pw = pwd.getpwnam("postgres")
             os.chown(self.dir, pw.pw_uid, pw.pw_gid)
@@ -108,9 +113,16 @@ class PgCluster:
                 "start",
             )
             if started.returncode == 0:
+                # SIGQUIT: the postmaster's immediate shutdown (`pg_ctl stop -m immediate`)
+                watchdog.watch(self._postmaster(), signal.SIGQUIT)
                 return self
             last = started.stderr.strip() + self._log_tail()
         raise RuntimeError(f"pg_ctl start failed: {last}")
+
+    def _postmaster(self) -> int:
+        """The server's pid (a session leader: ``pg_ctl`` calls setsid), from its pid file."""
+        assert self.dir is not None
+        return int((self.dir / "data" / "postmaster.pid").read_text().split()[0])
 
     def _log_tail(self) -> str:
         assert self.dir is not None
@@ -157,6 +169,7 @@ class PgCluster:
         if self.dir is None:
             return
         if (self.dir / "data" / "postmaster.pid").exists():
+            postmaster = self._postmaster()
             self._run(
                 str(PG_BIN / "pg_ctl"),
                 "-D",
@@ -166,7 +179,9 @@ class PgCluster:
                 "-w",
                 "stop",
             )
+            watchdog.forget(postmaster)
         shutil.rmtree(self.dir, ignore_errors=True)
+        watchdog.keep(self.dir)
         self.dir = None
 
 

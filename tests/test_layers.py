@@ -1,5 +1,6 @@
 """The layers of docs/architecture.md, checked on the source: the core imports no layer above it,
-and no module of the package imports itself back through others (no import cycle).
+inside the core the lower parts import no higher one (``DIRECTION``), and no module of the
+package imports itself back through others (no import cycle).
 
 Every import statement counts, lazy ones inside functions and ``TYPE_CHECKING`` ones included
 (``ast``, not a runtime import graph, so a forbidden import cannot hide behind a branch that
@@ -125,6 +126,101 @@ def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
     assert "ephemeral.flows.executor" in names
     assert "ephemeral.tasks" in names
     assert "prefect.settings" in names
+
+
+# The run engine and what drives runs and sessions: the parts below never import these.
+RUNS = (
+    "ephemeral.engine",
+    "ephemeral.service",
+    "ephemeral.executor",
+    "ephemeral.agent",
+    "ephemeral.closing",
+    "ephemeral.sessions",
+    "ephemeral.placement",
+    "ephemeral.session_host",
+    "ephemeral.hostlink",
+    "ephemeral.flowloop",
+    "ephemeral.evals",
+)
+# Direction inside the core: a module under the key never imports a module under one of its
+# values. The sandbox layer knows drivers and images, not what runs in them (recipes, evals)
+# nor the fakes that ship for tests; the broker sees a run only as a BrokerContext; the store
+# keeps rows, not sandboxes or the broker; image pulling (oci) and the records serve runs
+# without knowing the engine; and only tests (and benches) import ``ephemeral.testing``.
+DIRECTION: dict[str, tuple[str, ...]] = {
+    "ephemeral.sandbox": (
+        *RUNS,
+        "ephemeral.recipes",
+        "ephemeral.testing",
+        "ephemeral.store",
+        "ephemeral.broker",
+        "ephemeral.records",
+    ),
+    "ephemeral.broker": (*RUNS, "ephemeral.sandbox", "ephemeral.records"),
+    "ephemeral.store": (*RUNS, "ephemeral.sandbox", "ephemeral.broker", "ephemeral.oci"),
+    "ephemeral.oci": (*RUNS, "ephemeral.store", "ephemeral.records", "ephemeral.recipes"),
+    "ephemeral.records": (*RUNS, "ephemeral.sandbox", "ephemeral.broker"),
+    "ephemeral.providers": (*RUNS, "ephemeral.sandbox", "ephemeral.store"),
+    "ephemeral": ("ephemeral.testing",),
+}
+# A key also covers the package itself; ``ephemeral`` (everything) exempts the fakes themselves.
+DIRECTION_EXEMPT = {"ephemeral": ("ephemeral.testing",)}
+
+
+def under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def module_name(path: Path, root: Path = REPO_ROOT) -> str:
+    return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+
+
+def wrong_way_imports(files: Iterable[Path], root: Path = REPO_ROOT) -> list[str]:
+    """``file:line: importer -> imported`` for every import against ``DIRECTION``."""
+    bad = []
+    for path in files:
+        module = module_name(path, root)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for layer, never in DIRECTION.items():
+            if not under(module, layer):
+                continue
+            if any(under(module, e) for e in DIRECTION_EXEMPT.get(layer, ())):
+                continue
+            for line, name in imported_modules(path, package):
+                if any(under(name, n) for n in never) and not under(name, module):
+                    bad.append(f"{path.relative_to(root)}:{line}: {module} -> {name}")
+    return sorted(set(bad))
+
+
+def test_the_core_imports_point_down() -> None:
+    assert set(DIRECTION) - {"ephemeral"} <= {
+        module_name(p) for p in core_modules() if p.name == "__init__.py"
+    }
+    bad = wrong_way_imports(core_modules())
+    assert not bad, f"imports against the direction of docs/architecture.md: {bad}"
+
+
+def test_the_direction_checker_sees_a_wrong_way_import(tmp_path: Path) -> None:
+    """A lazy import of the fakes from the sandbox layer and a relative import of the engine
+    from the broker are both caught; the fakes importing the sandbox (downwards) is not."""
+    texts = {
+        "sandbox/probe.py": "def f():\n    from ephemeral.testing.sandbox import FakeDriver\n",
+        "broker/probe.py": "from ..engine import Engine\n",
+        "testing/probe.py": "from ephemeral.sandbox.base import Limits\n",
+    }
+    files = []
+    for name, text in texts.items():
+        path = tmp_path / "ephemeral" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        files.append(path)
+    assert wrong_way_imports(files, tmp_path) == [
+        "ephemeral/broker/probe.py:1: ephemeral.broker.probe -> ephemeral.engine",
+        "ephemeral/broker/probe.py:1: ephemeral.broker.probe -> ephemeral.engine.Engine",
+        "ephemeral/sandbox/probe.py:2: ephemeral.sandbox.probe -> ephemeral.testing.sandbox",
+        "ephemeral/sandbox/probe.py:2: ephemeral.sandbox.probe -> "
+        "ephemeral.testing.sandbox.FakeDriver",
+    ]
 
 
 # Import cycles allowed in the tree, each named by its modules: none. The test fails on any

@@ -112,6 +112,29 @@ def _alive(pids: dict[int, str]) -> dict[int, str]:
     return {pid: cmd for pid, cmd in pids.items() if _stat(pid) is not None}
 
 
+def _reap(env: dict[str, str]) -> None:
+    """What the next start does first (Runtime.recover): reap a dead process's sandboxes."""
+    reap = subprocess.run(
+        [sys.executable, "-m", "ephemeral.cli", "sandbox", "reap"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert reap.returncode == 0, reap.stdout + reap.stderr
+
+
+def _all_gone(started: dict[int, str]) -> None:
+    _wait(lambda: not _alive(started), GONE_SECONDS, f"all gone: {_alive(started)}")
+
+
+def _kill_left(started: dict[int, str]) -> None:
+    """A failed test's leftovers, so that they do not outlive it."""
+    for pid in _alive(started):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.fixture
 def env(tmp_path: Path, cassettes: Path) -> dict[str, str]:
     (cassettes / "slow.json").write_text(json.dumps(SLOW))
@@ -175,28 +198,16 @@ def test_a_stopped_entry_point_leaves_no_prefect_server_sandbox_or_port(
         assert server is not None
         proc.send_signal(sig)
         proc.wait(timeout=GONE_SECONDS)
-        if sig == signal.SIGTERM:
-            _wait(lambda: not _alive(started), GONE_SECONDS, f"all gone: {_alive(started)}")
-        else:
+        if sig == signal.SIGKILL:
             _wait(lambda: _stat(server[0]) is None, GONE_SECONDS, "the Prefect server ends")
-            # what the next start does first (Runtime.recover): reap the dead process's sandboxes
-            reap = subprocess.run(
-                [sys.executable, "-m", "ephemeral.cli", "sandbox", "reap"],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            assert reap.returncode == 0, reap.stdout + reap.stderr
-            _wait(lambda: not _alive(started), GONE_SECONDS, f"all gone: {_alive(started)}")
+            _reap(env)
+        _all_gone(started)
         assert _port_free(server[1])
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        for pid in _alive(started):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_left(started)
         log.close()
 
 
@@ -233,17 +244,8 @@ def test_a_stopped_worker_leaves_no_sandbox(
         worker.send_signal(sig)
         worker.wait(timeout=GONE_SECONDS + 30)  # a TERM drains first
         if sig == signal.SIGKILL:
-            reap = subprocess.run(
-                [sys.executable, "-m", "ephemeral.cli", "sandbox", "reap"],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            assert reap.returncode == 0, reap.stdout + reap.stderr
-        _wait(lambda: not _alive(started), GONE_SECONDS, f"all gone: {_alive(started)}")
+            _reap(env)
+        _all_gone(started)
     finally:
-        for pid in _alive(started):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_left(started)
         server.stop()

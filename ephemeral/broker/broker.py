@@ -13,7 +13,7 @@ from ephemeral.broker import connections, web
 from ephemeral.broker.context import BrokerContext
 from ephemeral.broker.egress import Egress
 from ephemeral.broker.secrets import Sealer
-from ephemeral.broker.ssrf import public_url
+from ephemeral.broker.ssrf import PrivateAllow, public_url
 from ephemeral.broker.tools import CONNECTION_CALL, NAMES, WEB_FETCH, tools_for
 from ephemeral.policy import Policy
 from ephemeral.providers.base import ToolCall, ToolSpec
@@ -25,6 +25,8 @@ class Broker:
 
     def __init__(self, settings: Settings, sealer: Sealer | None = None) -> None:
         self.allow_private = settings.broker_allow_private_hosts
+        # web only (the proxy's web requests and web_fetch), never connections
+        self.web_private = PrivateAllow.of(settings.egress_allow_private)
         self.sealer = sealer or Sealer.for_settings(settings)
         self._web_requests = 0
         self.settings = settings
@@ -42,6 +44,7 @@ class Broker:
             request_micros=request_micros,
             sealer=self.sealer,
             allow_private=self.allow_private,
+            web_private=self.web_private,
             max_bytes=self.settings.egress_max_bytes,
             idle_seconds=self.settings.egress_idle_seconds,
             mib_micros=mib_micros,
@@ -88,6 +91,7 @@ class Broker:
                 call.arguments,
                 charge=lambda: self._charge_web(ctx),
                 allow_private=self.allow_private,
+                allowed=self.web_private,
             )
         if call.name == CONNECTION_CALL:
             return await connections.call(

@@ -16,7 +16,8 @@ head, either
 
 Web requests and tunnels pass the same checks as ``web_fetch``: web on, the host allowed by
 ``web: {"allow": [...]}`` when set (an IP literal never is), resolved once with every address
-checked (``ssrf.resolve``), then dialled at the checked address. Each is charged
+checked (``ssrf.resolve``; the operator's ``egress_allow_private`` hosts and networks pass),
+then dialled at the checked address. Each is charged
 ``web.per_request_micros`` before it is dialled, and ``web.per_mib_micros`` a MiB ahead of the
 bytes moved either way; a charge that does not fit the budget cuts every stream and stops the
 run (``budget_exhausted``). A refusal answers ``403`` with a plain-text reason inside and
@@ -41,6 +42,7 @@ from ephemeral.broker import connections, outbound
 from ephemeral.broker.redact import Redactor, redact
 from ephemeral.broker.secrets import Sealer
 from ephemeral.broker.ssrf import (
+    PrivateAllow,
     Refused,
     Target,
     parse_url,
@@ -211,12 +213,14 @@ class Egress:
         max_bytes: int,
         idle_seconds: float,
         mib_micros: int,
+        web_private: PrivateAllow | None = None,
     ) -> None:
         self.ctx = ctx
         self.next_seq = next_seq
         self.request_micros = request_micros
         self.sealer = sealer
         self.allow_private = allow_private
+        self.web_private = web_private  # egress_allow_private: web requests only
         self.max_bytes = max_bytes
         self.idle_seconds = idle_seconds
         self.mib_micros = mib_micros
@@ -292,7 +296,9 @@ class Egress:
                 raise _Refusal(403, f"host {target.host!r} is not in the run's web allow list")
             try:
                 async with asyncio.timeout(CONNECT_SECONDS):
-                    checked = await resolve(target, allow_private=self.allow_private)
+                    checked = await resolve(
+                        target, allow_private=self.allow_private, allowed=self.web_private
+                    )
             except Refused as exc:
                 raise _Refusal(403, exc.reason) from None
             except TimeoutError:

@@ -9,6 +9,11 @@ checks.
 addresses through, for tests and for brokers that must reach an internal API. Link-local
 (cloud metadata at 169.254.169.254), multicast, unspecified and reserved addresses stay refused
 even then: nothing legitimate lives there.
+
+:class:`PrivateAllow` (the ``egress_allow_private`` setting) is narrower and goes further: the
+host names and networks an operator lists (an internal mirror, a proxy) pass whatever class
+their addresses are, and nothing else does. The broker applies it to web traffic only (runs
+and sessions with ``web`` granted), never to connections.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import asyncio
 import ipaddress
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import httpx
@@ -47,6 +52,35 @@ class Target:
     def dial_url(self) -> httpx.URL:
         """The URL with the checked address as its host (the Host header keeps the name)."""
         return self.url.copy_with(host=str(self.address))
+
+
+@dataclass(frozen=True)
+class PrivateAllow:
+    """Hosts and networks an operator lets past the address rule (``egress_allow_private``).
+
+    A listed host name passes whatever its addresses are (the operator trusts that name's DNS:
+    the broker still resolves it once and dials the address it resolved); an address inside a
+    listed network passes whatever its class, link-local and the other special-purpose ranges
+    included (the operator named it). Entries are normalized by ``Settings``."""
+
+    names: frozenset[str]
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+
+    @classmethod
+    def of(cls, entries: Iterable[str]) -> PrivateAllow | None:
+        names: set[str] = set()
+        networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for entry in entries:
+            try:
+                networks.append(ipaddress.ip_network(entry))
+            except ValueError:
+                names.add(entry.lower().rstrip("."))
+        return cls(frozenset(names), tuple(networks)) if names or networks else None
+
+    def admits(self, host: str, ip: IPAddress) -> bool:
+        return host.lower().rstrip(".") in self.names or any(
+            ip.version == net.version and ip in net for net in self.networks
+        )
 
 
 def address_refusal(ip: IPAddress, *, allow_private: bool) -> str | None:
@@ -153,8 +187,11 @@ def port_of(url: httpx.URL) -> int:
     return url.port or _DEFAULT_PORTS[url.scheme]
 
 
-async def resolve(url: httpx.URL, *, allow_private: bool) -> Target:
-    """Resolve the URL's host once and check every address it has; Refused if any is bad."""
+async def resolve(
+    url: httpx.URL, *, allow_private: bool, allowed: PrivateAllow | None = None
+) -> Target:
+    """Resolve the URL's host once and check every address it has; Refused if any is bad
+    (an address ``allowed`` admits for this host is not checked further)."""
     host = url.host
     try:
         literal: IPAddress | None = ipaddress.ip_address(host)
@@ -178,6 +215,8 @@ async def resolve(url: httpx.URL, *, allow_private: bool) -> Target:
         if not addresses:
             raise Refused(f"cannot resolve host {host!r}")
     for ip in addresses:
+        if allowed is not None and allowed.admits(host, ip):
+            continue
         why = address_refusal(ip, allow_private=allow_private)
         if why is not None:
             raise Refused(f"host {host!r} resolves to a {why}")

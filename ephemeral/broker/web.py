@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ephemeral.broker import outbound
-from ephemeral.broker.ssrf import Refused, parse_url, public_url, recorded_reason, resolve
+from ephemeral.broker.ssrf import (
+    PrivateAllow,
+    Refused,
+    parse_url,
+    public_url,
+    recorded_reason,
+    resolve,
+)
 from ephemeral.policy import WebAllow
 
 if TYPE_CHECKING:
@@ -34,7 +41,12 @@ def _shown(raw: object) -> str:
 
 
 async def fetch(
-    ctx: BrokerContext, args: dict[str, Any], *, charge: Charge, allow_private: bool
+    ctx: BrokerContext,
+    args: dict[str, Any],
+    *,
+    charge: Charge,
+    allow_private: bool,
+    allowed: PrivateAllow | None = None,
 ) -> str:
     method = args.get("method", "GET")
     raw = args.get("url")
@@ -70,7 +82,7 @@ async def fetch(
             return await deny(public_url(url), f"host {url.host!r} is not in the web allow list")
         try:
             async with asyncio.timeout_at(deadline):
-                target = await resolve(url, allow_private=allow_private)
+                target = await resolve(url, allow_private=allow_private, allowed=allowed)
         except Refused as exc:
             return await deny(
                 public_url(url), f"{'redirect refused: ' if hops else ''}{exc.reason}"

@@ -104,3 +104,24 @@ async def ensure(settings: Settings, name: str, field: str = "image") -> images.
     """The image ``name``, pulled first if this host does not have it (admission)."""
     pulled = await oci_pull.ensure_image(settings, name, field)
     return _config(settings, name, pulled)
+
+
+def pinned_reference(name: str, image_hash: str) -> str:
+    """The reference ``name`` held to the manifest digest its admission resolved it to
+    (``image_hash``, the hex a run records): what that run's sandbox boots, whatever a later
+    ``pull`` or ``rm`` makes the name mean."""
+    return str(reference.parse(name).with_digest(f"sha256:{image_hash}"))
+
+
+async def ensure_admitted(settings: Settings, name: str, image_hash: str) -> images.ImageConfig:
+    """The image admission resolved ``name`` to: from this host's store, else pulled again by
+    its digest (the registry must serve those very bytes, or this raises ``RegistryError``);
+    never the image the name points at now."""
+    try:
+        pulled = await oci_pull.ensure_image(settings, pinned_reference(name, image_hash))
+    except errors.RegistryError as exc:
+        raise errors.RegistryError(
+            f"the image admitted as {name} (sha256:{image_hash}) is no longer on this host "
+            f"and could not be pulled again by its digest: {exc.detail}"[:2000]
+        ) from exc
+    return _config(settings, name, pulled)

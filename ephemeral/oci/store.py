@@ -22,7 +22,6 @@ store's lock shared; ``gc`` holds it exclusively, so it never removes what a pul
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -34,6 +33,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from ephemeral import flock
 from ephemeral.oci.reference import Reference
 from ephemeral.sandbox.cache_use import USED, Entry
 from ephemeral.settings import Settings
@@ -121,17 +121,8 @@ class LayerStore:
         """Hold the store's lock; yields False (not held) when ``wait`` is False and another
         process holds it."""
         self.ensure()
-        fd = os.open(self.root / ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        try:
-            flags = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-            try:
-                fcntl.flock(fd, flags if wait else flags | fcntl.LOCK_NB)
-            except BlockingIOError:
-                yield False
-                return
-            yield True
-        finally:
-            os.close(fd)
+        with flock.held(self.root / ".lock", exclusive=exclusive, wait=wait) as got:
+            yield got
 
     # ---- paths and records
 
@@ -195,7 +186,14 @@ class LayerStore:
         os.replace(tmp, self._ref_path(ref))
 
     def resolve(self, ref: Reference) -> PulledImage | None:
-        """The complete image ``ref`` was pulled as here, or None (never contacts a registry)."""
+        """The complete image ``ref`` was pulled as here, or None (never contacts a registry).
+        A reference with a digest is also the image stored under that manifest digest, pulled
+        under any name: a digest names the same bytes everywhere (how a run boots the digest
+        its admission recorded, ``sandbox_image.pinned_reference``)."""
+        if ref.digest is not None:
+            stored = self.image(ref.digest)
+            if stored is not None and self.complete(stored):
+                return stored
         try:
             data = json.loads(self._ref_path(ref).read_text())
         except (OSError, ValueError):

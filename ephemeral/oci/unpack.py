@@ -98,8 +98,7 @@ class LayerWriter(hostwrite.TreeWriter):
 
     def _whiteout(self, path: str, parts: tuple[str, ...]) -> None:
         self._count(path)
-        name = parts[-1]
-        parent = hostwrite._walk(self.root_fd, parts[:-1], path)
+        parent, name = self._parent(path)
         try:
             if name == OPAQUE:
                 fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent)
@@ -124,12 +123,11 @@ class LayerWriter(hostwrite.TreeWriter):
         host process is root), walking to it without following a link, never through one."""
         if self.owner == (0, 0):
             return
-        parts = hostwrite.split(path, self.limits)
-        if not parts:
-            return
-        parent = hostwrite._walk(self.root_fd, parts[:-1], path)
+        if not hostwrite.split(path, self.limits):
+            return  # the root: its owner is the caller's
+        parent, name = self._parent(path)
         try:
-            os.chown(parts[-1], *self.owner, dir_fd=parent, follow_symlinks=False)
+            os.chown(name, *self.owner, dir_fd=parent, follow_symlinks=False)
         finally:
             os.close(parent)
 
@@ -191,10 +189,10 @@ def unpack_layer(blob: Path, dest: Path, budget: Budget) -> Unpacked:
     finally:
         os.close(root)
     budget.bytes -= stream.seen
-    budget.entries -= writer._entries
+    budget.entries -= writer.entries
     return Unpacked(
         diff_id="sha256:" + stream.hash.hexdigest(),
         bytes=stream.seen,
-        entries=writer._entries,
+        entries=writer.entries,
         skipped=len(report.skipped),
     )

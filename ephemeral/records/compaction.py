@@ -38,6 +38,7 @@ from typing import Any
 
 import duckdb
 
+from ephemeral import flock
 from ephemeral.errors import InvalidRequest
 from ephemeral.ids import utcnow
 from ephemeral.records.schema import (
@@ -78,16 +79,8 @@ def partitions(
 @contextmanager
 def partition_lock(directory: Path) -> Iterator[bool]:
     """Exclusive lock among compactors and the purge; yields False if another holds it."""
-    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)
+    with flock.held(directory / LOCK_NAME, wait=False) as got:
+        yield got
 
 
 def _readers_lock(root: Path) -> int | None:

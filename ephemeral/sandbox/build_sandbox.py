@@ -34,6 +34,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from ephemeral import errors
 from ephemeral.sandbox import cgroups, handles
@@ -196,6 +197,19 @@ def _mounts_prefix(binds: Sequence[tuple[Path, Path]]) -> list[str]:
     return [*prefix, *flat, "--"]
 
 
+# Shell (host root, ``$base`` set): a process ``$h`` holding a new user namespace that maps
+# 0..65535 to ``$base..``, its maps written from outside before anything runs in it.
+HOLDER_SH = (
+    "unshare --user -- sleep 60 </dev/null >/dev/null 2>&1 &\nh=$!\ni=0\n"
+    'until echo "0 $base 65536" 2>/dev/null >"/proc/$h/uid_map"; do\n'
+    "  i=$((i + 1))\n"
+    "  if [ $i -gt 200000 ] || ! kill -0 $h 2>/dev/null; then\n"
+    '    echo "build sandbox: could not map the user namespace" >&2; exit 1\n'
+    "  fi\ndone\n"
+    'echo "0 $base 65536" >"/proc/$h/gid_map" || exit 1\n'
+)
+
+
 def _userns_prefix(base: int) -> list[str]:
     """argv prefix: a user namespace mapping 0..65535 to ``base..``, entered as its root, with
     no further user namespaces allowed; what follows runs there (the namespaces driver's
@@ -204,14 +218,8 @@ def _userns_prefix(base: int) -> list[str]:
     namespace is kept on fd 9 while nsenter makes us its uid 0."""
     script = (
         "base=$1\nnsfd=9\nshift\n"
-        "unshare --user -- sleep 60 </dev/null >/dev/null 2>&1 &\nh=$!\ni=0\n"
-        'until echo "0 $base 65536" 2>/dev/null >"/proc/$h/uid_map"; do\n'
-        "  i=$((i + 1))\n"
-        "  if [ $i -gt 200000 ] || ! kill -0 $h 2>/dev/null; then\n"
-        '    echo "build sandbox: could not map the user namespace" >&2; exit 1\n'
-        "  fi\ndone\n"
-        'echo "0 $base 65536" >"/proc/$h/gid_map" || exit 1\n'
-        'eval "exec $nsfd<\\"/proc/$h/ns/user\\"" || exit 1\n'
+        + HOLDER_SH
+        + 'eval "exec $nsfd<\\"/proc/$h/ns/user\\"" || exit 1\n'
         "{ kill -9 $h; wait $h; } 2>/dev/null\n"
         'exec nsenter --user="/proc/self/fd/$nsfd" --setuid=0 --setgid=0 -- /bin/sh -c '
         '\'eval "exec $0<&-" && echo 0 >/proc/sys/user/max_user_namespaces && '
@@ -227,14 +235,17 @@ def bwrap_argv(
     ro: Sequence[tuple[Path, str]] = (),
     rw: Sequence[tuple[Path, str]] = (),
     tmp_mib: int = BuildLimits.tmp_mib,
+    own_net: bool = True,
 ) -> list[str]:
     """bwrap with ``root`` as ``/`` (read-write) and nothing of the host but ``ro``/``rw``;
-    with no root, ``/`` is an empty tmpfs with the host's ``/usr`` read-only (the C compiler)."""
+    with no root, ``/`` is an empty tmpfs with the host's ``/usr`` read-only (the C compiler).
+    ``own_net=False``: the network namespace it is started in is kept (a build's proxied one,
+    :mod:`ephemeral.build_proxy`), else one of its own with nothing in it."""
     argv = [
         "bwrap",
         "--unshare-ipc",
         "--unshare-pid",
-        "--unshare-net",
+        *(["--unshare-net"] if own_net else []),
         "--unshare-uts",
         "--unshare-cgroup",
         "--die-with-parent",
@@ -348,17 +359,49 @@ def shift_owners(root: Path, delta: int, *, lo: int, hi: int) -> None:
             one(os.path.join(dirpath, name))
 
 
+class RootHook(Protocol):
+    """A root the sandbox does not own by shifting it (a registry image's layers under an
+    overlay, ``dockerfile/layers.py``): mounted once the uid slot is known, released after."""
+
+    async def mount(self, base: int) -> None: ...
+
+    async def release(self, base: int) -> None: ...
+
+
+class NetHook(Protocol):
+    """A network namespace whose only way out is a proxy (``ephemeral/build_proxy.py``)."""
+
+    async def start(self) -> str: ...  # the namespace's path (/proc/PID/ns/net)
+
+    def env(self) -> dict[str, str]: ...  # what points a command at the proxy
+
+    async def stop(self) -> None: ...
+
+
 class BuildSandbox:
     """Holds a uid slot and the shifted ownership of ``rootfs`` for one build; ``run`` runs a
-    command inside. Use as ``async with BuildSandbox(rootfs) as box:``."""
+    command inside. Use as ``async with BuildSandbox(rootfs) as box:``. With ``root``, that
+    hook makes ``rootfs`` (nothing is shifted); with ``net``, commands run in its network
+    namespace, with its proxy in their environment, instead of one with nothing in it."""
 
-    def __init__(self, rootfs: Path, limits: BuildLimits | None = None) -> None:
+    def __init__(
+        self,
+        rootfs: Path,
+        limits: BuildLimits | None = None,
+        *,
+        root: RootHook | None = None,
+        net: NetHook | None = None,
+    ) -> None:
         self.rootfs = rootfs
         self.limits = limits or BuildLimits()
         self.base = 0
         self._slot_fd: int | None = None
         self._shifted: list[Path] = []
         self.cgroup: BuildCgroup | None = None
+        self.root = root
+        self.net = net
+        self._netns: str | None = None
+        self._mounted = False
 
     async def __aenter__(self) -> BuildSandbox:
         for tool in ("bwrap", "unshare", "nsenter"):
@@ -367,7 +410,13 @@ class BuildSandbox:
         self.base, self._slot_fd = allocate_slot()
         try:
             self.cgroup = BuildCgroup(self.limits).__enter__()
-            await self.own(self.rootfs)
+            if self.root is not None:
+                self._mounted = True
+                await self.root.mount(self.base)
+            else:
+                await self.own(self.rootfs)
+            if self.net is not None:
+                self._netns = await self.net.start()
         except BaseException:
             await self.__aexit__()
             raise
@@ -383,6 +432,12 @@ class BuildSandbox:
             if self.cgroup is not None:  # nothing of the build outlives it
                 await asyncio.to_thread(self.cgroup.__exit__)
                 self.cgroup = None
+            if self.net is not None:
+                await self.net.stop()
+                self._netns = None
+            if self.root is not None and self._mounted:
+                self._mounted = False
+                await self.root.release(self.base)
             for path in reversed(self._shifted):
                 base = self.base
                 await asyncio.to_thread(shift_owners, path, -base, lo=base, hi=base + RANGE)
@@ -424,11 +479,20 @@ class BuildSandbox:
             ro_at = [(point(src), dst) for src, dst in ro]
             rw_at = [(point(src), dst) for src, dst in rw]
             assert self.cgroup is not None
+            netns: list[str] = []
+            if self._netns is not None and self.net is not None:
+                # entered by host root before the user namespace (which could not enter it)
+                netns = ["nsenter", f"--net={self._netns}", "--"]
+                env = {**env, **self.net.env()}
+            own_net = self._netns is None
             full = [
                 *self.cgroup.prefix(),
+                *netns,
                 *_mounts_prefix(binds),
                 *_userns_prefix(self.base),
-                *bwrap_argv(root, env, ro=ro_at, rw=rw_at, tmp_mib=self.limits.tmp_mib),
+                *bwrap_argv(
+                    root, env, ro=ro_at, rw=rw_at, tmp_mib=self.limits.tmp_mib, own_net=own_net
+                ),
                 *argv,
             ]
             env_ = {"PATH": "/usr/sbin:/usr/bin:/bin"}

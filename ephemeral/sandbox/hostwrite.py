@@ -163,12 +163,19 @@ class TreeWriter:
         # subclass may apply it (image layers: ephemeral/oci/unpack.py)
         self.owner: tuple[int, int] = (0, 0)
 
+    @property
+    def entries(self) -> int:
+        """How many entries were counted against ``limits.max_entries`` so far."""
+        return self._entries
+
     def _count(self, path: str) -> None:
         self._entries += 1
         if self._entries > self.limits.max_entries:
             raise refused(path, f"more than {self.limits.max_entries} entries")
 
     def _parent(self, path: str) -> tuple[int, str]:
+        """A new fd of the directory that holds ``path`` (made as needed, never through a link;
+        the caller closes it) and the entry's name in it. For subclasses too (oci/unpack.py)."""
         parts = split(path, self.limits)
         if not parts:
             raise refused(path, "names the root itself")

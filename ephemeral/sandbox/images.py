@@ -45,6 +45,7 @@ from ephemeral.sandbox.build_sandbox import (
     BuildCgroup,
     BuildLimits,
     BuildSandbox,
+    NetHook,
     _mounts_prefix,
     _userns_prefix,
     explain,
@@ -178,7 +179,7 @@ def definition_dir(settings: Settings, name: str) -> Path:
 
 def load_definition(defdir: Path) -> ImageDefinition:
     """Parse and check ``image.yaml``; errors name the file, the line and the field."""
-    from ephemeral.recipes import load_yaml_model
+    from ephemeral.yamlfile import load_yaml_model
 
     def on_disk(d: ImageDefinition) -> list[tuple[tuple[str | int, ...], str]]:
         problems = d.layering_problems()
@@ -684,6 +685,7 @@ async def _assemble(
     work: Path,
     limits: BuildLimits,
     then: Then | None = None,
+    net: NetHook | None = None,
 ) -> dict[str, Any]:
     """Copy the mmdebstrap layer into ``work`` (a new directory in the build's area,
     :mod:`ephemeral.sandbox.build_area`), then apply every definition in the chain, root
@@ -704,7 +706,7 @@ async def _assemble(
     assert root.agent is not None and root.user is not None  # checked by the model
     env: dict[str, str] = {}
     workdir: str | None = None
-    async with BuildSandbox(rootfs, limits) as box:
+    async with BuildSandbox(rootfs, limits, net=net) as box:
         await _install(
             box, source_path(root_dir, root.agent.source), root.agent.path, "install agent", "0755"
         )
@@ -891,10 +893,16 @@ def built_image(settings: Settings, name: str) -> ImageConfig | None:
     mark_used(d)
     if (settings.images_dir / name / "image.yaml").is_file():
         _name_current(settings, name, d)
+    # a Dockerfile image FROM a registry image: stored layers (dockerfile/layers.py)
+    layers = [Path(p) for p in meta.get("layers") or []]
+    for layer in layers[:-1]:  # what images gc reads as the layer's last use (not the agent's)
+        mark_used(layer.parent)
     return ImageConfig(
         name=name,
         hash=str(meta.get("hash", "")),
-        rootfs=d / "rootfs",
+        rootfs=Path(meta["rootfs_layer"]) if layers else d / "rootfs",
+        layers=layers,
+        pulled=bool(layers),
         agent_path=str(meta.get("agent_path") or "/opt/ephemeral/agent.py"),
         env=dict(meta.get("env") or {}),
         workdir=meta.get("workdir"),

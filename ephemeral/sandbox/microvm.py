@@ -225,6 +225,11 @@ class MicroVMDriver:
                 )
             rootfs = await images.ensure_image(self.settings, name)
             built = images.built_image(self.settings, name)
+            if built is not None and built.pulled:  # built FROM a registry image: its layers
+                raise errors.IsolationUnavailable(
+                    f"{self.isolation}: image {name} is made of a registry image's layers, "
+                    "which boot under gvisor or namespaces only, not yet in a microVM"
+                )
             self._agent_path = built.agent_path if built else self._agent_path
             python = rootfs / "usr" / "bin" / "python3"
             if not (python.is_symlink() or python.exists()):

@@ -231,6 +231,9 @@ class ProcessDriver:
                 lower = pulled.lower()
             else:
                 lower = str(await images.ensure_image(self.settings, self.settings.image))
+                built = images.built_image(self.settings, self.settings.image)
+                if built is not None and built.layers:  # built FROM a registry image
+                    lower = built.lower()
             # the agent runs on the runtime whatever the image holds (Python or not)
             self._runtime = await agent_runtime.ensure_runtime(self.settings)
             self._agent_path = self._runtime.agent

@@ -15,7 +15,6 @@ from ephemeral.sandbox.base import ALL_ISOLATIONS, STRENGTH_ORDER, SandboxDriver
 from ephemeral.settings import Settings
 
 ALIASES = {"microvm": "microvm-kvm"}
-FAKE = "fake"
 
 
 def microvm_available() -> bool:
@@ -38,10 +37,6 @@ def get_driver(isolation: str, settings: Settings) -> SandboxDriver:
         from ephemeral.sandbox.microvm import MicroVMDriver
 
         return MicroVMDriver(settings, accel="kvm" if name == "microvm-kvm" else "tcg")
-    if name == FAKE:
-        from ephemeral.testing.sandbox import FakeDriver
-
-        return FakeDriver()
     raise errors.InvalidRequest.field(
         "isolation",
         f"unknown isolation {isolation!r}; one of auto, microvm, " + ", ".join(ALL_ISOLATIONS),
@@ -65,8 +60,6 @@ async def offered(settings: Settings, *, fresh: bool = False) -> dict[str, str |
 
 
 async def resolve_isolation(requested: str, settings: Settings) -> str:
-    if requested == FAKE:
-        return FAKE
     if requested == "auto":
         candidates = list(STRENGTH_ORDER)
     else:

@@ -75,14 +75,16 @@ class SandboxSource:
                 exc.detail, errors=[{"field": "isolation", "message": exc.detail}]
             ) from exc
 
-    async def require_image(self, policy: Policy) -> None:
+    async def require_image(self, policy: Policy) -> str | None:
         """At admission: a built image's name must be built here (else a 422 listing what
         is), and a registry reference is pulled now if this host does not have it (a 422
         naming the field for a bad reference or image, a 502 when the registry fails), so a
-        run or session starts from an image resolved to its digest before anything runs."""
+        run or session starts from an image resolved to its digest before anything runs.
+        Returns that digest's hex for a registry reference (the run records it and its sandbox
+        boots it: :meth:`acquire`'s ``image_hash``), else None."""
         name = policy.run_image
         if name is None:
-            return
+            return None
         where = "image" if policy.image is not None else "agent.image"
         if sandbox_image.is_reference(name):
             level = await self.isolation_for(policy.isolation)
@@ -91,10 +93,19 @@ class SandboxSource:
                 raise errors.IsolationUnavailable(
                     why, errors=[{"field": "isolation", "message": why}]
                 )
-            await sandbox_image.ensure(self.settings, name, field=where)
+            pulled = await sandbox_image.ensure(self.settings, name, field=where)
             self._host_facts.pop(("image", name), None)
-        else:
-            images.require_built(self.settings, name, field=where)
+            return pulled.hash
+        images.require_built(self.settings, name, field=where)
+        return None
+
+    async def admitted_image(self, name: str, image_hash: str | None) -> images.ImageConfig | None:
+        """The image a run or session was admitted with: for a registry reference, the digest
+        admission recorded (``image_hash``; pulled again by that digest if it is gone here),
+        else the current build of ``name`` (:meth:`built_image`)."""
+        if image_hash is not None and sandbox_image.is_reference(name):
+            return await sandbox_image.ensure_admitted(self.settings, name, image_hash)
+        return self.built_image(name)
 
     def built_image(self, name: str) -> images.ImageConfig | None:
         """The current build of image ``name`` (``images.built_image``), reused for
@@ -137,8 +148,12 @@ class SandboxSource:
             return
         await self.start_pool()
 
-    async def acquire(self, policy: Policy, owner: str, limits: Limits) -> Sandbox:
-        """A sandbox for the run or session ``owner``: warm from the pool, else booted.
+    async def acquire(
+        self, policy: Policy, owner: str, limits: Limits, image_hash: str | None = None
+    ) -> Sandbox:
+        """A sandbox for the run or session ``owner``: warm from the pool, else booted; of
+        the digest ``image_hash`` when its image is a registry reference (the one admission
+        recorded: :meth:`require_image`).
 
         A boot that fails is tried again (``BOOT_ATTEMPTS`` in all): nothing has happened in a
         sandbox that never started. (The burst failures that made this necessary, runsc's
@@ -146,7 +161,7 @@ class SandboxSource:
         in ``spawn.py``; the retry stays for what a loaded host still throws at a boot.)"""
         for attempt in range(1, BOOT_ATTEMPTS + 1):
             try:
-                return await self._acquire_once(policy, owner, limits)
+                return await self._acquire_once(policy, owner, limits, image_hash)
             except errors.SandboxError as exc:
                 if attempt == BOOT_ATTEMPTS:
                     raise
@@ -160,19 +175,27 @@ class SandboxSource:
                 await asyncio.sleep(BOOT_RETRY_SECONDS * attempt)
         raise AssertionError("unreachable")
 
-    async def _acquire_once(self, policy: Policy, owner: str, limits: Limits) -> Sandbox:
+    async def _acquire_once(
+        self, policy: Policy, owner: str, limits: Limits, image_hash: str | None
+    ) -> Sandbox:
         isolation = await self.isolation_for(policy.isolation)
         image = policy.run_image or self.settings.image
-        pool = self.pools.get((isolation, image))
+        boot = image
+        if image_hash is not None and sandbox_image.is_reference(image):
+            # the admitted digest, never what the name means now (a pull or rm since)
+            boot = sandbox_image.pinned_reference(image, image_hash)
+        pool = self.pools.get((isolation, image)) if boot == image else None
         # a warm sandbox has the pool's cpus, memory, pids and disk: other limits boot cold
         if pool is not None and _same(pool.limits, limits):
             sandbox: Sandbox = await pool.acquire(owner, limits)
             return sandbox
         settings = self.settings
-        if image != settings.image:
-            settings = settings.model_copy(update={"image": image})
+        if boot != settings.image:
+            settings = settings.model_copy(update={"image": boot})
         async with self._boots:
-            return await get_driver(isolation, settings).create(owner=owner, limits=limits)
+            sandbox = await get_driver(isolation, settings).create(owner=owner, limits=limits)
+        sandbox.image = image  # the name as asked; the digest is the run's image_hash
+        return sandbox
 
     async def close(self) -> None:
         for pool in self.pools.values():

@@ -132,6 +132,7 @@ async def admit(
     body_hash: str | None,
     owner: str | None = None,
     kind: str | None = None,
+    image_hash: str | None = None,
 ) -> str | sa.Row[Any]:
     """Admit a run in the caller's transaction. Returns the replayed run's id, or the new
     run's row."""
@@ -164,6 +165,7 @@ async def admit(
             owner=owner,
             last_seq=1,
             kind=kind,
+            image_hash=image_hash,
         )
         .returning(*runs.c)
     )

@@ -338,8 +338,11 @@ class Store:
         body_hash: str | None = None,
         owner: str | None = None,
         kind: str | None = None,
+        image_hash: str | None = None,
     ) -> tuple[RunRow, bool]:
         """Claim the idempotency key, reserve the budget, record the run and ``run.queued``.
+        ``image_hash`` is the digest admission resolved a registry image to (its sandbox boots
+        that one).
 
         All in one transaction: a refused admission leaves nothing behind, not even the key.
         The run is born with its ``owner``, so no recovery can take it for an orphan while the
@@ -367,6 +370,7 @@ class Store:
                     body_hash=body_hash,
                     owner=owner,
                     kind=kind,
+                    image_hash=image_hash,
                 )
                 if isinstance(admitted, str):  # replayed: the run its key admitted earlier
                     return await self._run(conn, admitted), True

@@ -7,7 +7,15 @@ import ipaddress
 import httpx
 import pytest
 
-from ephemeral.broker.ssrf import Refused, address_refusal, parse_url, public_url, resolve
+from ephemeral.broker.ssrf import (
+    PrivateAllow,
+    Refused,
+    address_refusal,
+    parse_url,
+    public_url,
+    resolve,
+)
+from ephemeral.settings import Settings
 
 REFUSED_ALWAYS = [
     "0.0.0.0",
@@ -150,6 +158,49 @@ async def test_resolution_keeps_the_checked_address() -> None:
     assert target.address.is_loopback
     assert target.dial_url.host == str(target.address)
     assert target.url.host == "localhost"  # the Host header and TLS name stay the name
+
+
+def _operator_allows(*entries: str) -> PrivateAllow:
+    settings = Settings.load(egress_allow_private=list(entries))
+    allowed = PrivateAllow.of(settings.egress_allow_private)
+    assert allowed is not None
+    return allowed
+
+
+@pytest.mark.parametrize("ip", [*REFUSED_ALWAYS, *REFUSED_UNLESS_ALLOWED])
+async def test_an_operator_listed_network_passes_any_address_class(ip: str) -> None:
+    """egress_allow_private: every special-purpose range an operator lists passes (issue 36,
+    item 6), decided from the literal alone (nothing is sent)."""
+    url = parse_url(f"http://[{ip}]/" if ":" in ip else f"http://{ip}/")
+    net = f"{ip}/{128 if ':' in ip else 32}"
+    target = await resolve(url, allow_private=False, allowed=_operator_allows(net))
+    assert target.address == ipaddress.ip_address(ip)
+    with pytest.raises(Refused):  # listing another network lets nothing else through
+        await resolve(url, allow_private=False, allowed=_operator_allows("192.168.77.0/24"))
+
+
+async def test_an_operator_listed_name_passes_what_it_resolves_to_and_only_it() -> None:
+    allowed = _operator_allows("LocalHost.", "10.0.0.0/8")
+    target = await resolve(parse_url("http://localhost:9/"), allow_private=False, allowed=allowed)
+    assert target.address.is_loopback
+    for url in ("http://127.0.0.1/", "http://[::1]/", "http://172.16.0.1/"):
+        with pytest.raises(Refused, match=r"resolves to a (loopback|private) address"):
+            await resolve(parse_url(url), allow_private=False, allowed=allowed)
+    assert await resolve(parse_url("http://10.9.8.7/"), allow_private=False, allowed=allowed)
+    # an IPv4 network does not admit the IPv6 forms that carry its addresses
+    with pytest.raises(Refused):
+        await resolve(parse_url("http://[::ffff:10.9.8.7]/"), allow_private=False, allowed=allowed)
+
+
+@pytest.mark.parametrize(
+    "entry", ["10.0.0.1/8", "0x7f.1", "10.1", "2130706433", "a b", "fd00::1/8", "-x.internal"]
+)
+def test_the_operator_list_refuses_what_is_neither_a_name_nor_a_network(entry: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="egress_allow_private"):
+        Settings.load(egress_allow_private=[entry])
+    assert PrivateAllow.of([]) is None
 
 
 def test_public_url_strips_query_fragment_and_userinfo() -> None:

@@ -4,7 +4,8 @@ One ``prefect server start`` (SQLite from the pre-migrated template: fastest her
 ``ephemeral serve`` with ``EPHEMERAL_EXECUTOR=dispatch`` and ``ephemeral worker`` processes, each
 with its own state dir and ``EPHEMERAL_HOST_ID``, all sharing one store (``db_url``: PostgreSQL
 in the tests), one records root and one seal key. Each process runs in its own session, so
-``kill(name)`` takes its whole process tree, as a dead host would go. Used by
+``kill(name)`` takes its whole process tree, as a dead host would go; tests/watchdog.py takes
+them all if the test process dies first (PostgreSQL and the Prefect server too). Used by
 ``tests/cluster/test_scaleout.py``, ``bench/scaleout.py`` and ``make cluster``.
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from tests import watchdog
 from tests.evals.prefect_server import REPO, PrefectServer, free_port
 
 EPHEMERAL = [sys.executable, "-m", "ephemeral.cli"]
@@ -93,6 +95,7 @@ class Cluster:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        watchdog.watch(proc.pid)
         self.procs[name] = proc
         return proc
 
@@ -149,6 +152,7 @@ class Cluster:
             proc.wait(10)
         with contextlib.suppress(ProcessLookupError):  # children that outlived the leader
             os.killpg(proc.pid, signal.SIGKILL)
+        watchdog.forget(proc.pid)
 
     def tail(self, name: str, chars: int = 3000) -> str:
         with contextlib.suppress(OSError):

@@ -1,7 +1,8 @@
 """A real ``prefect server start`` for a test, on 127.0.0.1, with its own PREFECT_HOME.
 
 Every process started here runs in its own session and is killed by process group at stop,
-so flow-run processes spawned by a worker go with it.
+so flow-run processes spawned by a worker go with it; and by tests/watchdog.py if the test
+process dies first.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests import watchdog
 
 PREFECT = [sys.executable, "-m", "prefect"]
 REPO = Path(__file__).resolve().parents[2]
@@ -74,6 +77,7 @@ class PrefectServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        watchdog.watch(proc.pid)
         self.procs.append(proc)
         return proc
 
@@ -147,4 +151,5 @@ class PrefectServer:
             # Children that outlived their leader still hold the group id.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            watchdog.forget(proc.pid)
         self.procs.clear()

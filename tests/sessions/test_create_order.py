@@ -41,7 +41,9 @@ class HeldBoots(SandboxSource):
     async def require_image(self, policy: Policy) -> None:
         return None  # its sandboxes are fakes: any image name boots (admission checks none)
 
-    async def acquire(self, policy: Policy, owner: str, limits: Limits) -> Sandbox:
+    async def acquire(
+        self, policy: Policy, owner: str, limits: Limits, image_hash: str | None = None
+    ) -> Sandbox:
         self.booting.append(owner)
         if policy.run_image is None:
             await self.release.wait()

@@ -17,10 +17,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ephemeral import errors
+from ephemeral import build_proxy, errors
+from ephemeral.oci import pull as oci_pull
+from ephemeral.oci import reference, sandbox_image
+from ephemeral.oci.store import LayerStore, PulledImage
 from ephemeral.sandbox import build_area, host_pip, image_gc, images, users
 from ephemeral.sandbox.build_sandbox import IN_DIR, OUT_DIR, BuildLimits, BuildSandbox
-from ephemeral.sandbox.dockerfile.aliases import NAME, _resolve
+from ephemeral.sandbox.dockerfile import layers
+from ephemeral.sandbox.dockerfile.aliases import DEBIAN_BASES, NAME, _resolve
 from ephemeral.sandbox.dockerfile.context import (
     Context,
     _archive_flag,
@@ -116,19 +120,47 @@ def load(
         if not _ENV_KEY.fullmatch(k):
             raise errors.InvalidRequest.field("build_args", f"{k!r} is not a valid argument name")
 
+    pulled: dict[str, PulledImage] = {}
+
+    def registry_image(image: str) -> str | None:
+        """The normalized reference of ``image``, pulled now unless this host has it."""
+        try:
+            ref = str(reference.parse(image, "FROM"))
+        except errors.InvalidRequest:
+            return None
+        if ref not in pulled:  # load runs in a thread of its own: no loop is running here
+            pulled[ref] = asyncio.run(oci_pull.ensure_image(settings, ref, "FROM"))
+        return ref
+
     def base_env(image: str) -> dict[str, str]:
+        if image in pulled:
+            return dict(pulled[image].env)
         env: dict[str, str] = {}
         for _, d in images.chain(images.definition_dir(settings, image)):
             env.update(d.env)
         return env
 
+    def base_start(image: str) -> tuple[str | None, str | None]:
+        got = pulled.get(image)
+        return (got.workdir, got.user) if got is not None else (None, None)
+
     def resolve_base(image: str) -> str | None:
-        found = _resolve(settings, image)
-        if found is None or not (settings.images_dir / found / "image.yaml").is_file():
+        # with an allow list, Debian is the registry's (its own apt, through the proxy)
+        debian = DEBIAN_BASES.fullmatch(image) is not None
+        found = None if debian and settings.build_allow_hosts else _resolve(settings, image)
+        if found is None:
+            return registry_image(image)
+        if not (settings.images_dir / found / "image.yaml").is_file():
             return None  # a Dockerfile image as a base: not yet (its steps are not a definition)
         return found
 
-    plan = translate(parse(text, path), build_args, resolve_base, base_env)
+    def copied_image(image: str) -> str | None:
+        # a bare name that is no stage is more likely a stage's typo than an image: not pulled
+        return registry_image(image) if any(c in image for c in "/:@") else None
+
+    plan = translate(
+        parse(text, path), build_args, resolve_base, base_env, base_start, copied_image
+    )
     ctx = scan_context(root, rules, path)
     for stage in [*plan.stages, plan]:
         for step in stage.steps:
@@ -159,6 +191,17 @@ def _read_dockerfile(dockerfile: Path, root: Path, path: str) -> bytes:
     if len(data) > MAX_DOCKERFILE_BYTES:
         raise fail(path, None, None, f"larger than {MAX_DOCKERFILE_BYTES} bytes")
     return data
+
+
+def _base_identity(settings: Settings, base: str) -> str:
+    """What a base contributes to the cache key: a registry image's manifest digest (as this
+    host pulled it), our image's definition hash."""
+    if "/" in base:
+        found = LayerStore(settings).resolve(reference.parse(base))
+        if found is None:  # load pulled it; gc took it since
+            raise errors.SandboxError(f"image build: the base {base} is no longer here")
+        return found.digest
+    return images.definition_hash(images.definition_dir(settings, base))
 
 
 def _digest(data: bytes, build_args: Mapping[str, str], ctx: Context, base_hash: str) -> str:
@@ -232,11 +275,9 @@ async def abuild_dockerfile(
     build_args = dict(build_args or {})
     dockerfile = Path(dockerfile)
     plan, ctx, data = await asyncio.to_thread(load, dockerfile, context, build_args, settings)
-    base_dir = images.definition_dir(settings, plan.base)
-    base_hash = images.definition_hash(base_dir)
+    base_hash = _base_identity(settings, plan.base)
     for k in plan.needed():  # a stage copied from is part of the image
-        stage_dir = images.definition_dir(settings, plan.stages[k].base)
-        base_hash += f"+{k}:{images.definition_hash(stage_dir)}"
+        base_hash += f"+{k}:{_base_identity(settings, plan.stages[k].base)}"
     digest = _digest(data, build_args, ctx, base_hash)
     name = name(digest) if callable(name) else name or f"dockerfile-{digest[:12]}"
     if not NAME.fullmatch(name):
@@ -253,7 +294,7 @@ async def abuild_dockerfile(
         lock = settings.image_cache_dir / f".{name}.lock"
         async with images._AsyncFileLock(lock):
             if not marker.is_file():
-                await _build(settings, plan, ctx, dockerfile, base_dir, out, digest, name)
+                await _build(settings, plan, ctx, dockerfile, base_hash, out, digest, name)
     images.point_name(settings, name, out)
     built = images.built_image(settings, name)
     assert built is not None
@@ -265,7 +306,7 @@ async def _build(
     plan: Plan,
     ctx: Context,
     dockerfile: Path,
-    base_dir: Path,
+    base_hash: str,
     out: Path,
     digest: str,
     name: str,
@@ -273,20 +314,82 @@ async def _build(
     limits = BuildLimits.of(settings)
     await asyncio.to_thread(build_area.sweep, settings.image_cache_dir)
     extracted: dict[int, tuple[Path, bool]] = {}
+    proxy = build_proxy.for_build(settings)
     # every stage, what later stages copy from it and the image itself are written in the
     # build's area: one size-limited filesystem (build_area.py), in directories host root's
     # only (a set-uid file of a stage is no host user's to reach)
     async with images.BuildArea(out, limits.disk_mib) as area:
         scratch = area.fs / "stages"
         scratch.mkdir(mode=0o700)
-        for k in plan.needed():
-            await _build_stage(settings, plan, k, ctx, scratch, extracted, limits)
+        # the stages of COPY --from=<image> first: any stage may copy from them
+        for k in sorted(plan.needed(), key=lambda k: (not plan.stages[k].image_only, k)):
+            await _build_stage(settings, plan, k, ctx, scratch, extracted, limits, proxy)
         work = area.fs / "image"
-        info = await _assemble_stage(settings, plan, plan, ctx, work, extracted, [], limits)
+        if plan.from_registry:
+            layered = area.fs / "layered"
+            info = await _assemble_stage(
+                settings, plan, plan, ctx, layered, extracted, [], limits, proxy
+            )
+            work.mkdir(mode=0o700)
+            image = await asyncio.to_thread(
+                layers.store_image,
+                settings,
+                info.pop("pulled"),
+                layered / "ovl" / "o" / "upper",
+                name=name,
+                digest=digest,
+                env=plan.env,
+                workdir=plan.workdir,
+                user=plan.user,
+                cmd=plan.cmd,
+                entrypoint=plan.entrypoint,
+            )
+            info.update(_layered_meta(settings, image))
+        else:
+            info = await _assemble_stage(
+                settings, plan, plan, ctx, work, extracted, [], limits, proxy
+            )
         shutil.rmtree(scratch, ignore_errors=True)
-        await _finish(work, plan, info, dockerfile, base_dir, digest, name)
+        if proxy is not None:
+            info["network"] = _network_record(work, settings, proxy)
+        await _finish(work, plan, info, dockerfile, base_hash, digest, name)
         await area.commit(work)
     await asyncio.to_thread(image_gc.after_build, settings, out)
+
+
+def _layered_meta(settings: Settings, image: PulledImage) -> dict[str, Any]:
+    """What ``image.json`` says of an image made of stored layers (``images.built_image``
+    reads it): the layers, lowest first, then the guest agent's; the one holding the
+    ``/etc/passwd`` a session's users come from; the store reference that keeps them."""
+    store = LayerStore(settings)
+    paths = [store.layer_root(layer.diff_id) for layer in image.layers]
+    agent_fs, agent_path = sandbox_image.agent_layer(settings)
+    etc = next((p for p in reversed(paths) if (p / "etc" / "passwd").exists()), paths[-1])
+    return {
+        "layers": [str(p) for p in [*paths, agent_fs]],
+        "rootfs_layer": str(etc),
+        "agent_path": agent_path,
+        "oci_reference": image.reference,
+        "size_bytes": image.layers[-1].unpacked_bytes,
+    }
+
+
+NETWORK_FILE = "network.json"
+
+
+def _network_record(
+    work: Path, settings: Settings, proxy: build_proxy.BuildProxy
+) -> dict[str, Any]:
+    """Every request the build's proxy saw, in ``network.json`` beside ``image.json``; a
+    summary for ``image.json``."""
+    record = {"allow": list(settings.build_allow_hosts), "requests": proxy.records}
+    (work / NETWORK_FILE).write_text(json.dumps(record, indent=1))
+    return {
+        "allow": record["allow"],
+        "requests": len(proxy.records),
+        "denied": len(proxy.denied()),
+        "file": NETWORK_FILE,
+    }
 
 
 async def _finish(
@@ -294,7 +397,7 @@ async def _finish(
     plan: Plan,
     info: dict[str, Any],
     dockerfile: Path,
-    base_dir: Path,
+    base_hash: str,
     digest: str,
     name: str,
 ) -> None:
@@ -309,7 +412,7 @@ async def _finish(
         "cwd": plan.workdir,
         "exec_user": plan.user or "root",
         "base": plan.base,
-        "base_hash": images.definition_hash(base_dir),
+        "base_hash": base_hash,
         "dockerfile": {
             "path": str(dockerfile),
             "cmd": plan.cmd,
@@ -320,7 +423,7 @@ async def _finish(
             "build_args": plan.args_used,
             "packages": plan.packages,
         },
-        "size_bytes": await asyncio.to_thread(images._du, out),
+        "size_bytes": info.get("size_bytes") or await asyncio.to_thread(images._du, out),
     }
     (out / "image.json").write_text(json.dumps(meta, indent=1))
 
@@ -334,21 +437,49 @@ async def _assemble_stage(
     extracted: dict[int, tuple[Path, bool]],
     exports: list[tuple[CopyStep, Path]],
     limits: BuildLimits,
+    proxy: build_proxy.BuildProxy | None,
 ) -> dict[str, Any]:
     """Build one stage's rootfs in ``out`` (its base's chain, then its steps); before the
-    build sandbox closes, copy what later stages' ``COPY --from`` take into ``exports``."""
-    layers = images.chain(images.definition_dir(settings, stage.base))
-    spec = images._layer_spec([d for _, d in layers], tuple(stage.packages))
+    build sandbox closes, copy what later stages' ``COPY --from`` take into ``exports``.
+
+    A stage on a registry image runs on the image's stored layers under a writable layer of
+    its own (``layers.py``), left in ``out/ovl/o/upper``; ``pulled`` is then its base."""
+    if stage.from_registry:
+        pulled = await oci_pull.ensure_image(settings, stage.base, "FROM")
+        store = LayerStore(settings)
+        staging = out / "stage"
+        await asyncio.to_thread(staging.mkdir, mode=0o700, parents=True)
+        lowers = [store.layer_root(x.diff_id) for x in pulled.layers]
+        root = layers.LayeredRoot(lowers, out / "ovl")
+        async with BuildSandbox(root.root, limits, root=root, net=proxy) as box:
+            await _stage_steps(box, root.root, staging, final, stage, ctx, extracted, exports)
+        shutil.rmtree(staging, ignore_errors=True)
+        return {"pulled": pulled}
+    chain = images.chain(images.definition_dir(settings, stage.base))
+    spec = images._layer_spec([d for _, d in chain], tuple(stage.packages))
     base = await images._ensure_base(settings, spec)
 
     async def steps(box: BuildSandbox, rootfs: Path, staging: Path, _env: dict[str, str]) -> None:
-        await _apply(box, rootfs, staging, stage, ctx, extracted)
-        if stage is final:
-            _check_user(rootfs, stage)
-        for step, into in exports:
-            extracted[id(step)] = (into / "data", await _export(box, final, step, into))
+        await _stage_steps(box, rootfs, staging, final, stage, ctx, extracted, exports)
 
-    return await images._assemble(layers, base, out, limits, then=steps)
+    return await images._assemble(chain, base, out, limits, then=steps, net=proxy)
+
+
+async def _stage_steps(
+    box: BuildSandbox,
+    rootfs: Path,
+    staging: Path,
+    final: Plan,
+    stage: Plan,
+    ctx: Context,
+    extracted: dict[int, tuple[Path, bool]],
+    exports: list[tuple[CopyStep, Path]],
+) -> None:
+    await _apply(box, rootfs, staging, stage, ctx, extracted)
+    if stage is final:
+        _check_user(rootfs, stage)
+    for step, into in exports:
+        extracted[id(step)] = (into / "data", await _export(box, final, step, into))
 
 
 async def _build_stage(
@@ -359,11 +490,12 @@ async def _build_stage(
     scratch: Path,
     extracted: dict[int, tuple[Path, bool]],
     limits: BuildLimits,
+    proxy: build_proxy.BuildProxy | None,
 ) -> None:
     """An earlier stage: built, what is copied from it exported, its rootfs deleted."""
     consumers = [
         step
-        for later in [*final.stages[k + 1 :], final]
+        for later in [*final.stages, final]
         for step in later.steps
         if isinstance(step, CopyStep) and step.from_stage == k
     ]
@@ -371,7 +503,15 @@ async def _build_stage(
     for _, into in exports:
         into.mkdir(mode=0o700)
     await _assemble_stage(
-        settings, final, final.stages[k], ctx, scratch / f"stage-{k}", extracted, exports, limits
+        settings,
+        final,
+        final.stages[k],
+        ctx,
+        scratch / f"stage-{k}",
+        extracted,
+        exports,
+        limits,
+        proxy,
     )
     shutil.rmtree(scratch / f"stage-{k}", ignore_errors=True)
 
@@ -554,6 +694,11 @@ async def _run_step(
             prefix.append("--")
     env.setdefault("HOME", home)
     ro: list[tuple[Path, str]] = []
+    if plan.from_registry:  # the image's own tools as they are: no read-ahead, no shim
+        if prefix:
+            prefix[0] = "setpriv"  # where the image has it (util-linux, busybox)
+        await _run(box, plan, step, [*prefix, *step.argv], env, ro)
+        return
     for p in ("usr/bin/apt-get", "usr/bin/apt"):
         try:
             if stat.S_ISREG(os.lstat(rootfs / p).st_mode):
@@ -573,11 +718,28 @@ async def _run_step(
         ro.append((wheels, WHEELS))
         env.setdefault("PIP_NO_INDEX", "1")
         env["PIP_FIND_LINKS"] = WHEELS
-    argv = ["/bin/sh", "-c", _IN_DIR_CD, step.workdir, *prefix, *step.argv]
+    await _run(box, plan, step, [*prefix, *step.argv], env, ro)
+
+
+async def _run(
+    box: BuildSandbox,
+    plan: Plan,
+    step: RunStep,
+    command: list[str],
+    env: dict[str, str],
+    ro: list[tuple[Path, str]],
+) -> None:
+    argv = ["/bin/sh", "-c", _IN_DIR_CD, step.workdir, *command]
+    seen = len(box.net.records) if isinstance(box.net, build_proxy.BuildProxy) else 0
     try:
         await box.run(argv, f"RUN at line {step.line}", env=env, timeout=RUN_TIMEOUT_S, ro=ro)
     except errors.SandboxError as exc:
-        raise fail(plan.path, step.line, "RUN", exc.detail.removeprefix("image build: ")) from None
+        detail = exc.detail.removeprefix("image build: ")
+        if isinstance(box.net, build_proxy.BuildProxy):  # what the proxy refused, named
+            for r in box.net.denied(seen):
+                detail += f"\nthe build's proxy refused {r['method']} {r['host']}:{r['port']}: "
+                detail += str(r.get("reason", ""))
+        raise fail(plan.path, step.line, "RUN", detail) from None
 
 
 def _with_files(rootfs: Path, plan: Plan, step: RunStep, reqs: list[str]) -> list[str]:
@@ -636,6 +798,13 @@ async def _pip_download(
 
 _COPY_SH = r"""
 src=$1 dst=$2 kind=$3 own=$4 mode=$5
+# GNU cp replaces a file rather than writing through a link there; a cp without those options
+# (busybox: alpine, a static image) copies as it can
+if cp --remove-destination --preserve=mode,timestamps,links --version >/dev/null 2>&1; then
+  cp_="cp -R -P --remove-destination --preserve=mode,timestamps,links"
+else
+  cp_="cp -R -P -p"
+fi
 case $own in
   '') own=0:0 ;;
   *:*) ;;
@@ -647,7 +816,7 @@ if [ "$kind" = dir ]; then
   for e in "$src"/* "$src"/.[!.]* "$src"/..?*; do
     [ -e "$e" ] || [ -L "$e" ] || continue
     n=${e##*/}
-    cp -R -P --remove-destination --preserve=mode,timestamps,links -- "$e" "$dst/"
+    $cp_ -- "$e" "$dst/"
     chown -R -h -- "$own" "$dst/$n"
     if [ -n "$mode" ]; then chmod -R -- "$mode" "$dst/$n"; fi
   done
@@ -657,7 +826,8 @@ else
     [ -e "$e" ] || [ -L "$e" ] || continue
     if [ -d "$dst" ] && [ ! -L "$dst" ]; then t="$dst/${e##*/}"
     else mkdir -p -- "$(dirname -- "$dst")"; t=$dst; fi
-    cp -R -P --remove-destination --preserve=mode,timestamps,links -- "$e" "$t"
+    [ -d "$t" ] && [ ! -L "$t" ] || rm -f -- "$t"
+    $cp_ -- "$e" "$t"
     chown -R -h -- "$own" "$t"
     if [ -n "$mode" ]; then chmod -R -- "$mode" "$t"; fi
   done

@@ -84,6 +84,7 @@ class CopyStep:
     chown: str | None
     chmod: str | None
     from_stage: int | None = None  # COPY --from: the index of an earlier stage
+    from_image: str | None = None  # COPY --from=<reference>: that image (a stage of its own)
 
 
 @dataclass
@@ -117,6 +118,13 @@ class Plan:
     args_used: dict[str, str] = field(default_factory=dict)
     name: str | None = None  # FROM ... AS NAME
     stages: list[Plan] = field(default_factory=list)  # the final stage's: those before it
+    image_only: bool = False  # a stage made for a COPY --from=<reference> (after the others)
+
+    @property
+    def from_registry(self) -> bool:
+        """Whether the base is a registry image (a normalized reference: it has a '/'),
+        built on its layers (``layers.py``), else one of our images."""
+        return "/" in self.base
 
     def needed(self) -> list[int]:
         """The earlier stages the final one copies from, directly or through another."""
@@ -165,9 +173,14 @@ def translate(
     build_args: Mapping[str, str],
     resolve_base: Any,
     base_env: Any,
+    base_start: Any = None,
+    resolve_image: Any = None,
 ) -> Plan:
-    """The plan of a parsed Dockerfile. ``resolve_base(name)`` is our image a ``FROM`` names
-    (or None), ``base_env(image)`` that image's env."""
+    """The plan of a parsed Dockerfile. ``resolve_base(name)`` is the image a ``FROM`` names
+    (our image's name, a registry image's normalized reference, or None), ``base_env(image)``
+    that image's env, ``base_start(image)`` its ``(WorkingDir, User)`` (None, None for ours),
+    ``resolve_image(name)`` the reference a ``COPY --from`` that is no stage names, or None."""
+    images_copied: dict[str, list[CopyStep]] = {}
     path, esc = parsed.path, parsed.escape
     global_args: dict[str, str | None] = {}
     plan: Plan | None = None
@@ -176,7 +189,8 @@ def translate(
 
     def finish(stage: Plan) -> None:
         stage.env = env
-        stage.workdir = workdir if any(isinstance(s, WorkdirStep) for s in stage.steps) else None
+        given = base_workdir or any(isinstance(s, WorkdirStep) for s in stage.steps)
+        stage.workdir = workdir if given else None
         stage.user = user
         stage.shell = shell
         stage.packages = list(dict.fromkeys(stage.packages))
@@ -184,6 +198,7 @@ def translate(
     env: dict[str, str] = {}
     args: dict[str, str] = {}
     workdir = "/"
+    base_workdir = False
     user: str | None = None
     shell = list(DEFAULT_SHELL)
 
@@ -270,9 +285,8 @@ def translate(
             if base is None:
                 raise err(
                     ins,
-                    f"{image!r} is not an image this builder can make: use debian:bookworm, "
-                    "debian:bookworm-slim, debian:12 or one of our images (ephemeral images list; "
-                    "ephemeral images alias NAME IMAGE)",
+                    f"{image!r} is not an image reference, nor one of our images (ephemeral "
+                    "images list; ephemeral images alias NAME IMAGE)",
                 )
             alias = words[2].lower() if len(words) == 3 else None
             if alias is not None and (alias in stage_names or alias.isdigit()):
@@ -281,6 +295,10 @@ def translate(
             if alias is not None:
                 stage_names[alias] = len(stages)
             env = {"PATH": DEFAULT_PATH, **base_env(base)}
+            start = base_start(base) if base_start is not None else (None, None)
+            base_workdir = bool(start[0]) and start[0] != "/"
+            workdir = _join("/", start[0]) if start[0] else "/"
+            user = start[1] or None
             continue
         assert plan is not None
         if kw == "RUN":
@@ -300,7 +318,10 @@ def translate(
             pip = _pip_requirements(ins, script, run_env, path, workdir)
             plan.steps.append(RunStep(ins.line, argv, run_env, user, workdir, pip))
         elif kw in ("COPY", "ADD"):
-            plan.steps.append(_copy_step(ins, sub, workdir, esc, path, stage_names, len(stages)))
+            step = _copy_step(ins, sub, workdir, esc, path, stage_names, len(stages), resolve_image)
+            if step.from_image is not None:
+                images_copied.setdefault(step.from_image, []).append(step)
+            plan.steps.append(step)
         elif kw == "ENV":
             for k, v in _key_values(ins, {**args, **env}, esc, path):
                 if not _ENV_KEY.fullmatch(k):
@@ -354,6 +375,12 @@ def translate(
     if plan is None:
         raise fail(path, None, None, "no FROM instruction")
     finish(plan)
+    # each image a COPY --from names is a stage of its own after the Dockerfile's (built first)
+    for ref, steps in images_copied.items():
+        for step in steps:
+            step.from_stage = len(stages)
+        env = {"PATH": DEFAULT_PATH, **base_env(ref)}
+        stages.append(Plan(path=path, base=ref, env=env, image_only=True))
     plan.stages = stages
     return plan
 
@@ -375,24 +402,26 @@ def _copy_step(
     path: str,
     stage_names: Mapping[str, int] | None = None,
     n_stages: int = 0,
+    resolve_image: Any = None,
 ) -> CopyStep:
     def err(message: str) -> errors.DockerfileError:
         return fail(path, ins.line, ins.keyword, message)
 
     flags, rest = split_flags(ins.args)
     from_stage: int | None = None
+    from_image: str | None = None
     for k in flags:
         if k == "from" and ins.keyword == "COPY":
-            ref = sub(ins, flags["from"]).lower()
+            given = sub(ins, flags["from"])
+            ref = given.lower()
             if ref.isdigit() and int(ref) < n_stages:
                 from_stage = int(ref)
             elif stage_names and ref in stage_names:
                 from_stage = stage_names[ref]
+            elif resolve_image is not None and (found := resolve_image(given)) is not None:
+                from_image, from_stage = found, -1  # numbered once every stage is known
             else:
-                raise err(
-                    f"--from={ref}: not an earlier stage of this Dockerfile (copying from "
-                    "an image is not honoured)"
-                )
+                raise err(f"--from={ref}: not an earlier stage of this Dockerfile nor an image")
         elif k not in ("chown", "chmod", "link"):
             raise err(f"--{k} is not honoured")
     form = exec_form(rest)
@@ -421,7 +450,15 @@ def _copy_step(
             "/" + _clean(s.lstrip("/")) if _clean(s.lstrip("/")) != "." else "/" for s in sources
         ]
         return CopyStep(
-            ins.line, ins.keyword, staged, _join(workdir, dest), as_dir, chown, chmod, from_stage
+            ins.line,
+            ins.keyword,
+            staged,
+            _join(workdir, dest),
+            as_dir,
+            chown,
+            chmod,
+            from_stage,
+            from_image,
         )
     for s in sources:
         if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", s) or s.startswith("git@"):
