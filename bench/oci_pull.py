@@ -36,6 +36,17 @@ from tests.oci import layouts as L
 from tests.oci.conftest import serve_registry
 
 
+def three_layers(root: Path) -> list[bytes]:
+    """A rootfs as three layers: ``usr/lib``, the rest of ``usr``, everything else."""
+    usr_rest = sorted(f"usr/{p.name}" for p in (root / "usr").iterdir() if p.name != "lib")
+    top = sorted(p.name for p in root.iterdir() if p.name != "usr")
+    return [
+        L.tar_of_tree(root, ["usr/lib"]),
+        L.tar_of_tree(root, usr_rest),
+        L.tar_of_tree(root, top),
+    ]
+
+
 def timed(fn: Callable[[], object]) -> float:
     t0 = time.monotonic()
     fn()
@@ -53,16 +64,8 @@ def main() -> int:
     root = built_image(Settings.load(), "default").rootfs
     work = Path(tempfile.mkdtemp(prefix="bench-oci-"))
     try:
-        usr_rest = sorted(f"usr/{p.name}" for p in (root / "usr").iterdir() if p.name != "lib")
-        top = sorted(p.name for p in root.iterdir() if p.name != "usr")
         layout = L.Layout(work / "layout")
-        desc = layout.image(
-            [
-                L.tar_of_tree(root, ["usr/lib"]),
-                L.tar_of_tree(root, usr_rest),
-                L.tar_of_tree(root, top),
-            ]
-        )
+        desc = layout.image(three_layers(root))
         layout.tag(desc, "t")
         layout.close()
         sizes = [
