@@ -220,8 +220,9 @@ def test_the_build_network_reaches_nothing_but_the_proxy(
         tmp_path,
         f"FROM {busybox_ref}\nRUN http_proxy= wget -qO- -T 5 http://127.0.0.1:{port}/install.sh\n",
     )
-    with pytest.raises(errors.DockerfileError):
+    with pytest.raises(errors.DockerfileError) as info:
         build_dockerfile(df, name="direct", settings=settings)
+    assert info.value.line == 2 and info.value.instruction == "RUN"
 
 
 def test_the_allow_list_takes_host_names_only() -> None:
