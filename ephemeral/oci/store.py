@@ -76,6 +76,7 @@ class GcReport:
     layers: list[str] = field(default_factory=list)
     blobs: list[str] = field(default_factory=list)
     freed_bytes: int = 0
+    refs: list[str] = field(default_factory=list)  # built images' whose build is gone
 
 
 def du(path: Path) -> int:
@@ -96,6 +97,11 @@ def du(path: Path) -> int:
     return total
 
 
+# The store reference of an image built from a Dockerfile FROM a registry image
+# (``sandbox/dockerfile/layers.py``): kept while its build's entry in the image cache is.
+BUILD_REGISTRY = "localhost/ephemeral-build"
+
+
 def _hex(digest: str) -> str:
     return digest.split(":", 1)[1]
 
@@ -108,6 +114,7 @@ class LayerStore:
         self.images = self.root / "images"
         self.refs = self.root / "refs"
         self.tmp = self.root / "tmp"
+        self.builds = settings.image_cache_dir  # where a built image's entry lives
 
     def ensure(self) -> None:
         # host root's only: nothing of an image is another host user's to read or run
@@ -221,6 +228,14 @@ class LayerStore:
             return True
         return False
 
+    def _build_gone(self, ref: str) -> bool:
+        """Whether ``ref`` names an image built from a Dockerfile (``BUILD_REGISTRY``) whose
+        entry in the image cache is gone (``images rm``, or ``images gc`` took it)."""
+        if not ref.startswith(BUILD_REGISTRY + "/"):
+            return False
+        name, _, tag = ref.removeprefix(BUILD_REGISTRY + "/").partition(":")
+        return not (self.builds / f"{name}-{tag}" / "image.json").is_file()
+
     def all_images(self) -> list[PulledImage]:
         out = []
         if self.images.is_dir():
@@ -270,7 +285,13 @@ class LayerStore:
         with self.locked(exclusive=True, wait=wait) as held:
             if not held:
                 return report
-            live_images = set(self.references().values())
+            refs = self.references()
+            for text in [r for r in refs if self._build_gone(r)]:
+                report.refs.append(text)
+                del refs[text]
+                if not dry_run:
+                    self._ref_path(text).unlink(missing_ok=True)
+            live_images = set(refs.values())
             live_layers: set[str] = set()
             live_blobs: set[str] = set()
             for image in self.all_images():

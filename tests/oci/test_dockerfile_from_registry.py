@@ -147,6 +147,11 @@ def test_from_a_registry_image_builds_on_its_layers_and_boots(
     # the same inputs: the cache answers, nothing is built again
     again = build_dockerfile(df, name="from-busybox", settings=oci_settings)
     assert again.hash == built.hash and again.layers == built.layers
+    # gc keeps the new layer while the build is here, and drops it once the build is removed
+    assert store.gc().layers == [] and new.is_dir()
+    images.remove_images(oci_settings, "from-busybox")
+    report = store.gc()
+    assert report.refs and not new.exists() and all(p.is_dir() for p in base_layers)
 
 
 def test_copy_from_an_image(oci_settings: Settings, busybox_ref: str, tmp_path: Path) -> None:

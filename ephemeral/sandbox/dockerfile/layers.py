@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from ephemeral.oci import reference
-from ephemeral.oci.store import LayerInfo, LayerStore, PulledImage, du
+from ephemeral.oci.store import BUILD_REGISTRY, LayerInfo, LayerStore, PulledImage, du
 from ephemeral.sandbox.build_area import _unmount
 from ephemeral.sandbox.build_sandbox import HOLDER_SH, RANGE, run_bounded, shift_owners
 from ephemeral.sandbox.writable_root import _IDMAP
@@ -35,7 +35,6 @@ from ephemeral.settings import Settings
 
 OVERLAY_OPTIONS = "redirect_dir=off,index=off,metacopy=off,xino=off"
 KEPT_XATTR = "trusted.overlay.opaque"
-BUILD_REGISTRY = "localhost/ephemeral-build"  # the store reference of a built image
 _MOUNT_TIMEOUT_S = 120.0
 
 # host root: the holder's user namespace, each layer idmapped into it, then the overlay
