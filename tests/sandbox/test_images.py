@@ -32,6 +32,21 @@ def test_hash_changes_with_any_file_and_only_then(defs: Path) -> None:
     assert images.definition_hash(d) != first
 
 
+@pytest.mark.parametrize("name", ["default", "python-dev", "mini-swe-agent"])
+def test_a_shipped_image_hashes_the_same_in_another_checkout(tmp_path: Path, name: str) -> None:
+    """The hash is of the definitions' content only (not their path, mtimes or build leftovers
+    such as __pycache__), so a fresh clone, as CI makes, finds the images cached by an earlier one
+    instead of building them again (the mini-swe-agent image takes minutes)."""
+    shipped = REPO_ROOT / "sandbox_images"
+    clone = tmp_path / "elsewhere" / "sandbox_images"
+    shutil.copytree(
+        shipped, clone, ignore=shutil.ignore_patterns("__pycache__"), copy_function=shutil.copy
+    )
+    (clone / name / "__pycache__").mkdir(exist_ok=True)
+    (clone / name / "__pycache__" / "leftover.cpython-311.pyc").write_bytes(b"built here")
+    assert images.definition_hash(clone / name) == images.definition_hash(shipped / name)
+
+
 def test_bad_definition_names_the_field(defs: Path) -> None:
     y = defs / "default" / "image.yaml"
     y.write_text(y.read_text().replace("uid: 1000", "uid: 0"))
