@@ -20,7 +20,7 @@ from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests import runlevel
 from tests.api.conftest import Member
-from tests.sandbox.image_cache import link_shared_layer
+from tests.sandbox.image_cache import link_runtime_source, link_shared_layer
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -143,9 +143,12 @@ async def test_build_dockerfile_is_callable_from_a_running_loop(
 @pytest.fixture
 def session_settings(built: tuple[Settings, images.ImageConfig], tmp_path: Path) -> Settings:
     settings, _ = built
-    return Settings.load(
+    session = Settings.load(
         state_dir=tmp_path / "state", cache_dir=settings.cache_dir, use_prefect=False
     )
+    # the agent runtime is made from `default`: the shared build, linked, not built again here
+    link_runtime_source(session)
+    return session
 
 
 @pytest.fixture
