@@ -275,6 +275,11 @@ def images_build(
         )
     )
     typer.echo(f"{built.name}  {built.hash[:16]}  {built.rootfs}  ({time.monotonic() - t0:.1f}s)")
+    record = images.image_dir(settings, built.name) / "network.json"
+    if record.is_file():  # a build with build_allow_hosts: what its RUNs asked for
+        requests = json.loads(record.read_text()).get("requests") or []
+        refused = sum(1 for r in requests if not r.get("allowed"))
+        typer.echo(f"network: {len(requests)} requests, {refused} refused ({record})")
 
 
 @images_app.command("alias")

@@ -18,8 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from ephemeral import errors
+from ephemeral.cli import app
 from ephemeral.oci.reference import parse
 from ephemeral.oci.store import LayerStore
 from ephemeral.sandbox import images
@@ -177,7 +179,11 @@ def test_run_is_offline_without_an_allow_list(
 
 
 def test_run_reaches_an_allowed_host_through_the_proxy_and_it_is_recorded(
-    oci_settings: Settings, busybox_ref: str, tmp_path: Path, web: str
+    oci_settings: Settings,
+    busybox_ref: str,
+    tmp_path: Path,
+    web: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     settings = _allowing(oci_settings, ["localhost"])
     df = _dockerfile(
@@ -199,6 +205,18 @@ def test_run_reaches_an_allowed_host_through_the_proxy_and_it_is_recorded(
     assert meta["network"]["requests"] == 1 and meta["network"]["denied"] == 0
     out = _session_output(settings, "curl-sh", "cat /opt/tool/marker; env | grep -ci proxy")
     assert out.split() == ["installed-by-curl-sh", "0"]  # the proxy is the build's only
+    # `images build` says what the RUNs asked for (the build is cached: the same record)
+    for k, v in {
+        "EPHEMERAL_STATE_DIR": settings.state_dir,
+        "EPHEMERAL_CACHE_DIR": settings.cache_dir,
+        "EPHEMERAL_REGISTRY_CA_FILE": settings.registry_ca_file,
+        "EPHEMERAL_REGISTRY_PRIVATE_HOSTS": json.dumps(settings.registry_private_hosts),
+        "EPHEMERAL_BUILD_ALLOW_HOSTS": json.dumps(["localhost"]),
+    }.items():
+        monkeypatch.setenv(k, str(v))
+    cli = CliRunner().invoke(app, ["images", "build", "--dockerfile", str(df), "--name", "curl-sh"])
+    assert cli.exit_code == 0, cli.output
+    assert f"network: 1 requests, 0 refused ({entry / 'network.json'})" in cli.output
 
 
 def test_a_host_not_allowed_fails_the_build_naming_it(
