@@ -18,6 +18,7 @@ from ephemeral.api import view
 from ephemeral.api.pages import env
 from ephemeral.cli.output import out, print_event
 from ephemeral.events import Event
+from tests.goldenlog import assert_golden_log
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 EVENTS = [
@@ -63,3 +64,20 @@ def test_the_golden_cli_lines_show_command_exit_duration_and_output() -> None:
     assert html.count('<code class="cmd">') == 5  # 2 setup + 1 shell + 2 verify
     assert "cat &gt; notes.txt &lt;&lt;&#39;EOF&#39;\nfirst line\nsecond line\nEOF</code>" in html
     assert '<span class="exit bad">exit 1</span>' in html
+
+
+def test_the_golden_log_of_the_recorded_run_and_that_it_sees_a_lost_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tests/goldenlog.py pins what a log holds (types and payload keys; the runs, sessions and
+    agent runs of tests/run, tests/sessions and tests/gateway each check theirs): a payload key
+    that goes missing, or an event that moves, is a difference."""
+    assert_golden_log("setup-verify", EVENTS)
+    monkeypatch.delenv("EPHEMERAL_UPDATE_GOLDEN", raising=False)  # the changed logs: compared
+    lost = [e.model_copy(update={"data": dict(e.data)}) for e in EVENTS]
+    next(e for e in lost if e.type == "verify.executed").data.pop("exit_code")
+    with pytest.raises(AssertionError, match="differs"):
+        assert_golden_log("setup-verify", lost)
+    moved = [EVENTS[1], EVENTS[0], *EVENTS[2:]]
+    with pytest.raises(AssertionError, match="differs"):
+        assert_golden_log("setup-verify", moved)

@@ -33,6 +33,7 @@ from tests import runlevel
 from tests.api.server import live_server
 from tests.broker.conftest import state_bytes_contain
 from tests.gateway.conftest import OPENAI_KEY
+from tests.goldenlog import assert_golden_log
 from tests.run.test_agent_run import assert_settled, run_to_end, types
 
 pytestmark = [pytest.mark.sandbox]
@@ -317,6 +318,7 @@ async def test_the_agent_gets_the_prompt_as_a_file_and_a_variable_and_its_stdout
     assert exited["exit_code"] == 3 and exited["stderr"] == "oops\n"
     assert exited["output_bytes"] == len(row.output.encode())
     assert "model.called" not in types(events) and "shell.executed" not in types(events)
+    assert_golden_log("agent-run", events)
 
 
 async def test_an_agent_past_the_time_limit_is_killed_and_the_run_times_out(

@@ -16,6 +16,7 @@ from ephemeral.runview import fold_events, run_object
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests import runlevel
+from tests.goldenlog import assert_golden_log
 from tests.run.conftest import turn
 from tests.sample import SAMPLE_PROMPT
 
@@ -68,6 +69,7 @@ async def test_sample_run_matches_the_product_page(runtime: Runtime) -> None:
     obj = run_object(row)
     assert obj["cost"]["reserved_micros"] == 40_000
     assert obj["termination"] == {"reason": "completed", "detail": None}
+    assert_golden_log("run", events)
 
 
 async def test_records_are_written_and_queryable(runtime: Runtime, run_settings) -> None:
@@ -126,6 +128,7 @@ async def test_budget_exhausted_stops_before_overspending(
     assert types(events).count("budget.warning") == 1
     assert_settled(row, events)
     assert any(e.type == "shell.executed" for e in events)  # what was done is kept
+    assert_golden_log("run-budget-exhausted", events, loop=True)
 
 
 async def test_time_limit_kills_the_step_and_destroys_the_sandbox(
@@ -179,7 +182,7 @@ async def test_cancel_destroys_the_sandbox_and_settles(
     row, _ = await runtime.admit(org, RunRequest(prompt="x", model=model, timeout_seconds=60))
     task = runtime.launch(row.id)
     async for ev in runtime.events(row.id, follow=True):
-        if ev.type == "worker.started":
+        if ev.type == "model.called":  # its `sleep 1000` comes next
             break
     await asyncio.sleep(0.5)
     cancelled = await runtime.cancel(row.id)
@@ -190,6 +193,7 @@ async def test_cancel_destroys_the_sandbox_and_settles(
         await task
     events = await runtime.store.list_events(row.id)
     assert_settled(await runtime.store.get_run(row.id), events)
+    assert_golden_log("run-cancelled", events)
 
 
 async def test_zero_data_retention_leaves_no_content_anywhere(

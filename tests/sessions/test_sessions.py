@@ -18,6 +18,7 @@ from ephemeral.sessions import ExecRequest, SessionRequest
 from ephemeral.store import RunRow
 from ephemeral.testing.clock import FakeClock
 from tests.drivers import built_image
+from tests.goldenlog import assert_golden_log
 
 pytestmark = pytest.mark.sandbox
 
@@ -56,6 +57,7 @@ async def test_session_lifecycle_money_and_records(
     assert ended.charged_micros + ended.refunded_micros == ended.reserved_micros == 20_000
     assert ended.breakdown["compute_micros"] == ended.charged_micros > 0
     assert (await runtime.sessions.end(sid, org)).settled_at == ended.settled_at  # idempotent
+    assert_golden_log("session", await runtime.store.list_events(sid))
     with pytest.raises(errors.Conflict):
         await runtime.sessions.exec(sid, org, ExecRequest(command="true"))
     events = await runtime.store.list_events(sid)
