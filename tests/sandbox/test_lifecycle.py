@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral.sandbox import cgroups, reaper, registry
+from ephemeral.sandbox import agent_runtime, cgroups, reaper, registry
 from ephemeral.sandbox.base import Limits, SandboxDriver
 from ephemeral.sandbox.pool import WarmPool
 from ephemeral.settings import Settings
@@ -135,5 +135,29 @@ async def test_namespaces_seccomp_and_userns_lockdown(sandbox_settings: Settings
         assert caps.stdout.split()[1] == "0000000000000000"
         ro = await sbx.exec("touch /etc/x")
         assert ro.exit_code != 0
+    finally:
+        await sbx.destroy()
+
+
+async def test_the_agent_falls_back_to_ctypes_on_an_images_python(driver: SandboxDriver) -> None:
+    """Where the runtime's ``_ephemeral_agent`` is absent (a microVM runs the agent on the
+    image's python) the agent starts on ctypes and resource: a second agent on the ``default``
+    image's own python, as root (its prctl(PR_SET_DUMPABLE) through ctypes) and as the worker,
+    says hello and ends at its stdin's EOF."""
+    if driver.isolation not in ("namespaces", "gvisor"):
+        pytest.skip("the agent runtime is mounted under namespaces and gvisor only")
+    sbx = await driver.create(owner="test", limits=Limits())
+    try:
+        agent = f"{agent_runtime.MOUNT}/agent.py"
+        command = f"/usr/bin/python3 -I -S -X importtime {agent} --max-memory-mib 64 </dev/null"
+        for user in ("root", None):
+            res = await sbx.exec(command, user=user)
+            assert res.exit_code == 0 and '"type":"hello"' in res.stdout, (user, res.stderr)
+            imported = {
+                line.rsplit("|", 1)[-1].strip()
+                for line in res.stderr.splitlines()
+                if line.startswith("import time:")
+            }
+            assert {"ctypes", "resource"} <= imported, res.stderr
     finally:
         await sbx.destroy()
