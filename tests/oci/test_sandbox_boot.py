@@ -22,6 +22,7 @@ from ephemeral.settings import Settings
 from tests.drivers import built_image, unavailable
 from tests.oci import layouts as L
 from tests.oci.conftest import Registry
+from tests.sandbox.leaks import loop_devices
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "OCI_TEST": "from-config"}
 
@@ -96,6 +97,37 @@ def test_a_sandbox_boots_from_the_pulled_layers(
         for p in layers
         if (p / "fs/etc/oci-marker").exists()
     )
+
+
+@pytest.mark.parametrize("isolation", ["namespaces", "gvisor"])
+def test_a_pulled_image_gets_a_disk_backed_root(
+    oci_settings: Settings, python_image: str, isolation: str
+) -> None:
+    """Issue 36, item 7: the pulled layers under a writable layer on the host's disk (a
+    ``disk_mib`` above ``disk_tmpfs_max_mib``): 400 MiB written beside a changed layer file,
+    more than this sandbox's tmpfs could hold; its loop device goes with it."""
+    settings = _driver_settings(oci_settings, python_image, isolation)
+
+    async def go() -> tuple[str, list[str]]:
+        sbx = await drivers_registry.get_driver(isolation, settings).create(
+            owner="test", limits=Limits(memory_mib=512, disk_mib=1024)
+        )
+        try:
+            assert loop_devices(sbx.id)
+            res = await sbx.exec(
+                "echo mine >> /etc/oci-marker && head -c 400M /dev/zero > /usr/big && "
+                "cat /etc/oci-marker && stat -c %s /usr/big",
+                user="root",
+                timeout=300,
+            )
+            assert res.exit_code == 0, res
+            return res.stdout, loop_devices(sbx.id)
+        finally:
+            await sbx.destroy()
+            assert loop_devices(sbx.id) == []
+
+    out, held = asyncio.run(go())
+    assert out == f"third layer\nmine\n{400 << 20}\n" and held
 
 
 async def test_runs_and_sessions_over_http_pull_at_admission_and_record_the_digest(
