@@ -258,3 +258,36 @@ def test_the_allow_list_takes_host_names_only() -> None:
     for bad in ("127.0.0.1", "*.org", "http://x.org", "10.1"):
         with pytest.raises(ValueError, match="build_allow_hosts"):
             Settings.load(build_allow_hosts=[bad])
+
+
+def test_a_debian_registry_image_with_stages_users_and_copies(
+    oci_settings: Settings, registry: Registry, tmp_path: Path
+) -> None:
+    """A glibc image with GNU tools (the ``default`` rootfs pushed as two layers): a stage of
+    it copied from, ``COPY --chown`` of the context, ``useradd``, ``USER`` (the image's
+    ``setpriv``) and a ``WORKDIR`` the user owns, all on the stored layers."""
+    from tests.harbor import registry_tasks as rt
+
+    ref = rt.Pushed(registry, rt.base_layers()).push(tmp_path, "test/debian:1", {"etc/x": "1"})
+    df = _dockerfile(
+        tmp_path,
+        f"FROM {ref} AS tools\n"
+        "RUN echo from-stage > /stage-file\n"
+        f"FROM {ref}\n"
+        "COPY --from=tools /stage-file /copied/\n"
+        "COPY --chown=1500:1500 hello.txt /home/alice/\n"
+        "RUN /usr/sbin/useradd -m -u 1500 alice\n"  # the config's PATH has no sbin, as in Docker
+        "USER alice\n"
+        "WORKDIR /home/alice/w\n"
+        "RUN id -un > who && cat ../hello.txt >> who\n",
+    )
+    (df.parent / "hello.txt").write_text("hello\n")
+    built = build_dockerfile(df, name="debian-stages", settings=oci_settings)
+    new = built.layers[-2]
+    assert (new / "home/alice/w/who").read_text() == "alice\nhello\n"
+    assert (new / "copied/stage-file").read_text() == "from-stage\n"
+    assert (new / "home/alice/w").stat().st_uid == 1500  # the image's ids, shifted back
+    assert "alice:x:1500" in (new / "etc/passwd").read_text()
+    assert built.rootfs == new and (built.user, built.cwd) == ("alice", "/home/alice/w")
+    out = _session_output(oci_settings, "debian-stages", "cat /home/alice/w/who; id -u alice")
+    assert out.split() == ["alice", "hello", "1500"]
