@@ -12,9 +12,11 @@ APT_RUNTIME := bubblewrap runsc mmdebstrap gcc libc6-dev util-linux libseccomp2 
 APT_PACKAGES := $(APT_RUNTIME) qemu-system-x86 e2fsprogs busybox-static cpio chromium postgresql \
                 docker-registry skopeo
 # One per core; loadfile keeps each file on one worker, in order (module fixtures
-# such as tests/cluster's one cluster, and tests that build on the previous one).
+# such as tests/cluster's one cluster, and tests that build on the previous one). Files are
+# handed out in the order tests/conftest.py sorts them (the longest first); without
+# --no-loadscope-reorder pytest-xdist would reorder them by test count.
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
-PYTEST_XDIST := -n $(TEST_WORKERS) --dist loadfile --durations=10
+PYTEST_XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
 PYTEST_ARGS ?=
 
 .PHONY: setup demo-setup apt apt-runtime venv venv-runtime harbor-venv image image-default prefect-template \

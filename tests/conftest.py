@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,11 +43,32 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # channel. Every other `[microvm-tcg]` variant is `tcg_slow`, run by `make test-slow`: each costs
 # minutes of software emulation, and on a loaded 2-core box no timeout holds them reliably.
 TCG_SMOKE = ("tests/sandbox/test_conformance.py", "tests/egress/test_web.py")
-# The files that take minutes, started first: with `--dist loadfile` a long file scheduled last
-# is the suite's tail while the other worker idles.
+# The files that take minutes, longest first (per-file sums of `--durations` on this 2-core box):
+# the greedy longest-first schedule, so that no long file starts last and becomes the suite's
+# tail while the other worker idles. Every other file follows, those with more tests first.
+# `make test` passes `--no-loadscope-reorder`: else pytest-xdist (>= 3.5) orders files by test
+# count itself, and a one-test file that takes minutes (the soak) started last.
 LONG_FIRST = (
-    "tests/load/test_soak.py",
+    "tests/test_stop_cleans_up.py",  # eight cold embedded Prefect servers
     "tests/cluster/test_scaleout.py",
+    "tests/harbor/test_harbor.py",
+    "tests/gateway/test_agent_runs.py",  # builds the mini-swe-agent image when its hash is new
+    "tests/harbor/test_registry_images.py",
+    "tests/cluster/test_drain_admission.py",
+    "tests/cluster/test_inspect_on_cluster.py",
+    "tests/sessions/test_cli.py",
+    "tests/inspect/test_self_check.py",
+    "tests/harbor/test_interrupts.py",
+    "tests/cluster/test_sessions_placed.py",
+    "tests/harbor/test_hostile_files.py",
+    "tests/load/test_soak.py",
+    "tests/sessions/test_sessions.py",
+    "tests/harbor/test_prebuild.py",
+    "tests/harbor/test_environment.py",
+    "tests/sessions/test_dockerfile_sessions.py",
+    "tests/gateway/test_fields.py",
+    "tests/inspect/test_example.py",
+    "tests/sessions/test_egress.py",
     "tests/evals/test_eval_cli.py",
     "tests/evals/test_flows_prefect.py",
     "tests/evals/test_deploy.py",
@@ -59,11 +81,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "[microvm-tcg" in item.nodeid and not item.nodeid.startswith(TCG_SMOKE):
             item.add_marker(pytest.mark.tcg_slow)
 
-    def rank(item: pytest.Item) -> int:
-        path = item.nodeid.split("::", 1)[0]
-        return LONG_FIRST.index(path) if path in LONG_FIRST else len(LONG_FIRST)
+    def path(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
 
-    items.sort(key=rank)  # stable: file order and test order within a file stay
+    tests_in = Counter(path(item) for item in items)
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        p = path(item)
+        return (LONG_FIRST.index(p), 0) if p in LONG_FIRST else (len(LONG_FIRST), -tests_in[p])
+
+    items.sort(key=rank)  # stable: a file's tests stay together and in order
 
 
 @pytest.fixture
