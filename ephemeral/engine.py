@@ -11,7 +11,9 @@ One run, top to bottom (``file:function`` for each stage)::
     slot      engine.py:Engine.execute           waits ``queued`` for one of
                                                  max_concurrent_runs slots, then hands a
                                                  RunHandle to the executor (executor.py;
-                                                 flows/executor.py:executor_for picks it)
+                                                 flows/executor.py:executor_for picks it; the
+                                                 flow executor passes it into the agent-run
+                                                 flow: flows/agent_run.py:RunId)
     grant     engine.py:RunHandle.grant          ``queued → provisioning``: its clock starts
     build     engine.py:Engine.build             the run row (+ its zero-data-retention prompt)
                                                  → agent.py:AgentRun
@@ -48,7 +50,9 @@ for another host, one that outlives the drain is cancelled with the drain as its
 Everything one run holds in this process (its task, its agent, its zero-data-retention
 prompt, whether it holds a slot, the signal that its body began) is one :class:`RunState`.
 An executor sees a run only as a :class:`RunHandle` (``grant``, ``run``/``build``+``drive``,
-``done``, ``dispatch``, ``cancel``), never the runtime.
+``row``, ``done``, ``dispatch``, ``cancel``), never the runtime. One engine per process holds
+every run it executes, on one event loop, behind one slot semaphore (``ephemeral serve`` with
+Prefect included: its flow runs are awaited on the HTTP loop).
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ from ephemeral import errors
 from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps, drive
 from ephemeral.broker import Broker
 from ephemeral.broker import journal as charge_journal
-from ephemeral.closing import abandoned_compute, close, record
+from ephemeral.closing import abandoned_compute, close
 from ephemeral.executor import Dispatcher, Executor
 from ephemeral.ids import utcnow
 from ephemeral.lifecycle import OPEN_STATUSES, TERMINAL_STATUSES, RunStatus, TerminationReason
@@ -137,8 +141,12 @@ class RunHandle:
         """Build and drive: the whole body, for an executor that runs it on this loop."""
         agent = await self.build()
         if agent is None:
-            return await self._engine.store.get_run(self.run_id)
+            return await self.row()
         return await self.drive(agent, steps)
+
+    async def row(self) -> RunRow:
+        """The run's row as stored now."""
+        return await self._engine.store.get_run(self.run_id)
 
     async def dispatch(self) -> None:
         """Hand the run to a worker (a dispatching runtime only)."""
@@ -363,14 +371,12 @@ class Engine:
         st = self.state(agent.run_id)
         st.agent = agent
         try:
-            row = await drive(agent, steps)
+            # The settle step's close writes the record (once; ephemeral.closing).
+            return await drive(agent, steps)
         finally:
             st.agent = None
             if st.task is None:  # driven without the engine's execute (tests, a flow process)
                 self._release(agent.run_id, None)
-        if row.recorded_at is None:  # the settle step records; a wrapper that failed may not
-            await record(self.store, self.settings, row.id)
-        return row
 
     async def dispatch(self, run_id: str) -> None:
         """Hand an admitted run to the dispatcher. If Prefect cannot take it now (a ``503``

@@ -47,6 +47,10 @@ class RunHandle(Protocol):
         """Build and drive the steps to the close and record."""
         ...
 
+    async def row(self) -> RunRow:
+        """The run's row as stored now."""
+        ...
+
     async def dispatch(self) -> None: ...
 
     async def done(self) -> RunRow:

@@ -28,7 +28,7 @@ def stage(text: str) -> None:
 
 def listen(listener: Listener | None) -> Listener | None:
     """Send every stage to ``listener`` (None: back to the log); returns the one it replaces.
-    Process-wide, not per task: the pool boots on the flow loop's thread."""
+    Process-wide, not per task: the stages of start-up come from several tasks."""
     global _listener
     previous, _listener = _listener, listener
     return previous

@@ -115,9 +115,8 @@ class Runtime:
     ) -> Runtime:
         """Open the store, finish runs orphaned by a crash, start the warm pool and the watchdog.
 
-        ``executor`` carries out each run (default: :class:`~ephemeral.executor.PlainExecutor`).
-        Servers that run Prefect flows use :func:`ephemeral.flowloop.start_bridged` instead, so
-        this loop stays free for admission and streaming.
+        ``executor`` carries out each run (default: :class:`~ephemeral.executor.PlainExecutor`),
+        on this loop: ``ephemeral serve`` too admits, streams and executes on one loop.
         """
         settings.state_dir.mkdir(parents=True, exist_ok=True)
         progress.stage("opening the store")

@@ -2,7 +2,9 @@
 program), teardown, settle.
 
 Only the run id is a flow parameter: Prefect's database stores parameters, and prompts and
-outputs must not land there (zero data retention would leak through it).
+outputs must not land there (zero data retention would leak through it). The executor that
+starts the flow passes the run's handle in with that id (:class:`RunId`): the body drives the
+run through the engine that granted its slot, and looks nothing up.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from prefect.settings import get_current_settings
 from prefect.utilities.annotations import quote
 
 from ephemeral.agent import AgentRun, Steps
-from ephemeral.service import Runtime, current
+from ephemeral.executor import RunHandle
+from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from ephemeral.tasks.run import load_run, settle
 from ephemeral.tasks.sandbox import provision_sandbox, teardown
@@ -45,12 +48,18 @@ FLOW_STEPS = Steps(
 )
 
 
-async def _runtime() -> tuple[Runtime, bool]:
-    runtime = current()
-    if runtime is not None:
-        return runtime, False
-    # Started by a Prefect worker in a fresh process: build our own runtime.
-    return await Runtime.start(Settings.load(), recover=False), True
+class RunId(str):
+    """A run's id carrying its :class:`~ephemeral.executor.RunHandle` into the flow body.
+
+    Prefect stores a flow's parameters in its database; this one is stored as what it is, the
+    bare id (a ``str``), while the body takes the handle from it."""
+
+    handle: RunHandle
+
+    def __new__(cls, run: RunHandle) -> RunId:
+        self = super().__new__(cls, run.run_id)
+        self.handle = run
+        return self
 
 
 def _finish_elsewhere(reason: str) -> Any:
@@ -84,6 +93,8 @@ _NO_RESULTS = Path(get_current_settings().results.local_storage_path)
 @flow(
     name="agent-run",
     flow_run_name="{run_id}",
+    # The id is ours (validation would also copy a RunId into a bare str, losing its handle).
+    validate_parameters=False,
     persist_result=False,
     result_storage=_NO_RESULTS,
     log_prints=False,
@@ -91,14 +102,20 @@ _NO_RESULTS = Path(get_current_settings().results.local_storage_path)
     on_crashed=[_finish_elsewhere("infra_error")],
 )
 async def agent_run(run_id: str) -> str:
-    runtime, owned = await _runtime()
+    if isinstance(run_id, RunId):
+        return await _drive(run_id.handle)
+    # A bare id: started outside an executor (a Prefect worker in a fresh process, by hand), so
+    # the run gets a runtime of its own here.
+    runtime = await Runtime.start(Settings.load(), recover=False)
     try:
-        run = runtime.engine.handle(run_id)
-        agent = await load_run(_q(run))
-        if agent is None:
-            return (await runtime.store.get_run(run_id)).status
-        row = await run.drive(agent, FLOW_STEPS)
-        return row.status
+        return await _drive(runtime.engine.handle(run_id))
     finally:
-        if owned:
-            await runtime.close()
+        await runtime.close()
+
+
+async def _drive(run: RunHandle) -> str:
+    agent = await load_run(_q(run))
+    if agent is None:
+        return (await run.row()).status
+    row = await run.drive(agent, FLOW_STEPS)
+    return row.status

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from ephemeral.engine import brief_error
@@ -105,7 +106,7 @@ class FlowExecutor:
         """
         from prefect.context import AsyncClientContext, SyncClientContext
 
-        from ephemeral.flows.agent_run import agent_run
+        from ephemeral.flows.agent_run import RunId, agent_run
 
         if self._starts is None:
             self._starts = asyncio.Semaphore(self._starts_at_once)
@@ -115,12 +116,17 @@ class FlowExecutor:
         token = AsyncClientContext.__var__.set(client)
         sync_token = SyncClientContext.__var__.set(sync_client)
         try:
-            await self._execute(run, agent_run, self._starts)
+            await self._execute(run, lambda: agent_run(RunId(run)), self._starts)
         finally:
             SyncClientContext.__var__.reset(sync_token)
             AsyncClientContext.__var__.reset(token)
 
-    async def _execute(self, run: RunHandle, agent_run: Any, starts: asyncio.Semaphore) -> None:
+    async def _execute(
+        self,
+        run: RunHandle,
+        start: Callable[[], Coroutine[Any, Any, str]],
+        starts: asyncio.Semaphore,
+    ) -> None:
         run_id = run.run_id
         for attempt in range(1, FLOW_START_ATTEMPTS + 1):
             run.restart()
@@ -130,7 +136,7 @@ class FlowExecutor:
                 async with starts:
                     if attempt == 1 and not await run.grant():
                         return
-                    runner = asyncio.create_task(agent_run(run_id), name=f"flow-{run_id}")
+                    runner = asyncio.create_task(start(), name=f"flow-{run_id}")
                     waiter = asyncio.create_task(started.wait())
                     await asyncio.wait({runner, waiter}, return_when=asyncio.FIRST_COMPLETED)
                     waiter.cancel()

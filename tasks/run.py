@@ -10,7 +10,7 @@ from ephemeral.agent import AgentRun
 from ephemeral.tasks._common import TASK_OPTIONS
 
 if TYPE_CHECKING:
-    from ephemeral.engine import RunHandle
+    from ephemeral.executor import RunHandle
     from ephemeral.store import RunRow
 
 

@@ -56,9 +56,11 @@ def start_prefect_server() -> None:
 
 
 async def start_runtime(settings: Settings, *, warm_pool: bool) -> Runtime:
-    """The server's runtime, with the executor ``EPHEMERAL_EXECUTOR`` names. Under ``flow``,
-    runs are ``agent-run`` flows executed on a second event loop (:mod:`ephemeral.flowloop`),
-    so this one stays free for HTTP."""
+    """The server's runtime, with the executor ``EPHEMERAL_EXECUTOR`` names, on this loop: the
+    one runtime, engine and slot semaphore of every run this process executes. Under ``flow``
+    each run is an ``agent-run`` flow run awaited here, beside the HTTP handlers (Prefect's
+    engine calls are async; what used to block, a client and an SSL context per flow run and a
+    result-storage request, is gone: ``ephemeral.flows.executor.FlowExecutor``)."""
     from ephemeral.flows.executor import executor_for
 
     executor = executor_for(settings)
@@ -73,12 +75,9 @@ async def start_runtime(settings: Settings, *, warm_pool: bool) -> Runtime:
         executor.redrive(runtime.store)  # runs another API process admitted and did not hand over
         install(runtime)  # sandbox sessions are placed on worker hosts too
         return runtime
-    if settings.executor == "plain":
-        return await Runtime.start(settings, executor=executor, warm_pool=warm_pool, recover=True)
-    from ephemeral.flowloop import start_bridged
-
-    await asyncio.to_thread(start_prefect_server)
-    return await start_bridged(settings, executor, warm_pool=warm_pool, recover=True)
+    if settings.executor != "plain":
+        await asyncio.to_thread(start_prefect_server)
+    return await Runtime.start(settings, executor=executor, warm_pool=warm_pool, recover=True)
 
 
 def create_app(

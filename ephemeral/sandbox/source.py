@@ -141,9 +141,9 @@ class SandboxSource:
         self.pools[(isolation, self.settings.image)] = pool
 
     async def ensure_pool(self) -> None:
-        """A source started without a warm pool (the API loop of a Prefect server, whose pool
-        is on the flow loop) gets one of ``pool_size`` when first asked: later sandboxes start
-        warm. Nothing happens when there is a pool already or ``pool_size`` is 0."""
+        """A source started without a warm pool (a runtime started with ``warm_pool=False``)
+        gets one of ``pool_size`` when first asked: later sandboxes start warm. Nothing happens
+        when there is a pool already or ``pool_size`` is 0."""
         if self._pool_asked or self.pools or self.settings.pool_size == 0:
             return
         await self.start_pool()

@@ -1,15 +1,16 @@
 """The executor seam: the runtime carries a run out through whatever executor it was handed,
 and keeps failure settlement, cancellation and the zero-data-retention hand-off for all of them
-(the flow-loop bridge included)."""
+(``ephemeral serve``'s runtime under Prefect included)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
+from ephemeral.api.app import start_runtime
 from ephemeral.executor import PlainExecutor, RunHandle
-from ephemeral.flowloop import LoopBridgedRuntime, start_bridged
 from ephemeral.policy import RunRequest
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings
@@ -72,14 +73,25 @@ async def test_the_runtime_uses_the_executor_it_was_handed(
 
 
 @pytest.mark.sandbox
-async def test_the_flow_loop_bridge_executes_cancels_and_hands_out_zdr_output(
+@pytest.mark.prefect
+async def test_serve_executes_cancels_and_hands_out_zdr_output_on_one_runtime(
     run_settings: Settings, make_cassette: Callable[..., str]
 ) -> None:
-    canary = "CANARY-bridge-4c1e"
-    model = make_cassette("bridge-zdr", [turn(f"echo {canary}"), turn(final=f"{canary} done")])
-    runtime = await start_bridged(run_settings, PlainExecutor())
-    assert isinstance(runtime, LoopBridgedRuntime)
-    inner = runtime.bridge.inner
+    from ephemeral.engine import Engine
+    from ephemeral.flows.executor import FlowExecutor
+
+    canary = "CANARY-serve-4c1e"
+    model = make_cassette("serve-zdr", [turn(f"echo {canary}"), turn(final=f"{canary} done")])
+    settings = run_settings.model_copy(update={"executor": "flow"})
+    runtime = await start_runtime(settings, warm_pool=False)
+    engines: list[Engine] = []
+    build = Engine.build
+
+    async def seen(self: Engine, run_id: str):  # type: ignore[no-untyped-def]
+        engines.append(self)
+        return await build(self, run_id)
+
+    Engine.build = seen  # type: ignore[method-assign]
     try:
         org = await runtime.local_org()
         zdr, _ = await runtime.admit(
@@ -92,10 +104,38 @@ async def test_the_flow_loop_bridge_executes_cancels_and_hands_out_zdr_output(
         cancelled = await runtime.cancel(idle.id)
         settled = await runtime.wait(idle.id, timeout=30)
     finally:
+        Engine.build = build  # type: ignore[method-assign]
         await runtime.close()
     assert zdr.status == "succeeded", zdr.termination_detail
     assert zdr.output is None  # never stored
     assert first is not None and canary in first and second is None
     assert cancelled.status == "cancelled" and settled.settled
-    assert inner.store is not runtime.store  # the inner runtime has its own engine, on its loop
-    assert not runtime.bridge.flow_loop._thread.is_alive()
+    # one runtime: its own engine built the run, through an agent-run flow on this loop
+    assert isinstance(runtime.executor, FlowExecutor)
+    assert engines == [runtime.engine]
+
+
+@pytest.mark.sandbox
+@pytest.mark.prefect
+async def test_a_flow_run_drives_the_run_of_the_engine_that_started_it(
+    run_settings: Settings, tmp_path: Path, make_cassette: Callable[..., str]
+) -> None:
+    """The ``agent-run`` flow is handed its run: a second runtime started on the same loop
+    (another state directory, another store) does not take the flow's run over."""
+    from ephemeral.flows.executor import FlowExecutor
+
+    model = make_cassette("two-runtimes", [turn("echo one"), turn(final="one done")])
+    settings = run_settings.model_copy(update={"executor": "flow"})
+    first = await Runtime.start(settings, executor=FlowExecutor())
+    other = await Runtime.start(
+        Settings.load(state_dir=tmp_path / "other", use_prefect=False), recover=False
+    )
+    try:
+        org = await first.local_org()
+        row, _ = await first.admit(org, RunRequest(prompt="p", model=model))
+        row = await first.execute(row.id)
+    finally:
+        await other.close()
+        await first.close()
+    assert row.status == "succeeded", row.termination_detail
+    assert row.recorded_at is not None
