@@ -102,20 +102,20 @@ _NO_RESULTS = Path(get_current_settings().results.local_storage_path)
     on_crashed=[_finish_elsewhere("infra_error")],
 )
 async def agent_run(run_id: str) -> str:
+    owned: Runtime | None = None
     if isinstance(run_id, RunId):
-        return await _drive(run_id.handle)
-    # A bare id: started outside an executor (a Prefect worker in a fresh process, by hand), so
-    # the run gets a runtime of its own here.
-    runtime = await Runtime.start(Settings.load(), recover=False)
+        run: RunHandle = run_id.handle
+    else:
+        # A bare id: started outside an executor (a Prefect worker in a fresh process, by
+        # hand), so the run gets a runtime of its own here.
+        owned = await Runtime.start(Settings.load(), recover=False)
+        run = owned.engine.handle(run_id)
     try:
-        return await _drive(runtime.engine.handle(run_id))
+        agent = await load_run(_q(run))
+        if agent is None:
+            return (await run.row()).status
+        row = await run.drive(agent, FLOW_STEPS)
+        return row.status
     finally:
-        await runtime.close()
-
-
-async def _drive(run: RunHandle) -> str:
-    agent = await load_run(_q(run))
-    if agent is None:
-        return (await run.row()).status
-    row = await run.drive(agent, FLOW_STEPS)
-    return row.status
+        if owned is not None:
+            await owned.close()
