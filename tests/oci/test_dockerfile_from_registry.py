@@ -250,10 +250,10 @@ def test_the_build_network_reaches_nothing_but_the_proxy(
 
 def test_the_allow_list_takes_host_names_only() -> None:
     assert Settings.load(
-        build_allow_hosts=["Mirror.Example.org", "*.pythonhosted.org"]
+        build_allow_hosts=["Mirror.Example.org", "*.files.example.com"]
     ).build_allow_hosts == [
         "mirror.example.org",
-        "*.pythonhosted.org",
+        "*.files.example.com",
     ]
     for bad in ("127.0.0.1", "*.org", "http://x.org", "10.1"):
         with pytest.raises(ValueError, match="build_allow_hosts"):
