@@ -45,7 +45,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 TCG_SMOKE = ("tests/sandbox/test_conformance.py", "tests/egress/test_web.py")
 # The files that take minutes, longest first (per-file sums of `--durations` on this 2-core box):
 # the greedy longest-first schedule, so that no long file starts last and becomes the suite's
-# tail while the other worker idles. Every other file follows, those with more tests first.
+# tail while the other worker idles. Every other file follows: first those with a test marked
+# slow, prefect or browser (so that an unmeasured file of one long test does not come last),
+# then the rest; within each, the files with more tests first.
 # `make test` passes `--no-loadscope-reorder`: else pytest-xdist (>= 3.5) orders files by test
 # count itself, and a one-test file that takes minutes (the soak) started last.
 LONG_FIRST = (
@@ -78,6 +80,8 @@ LONG_FIRST = (
     "tests/api/test_prefect_path.py",
 )
 
+HEAVY_MARKERS = ("slow", "prefect", "browser")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
@@ -88,10 +92,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return item.nodeid.split("::", 1)[0]
 
     tests_in = Counter(path(item) for item in items)
+    marked = {path(i) for i in items if any(i.get_closest_marker(m) for m in HEAVY_MARKERS)}
 
-    def rank(item: pytest.Item) -> tuple[int, int]:
+    def rank(item: pytest.Item) -> tuple[int, int, int]:
         p = path(item)
-        return (LONG_FIRST.index(p), 0) if p in LONG_FIRST else (len(LONG_FIRST), -tests_in[p])
+        if p in LONG_FIRST:
+            return (LONG_FIRST.index(p), 0, 0)
+        return (len(LONG_FIRST), p not in marked, -tests_in[p])
 
     items.sort(key=rank)  # stable: a file's tests stay together and in order
 
