@@ -255,8 +255,12 @@ def chain(defdir: Path) -> list[tuple[Path, ImageDefinition]]:
 
 
 def _definition_files(defdir: Path) -> Iterator[Path]:
+    """What a build is made of: not ``microvm/``, the boot definition, which no rootfs holds
+    (the microVM's initramfs is keyed by its files: a change there rebuilds no image)."""
     for p in sorted(defdir.rglob("*")):
         if "__pycache__" in p.parts or p.name.endswith(".pyc"):
+            continue
+        if p.relative_to(defdir).parts[0] == "microvm":
             continue
         if p.is_symlink() or p.is_file():
             yield p

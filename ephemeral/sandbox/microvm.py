@@ -25,6 +25,8 @@ boots used to hang in TSC calibration against the PIT; ``tsc_early_khz`` skips t
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -38,7 +40,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from ephemeral import errors
-from ephemeral.sandbox import handles, images, microvm_image
+from ephemeral.sandbox import agent_runtime, handles, images, microvm_image
 from ephemeral.sandbox import protocol as p
 from ephemeral.sandbox.base import Handle, Limits, Sandbox
 from ephemeral.sandbox.guest import GuestBacked, GuestClient
@@ -208,52 +210,67 @@ class MicroVMDriver:
         self.accel: Accel = accel
         self.isolation = f"microvm-{accel}"
         self._artifacts: BootArtifacts | None = None
-        self._agent_path = "/opt/ephemeral/agent.py"
+        self._agent = ""  # the agent's kernel arguments (_agent_args), once the runtime is known
 
     # ---- artifacts
 
     async def artifacts(self) -> BootArtifacts:
-        """Image rootfs, then kernel + initramfs + ext4 (all cached by hash)."""
+        """The image's disk (a built rootfs, or a pulled image's layers), then kernel +
+        initramfs, and the agent runtime's disk (all cached by hash)."""
         if self._artifacts is None:
-            name = self.settings.image
-            from ephemeral.oci.sandbox_image import is_reference
+            from ephemeral.oci import sandbox_image
 
-            if is_reference(name):  # docs/images.md, "Registry images": not yet in a microVM
-                raise errors.IsolationUnavailable(
-                    f"{self.isolation}: a registry image ({name}) boots under gvisor or "
-                    "namespaces only, not yet in a microVM"
-                )
-            rootfs = await images.ensure_image(self.settings, name)
-            built = images.built_image(self.settings, name)
-            if built is not None and built.pulled:  # built FROM a registry image: its layers
-                raise errors.IsolationUnavailable(
-                    f"{self.isolation}: image {name} is made of a registry image's layers, "
-                    "which boot under gvisor or namespaces only, not yet in a microVM"
-                )
-            self._agent_path = built.agent_path if built else self._agent_path
-            python = rootfs / "usr" / "bin" / "python3"
-            if not (python.is_symlink() or python.exists()):
-                # namespaces and gvisor bring their own (agent_runtime.py); a VM boots the disk
-                raise errors.SandboxError(
-                    f"{self.isolation}: image {name} has no /usr/bin/python3, which a microVM's "
-                    "agent runs on (namespaces and gvisor run any image: docs/images.md)"
-                )
-            image_hash = images.image_dir(self.settings, name).name.rsplit("-", 1)[-1]
-            memo_key = (str(self.settings.image_cache_dir), name, image_hash)
-            art = _ARTIFACTS.get(memo_key)
-            if art is None or not _exist(art.rootfs_ext4, art.initrd, art.kernel.vmlinuz):
-                art = await asyncio.to_thread(
-                    microvm_image.ensure_boot_artifacts, self.settings, name, rootfs, image_hash
-                )
-                _ARTIFACTS[memo_key] = art
-            self._artifacts = art
+            name = self.settings.image
+            if sandbox_image.is_reference(name):
+                config: images.ImageConfig | None = await sandbox_image.ensure(self.settings, name)
+            else:
+                rootfs = await images.ensure_image(self.settings, name)
+                config = images.built_image(self.settings, name)
+            if config is not None and config.pulled:  # a registry image, or built FROM one
+                art = await self._layered_artifacts(config)
+            else:
+                image_hash = images.image_dir(self.settings, name).name.rsplit("-", 1)[-1]
+                memo_key = (str(self.settings.image_cache_dir), name, image_hash)
+                found = _ARTIFACTS.get(memo_key)
+                if found is None or not _exist(
+                    found.rootfs_ext4, found.initrd, found.kernel.vmlinuz
+                ):
+                    found = await asyncio.to_thread(
+                        microvm_image.ensure_boot_artifacts, self.settings, name, rootfs, image_hash
+                    )
+                    _ARTIFACTS[memo_key] = found
+                art = found
+            # our side of the sandbox runs on the agent runtime whatever the image holds
+            runtime = await agent_runtime.ensure_runtime(self.settings)
+            disk = await asyncio.to_thread(
+                microvm_image.ensure_runtime_disk, self.settings, runtime.root
+            )
+            self._agent = _agent_args(runtime)
+            self._artifacts = dataclasses.replace(
+                art, agent_disk=disk, key=hashlib.sha256(f"{art.key}|{disk}".encode()).hexdigest()
+            )
         return self._artifacts
 
-    def _kernel_args(self, limits: Limits) -> str:
+    async def _layered_artifacts(self, config: images.ImageConfig) -> BootArtifacts:
+        """An image made of stored layers (a registry image, or a Dockerfile image built FROM
+        one) as one disk of its layers, made once per list of layers
+        (``microvm_image.build_layered_ext4``). Its layers are listed lowest first with our
+        agent's layer last (``ImageConfig.layers``), which a microVM does not need."""
+        memo_key = (str(self.settings.image_cache_dir), "@layers", config.hash)
+        art = _ARTIFACTS.get(memo_key)
+        if art is None or not _exist(art.rootfs_ext4, art.initrd, art.kernel.vmlinuz):
+            art = await asyncio.to_thread(
+                microvm_image.ensure_pulled_artifacts, self.settings, config.layers[:-1]
+            )
+            _ARTIFACTS[memo_key] = art
+        mark_used_file(art.rootfs_ext4)
+        return art
+
+    def _kernel_args(self, limits: Limits, art: BootArtifacts) -> str:
         # Only the defaults for disk and pids: stage 2 applies each sandbox's own after every
         # restore (_configure), so they are not part of the snapshot key.
         return (
-            f"{KERNEL_ARGS} ephemeral.agent={self._agent_path} "
+            f"{KERNEL_ARGS} {self._agent} ephemeral.layers={art.layers} "
             f"ephemeral.overlay={BOOT_LIMITS.disk_mib}m ephemeral.pids={BOOT_LIMITS.pids}"
         )
 
@@ -267,7 +284,7 @@ class MicroVMDriver:
             art,
             memory_mib=limits.memory_mib,
             vcpus=self.vcpus(limits),
-            kernel_args=self._kernel_args(limits),
+            kernel_args=self._kernel_args(limits, art),
             tsc_khz=host_tsc_khz(microvm_image.microvm_cache(self.settings)),
         )
 
@@ -428,7 +445,7 @@ class MicroVMDriver:
         kept for a day in the shared cache, keyed by QEMU, guest kernel, stage0 and host kernel,
         because a failing probe burns a core for the whole deadline."""
         kernel = await asyncio.to_thread(microvm_image.ensure_kernel, self.settings)
-        defn = microvm_image.definition_dir(self.settings, self.settings.image)
+        defn = microvm_image.definition_dir(self.settings, _definition_of(self.settings.image))
         key = "|".join(
             [
                 qemu_version(),
@@ -516,6 +533,35 @@ class MicroVMDriver:
             await sbx.destroy()
             raise
         return sbx
+
+
+def _agent_args(runtime: agent_runtime.AgentRuntime) -> str:
+    """The agent's command line and environment as stage 0 reads them from the kernel's
+    command line: comma-separated words, so none may hold a comma or a blank."""
+    argv = runtime.argv()
+    words = {
+        "python": argv[:-1],
+        "agent": argv[-1:],
+        "env": [f"{k}={v}" for k, v in agent_runtime.ENV.items()],
+    }
+    for part in (w for ws in words.values() for w in ws):
+        if not part or any(c in part for c in ", \t\n'\"\\"):
+            raise errors.SandboxError(f"microvm: the agent's word {part!r} cannot be passed to it")
+    return " ".join(f"ephemeral.{k}={','.join(v)}" for k, v in words.items())
+
+
+def _definition_of(image: str) -> str:
+    """The image whose boot definition boots ``image`` (a pulled image has none of its own)."""
+    from ephemeral.oci.sandbox_image import is_reference
+
+    return microvm_image.PULLED_DEFINITION if is_reference(image) else image
+
+
+def mark_used_file(path: Path) -> None:
+    """A disk's use, as ``images gc`` reads it: ``<disk>.used``'s mtime (the disk's own is part
+    of the snapshot's key). Best effort: a read-only cache still boots."""
+    with contextlib.suppress(OSError):
+        path.with_name(path.name + ".used").touch()
 
 
 async def _configure(ctl: Channel, limits: Limits) -> None:

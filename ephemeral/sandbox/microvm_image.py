@@ -14,6 +14,7 @@ which needs a running VM.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gzip
 import hashlib
@@ -25,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,10 @@ BUSYBOX = Path("/usr/bin/busybox")
 APT_TIMEOUT_S = 300.0
 MKFS_TIMEOUT_S = 300.0
 RESOLVE_TTL_S = 24 * 3600.0
+# the boot definition (stage 0 and 2, modules) of a pulled image: it has none of its own
+PULLED_DEFINITION = "default"
+# bumped when a pulled image's disk is laid out differently (it is part of the disk's name)
+PULLED_DISK_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,10 @@ class BootArtifacts:
     initrd: Path
     rootfs_ext4: Path
     key: str
+    # a pulled image's disk holds its layers as directories 0..N-1 (lowest first), which the
+    # guest stacks as overlayfs does on the host; 0: the disk is the rootfs itself
+    layers: int = 0
+    agent_disk: Path | None = None  # the agent runtime (agent_runtime.py), mounted /.ephemeral
 
 
 def microvm_cache(settings: Settings) -> Path:
@@ -68,7 +78,7 @@ def definition_dir(settings: Settings, image: str) -> Path:
     return microvm_definition_dir(settings, image)
 
 
-def _run(argv: list[str], *, timeout: float, cwd: Path | None = None) -> str:
+def _run(argv: list[str], timeout: float, *, cwd: Path | None = None) -> str:
     try:
         proc = subprocess.run(
             argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
@@ -275,33 +285,48 @@ def _tree_size(root: Path) -> tuple[int, int]:
     return total, count
 
 
-def build_ext4(rootfs: Path, out: Path) -> None:
+def build_ext4(rootfs: Path, out: Path, label: str = "ephemeral-root") -> None:
     """A journal-less ext4 image of ``rootfs``; the VM only ever mounts it read-only."""
-    size, count = _tree_size(rootfs)
+    _mkfs([rootfs], out, label, as_dirs=False)
+
+
+def build_layered_ext4(layers: list[Path], out: Path) -> None:
+    """One ext4 image whose root holds each of ``layers`` (lowest first) as directory ``i``, as
+    it is: overlayfs whiteouts (character devices 0:0), opaque directories (their
+    ``trusted.overlay.opaque``), owners and links are copied by ``mke2fs -d``, which only
+    reads the trees (lstat, readlink, open of regular files) and writes nothing but ``out``.
+    The layers are bound read-only into an empty staging directory in a mount namespace of
+    its own, so no byte is copied on the host and the binds vanish with the process."""
+    _mkfs(layers, out, "ephemeral-layers", as_dirs=True)
+
+
+def _mkfs(sources: list[Path], out: Path, label: str, *, as_dirs: bool) -> None:
+    size, count = 0, 0
+    for src in sources:
+        s, c = _tree_size(src)
+        size, count = size + s, count + c
     mib = (int(size * 1.3) >> 20) + 64
     inodes = int(count * 1.5) + 4096
     tmp = out.with_name(out.name + ".tmp")
     tmp.unlink(missing_ok=True)
-    _run(
-        [
-            "mkfs.ext4",
-            "-q",
-            "-F",
-            "-O",
-            "^has_journal",
-            "-L",
-            "ephemeral-root",
-            "-N",
-            str(inodes),
-            "-E",
-            "root_owner=0:0",
-            "-d",
-            str(rootfs),
-            str(tmp),
-            f"{mib}M",
-        ],
-        timeout=MKFS_TIMEOUT_S,
-    )
+    mkfs = ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-L", label, "-N", str(inodes)]
+    mkfs += ["-E", "root_owner=0:0", "-d"]
+    if not as_dirs:
+        _run([*mkfs, str(sources[0]), str(tmp), f"{mib}M"], timeout=MKFS_TIMEOUT_S)
+        tmp.rename(out)
+        return
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".stage-") as stage:
+        for i in range(len(sources)):
+            (Path(stage) / str(i)).mkdir(mode=0o755)
+        Path(stage).chmod(0o755)
+        # "$@" are our store's paths, never the image's: each is bound at $stage/<i>
+        script = (
+            'set -e; stage=$1; out=$2; size=$3; shift 3; i=0; for layer in "$@"; do '
+            'mount --bind -o ro "$layer" "$stage/$i"; i=$((i + 1)); done; '
+            f'exec {" ".join(mkfs)} "$stage" "$out" "$size"'
+        )
+        unshare = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script]
+        _run([*unshare, "sh", stage, str(tmp), f"{mib}M", *map(str, sources)], MKFS_TIMEOUT_S)
     tmp.rename(out)
 
 
@@ -319,23 +344,85 @@ def ensure_boot_artifacts(
     """Kernel + initramfs + ext4 for ``image`` (its rootfs already built), cached by hash."""
     if not rootfs.is_dir():
         raise SandboxError(f"microvm: rootfs {rootfs} does not exist")
+    defn = _checked_definition(settings, image)
+    with _build_lock(settings) as cache:
+        kernel = ensure_kernel(settings)
+        initrd, initrd_key = _initrd(settings, image, kernel, defn, cache)
+        ext4 = cache / "rootfs" / f"{image}-{image_hash}.ext4"
+        if not ext4.exists():
+            ext4.parent.mkdir(parents=True, exist_ok=True)
+            build_ext4(rootfs, ext4)
+            prune_stale(settings, image, keep=ext4)
+    key = _digest(image, image_hash, kernel.version, initrd_key)
+    return BootArtifacts(kernel=kernel, initrd=initrd, rootfs_ext4=ext4, key=key)
+
+
+def layers_key(diff_ids: Iterable[str]) -> str:
+    """What names the disk of an image of stored layers: their diff ids (hex, lowest first),
+    so images with the same layers (a reference and its digest, a retag) share one disk."""
+    return hashlib.sha256("\n".join(diff_ids).encode()).hexdigest()[:32]
+
+
+def pulled_disk(settings: Settings, key: str) -> Path:
+    """Where the disk of the layers :func:`layers_key` names is kept."""
+    return microvm_cache(settings) / "oci" / f"{key}.v{PULLED_DISK_VERSION}.ext4"
+
+
+def ensure_pulled_artifacts(settings: Settings, layers: list[Path]) -> BootArtifacts:
+    """Kernel + initramfs (the ``default`` boot definition: nothing of it runs on the image's
+    files) + one ext4 of the pulled image's ``layers`` (their directories in the layer store,
+    lowest first), made once per list of layers."""
+    defn = _checked_definition(settings, PULLED_DEFINITION)
+    with _build_lock(settings) as cache:
+        kernel = ensure_kernel(settings)
+        initrd, initrd_key = _initrd(settings, PULLED_DEFINITION, kernel, defn, cache)
+        # a layer's directory is <store>/layers/<diff id hex>/fs (oci/store.py)
+        key = layers_key(layer.parent.name for layer in layers)
+        ext4 = pulled_disk(settings, key)
+        if not ext4.exists():
+            ext4.parent.mkdir(parents=True, exist_ok=True)
+            build_layered_ext4(layers, ext4)
+    key = _digest("pulled", key, kernel.version, initrd_key)
+    return BootArtifacts(
+        kernel=kernel, initrd=initrd, rootfs_ext4=ext4, key=key, layers=len(layers)
+    )
+
+
+def ensure_runtime_disk(settings: Settings, runtime: Path) -> Path:
+    """The agent runtime's directory (``agent_runtime.py``, named by its content hash) as a
+    read-only ext4 disk, made once per runtime."""
+    out = microvm_cache(settings) / "agent" / f"{runtime.name}.ext4"
+    if out.exists():
+        return out
+    with _build_lock(settings):
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            build_ext4(runtime, out, label="ephemeral-agent")
+    return out
+
+
+def _checked_definition(settings: Settings, image: str) -> Path:
     defn = definition_dir(settings, image)
     for needed in ("stage0-init.sh", "stage2-init.sh", "modules.txt"):
         if not (defn / needed).is_file():
             raise SandboxError(f"microvm: {defn}/{needed} is missing")
+    return defn
+
+
+@contextlib.contextmanager
+def _build_lock(settings: Settings) -> Iterator[Path]:
+    """The microVM cache, held: several processes (test sessions, the API server) may build
+    the same artifacts at once."""
     cache = microvm_cache(settings)
     cache.mkdir(parents=True, exist_ok=True)
-    # Several processes (test sessions, the API server) may build the same artifacts at once.
     with (cache / ".build.lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _ensure_locked(settings, image, rootfs, image_hash, defn, cache)
+        yield cache
 
 
-def _ensure_locked(
-    settings: Settings, image: str, rootfs: Path, image_hash: str, defn: Path, cache: Path
-) -> BootArtifacts:
-    kernel = ensure_kernel(settings)
-
+def _initrd(
+    settings: Settings, image: str, kernel: Kernel, defn: Path, cache: Path
+) -> tuple[Path, str]:
     # Keyed by its inputs, so a cache hit costs no archive build.
     bb = BUSYBOX.stat()
     initrd_key = _digest(
@@ -352,14 +439,7 @@ def _ensure_locked(
         tmp.write_bytes(build_initramfs(kernel, defn))
         tmp.rename(initrd)
         prune_stale(settings, image, keep=initrd)
-
-    ext4 = cache / "rootfs" / f"{image}-{image_hash}.ext4"
-    if not ext4.exists():
-        ext4.parent.mkdir(parents=True, exist_ok=True)
-        build_ext4(rootfs, ext4)
-        prune_stale(settings, image, keep=ext4)
-    key = _digest(image, image_hash, kernel.version, initrd_key)
-    return BootArtifacts(kernel=kernel, initrd=initrd, rootfs_ext4=ext4, key=key)
+    return initrd, initrd_key
 
 
 def build_with_image(settings: Settings, image: str, rootfs: Path, image_hash: str) -> None:

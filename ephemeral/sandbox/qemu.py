@@ -1,7 +1,8 @@
 """One QEMU ``-M microvm`` process: its argv, its channels, its console, and killing it.
 
 The VM definition lives here and nowhere else: no NIC (no ``-netdev``/``-nic``, and
-``-nodefaults`` removes the default one), the root disk ``readonly=on``, and two virtio-serial
+``-nodefaults`` removes the default one), the image's disk and the agent runtime's disk
+``readonly=on``, and two virtio-serial
 ports whose unix sockets the host listens on before QEMU starts (QEMU connects as a client):
 ``sbx`` for the guest agent and ``ctl`` for stage 2. The console goes to a pipe that is drained
 into a bounded buffer, so a chatty guest costs CPU, never host memory or disk.
@@ -140,12 +141,17 @@ def qemu_argv(
         "chardev:con",
     ]
     if disk:
-        argv += [
-            "-drive",
-            f"id=root,file={art.rootfs_ext4},format=raw,if=none,readonly=on,cache=unsafe",
-            "-device",
-            "virtio-blk-device,drive=root",
-        ]
+        # stage 0 tells the disks apart by serial (virtio-mmio probe order is not fixed)
+        disks = [("root", art.rootfs_ext4)]
+        if art.agent_disk is not None:
+            disks.append(("agent", art.agent_disk))
+        for name, path in disks:
+            argv += [
+                "-drive",
+                f"id={name},file={path},format=raw,if=none,readonly=on,cache=unsafe",
+                "-device",
+                f"virtio-blk-device,drive={name},serial=ephemeral-{name}",
+            ]
     argv += [
         "-device",
         "virtio-serial-device,max_ports=3",

@@ -87,12 +87,6 @@ class SandboxSource:
             return None
         where = "image" if policy.image is not None else "agent.image"
         if sandbox_image.is_reference(name):
-            level = await self.isolation_for(policy.isolation)
-            if level.startswith("microvm"):  # docs/images.md: not yet in a microVM
-                why = f"a registry image boots under gvisor or namespaces, not yet {level}"
-                raise errors.IsolationUnavailable(
-                    why, errors=[{"field": "isolation", "message": why}]
-                )
             pulled = await sandbox_image.ensure(self.settings, name, field=where)
             self._host_facts.pop(("image", name), None)
             return pulled.hash

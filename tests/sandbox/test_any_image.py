@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ephemeral import errors
-from ephemeral.sandbox import agent_runtime, images, registry
+from ephemeral.sandbox import agent_runtime, images
 from ephemeral.sandbox.base import Limits, Sandbox, SandboxDriver
 from ephemeral.sandbox.streams import GuestStream
 from ephemeral.settings import Settings
@@ -263,14 +263,3 @@ async def test_a_registered_tree_is_an_image_until_removed(tmp_path: Path) -> No
     with pytest.raises(errors.InvalidRequest) as bad:
         images.register_rootfs(settings, "mine", tree / "etc" / "passwd", digest="x")
     assert bad.value.errors[0]["field"] == "rootfs"
-
-
-async def test_a_microvm_refuses_an_image_without_python(
-    sandbox_settings: Settings, busybox_image: str
-) -> None:
-    """Its agent runs on the image's own python: it says so before building anything."""
-    if not registry.microvm_available():
-        pytest.skip("ephemeral.sandbox.microvm is not installed")
-    settings = sandbox_settings.model_copy(update={"image": busybox_image})
-    with pytest.raises(errors.SandboxError, match="no /usr/bin/python3"):
-        await registry.get_driver("microvm-tcg", settings).create(owner="test", limits=Limits())

@@ -47,6 +47,16 @@ def test_a_shipped_image_hashes_the_same_in_another_checkout(tmp_path: Path, nam
     assert images.definition_hash(clone / name) == images.definition_hash(shipped / name)
 
 
+def test_the_microvm_boot_definition_is_not_part_of_the_image(defs: Path) -> None:
+    """The initramfs is keyed by stage 0 and 2 (microvm_image): changing them rebuilds no
+    rootfs, agent runtime or derived image."""
+    d = defs / "default"
+    first = images.definition_hash(d)
+    stage0 = d / "microvm" / "stage0-init.sh"
+    stage0.write_text(stage0.read_text() + "\n# x\n")
+    assert images.definition_hash(d) == first
+
+
 def test_bad_definition_names_the_field(defs: Path) -> None:
     y = defs / "default" / "image.yaml"
     y.write_text(y.read_text().replace("uid: 1000", "uid: 0"))
