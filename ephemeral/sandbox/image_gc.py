@@ -96,8 +96,38 @@ def _pulled_layers(settings: Settings) -> Iterable[Entry]:
     return LayerStore(settings).gc_entries()
 
 
+def _pulled_disks(settings: Settings) -> Iterator[Entry]:
+    """The microVM disks of pulled images (``microvm_image.pulled_disk``), each with its use
+    marker and the memory snapshots booted from it. A disk no pulled image of the layer store
+    has any more counts as never used; a removed disk is made again from the layers."""
+    microvm = settings.image_cache_dir / "microvm"
+    pulled = {image.hex for image in LayerStore(settings).all_images()}
+    snapshots: dict[str, list[Path]] = {}
+    for argv in (microvm / "snapshots").glob("*/argv.json"):
+        with contextlib.suppress(OSError, ValueError):
+            for word in json.loads(argv.read_text()):
+                if isinstance(word, str) and f"{microvm}/oci/" in word:
+                    snapshots.setdefault(word, []).append(argv.parent)
+    for disk in (microvm / "oci").glob("*.ext4"):
+        marker = disk.with_name(disk.name + ".used")
+        snaps = [d for word, ds in snapshots.items() if f"file={disk}," in word for d in ds]
+        last = 0.0
+        if disk.name.split(".", 1)[0] in pulled:
+            for p in (marker, disk):
+                with contextlib.suppress(OSError):
+                    last = p.stat().st_mtime
+                    break
+        size = sum(p.stat().st_blocks * 512 for p in (disk,) if p.exists()) + sum(map(du, snaps))
+        yield Entry("microvm", disk, size, last, [marker, *snaps])
+
+
 # every kind of entry the cache holds (a new store adds its collector here)
-COLLECTORS: list[Callable[[Settings], Iterable[Entry]]] = [_builds, _bases, _pulled_layers]
+COLLECTORS: list[Callable[[Settings], Iterable[Entry]]] = [
+    _builds,
+    _bases,
+    _pulled_layers,
+    _pulled_disks,
+]
 
 
 def _used_paths() -> set[str]:
@@ -183,13 +213,16 @@ def collect(
     settings: Settings, *, dry_run: bool = False, max_bytes: int | None = None
 ) -> list[Entry]:
     """Stale build areas (build_area.sweep) and what no pulled image's reference reaches
-    (``LayerStore.gc``, skipped while a pull holds the store), then :func:`plan`, removed
-    unless ``dry_run``."""
+    (``LayerStore.gc``, skipped while a pull holds the store, and the microVM disks of the
+    images it removed), then :func:`plan`, removed unless ``dry_run``."""
     if not dry_run:
         from ephemeral.oci.store import LayerStore
 
         build_area.sweep(settings.image_cache_dir)
         LayerStore(settings).gc(wait=False)
+        # the disks of images the store no longer has go with them, as their layers did
+        orphans = entries(settings)
+        remove([e for e in orphans if e.kind == "microvm" and not e.last_used and not e.in_use])
     chosen = plan(settings, max_bytes)
     if not dry_run:
         remove(chosen)

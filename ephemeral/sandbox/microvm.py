@@ -1,9 +1,11 @@
 """``microvm-kvm`` / ``microvm-tcg`` isolation: QEMU ``-M microvm`` started from a memory snapshot.
 
-Each sandbox is one QEMU process: Debian's cloud kernel, the stage0 initramfs, the image's ext4
-root attached ``readonly=on`` (every guest write lands in a tmpfs overlay in guest RAM), no NIC
-(no ``-netdev``/``-nic`` at all), and the guest agent on a virtio-serial port named ``sbx`` that
-QEMU connects to a unix socket the host listens on.
+Each sandbox is one QEMU process: Debian's cloud kernel, the stage0 initramfs, the image's disk
+(a built image's ext4 root, or a pulled image's layers in one ext4) and the agent runtime's
+disk, both attached ``readonly=on`` (every guest write lands in a tmpfs overlay in guest RAM),
+no NIC (no ``-netdev``/``-nic`` at all), and the guest agent, on the runtime's own loader and
+python, on a virtio-serial port named ``sbx`` that QEMU connects to a unix socket the host
+listens on.
 
 Cold boots are paid once per (image, kernel, QEMU, memory, vCPUs): boot, wait for the agent's
 hello, save the whole VM with QMP ``migrate`` to a file, check the file by restoring it once.

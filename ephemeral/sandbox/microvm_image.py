@@ -4,8 +4,13 @@ The kernel comes from Debian's own package (``apt-get download`` of the package 
 ``linux-image-cloud-amd64`` depends on), so no URL lives in the tree. Debian builds every virtio
 driver as a module, hence the small stage0 initramfs (static busybox, the modules listed in
 ``sandbox_images/<name>/microvm/modules.txt`` and ``stage0-init.sh``) that loads them, mounts the
-read-only root disk under a tmpfs overlay and hands over to ``stage2-init.sh`` run by the root's
-``/bin/sh``, which starts the agent and applies each restored sandbox's limits.
+read-only image disk under a tmpfs overlay and the agent runtime's disk at ``/.ephemeral``, and
+hands over to ``stage2-init.sh`` run by its own busybox, which starts the agent on the runtime
+and applies each restored sandbox's limits: nothing of the image runs our side.
+
+The image disk is a built image's rootfs as one ext4 (``build_ext4``), or a pulled image's
+layers as the directories of one ext4 (``build_layered_ext4``, once per image digest), which
+the guest stacks as overlayfs lower layers.
 
 Everything is cached under ``settings.image_cache_dir / "microvm"`` by content hash, so a second
 build only costs the hashing. The memory snapshot is made by :mod:`ephemeral.sandbox.microvm`,
@@ -74,8 +79,10 @@ def microvm_cache(settings: Settings) -> Path:
 
 def definition_dir(settings: Settings, image: str) -> Path:
     """The image's ``microvm/`` boot definition, or its nearest base's (a derived image such as
-    python-dev boots the same way as the image it is built on)."""
-    return microvm_definition_dir(settings, image)
+    python-dev boots the same way as the image it is built on), else ``default``'s (a rootfs
+    registered as an image has none: the stages run nothing of the image)."""
+    found = microvm_definition_dir(settings, image)
+    return found if found.is_dir() else microvm_definition_dir(settings, PULLED_DEFINITION)
 
 
 def _run(argv: list[str], timeout: float, *, cwd: Path | None = None) -> str:

@@ -39,8 +39,6 @@ def image(request: pytest.FixtureRequest) -> str:
 def driver(
     request: pytest.FixtureRequest, sandbox_settings: Settings, rootfs: Path, image: str
 ) -> SandboxDriver:
-    if image != "default" and request.param.startswith("microvm"):
-        pytest.skip("a microVM runs its agent on the image's own python (docs/images.md)")
     return driver_for(request.param, sandbox_settings, image)
 
 
