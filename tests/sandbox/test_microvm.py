@@ -72,8 +72,10 @@ def test_vm_definition_has_no_nic_and_a_read_only_root(tcg: tuple[MicroVMDriver,
     argv = snap.argv
     assert not {"-netdev", "-nic", "-net"} & set(argv)
     assert "-nodefaults" in argv  # no default NIC either
+    # the image's disk and the agent runtime's, both read-only
     drives = [argv[i + 1] for i, a in enumerate(argv) if a == "-drive"]
-    assert len(drives) == 1 and "readonly=on" in drives[0]
+    assert [d.split(",", 1)[0] for d in drives] == ["id=root", "id=agent"]
+    assert all("readonly=on" in d for d in drives)
     assert snap.meta.hello.workdir.startswith("/tmp/ephemeral-run-")
 
 
