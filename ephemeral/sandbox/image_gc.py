@@ -34,6 +34,7 @@ from pathlib import Path
 from ephemeral.oci.store import LayerStore
 from ephemeral.sandbox import build_area
 from ephemeral.sandbox.cache_use import CURRENT, Entry, du, last_used, mark_used
+from ephemeral.sandbox.microvm_image import layers_key
 from ephemeral.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -98,10 +99,16 @@ def _pulled_layers(settings: Settings) -> Iterable[Entry]:
 
 def _pulled_disks(settings: Settings) -> Iterator[Entry]:
     """The microVM disks of pulled images (``microvm_image.pulled_disk``), each with its use
-    marker and the memory snapshots booted from it. A disk no pulled image of the layer store
-    has any more counts as never used; a removed disk is made again from the layers."""
+    marker and the memory snapshots booted from it. A disk of layers no named image of the
+    layer store has counts as never used; a removed disk is made again from the layers."""
     microvm = settings.image_cache_dir / "microvm"
-    pulled = {image.hex for image in LayerStore(settings).all_images()}
+    store = LayerStore(settings)
+    named = set(store.references().values())
+    pulled = {
+        layers_key(x.diff_id.split(":", 1)[1] for x in image.layers)
+        for image in store.all_images()
+        if image.digest in named
+    }
     snapshots: dict[str, list[Path]] = {}
     for argv in (microvm / "snapshots").glob("*/argv.json"):
         with contextlib.suppress(OSError, ValueError):
