@@ -43,6 +43,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # channel. Every other `[microvm-tcg]` variant is `tcg_slow`, run by `make test-slow`: each costs
 # minutes of software emulation, and on a loaded 2-core box no timeout holds them reliably.
 TCG_SMOKE = ("tests/sandbox/test_conformance.py", "tests/egress/test_web.py")
+# ...but not the conformance checks on the busybox image: it is registered under a name of the
+# test process, so each session cold-boots it once more. tests/oci/test_microvm_boot.py keeps
+# microVMs of images without Python in `make test` (their snapshots outlive the session).
+TCG_SLOW_IN_SMOKE = "[microvm-tcg-busybox]"
 # The files that take minutes, longest first (per-file sums of `--durations` on this 2-core box):
 # the greedy longest-first schedule, so that no long file starts last and becomes the suite's
 # tail while the other worker idles. Every other file follows: first those with a test marked
@@ -85,7 +89,9 @@ HEAVY_MARKERS = ("slow", "prefect", "browser")
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if "[microvm-tcg" in item.nodeid and not item.nodeid.startswith(TCG_SMOKE):
+        if "[microvm-tcg" in item.nodeid and (
+            not item.nodeid.startswith(TCG_SMOKE) or item.nodeid.endswith(TCG_SLOW_IN_SMOKE)
+        ):
             item.add_marker(pytest.mark.tcg_slow)
 
     def path(item: pytest.Item) -> str:

@@ -264,3 +264,27 @@ async def test_a_run_and_a_session_on_a_microvm_honour_the_config_and_record_the
             )
             assert r.json()["stdout"] == "/srv/app\nworker\nfrom-config\n", r.text
             await http.post(f"/v1/sandboxes/{sid}/cancel", headers=member.headers)
+
+
+def test_a_microvm_boots_a_dockerfile_image_built_from_a_registry_image(
+    vm_settings: Settings, busybox_image: str, tmp_path: Path
+) -> None:
+    """Built FROM the busybox image: the base's stored layers plus the build's, one disk."""
+    from ephemeral.sandbox.dockerfile import build_dockerfile
+
+    context = tmp_path / "context"
+    context.mkdir()
+    (context / "Dockerfile").write_text(
+        f"FROM {busybox_image}\nRUN echo built > /marker && rm /etc/group\n"
+    )
+    built = build_dockerfile(context / "Dockerfile", name="vm-from-busybox", settings=vm_settings)
+    assert built.pulled
+
+    async def go() -> tuple[int, str]:
+        sbx = await _driver(vm_settings, "vm-from-busybox").create(owner="test", limits=Limits())
+        try:
+            return await _exec(sbx, "cat /marker; test -e /etc/group || echo group-gone")
+        finally:
+            await sbx.destroy()
+
+    assert asyncio.run(go()) == (0, "built\ngroup-gone\n")
