@@ -11,7 +11,8 @@ from typing import Any
 
 from prefect import flow
 
-from ephemeral import evals
+from ephemeral.evals.plan import evaluation_for
+from ephemeral.evals.report import summary
 from ephemeral.flows.recipe_run import run_and_publish
 from ephemeral.service import current
 from ephemeral.settings import Settings
@@ -32,7 +33,7 @@ async def eval_suite(
     given = dict(knobs or {})
     if given.get("filters"):
         given["filters"] = [tuple(f) for f in given["filters"]]
-    evaluation = evals.evaluation_for(
+    evaluation = evaluation_for(
         suite, settings, compare_with=compare, suite_run_id=suite_run_id, **given
     )
-    return evals.summary(await run_and_publish(evaluation))
+    return summary(await run_and_publish(evaluation))

@@ -14,7 +14,11 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
-from ephemeral import evals
+from ephemeral.evals.plan import Evaluation, evaluation_for
+from ephemeral.evals.render import render_markdown, table_rows
+from ephemeral.evals.report import Report, summary
+from ephemeral.evals.store import write_report
+from ephemeral.evals.suite import run_evaluation
 from ephemeral.flows.executor import executor_for
 from ephemeral.service import Runtime, current
 from ephemeral.settings import Settings
@@ -34,24 +38,24 @@ def _artifact_key(prefix: str, name: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", f"{prefix}-{name}".lower()).strip("-")
 
 
-async def publish(report: evals.Report, settings: Settings) -> None:
-    evals.write_report(report, settings)
+async def publish(report: Report, settings: Settings) -> None:
+    write_report(report, settings)
     await acreate_markdown_artifact(
         key=_artifact_key("eval", report.suite),
-        markdown=evals.render_markdown(report, reasons=False),
+        markdown=render_markdown(report, reasons=False),
         description=f"suite run {report.suite_run_id}",
     )
     await acreate_table_artifact(
         key=_artifact_key("eval-table", report.suite),
-        table=evals.table_rows(report),
+        table=table_rows(report),
         description=f"pass table of suite run {report.suite_run_id}",
     )
 
 
-async def run_and_publish(evaluation: evals.Evaluation) -> evals.Report:
+async def run_and_publish(evaluation: Evaluation) -> Report:
     runtime, owned = await flow_runtime()
     try:
-        report = await evals.run_evaluation(runtime, evaluation)
+        report = await run_evaluation(runtime, evaluation)
         await publish(report, runtime.settings)
         return report
     finally:
@@ -69,7 +73,7 @@ async def recipe_run(
     """Run a recipe (a path or a shipped recipe's name); returns a content-free summary."""
     runtime = current()
     settings = runtime.settings if runtime is not None else Settings.load()
-    evaluation = evals.evaluation_for(
+    evaluation = evaluation_for(
         recipe, settings, concurrency=concurrency, compare_with=compare, suite_run_id=suite_run_id
     )
-    return evals.summary(await run_and_publish(evaluation))
+    return summary(await run_and_publish(evaluation))

@@ -16,9 +16,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from ephemeral import evals
 from ephemeral.api.auth import get_runtime, page_principal
 from ephemeral.api.pages import _login_redirect, render
+from ephemeral.evals.compare import compare
+from ephemeral.evals.render import table_rows
+from ephemeral.evals.report import Report
+from ephemeral.evals.result import RunResult, pair_key
 from ephemeral.records import Records
 from ephemeral.store import Principal
 
@@ -135,10 +138,10 @@ def _suite_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _saved_report(runtime: Any, suite_run_id: str) -> evals.Report | None:
+def _saved_report(runtime: Any, suite_run_id: str) -> Report | None:
     path = runtime.settings.state_dir / "evals" / f"{suite_run_id}.json"
     try:
-        return evals.Report.model_validate_json(path.read_text())
+        return Report.model_validate_json(path.read_text())
     except (OSError, ValueError):
         return None
 
@@ -171,7 +174,7 @@ async def suite_page(request: Request, suite_run_id: str) -> Response:
         signed_in=who,
         suite_run_id=suite_run_id,
         report=report,
-        table=evals.table_rows(report) if report is not None else [],
+        table=table_rows(report) if report is not None else [],
         runs=runs,
         failures=failures,
         split=split,
@@ -195,7 +198,7 @@ async def compare_page(request: Request, before: str, after: str) -> Response:
             return _not_found(request, who, f"no recorded runs for suite run {suite_run_id!r}")
         sides.append(_results(rows))
     old, new = sides
-    cmp = evals.compare(new, old, before)
+    cmp = compare(new, old, before)
     was = {r.pair_key: r for r in old}
     changed = [
         {"pair_key": r.pair_key, "was": was[r.pair_key], "now": r}
@@ -219,15 +222,15 @@ async def compare_page(request: Request, before: str, after: str) -> Response:
     )
 
 
-def _results(rows: list[dict[str, Any]]) -> list[evals.RunResult]:
+def _results(rows: list[dict[str, Any]]) -> list[RunResult]:
     from ephemeral.checks import CheckResult
 
     out = []
     for r in rows:
         cell = json.loads(r["recipe_cell"]) if r["recipe_cell"] else {}
         out.append(
-            evals.RunResult(
-                pair_key=evals.pair_key(r["recipe"] or "", cell, r["repeat_index"] or 0),
+            RunResult(
+                pair_key=pair_key(r["recipe"] or "", cell, r["repeat_index"] or 0),
                 recipe=r["recipe"] or "",
                 cell=cell,
                 repeat_index=r["repeat_index"] or 0,

@@ -213,7 +213,7 @@ def records_purge(
     try:
         purged = Records(settings.records_dir).purge_content(days)
         erased = asyncio.run(_erase_expired(settings, days))
-        from ephemeral.evals import purge_reports
+        from ephemeral.evals.store import purge_reports
 
         reports = purge_reports(settings, days)
     except EphemeralError as err:

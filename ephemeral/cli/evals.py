@@ -26,23 +26,30 @@ from ephemeral.money import usd
 from ephemeral.settings import Settings
 
 if TYPE_CHECKING:
-    from ephemeral import evals
+    from ephemeral.evals.plan import Evaluation
+    from ephemeral.evals.report import Report
+    from ephemeral.evals.result import RunResult
+    from ephemeral.evals.suite import Progress as SuiteProgress
 
 
 async def _run(
     settings: Settings,
-    evaluation: evals.Evaluation,
+    evaluation: Evaluation,
     source: Path,
     console: Console,
     knobs: dict[str, Any],
-) -> evals.Report:
-    from ephemeral import evals
+) -> Report:
+    from ephemeral.evals.plan import planned_count, resolve_path
+    from ephemeral.evals.report import Report
+    from ephemeral.evals.store import write_report
+    from ephemeral.evals.suite import run_evaluation, watch
     from ephemeral.flows.executor import executor_for
+    from ephemeral.recipes import validate_recipe
     from ephemeral.service import Runtime
 
     for recipe in evaluation.recipes:  # a bad recipe fails here, before any run
-        evals.validate_recipe(recipe, settings)
-    total = evals.planned_count(evaluation, settings)
+        validate_recipe(recipe, settings)
+    total = planned_count(evaluation, settings)
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -56,7 +63,7 @@ async def _run(
             quiet()
             progress.listen(lambda stage: bar.update(task, status=stage))
 
-        def observe(p: evals.Progress) -> None:
+        def observe(p: SuiteProgress) -> None:
             status = f"passing {p.passing} · spent {usd(p.spent_micros)}"
             bar.update(task, completed=p.done, status=status)
             if p.last is not None:
@@ -64,26 +71,26 @@ async def _run(
 
         runtime = await Runtime.start(settings, executor=executor_for(settings))
         try:
-            with evals.watch(evaluation.suite_run_id, observe):
+            with watch(evaluation.suite_run_id, observe):
                 if settings.executor != "plain":
                     from ephemeral.flows.eval_suite import eval_suite
 
                     await eval_suite(
-                        suite=str(evals.resolve_path(str(source), settings).resolve()),
+                        suite=str(resolve_path(str(source), settings).resolve()),
                         compare=evaluation.compare_with,
                         suite_run_id=evaluation.suite_run_id,
                         knobs=knobs,
                     )
                     saved = settings.state_dir / "evals" / f"{evaluation.suite_run_id}.json"
-                    return evals.Report.model_validate_json(saved.read_text())
-                report = await evals.run_evaluation(runtime, evaluation)
-                evals.write_report(report, settings)
+                    return Report.model_validate_json(saved.read_text())
+                report = await run_evaluation(runtime, evaluation)
+                write_report(report, settings)
                 return report
         finally:
             await runtime.close()
 
 
-def _line(p: evals.Progress, r: evals.RunResult) -> str:
+def _line(p: SuiteProgress, r: RunResult) -> str:
 
     where = f"[{p.done}/{p.total}] {r.pair_key}"
     if r.run_id is None:
@@ -97,8 +104,8 @@ def _line(p: evals.Progress, r: evals.RunResult) -> str:
     )
 
 
-def _print_report(report: evals.Report, console: Console) -> None:
-    from ephemeral import evals
+def _print_report(report: Report, console: Console) -> None:
+    from ephemeral.evals.render import render_comparison, table_rows
 
     table = Table(title=f"{report.suite} · suite run {report.suite_run_id}")
     for header, justify in (
@@ -113,7 +120,7 @@ def _print_report(report: evals.Report, console: Console) -> None:
         ("run time", "right"),
     ):
         table.add_column(header, justify=justify, overflow="fold")  # type: ignore[arg-type]
-    for row in evals.table_rows(report):
+    for row in table_rows(report):
         whole = row["check"] == "(all checks)"
         style = "bold" if whole else None
         rate = row["pass_rate"]
@@ -149,7 +156,7 @@ def _print_report(report: evals.Report, console: Console) -> None:
         f"charged {usd(report.charged_micros)} · {report.wall_ms / 1000:.1f} s",
         highlight=False,
     )
-    for line in evals.render_comparison(report.comparison):
+    for line in render_comparison(report.comparison):
         if line and not line.startswith("#"):
             console.print(line, markup=False, highlight=False)
         elif line:
@@ -216,7 +223,8 @@ def register(app: typer.Typer) -> None:
         is the progress bar's status on a terminal, one "ephemeral: <stage>" line on stderr
         otherwise.
         """
-        from ephemeral import evals
+        from ephemeral.evals.plan import evaluation_for, parse_filter
+        from ephemeral.evals.report import report_json
 
         settings = Settings.load(**({"executor": "plain"} if no_prefect else {}))
         console = Console(stderr=as_json, highlight=False, soft_wrap=True)
@@ -227,7 +235,7 @@ def register(app: typer.Typer) -> None:
                 raise errors.InvalidRequest.field(
                     "EPHEMERAL_URL", "eval runs suites on this host; unset it to run one here"
                 )
-            filters = [evals.parse_filter(f) for f in filter_ or []]
+            filters = [parse_filter(f) for f in filter_ or []]
             if model is not None:
                 _require_model(model, settings)
             knobs: dict[str, Any] = {
@@ -241,14 +249,14 @@ def register(app: typer.Typer) -> None:
                 }.items()
                 if v
             }
-            evaluation = evals.evaluation_for(str(suite), settings, compare_with=compare, **knobs)
+            evaluation = evaluation_for(str(suite), settings, compare_with=compare, **knobs)
             with announcing():  # on a terminal the progress bar shows the stages (_run)
                 start_prefect(settings)
                 report = asyncio.run(_run(settings, evaluation, suite, console, knobs))
         except errors.EphemeralError as exc:
             raise fail(exc) from exc
         if as_json:
-            sys.stdout.write(json.dumps(evals.report_json(report), indent=2) + "\n")
+            sys.stdout.write(json.dumps(report_json(report), indent=2) + "\n")
         else:
             _print_report(report, console)
         # where it is, on stderr so that --json stays clean: the id for `export`, the report

@@ -34,7 +34,7 @@ PROMPT_WIDTH = 92
 
 def _load(path: Path, settings: Settings) -> Recipe | Suite:
     if not path.exists() and path.name == str(path):  # a shipped recipe or suite, by name
-        from ephemeral.evals import resolve_path
+        from ephemeral.evals.plan import resolve_path
 
         with contextlib.suppress(EphemeralError):  # not one: the file's own error follows
             path = resolve_path(str(path), settings)

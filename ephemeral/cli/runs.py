@@ -68,18 +68,20 @@ async def _run_local(
 async def _run_recipe(settings: Settings, path: Path, as_json: bool) -> int:
     """A recipe's runs through the evaluation path of ``ephemeral eval`` (its money cap, its
     checks on each run, its records), one at a time so each timeline prints live."""
-    from ephemeral import evals
+    from ephemeral.evals.execute import Watchers, run_view_output
+    from ephemeral.evals.plan import evaluation_for, resolve_path
+    from ephemeral.evals.suite import run_evaluation
     from ephemeral.flows.executor import executor_for
-    from ephemeral.recipes import Suite, load_any
+    from ephemeral.recipes import Suite, load_any, validate_recipe
     from ephemeral.service import Runtime
 
-    if isinstance(load_any(evals.resolve_path(str(path), settings)), Suite):
+    if isinstance(load_any(resolve_path(str(path), settings)), Suite):
         raise errors.InvalidRequest.field(
             "RECIPE", f"{path} is a suite: run it with ephemeral eval"
         )
-    evaluation = evals.evaluation_for(str(path), settings, concurrency=1)
+    evaluation = evaluation_for(str(path), settings, concurrency=1)
     for recipe in evaluation.recipes:  # a bad recipe fails here, before any run
-        evals.validate_recipe(recipe, settings)
+        validate_recipe(recipe, settings)
     runtime = await Runtime.start(settings, executor=executor_for(settings))
     printed: asyncio.Task[None] | None = None
 
@@ -102,7 +104,7 @@ async def _run_recipe(settings: Settings, path: Path, as_json: bool) -> int:
 
     def judged(row: Any, output: str | None, checks: list[Any]) -> None:
         if as_json:
-            obj = evals.run_view_output(row, output)
+            obj = run_view_output(row, output)
             obj["checks"] = [c.model_dump() for c in checks]
             sys.stdout.write(json.dumps(obj, indent=2) + "\n")
             return
@@ -111,9 +113,9 @@ async def _run_recipe(settings: Settings, path: Path, as_json: bool) -> int:
             mark = "[green]PASS[/green]" if c.passed else "[red]FAIL[/red]"
             out.print(f"{mark} {escape(c.check)}: {escape(c.reason or '')}")
 
-    evaluation.watchers = evals.Watchers(admitted=admitted, judged=judged)
+    evaluation.watchers = Watchers(admitted=admitted, judged=judged)
     try:
-        report = await evals.run_evaluation(runtime, evaluation)
+        report = await run_evaluation(runtime, evaluation)
         if printed is not None:
             await printed
     finally:

@@ -14,7 +14,7 @@ import pytest
 from ephemeral.api import view
 from ephemeral.api.pages import PAGE_COOKIE
 from ephemeral.api.samples import load_sample
-from ephemeral.evals import execute_planned
+from ephemeral.evals.execute import execute_planned
 from ephemeral.recipes import expand, load_recipe
 from ephemeral.service import Runtime
 from ephemeral.settings import Settings

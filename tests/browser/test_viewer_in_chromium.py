@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 
-from ephemeral import evals
 from ephemeral.api import viewer
+from ephemeral.evals.plan import Evaluation
+from ephemeral.evals.store import write_report
+from ephemeral.evals.suite import run_evaluation
 from ephemeral.recipes import load_recipe
 from ephemeral.service import LOCAL_ORG, Runtime
 from ephemeral.settings import Settings
@@ -49,15 +51,15 @@ async def _two_suite_runs(settings: Settings, root: Path) -> tuple[str, str, str
     ids = []
     try:
         for wanted in ("Done", "Nope"):
-            report = await evals.run_evaluation(
+            report = await run_evaluation(
                 runtime,
-                evals.Evaluation(
+                Evaluation(
                     name="viewer",
                     recipes=[_recipe(root, "stable", "Done"), _recipe(root, "changes", wanted)],
                     concurrency=1,
                 ),
             )
-            evals.write_report(report, settings)
+            write_report(report, settings)
             ids.append(report.suite_run_id)
     finally:
         await runtime.close()

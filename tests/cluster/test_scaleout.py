@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ephemeral import evals
+from ephemeral.evals.report import Report, report_json
 from ephemeral.lifecycle import TERMINAL_STATUSES
 from ephemeral.sandbox import handles
 from tests.cluster.harness import EPHEMERAL, Cluster
@@ -309,7 +309,7 @@ def test_eval_suite_fans_out_to_both_workers(cluster: Cluster, tmp_path: Path) -
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     report = json.loads(res.stdout)
     # the very report a local run gives (same model, same JSON)
-    assert evals.report_json(evals.Report.model_validate(report)) == report
+    assert report_json(Report.model_validate(report)) == report
     assert len(report["results"]) == 6
     assert all(r["status"] == "succeeded" for r in report["results"])
     rows = asyncio.run(_suite_rows(cluster.db_url, report["suite_run_id"]))

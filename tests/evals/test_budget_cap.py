@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ephemeral.evals import Cap, RunResult, run_planned
+from ephemeral.evals.result import RunResult
+from ephemeral.evals.schedule import Cap, run_planned
 from ephemeral.policy import Policy
 from ephemeral.recipes import PlannedRun
 

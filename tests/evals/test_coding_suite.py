@@ -9,7 +9,8 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from ephemeral import evals
+from ephemeral.evals.plan import Evaluation
+from ephemeral.evals.suite import run_evaluation
 from ephemeral.export import COLUMNS, export_suite_run
 from ephemeral.recipes import load_recipe
 from ephemeral.service import Runtime
@@ -95,7 +96,7 @@ async def test_a_zero_data_retention_run_exports_without_content(tmp_path: Path)
     )
     runtime = await Runtime.start(settings)
     try:
-        report = await evals.run_evaluation(runtime, evals.Evaluation(name="zdr", recipes=[recipe]))
+        report = await run_evaluation(runtime, Evaluation(name="zdr", recipes=[recipe]))
     finally:
         await runtime.close()
     [result] = report.results

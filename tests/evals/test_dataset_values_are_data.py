@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral import evals
+from ephemeral.evals.plan import Evaluation
+from ephemeral.evals.suite import run_evaluation
 from ephemeral.recipes import load_recipe
 from ephemeral.sandbox.registry import probe_level
 from ephemeral.service import Runtime
@@ -76,9 +77,7 @@ async def test_hostile_rows_cannot_change_what_verify_runs(tmp_path: Path, isola
     )
     runtime = await Runtime.start(settings)
     try:
-        report = await evals.run_evaluation(
-            runtime, evals.Evaluation(name="rows", recipes=[recipe])
-        )
+        report = await run_evaluation(runtime, Evaluation(name="rows", recipes=[recipe]))
     finally:
         await runtime.close()
     assert [r.cell["name"] for r in report.results] == list(HOSTILE)

@@ -17,7 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral import evals
+from ephemeral.evals.execute import Watchers
+from ephemeral.evals.plan import Evaluation
+from ephemeral.evals.store import write_report
+from ephemeral.evals.suite import run_evaluation
 from ephemeral.export import export_suite_run
 from ephemeral.recipes import load_recipe
 from ephemeral.sandbox import handles
@@ -94,14 +97,14 @@ async def test_a_sandbox_killed_mid_run_is_an_error_in_table_export_and_gate(
     runtime = await Runtime.start(settings)
     try:
         killer = asyncio.create_task(_kill_sandbox_of(admitted, settings.sandboxes_dir))
-        report = await evals.run_evaluation(
+        report = await run_evaluation(
             runtime,
-            evals.Evaluation(
+            Evaluation(
                 name="outcomes",
                 recipes=recipes,  # type: ignore[arg-type]
                 concurrency=1,
                 min_pass_rate=1.0,
-                watchers=evals.Watchers(admitted=admitted.append),
+                watchers=Watchers(admitted=admitted.append),
             ),
         )
         killed_run = await asyncio.wait_for(killer, 10)
@@ -120,7 +123,7 @@ async def test_a_sandbox_killed_mid_run_is_an_error_in_table_export_and_gate(
     assert report.gate_failures == ["killed: 1 error not graded (0/1 runs graded)"]
 
     # The pass table (the Markdown report, as the CLI writes it).
-    md = Path(evals.write_report(report, settings)).with_suffix(".md").read_text()
+    md = Path(write_report(report, settings)).with_suffix(".md").read_text()
     assert "| killed | (all checks) | 0/0 | 0% | 1 | 0 | 0 |" in md
     assert "| healthy | (all checks) | 1/1 | 100% | 0 | 0 | 0 |" in md
     assert f"`killed/{{}}/0`: error (failed, `{killed_run}`)" in md

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 from ephemeral.checks import CheckResult
-from ephemeral.evals import (
-    Report,
-    RunResult,
-    compare,
-    gate_failures,
-    pair_key,
-    recipe_stats,
-    render_markdown,
-    table_rows,
-)
+from ephemeral.evals.compare import compare
+from ephemeral.evals.render import render_markdown, table_rows
+from ephemeral.evals.report import Report
+from ephemeral.evals.result import RunResult, pair_key
+from ephemeral.evals.stats import gate_failures, recipe_stats
 from ephemeral.recipes import load_recipe
 from tests.recipes.helpers import write
 

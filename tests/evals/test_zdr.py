@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral import evals
+from ephemeral.evals.execute import ZDR_REASON
+from ephemeral.evals.plan import Evaluation
+from ephemeral.evals.store import write_report
+from ephemeral.evals.suite import run_evaluation
 from ephemeral.recipes import load_recipe
 from ephemeral.records import Records
 from ephemeral.service import Runtime
@@ -43,18 +46,18 @@ async def test_zdr_output_is_judged_once_and_not_kept(tmp_path: Path) -> None:
     )
     runtime = await Runtime.start(settings)
     try:
-        report = await evals.run_evaluation(runtime, evals.Evaluation(name="zdr", recipes=[recipe]))
+        report = await run_evaluation(runtime, Evaluation(name="zdr", recipes=[recipe]))
         [r] = report.results
         # The output existed once, in this process: the check saw it.
         assert [c.passed for c in r.checks] == [True, False, False]
-        assert all(c.reason == evals.ZDR_REASON for c in r.checks)
+        assert all(c.reason == ZDR_REASON for c in r.checks)
         assert runtime.take_zdr_output(r.run_id or "") is None
         row = await runtime.store.get_run(r.run_id or "")
         assert row.output is None
         assert [c["passed"] for c in row.labels["checks"]] == [True, False, False]
     finally:
         await runtime.close()
-    evals.write_report(report, settings)
+    write_report(report, settings)
     for path in (settings.state_dir).rglob("*"):
         if path.is_file() and path.suffix in (".json", ".md", ".parquet", ".db"):
             assert CANARY.encode() not in path.read_bytes(), path

@@ -294,7 +294,8 @@ def test_an_invalid_json_schema_is_a_recipe_error(tmp_path: Path) -> None:
 
 
 def test_the_pass_table_has_one_row_per_model(tmp_path: Path) -> None:
-    from ephemeral.evals import RunResult, gate_failures, recipe_stats
+    from ephemeral.evals.result import RunResult
+    from ephemeral.evals.stats import gate_failures, recipe_stats
 
     text = BASE.replace("model: x/y\n", "").replace("{{ function }}", "it")
     recipe = load_recipe(write(tmp_path, text + "models: [p/one, p/two]\n"))
