@@ -46,6 +46,7 @@ BUSYBOX = Path("/usr/bin/busybox")
 APT_TIMEOUT_S = 300.0
 MKFS_TIMEOUT_S = 300.0
 RESOLVE_TTL_S = 24 * 3600.0
+STALE_AFTER_S = 3600.0  # an older initramfs or ext4 build is pruned only once this old
 # the boot definition (stage 0 and 2, modules) of a pulled image: it has none of its own
 PULLED_DEFINITION = "default"
 # bumped when a pulled image's disk is laid out differently (it is part of the disk's name)
@@ -471,13 +472,22 @@ def prune_stale(settings: Settings, image: str, *, keep: Path) -> list[Path]:
     """Drop older ext4 builds of ``image``, older initramfs files and every snapshot made from a
     file that is gone (~100-300 MB each).
 
-    A running VM keeps its open files, so this is safe while old sandboxes still run."""
+    A running VM keeps its open files, so this is safe while old sandboxes still run. A file
+    made in the last :data:`STALE_AFTER_S` stays: another checkout or version sharing the
+    cache made it for VMs it is starting now (two definitions would otherwise delete each
+    other's files between a snapshot and its restore)."""
     cache = microvm_cache(settings)
     removed: list[Path] = []
     stale = [p for p in (cache / "rootfs").glob(f"{image}-*.ext4") if p != keep]
     if keep.name.startswith("stage0-"):
         stale = [p for p in (cache / "initrd").glob("stage0-*.cpio.gz") if p != keep]
+    now = time.time()
     for p in stale:
+        try:
+            if now - p.stat().st_mtime < STALE_AFTER_S:
+                continue
+        except OSError:
+            continue
         p.unlink(missing_ok=True)
         removed.append(p)
     for argv_file in (cache / "snapshots").glob("*/argv.json"):

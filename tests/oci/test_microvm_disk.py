@@ -94,3 +94,24 @@ def test_images_gc_sizes_the_disks_of_pulled_images(
         assert disks[1].exists()
     image_gc.collect(oci_settings, max_bytes=0)
     assert not disks[1].exists()
+
+
+def test_a_newer_boot_file_prunes_old_ones_not_a_fresh_one_of_another_checkout(
+    tmp_path: Path,
+) -> None:
+    """Two checkouts (or versions) sharing the microVM cache each build their initramfs and
+    ext4: a file made in the last hour is another one's in use, not stale."""
+    settings = Settings.load(state_dir=tmp_path / "state", cache_dir=tmp_path / "cache")
+    cache = microvm_image.microvm_cache(settings)
+    (cache / "initrd").mkdir(parents=True)
+    (cache / "rootfs").mkdir()
+    old, fresh, mine = (cache / "initrd" / f"stage0-{n}.cpio.gz" for n in ("old", "fresh", "mine"))
+    disk_old, disk_fresh, disk_mine = (cache / "rootfs" / f"default-{n}.ext4" for n in "abc")
+    for p in (old, fresh, mine, disk_old, disk_fresh, disk_mine):
+        p.write_bytes(b"x")
+    for p in (old, disk_old):
+        os.utime(p, (1, 1))
+    microvm_image.prune_stale(settings, "default", keep=mine)
+    microvm_image.prune_stale(settings, "default", keep=disk_mine)
+    assert [p.exists() for p in (old, fresh, mine)] == [False, True, True]
+    assert [p.exists() for p in (disk_old, disk_fresh, disk_mine)] == [False, True, True]
