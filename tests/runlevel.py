@@ -1,7 +1,7 @@
 """What a test's runtime must not leave behind, at run level: the sandbox fixture's check
-(tests/sandbox/conftest.py) one level up. The ``runtime`` fixtures of tests/run and
-tests/sessions call it around closing the runtime (through :func:`started`), so a test need not
-check by hand."""
+(tests/sandbox/conftest.py) one level up. The ``runtime`` fixtures of tests/run, tests/sessions,
+tests/api, tests/broker and tests/gateway, and the tests that start a runtime of their own, call
+it around closing the runtime (through :func:`started`), so a test need not check by hand."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -54,10 +55,13 @@ async def after_close(runtime: Runtime) -> list[str]:
 
 
 @contextlib.asynccontextmanager
-async def started(settings: Settings, *, check: bool = False) -> AsyncIterator[Runtime]:
-    """A runtime on ``settings`` for a test's fixture, closed after it; with ``check``, what it
-    left behind (:func:`before_close`, :func:`after_close`) fails the test."""
-    rt = await Runtime.start(settings)
+async def started(
+    settings: Settings, *, check: bool = False, **start: Any
+) -> AsyncIterator[Runtime]:
+    """A runtime on ``settings`` (``start``: :meth:`Runtime.start`'s keywords) for a test or its
+    fixture, closed after it; with ``check``, what it left behind (:func:`before_close`,
+    :func:`after_close`) fails the test."""
+    rt = await Runtime.start(settings, **start)
     left: list[str] = []
     try:
         yield rt

@@ -96,7 +96,7 @@ class Member:
 
 @pytest.fixture
 async def runtime(api_settings: Settings) -> AsyncIterator[Runtime]:
-    async with runlevel.started(api_settings) as rt:
+    async with runlevel.started(api_settings, check=True) as rt:
         yield rt
 
 

@@ -31,7 +31,7 @@ async def bare(tmp_path: Path, cassettes: Path) -> AsyncIterator[httpx.AsyncClie
     settings = Settings.load(
         state_dir=tmp_path / "bare", cassettes_dir=cassettes, use_prefect=False, **NO_KEYS
     ).model_copy(update={"default_model": None})
-    async with runlevel.started(settings) as runtime:
+    async with runlevel.started(settings, check=True) as runtime:
         member = await new_member(runtime, "acme")
         transport = httpx.ASGITransport(app=create_app(settings, runtime))
         async with httpx.AsyncClient(
@@ -110,7 +110,7 @@ async def test_models_with_a_key_lists_that_providers_priced_models(
         use_prefect=False,
         **{**NO_KEYS, "anthropic_api_key": "sk-ant-test"},
     ).model_copy(update={"default_model": None})
-    async with runlevel.started(settings) as runtime:
+    async with runlevel.started(settings, check=True) as runtime:
         member = await new_member(runtime, "acme")
         transport = httpx.ASGITransport(app=create_app(settings, runtime))
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:

@@ -197,7 +197,7 @@ async def test_playground_starts_a_run_once_per_form(
 
 @pytest.mark.sandbox
 async def test_index_lists_the_members_runs_and_logout_forgets_the_key(
-    http: httpx.AsyncClient, member: Member
+    http: httpx.AsyncClient, member: Member, runtime: Runtime
 ) -> None:
     anon = await http.get("/")
     assert anon.status_code == 200 and "Recent runs" not in anon.text
@@ -208,6 +208,7 @@ async def test_index_lists_the_members_runs_and_logout_forgets_the_key(
     out = await http.post("/logout")
     assert out.status_code == 303 and PAGE_COOKIE in out.headers["set-cookie"]
     assert "Max-Age=0" in out.headers["set-cookie"] or "expires" in out.headers["set-cookie"]
+    await runtime.wait(rid)  # the run it started ends here, not in the fixture's close
 
 
 @pytest.mark.sandbox

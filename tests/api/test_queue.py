@@ -32,7 +32,7 @@ SLOW = {**SAMPLE_BODY, "model": "replay/api-slow"}
 @pytest.fixture
 async def one_slot(api_settings: Settings) -> AsyncIterator[Runtime]:
     settings = api_settings.model_copy(update={"max_concurrent_runs": 1, "max_queued_runs": 1})
-    async with runlevel.started(settings) as rt:
+    async with runlevel.started(settings, check=True) as rt:
         yield rt
 
 

@@ -129,10 +129,17 @@ def broker_settings(tmp_path: Path, cassettes: Path) -> Settings:
     )
 
 
+# Runs that build_run built and no test drives to its end: each runtime's own, cancelled before
+# the run-level check, which then holds them to what any run must leave (nothing).
+_BUILT: dict[int, list[str]] = {}
+
+
 @pytest.fixture
 async def runtime(broker_settings: Settings) -> AsyncIterator[Runtime]:
-    async with runlevel.started(broker_settings) as rt:
+    async with runlevel.started(broker_settings, check=True) as rt:
         yield rt
+        for run_id in _BUILT.pop(id(rt), []):
+            await rt.cancel(run_id)
 
 
 _ids = itertools.count()
@@ -146,6 +153,7 @@ async def build_run(runtime: Runtime, **policy: Any) -> AgentRun:
     row, _ = await runtime.admit(
         org, RunRequest(prompt="broker test", model="replay/sandbox-proof", **policy)
     )
+    _BUILT.setdefault(id(runtime), []).append(row.id)
     return await runtime.engine.build(row.id)
 
 

@@ -202,6 +202,11 @@ async def provisioned(
 
             agent.reason = TerminationReason.COMPLETED
         await agent.settle()
+        # this task executed the run: let the engine forget it, as a launched run's task does
+        # when it ends (the run-level check holds the engine to keeping no run it settled)
+        held = runtime.engine.runs.get(agent.run_id)
+        if held is not None and held.task is task:
+            del runtime.engine.runs[agent.run_id]
 
 
 async def sh(agent: AgentRun, command: str, timeout: float = 30.0) -> ExecResult:

@@ -55,7 +55,7 @@ def broker_settings(
 
 @pytest.fixture
 async def runtime(broker_settings: Settings) -> AsyncIterator[Runtime]:
-    async with runlevel.started(broker_settings) as rt:
+    async with runlevel.started(broker_settings, check=True) as rt:
         yield rt
 
 

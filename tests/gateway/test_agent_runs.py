@@ -12,7 +12,7 @@ import asyncio
 import json
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ from ephemeral.testing.providers import (
     RecordedRequest,
     openai_chat_response,
 )
-from tests import runlevel
 from tests.api.server import live_server
 from tests.broker.conftest import state_bytes_contain
 from tests.gateway.conftest import OPENAI_KEY
@@ -67,19 +66,6 @@ def mini_image() -> Iterator[str]:
     if images.built_image(settings, IMAGE) is None:
         asyncio.run(images.ensure_image(settings, IMAGE))
     yield IMAGE
-
-
-@pytest.fixture
-async def runtime(broker_settings: Settings) -> AsyncIterator[Runtime]:
-    rt = await Runtime.start(broker_settings)
-    left: list[str] = []
-    try:
-        yield rt
-        left = await runlevel.before_close(rt)
-    finally:
-        await rt.close()
-    left += await runlevel.after_close(rt)
-    assert not left, left
 
 
 def _reply(content: str, command: str, tokens: tuple[int, int]) -> FakeReply:

@@ -8,7 +8,6 @@ import pytest
 
 from ephemeral.policy import RunRequest
 from ephemeral.providers.replay import load_cassette
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from ephemeral.testing.providers import (
     FakeAnthropicServer,
@@ -16,6 +15,7 @@ from ephemeral.testing.providers import (
     FakeReply,
     openai_chat_response,
 )
+from tests import runlevel
 
 pytestmark = [pytest.mark.sandbox]
 
@@ -24,14 +24,11 @@ KEY = "sk-test-secret-4242"
 
 
 async def _run(settings: Settings, model: str) -> tuple:
-    runtime = await Runtime.start(settings)
-    try:
+    async with runlevel.started(settings, check=True) as runtime:
         org = await runtime.local_org()
         row, _ = await runtime.admit(org, RunRequest(prompt="sample", model=model))
         row = await runtime.execute(row.id)
         return row, await runtime.store.list_events(row.id)
-    finally:
-        await runtime.close()
 
 
 async def test_openai_wire_with_transient_errors_is_retried(tmp_path: Path) -> None:

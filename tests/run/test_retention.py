@@ -9,21 +9,18 @@ from typer.testing import CliRunner
 from ephemeral.cli import app
 from ephemeral.policy import RunRequest
 from ephemeral.records import Records
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
+from tests import runlevel
 from tests.sample import SAMPLE_PROMPT
 
 
 async def test_purge_erases_content_and_keeps_billing(run_settings: Settings) -> None:
-    runtime = await Runtime.start(run_settings)
-    try:
+    async with runlevel.started(run_settings, check=True) as runtime:
         org = await runtime.local_org()
         row, _ = await runtime.admit(
             org, RunRequest(prompt=SAMPLE_PROMPT, model="replay/sandbox-proof")
         )
         row = await runtime.execute(row.id)
-    finally:
-        await runtime.close()
     assert row.prompt == SAMPLE_PROMPT and row.output
 
     summary = run_settings.state_dir / "evals" / "suite_old.json"
@@ -41,12 +38,9 @@ async def test_purge_erases_content_and_keeps_billing(run_settings: Settings) ->
     assert "removed 1 eval summary files" in result.output
     assert not summary.exists()
 
-    runtime = await Runtime.start(run_settings)
-    try:
+    async with runlevel.started(run_settings, check=True) as runtime:
         after = await runtime.store.get_run(row.id)
         events = await runtime.store.list_events(row.id)
-    finally:
-        await runtime.close()
     assert after.prompt is None and after.output is None
     assert (after.charged_micros, after.refunded_micros) == (
         row.charged_micros,

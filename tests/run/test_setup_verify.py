@@ -23,6 +23,7 @@ from ephemeral.runview import run_object
 from ephemeral.sandbox import images
 from ephemeral.service import Runtime
 from ephemeral.settings import REPO_ROOT, Settings
+from tests import runlevel
 from tests.drivers import built_image, unavailable
 from tests.run.conftest import turn
 from tests.run.test_agent_run import assert_settled, run_to_end, types
@@ -169,8 +170,7 @@ async def test_the_warm_pool_serves_only_its_own_image(
         "sv-pool", [turn("cat /etc/os-release >/dev/null; which git || true"), turn(final="done")]
     )
     settings = run_settings.model_copy(update={"pool_size": 1})
-    runtime = await Runtime.start(settings, warm_pool=True)
-    try:
+    async with runlevel.started(settings, check=True, warm_pool=True) as runtime:
         [pool] = runtime.sandboxes.pools.values()
         await pool.wait_ready(60)
         got = {}
@@ -184,8 +184,6 @@ async def test_the_warm_pool_serves_only_its_own_image(
             got[image] = (ready["image"], shell["stdout"].strip())
         assert got["python-dev"] == ("python-dev", "/usr/bin/git")
         assert got[None] == ("default", "")  # the pooled default image has no git
-    finally:
-        await runtime.close()
 
 
 async def test_an_images_env_and_workdir_apply_to_every_command_of_a_run(
@@ -206,8 +204,7 @@ async def test_an_images_env_and_workdir_apply_to_every_command_of_a_run(
         unavailable("image default not built (make setup)")
     await images.ensure_image(settings, "wd")
     model = make_cassette("sv-wd", [turn("pwd; echo $WD_MARK; cat from-setup"), turn(final="ok")])
-    runtime = await Runtime.start(settings)
-    try:
+    async with runlevel.started(settings, check=True) as runtime:
         row, events = await run_to_end(
             runtime,
             request(
@@ -217,8 +214,6 @@ async def test_an_images_env_and_workdir_apply_to_every_command_of_a_run(
                 verify=['test "$(basename "$PWD")" = dir && test "$WD_MARK" = here'],
             ),
         )
-    finally:
-        await runtime.close()
         images.remove_images(settings, "wd")
     assert row.status == "succeeded", row.termination_detail
     shell = next(e.data for e in events if e.type == "shell.executed")

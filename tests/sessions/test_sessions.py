@@ -17,6 +17,7 @@ from ephemeral.service import Runtime
 from ephemeral.sessions import ExecRequest, SessionRequest
 from ephemeral.store import RunRow
 from ephemeral.testing.clock import FakeClock
+from tests import runlevel
 from tests.drivers import built_image
 from tests.goldenlog import assert_golden_log
 
@@ -191,8 +192,7 @@ async def test_root_is_refused_where_it_would_be_host_root(tmp_path: Path) -> No
     why = await probe_level("namespaces", settings)
     if why is not None:
         unavailable(f"namespaces: {why}", "namespaces")
-    runtime = await Runtime.start(settings)
-    try:
+    async with runlevel.started(settings, check=True) as runtime:
         org = await runtime.local_org()
         row, _ = await runtime.sessions.create(org, SessionRequest(isolation="namespaces"))
         assert row.isolation == "namespaces-privileged"
@@ -216,8 +216,6 @@ async def test_root_is_refused_where_it_would_be_host_root(tmp_path: Path) -> No
             row.id, org, ExecRequest(command=["grep", "CapBnd", "/proc/self/status"])
         )
         assert int(res.stdout.split()[1], 16) == AGENT_CAP_MASK
-    finally:
-        await runtime.close()
 
 
 # linux/capability.h numbers of ephemeral.sandbox.base.AGENT_CAPS
@@ -299,8 +297,9 @@ async def test_a_runtime_without_a_pool_gets_one_at_its_first_session(
     settings = Settings.load(
         state_dir=tmp_path / "state", use_prefect=False, pool_size=1, isolation=isolation
     )
-    runtime = await Runtime.start(settings, warm_pool=False)  # as the API loop of `serve`
-    try:
+    async with runlevel.started(
+        settings, check=True, warm_pool=False
+    ) as runtime:  # as the API loop of `serve`
         assert runtime.sandboxes.pools == {}
         org = await runtime.local_org()
         first, _ = await runtime.sessions.create(org, SessionRequest(isolation=isolation))
@@ -311,8 +310,6 @@ async def test_a_runtime_without_a_pool_gets_one_at_its_first_session(
         assert second.sandbox_id in warm  # the second one came from the pool
         for row in (first, second):
             await runtime.sessions.end(row.id, org)
-    finally:
-        await runtime.close()
 
 
 async def test_the_image_env_applies_to_exec(runtime: Runtime, org: str, isolation: str) -> None:
