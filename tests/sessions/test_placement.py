@@ -22,6 +22,7 @@ from ephemeral.session_host import SessionHost
 from ephemeral.settings import Settings
 from ephemeral.store import hosts
 from ephemeral.testing.hostlink import MemoryTransport
+from tests import runlevel
 from tests.api.conftest import Member, new_member
 
 BODY = {"isolation": "namespaces", "timeout_seconds": 120, "max_cost_micros": 50_000}
@@ -48,14 +49,14 @@ def link(request: pytest.FixtureRequest) -> MemoryTransport | None:
 @pytest.fixture
 async def api(tmp_path: Path, link: MemoryTransport | None) -> AsyncIterator[Runtime]:
     # no watchdog: in one process the host's sessions carry this process's owner
-    rt = await Runtime.start(
-        settings_for(tmp_path, "api", placement_timeout_seconds=1.5), recover=False, watchdog=False
-    )
-    placement.install(rt, link)
-    try:
+    async with runlevel.started(
+        settings_for(tmp_path, "api", placement_timeout_seconds=1.5),
+        check=True,
+        recover=False,
+        watchdog=False,
+    ) as rt:
+        placement.install(rt, link)
         yield rt
-    finally:
-        await rt.close()
 
 
 @pytest.fixture
