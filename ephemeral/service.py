@@ -186,7 +186,7 @@ class Runtime:
         await self.require_connections(org_id, policy)
         # 422 naming `image` (or `agent.image`); a registry image's digest, which it boots
         image_hash = await self.sandboxes.require_image(policy)
-        await self.sandboxes.require_isolation(policy.isolation)
+        await self.sandboxes.require_isolation(policy.isolation, disk_mib=policy.disk_mib)
         row, replayed = await self.store.admit_run(
             org_id=org_id,
             run_id=new_run_id(),

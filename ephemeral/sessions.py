@@ -339,7 +339,7 @@ class Sessions:
         limits: Limits | None,
     ) -> tuple[RunRow, bool]:
         await require_grants(self.store, org_id, policy, self.price_book, self.settings)
-        await self.sandboxes.require_isolation(policy.isolation)
+        await self.sandboxes.require_isolation(policy.isolation, disk_mib=policy.disk_mib)
         image_hash = await self.sandboxes.require_image(policy)  # a registry image's digest
         row, replayed = await self.store.admit_run(
             org_id=org_id,

@@ -65,15 +65,26 @@ class SandboxSource:
         self._host_facts[("isolation", requested)] = (time.monotonic(), level)
         return level
 
-    async def require_isolation(self, requested: str) -> str:
+    async def require_isolation(self, requested: str, *, disk_mib: int | None = None) -> str:
         """:meth:`isolation_for` at admission: a level that cannot run here is a 422 naming
-        the request's ``isolation`` (runs and sessions are admitted with the same check)."""
+        the request's ``isolation`` (runs and sessions are admitted with the same check), and
+        a ``disk_mib`` a microVM cannot hold one naming ``disk_mib``."""
         try:
-            return await self.isolation_for(requested)
+            level = await self.isolation_for(requested)
         except errors.IsolationUnavailable as exc:
             raise errors.IsolationUnavailable(
                 exc.detail, errors=[{"field": "isolation", "message": exc.detail}]
             ) from exc
+        # A microVM's writable root is a tmpfs in the guest's own memory (no disk-backed layer
+        # there yet): a larger one would not fail with ENOSPC but with the guest out of memory.
+        cap = self.settings.disk_tmpfs_max_mib
+        if level.startswith("microvm") and disk_mib is not None and disk_mib > cap:
+            raise errors.InvalidRequest.field(
+                "disk_mib",
+                f"must be at most {cap} on {level} (a microVM's writable root is held in its"
+                " memory, EPHEMERAL_DISK_TMPFS_MAX_MIB); a larger disk needs gvisor or namespaces",
+            )
+        return level
 
     async def require_image(self, policy: Policy) -> str | None:
         """At admission: a built image's name must be built here (else a 422 listing what

@@ -29,7 +29,7 @@ class HeldBoots(SandboxSource):
         self.release = asyncio.Event()
         self.booting: list[str] = []  # owners, in the order their boots began
 
-    async def require_isolation(self, requested: str) -> str:
+    async def require_isolation(self, requested: str, *, disk_mib: int | None = None) -> str:
         return "fake"
 
     async def ensure_pool(self) -> None:

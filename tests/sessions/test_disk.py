@@ -4,10 +4,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 
+from ephemeral.sandbox.registry import probe_level
+from ephemeral.settings import Settings
 from tests.api.conftest import Member
+from tests.drivers import unavailable
 
 pytestmark = pytest.mark.sandbox
 
@@ -57,3 +62,21 @@ async def test_a_disk_past_the_hosts_cap_is_a_422_naming_disk_mib(
     body["disk_mib"] = 8  # below the least a request may ask
     r = await http.post(path, json=body, headers=member.headers)
     assert r.status_code == 422 and r.json()["errors"][0]["field"] == "disk_mib", r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/sandboxes", "/v1/runs"])
+async def test_a_microvm_refuses_a_disk_it_would_hold_in_memory(
+    http: httpx.AsyncClient, member: Member, path: str, tmp_path: Path
+) -> None:
+    # No disk-backed layer in a microVM yet: its root is a tmpfs in the guest's memory, so a
+    # disk_mib past disk_tmpfs_max_mib (256) is refused by name, not an out-of-memory guest.
+    why = await probe_level("microvm-tcg", Settings.load(state_dir=tmp_path / "probe"))
+    if why is not None:
+        unavailable(f"microvm-tcg: {why}", "microvm-tcg")
+    body: dict[str, object] = {"isolation": "microvm-tcg", "timeout_seconds": 60, "disk_mib": 257}
+    if path == "/v1/runs":
+        body.update(prompt="hi", model="replay/sandbox-proof")
+    r = await http.post(path, json=body, headers=member.headers)
+    assert r.status_code == 422, r.text
+    (item,) = r.json()["errors"]
+    assert item["field"] == "disk_mib" and "256" in item["message"], item
