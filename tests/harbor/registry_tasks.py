@@ -66,10 +66,12 @@ def pulled_task(root: Path, name: str, reference: str) -> Path:
             set -euo pipefail
             cd /app
             (python3 -m http.server 8123 --bind 127.0.0.1 >/tmp/server.log 2>&1 &)
-            for i in $(seq 100); do
-              python3 -c 'import urllib.request as u; print(u.urlopen(
-                  "http://localhost:8123/seed.txt").read().decode(), end="")' > served.txt && break
-              sleep 0.1
+            # up to 120 s for the server: on a loaded host its start alone took over 10 s
+            end=$((SECONDS + 120))
+            until python3 -c 'import urllib.request as u; print(u.urlopen(
+                  "http://localhost:8123/seed.txt").read().decode(), end="")' > served.txt; do
+              [ "$SECONDS" -lt "$end" ] || exit 1
+              sleep 0.2
             done
             """),
         "tests/test.sh": (
