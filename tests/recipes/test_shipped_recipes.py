@@ -58,6 +58,7 @@ def test_product_page_sample() -> None:
         "max_cost_micros": 40000,
         "isolation": "auto",
         "image": None,
+        "disk_mib": None,
         "setup": [],
         "verify": [],
         "verify_timeout_seconds": None,
