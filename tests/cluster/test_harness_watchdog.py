@@ -89,8 +89,15 @@ def test_a_killed_test_process_leaves_no_cluster_process_or_directory(tmp_path: 
         assert line, stand_in.communicate(timeout=30)[1][-3000:]
         started = json.loads(line)
         groups, postmaster = started["groups"], started["postmaster"]
-        live = _live()
-        # both trees (a shell and its sleeps) and the postmaster with its children are up
+        # both trees (a shell and its sleeps) and the postmaster with its children are up: the
+        # stand-in reports a tree as soon as its leader exists, before the shell forks its sleeps
+        deadline = time.monotonic() + 30
+        while True:
+            live = _live()
+            sizes = [len([p for p, (_, g) in live.items() if g == group]) for group in groups]
+            if min(sizes) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         for group in groups:
             assert len([p for p, (_, g) in live.items() if g == group]) >= 2, live
         assert [p for p, (parent, _) in live.items() if parent == postmaster], postmaster
