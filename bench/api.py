@@ -66,9 +66,9 @@ def at_seconds(at: str) -> float:
 async def make_key(settings: Settings) -> str:
     store = await Store.open(settings.db_url)
     try:
-        org = await store.create_org("bench")
-        await store.credit(org.id, 100_000_000, note="bench")
-        return (await store.create_key(org.id, "bench@local"))[1]
+        org = await store.orgs.create("bench")
+        await store.orgs.credit(org.id, 100_000_000, note="bench")
+        return (await store.keys.create(org.id, "bench@local"))[1]
     finally:
         await store.close()
 

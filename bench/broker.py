@@ -60,7 +60,7 @@ async def main(n: int) -> None:
         runtime = await Runtime.start(settings)
         try:
             org = await runtime.local_org()
-            await runtime.store.add_connection(
+            await runtime.store.connections.add(
                 org,
                 "svc",
                 base_url=f"{up.base}/api",

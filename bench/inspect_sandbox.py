@@ -167,9 +167,9 @@ async def http_execs(state: Path, args: argparse.Namespace) -> list[float]:
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     store = await Store.open(settings.db_url)
     try:
-        org = await store.create_org("bench")
-        await store.credit(org.id, 10_000_000, note="bench")
-        _, key = await store.create_key(org.id, "bench@bench.test")
+        org = await store.orgs.create("bench")
+        await store.orgs.credit(org.id, 10_000_000, note="bench")
+        _, key = await store.keys.create(org.id, "bench@bench.test")
     finally:
         await store.close()
     try:

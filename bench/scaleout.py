@@ -536,7 +536,7 @@ async def _org_rows(db_url: str, org: str) -> list[dict[str, Any]]:
 
     store = await Store.open(db_url)
     try:
-        made = await store.get_org(org)
+        made = await store.orgs.get(org)
         async with store.engine.connect() as conn:
             got = await conn.execute(
                 sa.select(
@@ -727,9 +727,9 @@ def _make_key(db_url: str, org: str) -> str:
     async def go() -> str:
         store = await Store.open(db_url)
         try:
-            made = await store.ensure_org(org)
-            await store.credit(made.id, 10_000_000_000, note="ceiling")
-            return (await store.create_key(made.id, f"{org}@ceiling.test"))[1]
+            made = await store.orgs.ensure(org)
+            await store.orgs.credit(made.id, 10_000_000_000, note="ceiling")
+            return (await store.keys.create(made.id, f"{org}@ceiling.test"))[1]
         finally:
             await store.close()
 

@@ -179,9 +179,9 @@ def background_cpu(seconds: float = 3.0) -> float:
 async def make_key(settings: Settings, org: str = "bench", usd_micros: int = 10**10) -> str:
     store = await Store.open(settings.db_url)
     try:
-        created = await store.create_org(org)
-        await store.credit(created.id, usd_micros, note="bench")
-        return (await store.create_key(created.id, f"bench@{org}.test"))[1]
+        created = await store.orgs.create(org)
+        await store.orgs.credit(created.id, usd_micros, note="bench")
+        return (await store.keys.create(created.id, f"bench@{org}.test"))[1]
     finally:
         await store.close()
 

@@ -397,7 +397,7 @@ async def reservations(settings: Settings, org: str) -> tuple[list[str], list[st
     store = await Store.open(settings.db_url)
     try:
         rows = await store._runs_where()
-        reserved = (await store.get_org(org)).reserved_micros
+        reserved = (await store.orgs.get(org)).reserved_micros
     finally:
         await store.close()
     live = [r.id for r in rows if r.status not in TERMINAL_STATUSES]

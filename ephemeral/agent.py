@@ -181,7 +181,7 @@ class AgentRun:
             self.egress, self.egress_env = attached
 
     async def get_connection(self, name: str) -> StoredConnection:
-        return await self.store.get_connection(self.row.org_id, name)
+        return await self.store.connections.get(self.row.org_id, name)
 
     def _check_time(self) -> float:
         if self.cancelled.is_set():

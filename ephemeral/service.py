@@ -156,7 +156,7 @@ class Runtime:
 
     # admission -----------------------------------------------------------------------------
     async def local_org(self) -> str:
-        org = await self.store.ensure_org(LOCAL_ORG, initial_credit_micros=LOCAL_ORG_CREDIT_MICROS)
+        org = await self.store.orgs.ensure(LOCAL_ORG, initial_credit_micros=LOCAL_ORG_CREDIT_MICROS)
         return org.id
 
     async def require_connections(self, org_id: str, policy: Policy) -> None:

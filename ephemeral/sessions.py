@@ -220,7 +220,7 @@ class Live:
         return self.web.charge_bytes(key, micros)
 
     async def get_connection(self, name: str) -> StoredConnection:
-        return await self.store.get_connection(self.org_id, name)
+        return await self.store.connections.get(self.org_id, name)
 
     def stop(self) -> StopRun | None:
         """Why egress says the session must end now (budget out, broker failed), or None."""
@@ -242,7 +242,7 @@ async def require_grants(
             f"must be at most {settings.disk_max_mib} (this host's EPHEMERAL_DISK_MAX_MIB)",
         )
     names = [c.name for c in policy.connections]
-    missing = await store.missing_connections(org_id, names)
+    missing = await store.connections.missing(org_id, names)
     if missing:
         raise errors.InvalidRequest.field(
             f"connections[{names.index(missing[0])}].name",

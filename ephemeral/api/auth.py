@@ -34,7 +34,7 @@ async def principal(
         raise errors.Unauthorized("send a member key as 'Authorization: Bearer <key>'")
     if credentials.scheme.lower() != "bearer":
         raise errors.Unauthorized("the Authorization scheme must be Bearer")
-    return await get_runtime(request).store.authenticate(credentials.credentials)
+    return await get_runtime(request).store.keys.authenticate(credentials.credentials)
 
 
 async def page_principal(request: Request) -> Principal | None:
@@ -43,6 +43,6 @@ async def page_principal(request: Request) -> Principal | None:
     if not key:
         return None
     try:
-        return await get_runtime(request).store.authenticate(key)
+        return await get_runtime(request).store.keys.authenticate(key)
     except errors.Unauthorized:
         return None

@@ -152,7 +152,7 @@ async def login(request: Request) -> Response:
     target = _safe_next(form.get("next"))
     key = form.get("api_key", "").strip()
     try:
-        await get_runtime(request).store.authenticate(key)
+        await get_runtime(request).store.keys.authenticate(key)
     except errors.Unauthorized as exc:
         return render(request, "login.html.j2", 401, next=target, error=exc.detail)
     response = RedirectResponse(target, status_code=303)
@@ -423,7 +423,7 @@ async def playground_submit(request: Request) -> Response:
 
     try:
         if new_key:
-            who = await runtime.store.authenticate(new_key)
+            who = await runtime.store.keys.authenticate(new_key)
         if who is None:
             raise errors.InvalidRequest.field("api_key", "paste a member key to start a run")
         run_request = _request_from_form(form)

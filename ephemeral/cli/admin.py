@@ -38,7 +38,7 @@ def _print_org(org: Org) -> None:
 @orgs_app.command("create")
 def orgs_create(name: str = typer.Argument(..., help="Unique org name.")) -> None:
     """Create an organisation with a zero balance."""
-    _print_org(_with_store(lambda s: s.create_org(name)))
+    _print_org(_with_store(lambda s: s.orgs.create(name)))
 
 
 @orgs_app.command("credit")
@@ -57,8 +57,8 @@ def orgs_credit(
             amount = micros
         else:
             amount = parse_usd(str(dollars), field="--usd", positive=False)
-        org = await store.get_org(name)
-        return await store.credit(org.id, amount, note or "cli credit")
+        org = await store.orgs.get(name)
+        return await store.orgs.credit(org.id, amount, note or "cli credit")
 
     _print_org(_with_store(go))
 
@@ -66,7 +66,7 @@ def orgs_credit(
 @orgs_app.command("show")
 def orgs_show(name: str = typer.Argument(..., help="Org name or id.")) -> None:
     """Show an org's balance, reservations and what is available."""
-    _print_org(_with_store(lambda s: s.get_org(name)))
+    _print_org(_with_store(lambda s: s.orgs.get(name)))
 
 
 @keys_app.command("create")
@@ -78,8 +78,8 @@ def keys_create(
     """Create a member key. It is printed once and only its hash is stored."""
 
     async def go(store: Store) -> tuple[str, str]:
-        found = await store.get_org(org)
-        key, plaintext = await store.create_key(found.id, member)
+        found = await store.orgs.get(org)
+        key, plaintext = await store.keys.create(found.id, member)
         return key.id, plaintext
 
     key_id, plaintext = _with_store(go)
@@ -92,7 +92,7 @@ def keys_create(
 @keys_app.command("revoke")
 def keys_revoke(key_id: str = typer.Argument(..., help="The key id (key_...).")) -> None:
     """Revoke a key; requests with it answer 401 from now on."""
-    _with_store(lambda s: s.revoke_key(key_id))
+    _with_store(lambda s: s.keys.revoke(key_id))
     typer.echo(f"revoked {key_id}")
 
 
@@ -101,7 +101,7 @@ def keys_list(org: str = typer.Option(..., "--org", help="Org name or id.")) -> 
     """List an org's keys (prefix only; the secret is never stored)."""
 
     async def go(store: Store) -> list[tuple[str, str, str, str, str]]:
-        found = await store.get_org(org)
+        found = await store.orgs.get(org)
         return [
             (
                 k.id,
@@ -110,7 +110,7 @@ def keys_list(org: str = typer.Option(..., "--org", help="Org name or id.")) -> 
                 rfc3339(k.created_at),
                 rfc3339(k.revoked_at) if k.revoked_at else "",
             )
-            for k in await store.list_keys(found.id)
+            for k in await store.keys.list(found.id)
         ]
 
     rows = _with_store(go)

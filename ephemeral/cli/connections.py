@@ -41,9 +41,9 @@ async def _org_id(store: Store, org: str) -> str:
     if org == LOCAL_ORG:
         from ephemeral.service import LOCAL_ORG_CREDIT_MICROS
 
-        made = await store.ensure_org(LOCAL_ORG, initial_credit_micros=LOCAL_ORG_CREDIT_MICROS)
+        made = await store.orgs.ensure(LOCAL_ORG, initial_credit_micros=LOCAL_ORG_CREDIT_MICROS)
         return made.id
-    return (await store.get_org(org)).id
+    return (await store.orgs.get(org)).id
 
 
 def _env_header(spec: str) -> tuple[str, str]:
@@ -93,7 +93,7 @@ def add(
     sealed = Sealer.for_settings(settings).seal(headers)
 
     async def go(store: Store) -> StoredConnection:
-        return await store.add_connection(
+        return await store.connections.add(
             await _org_id(store, org),
             name,
             base_url=url,
@@ -116,7 +116,7 @@ def list_(
     settings = Settings.load()
 
     async def go(store: Store) -> list[StoredConnection]:
-        return await store.list_connections(await _org_id(store, org))
+        return await store.connections.list(await _org_id(store, org))
 
     found = _with_store(settings, go)
     if as_json:
@@ -143,7 +143,7 @@ def rm(name: str = typer.Argument(..., help="Connection name."), org: str = ORG_
     settings = Settings.load()
 
     async def go(store: Store) -> None:
-        await store.remove_connection(await _org_id(store, org), name)
+        await store.connections.remove(await _org_id(store, org), name)
 
     _with_store(settings, go)
     typer.echo(f"removed connection {name}")

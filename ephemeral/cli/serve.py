@@ -146,8 +146,8 @@ async def _view_key(settings: Settings) -> tuple[str, str]:
 
     store = await Store.open(settings.db_url)
     try:  # the local org as `run` and `eval` make it, if they have not yet
-        org = await store.ensure_org(LOCAL_ORG, initial_credit_micros=LOCAL_ORG_CREDIT_MICROS)
-        key, plaintext = await store.create_key(org.id, "view@localhost")
+        org = await store.orgs.ensure(LOCAL_ORG, initial_credit_micros=LOCAL_ORG_CREDIT_MICROS)
+        key, plaintext = await store.keys.create(org.id, "view@localhost")
         return key.id, plaintext
     finally:
         await store.close()
@@ -158,6 +158,6 @@ async def _revoke(settings: Settings, key_id: str) -> None:
 
     store = await Store.open(settings.db_url)
     try:
-        await store.revoke_key(key_id)
+        await store.keys.revoke(key_id)
     finally:
         await store.close()

@@ -1,12 +1,13 @@
 """The ``connections`` table: per org, a name, a base URL and sealed credential headers.
 
-Statements take an open connection, like :mod:`ephemeral.store.ledger`, so that each
-:class:`~ephemeral.store.Store` method stays one transaction. Sealing and unsealing the headers
-is the broker's job (:mod:`ephemeral.broker.secrets`); here they are an opaque string.
+:class:`Connections` is the repository (``store.connections``); each method is one unit of work
+over the statements below, which take an open connection. Sealing and unsealing the headers is
+the broker's job (:mod:`ephemeral.broker.secrets`); here they are an opaque string.
 """
 
 from __future__ import annotations
 
+import builtins
 import re
 from collections.abc import Iterable
 from datetime import datetime
@@ -17,6 +18,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ephemeral import errors
 from ephemeral.ids import utcnow
+from ephemeral.store import rows
+from ephemeral.store.db import Db
 from ephemeral.store.schema import connections
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")  # the same rule as a policy's connection
@@ -117,3 +120,49 @@ async def missing(conn: AsyncConnection, org_id: str, names: Iterable[str]) -> l
     )
     have = {r[0] for r in rows}
     return [n for n in wanted if n not in have]
+
+
+class Connections:
+    def __init__(self, db: Db) -> None:
+        self._db = db
+
+    async def add(
+        self,
+        org_id: str,
+        name: str,
+        *,
+        base_url: str,
+        header_names: list[str],
+        sealed_headers: str,
+        replace: bool = False,
+    ) -> StoredConnection:
+        async with self._db.write() as conn:
+            org = await rows.org(conn, org_id)
+            return await add(
+                conn,
+                org_id=org.id,
+                name=name,
+                base_url=base_url,
+                header_names=header_names,
+                sealed_headers=sealed_headers,
+                replace=replace,
+            )
+
+    async def get(self, org_id: str, name: str) -> StoredConnection:
+        async with self._db.read() as conn:
+            return await get(conn, org_id, name)
+
+    async def list(self, org_id: str) -> list[StoredConnection]:
+        async with self._db.read() as conn:
+            org = await rows.org(conn, org_id)
+            return await list_for(conn, org.id)
+
+    async def remove(self, org_id: str, name: str) -> None:
+        async with self._db.write() as conn:
+            org = await rows.org(conn, org_id)
+            await remove(conn, org.id, name)
+
+    async def missing(self, org_id: str, names: Iterable[str]) -> builtins.list[str]:
+        """The names (in order) the org has no connection for."""
+        async with self._db.read() as conn:
+            return await missing(conn, org_id, names)

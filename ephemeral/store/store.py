@@ -1,6 +1,8 @@
 """The operational store: orgs, member keys, runs, their events, money and transcripts.
 
-One :class:`Store` per process, opened with the settings' ``db_url`` and passed down. Every
+One :class:`Store` per process, opened with the settings' ``db_url`` and passed down. It owns
+the database (:class:`~ephemeral.store.db.Db`, the one transaction helper) and exposes the
+repositories of one concern each: ``store.orgs``, ``store.keys``, ``store.connections``. Every
 method is one transaction. Money moves live in :mod:`ephemeral.store.ledger`. A run changes
 status only through :meth:`Store.transition` and :meth:`Store.close_run`, each of which writes
 the row and the events of that change together, guarded by the status the run must be in and
@@ -22,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ephemeral import errors
 from ephemeral.events import Event, redact_for_zdr
-from ephemeral.ids import RUN_ID_RE, new_id, rfc3339, utcnow
+from ephemeral.ids import RUN_ID_RE, rfc3339, utcnow
 from ephemeral.lifecycle import (
     OPEN_STATUSES,
     STATUS_FOR_REASON,
@@ -31,17 +33,16 @@ from ephemeral.lifecycle import (
     TerminationReason,
     check_transition,
 )
-from ephemeral.store import connections as conns
-from ephemeral.store import keys, ledger
-from ephemeral.store.connections import StoredConnection
-from ephemeral.store.engine import create_engine, reader
-from ephemeral.store.models import ApiKey, Org, Principal, RunRow, Settlement
+from ephemeral.store import ledger, rows
+from ephemeral.store.connections import Connections
+from ephemeral.store.db import Db
+from ephemeral.store.engine import create_engine
+from ephemeral.store.models import RunRow, Settlement
+from ephemeral.store.orgs import Keys, Orgs
 from ephemeral.store.schema import (
-    api_keys,
     cluster_facts,
     idempotency,
     metadata,
-    orgs,
     process_leases,
     run_events,
     run_transcripts,
@@ -123,16 +124,18 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
 
 class Store:
     def __init__(self, engine: AsyncEngine) -> None:
-        self._engine = engine
-        self._reader = reader(engine)
+        self.db = Db(engine)
+        self.orgs = Orgs(self.db)
+        self.keys = Keys(self.db)
+        self.connections = Connections(self.db)
 
     @property
     def engine(self) -> AsyncEngine:
-        return self._engine
+        return self.db.engine
 
     @property
     def dialect(self) -> str:
-        return self._engine.dialect.name
+        return self.db.dialect
 
     @classmethod
     async def open(cls, url: str) -> Store:
@@ -153,175 +156,7 @@ class Store:
         return cls(engine)
 
     async def close(self) -> None:
-        await self._engine.dispose()
-        if self._reader.sync_engine.pool is not self._engine.sync_engine.pool:
-            await self._reader.dispose()
-
-    # -- orgs ---------------------------------------------------------------------------------
-
-    async def create_org(self, name: str) -> Org:
-        async with self._engine.begin() as conn:
-            org = await self._insert_org(conn, name)
-        if org is None:
-            raise errors.Conflict(f"org {name!r} already exists")
-        return org
-
-    async def _insert_org(self, conn: AsyncConnection, name: str) -> Org | None:
-        if not isinstance(name, str) or not ORG_NAME_RE.match(name):
-            raise errors.InvalidRequest.field(
-                "name", "must be 1-100 characters of letters, digits, '.', '_' or '-'"
-            )
-        made = await conn.execute(
-            ledger.insert(conn, orgs)
-            .values(
-                id=new_id("org"),
-                name=name,
-                balance_micros=0,
-                reserved_micros=0,
-                created_at=utcnow(),
-            )
-            .on_conflict_do_nothing()
-            .returning(*orgs.c)
-        )
-        row = made.first()
-        return None if row is None else Org.model_validate(row._mapping)
-
-    async def get_org(self, name_or_id: str) -> Org:
-        async with self._reader.connect() as conn:
-            return await self._org(conn, name_or_id)
-
-    async def _org(self, conn: AsyncConnection, name_or_id: str) -> Org:
-        row = (
-            await conn.execute(
-                sa.select(orgs).where(sa.or_(orgs.c.id == name_or_id, orgs.c.name == name_or_id))
-            )
-        ).first()
-        if row is None:
-            raise errors.NotFound(f"org {name_or_id!r} not found")
-        return Org.model_validate(row._mapping)
-
-    async def ensure_org(self, name: str, *, initial_credit_micros: int = 0) -> Org:
-        """Get ``name``, creating it with ``initial_credit_micros`` if it does not exist yet."""
-        ledger.check_micros("initial_credit_micros", initial_credit_micros)
-        async with self._engine.begin() as conn:
-            made = await self._insert_org(conn, name)
-            if made is None:
-                return await self._org(conn, name)
-            if initial_credit_micros:
-                await ledger.credit(
-                    conn, org_id=made.id, micros=initial_credit_micros, note="initial credit"
-                )
-            return await self._org(conn, made.id)
-
-    async def credit(self, org_id: str, micros: int, note: str = "") -> Org:
-        async with self._engine.begin() as conn:
-            org = await self._org(conn, org_id)
-            await ledger.credit(conn, org_id=org.id, micros=micros, note=note)
-            return await self._org(conn, org.id)
-
-    # -- keys ---------------------------------------------------------------------------------
-
-    async def create_key(self, org_id: str, member: str) -> tuple[ApiKey, str]:
-        if not isinstance(member, str) or not 0 < len(member) <= 320 or not member.isprintable():
-            raise errors.InvalidRequest.field("member", "must be 1-320 printable characters")
-        plaintext = keys.generate()
-        async with self._engine.begin() as conn:
-            org = await self._org(conn, org_id)
-            row = (
-                await conn.execute(
-                    sa.insert(api_keys)
-                    .values(
-                        id=new_id("key"),
-                        org_id=org.id,
-                        member=member,
-                        prefix=keys.prefix(plaintext),
-                        hash=keys.digest(plaintext),
-                        created_at=utcnow(),
-                    )
-                    .returning(*api_keys.c)
-                )
-            ).one()
-        return ApiKey.model_validate(row._mapping), plaintext
-
-    async def revoke_key(self, key_id: str) -> None:
-        async with self._engine.begin() as conn:
-            found = await conn.scalar(sa.select(api_keys.c.id).where(api_keys.c.id == key_id))
-            if found is None:
-                raise errors.NotFound(f"key {key_id!r} not found")
-            await conn.execute(
-                sa.update(api_keys)
-                .where(api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None))
-                .values(revoked_at=utcnow())
-            )
-
-    async def list_keys(self, org_id: str) -> list[ApiKey]:
-        async with self._reader.connect() as conn:
-            org = await self._org(conn, org_id)
-            rows = await conn.execute(
-                sa.select(api_keys)
-                .where(api_keys.c.org_id == org.id)
-                .order_by(api_keys.c.created_at, api_keys.c.id)
-            )
-            return [ApiKey.model_validate(r._mapping) for r in rows]
-
-    async def authenticate(self, plaintext: str) -> Principal:
-        if not keys.well_formed(plaintext):
-            raise errors.Unauthorized("missing or malformed API key")
-        async with self._reader.connect() as conn:
-            candidates = (
-                await conn.execute(
-                    sa.select(api_keys).where(api_keys.c.prefix == keys.prefix(plaintext))
-                )
-            ).all()
-        for row in candidates:
-            if keys.matches(row.hash, plaintext):
-                if row.revoked_at is not None:
-                    raise errors.Unauthorized("this API key has been revoked")
-                return Principal(org_id=row.org_id, member=row.member, key_id=row.id)
-        raise errors.Unauthorized("unknown API key")
-
-    # -- connections (sealed by the broker; see ephemeral.store.connections) ------------------
-
-    async def add_connection(
-        self,
-        org_id: str,
-        name: str,
-        *,
-        base_url: str,
-        header_names: list[str],
-        sealed_headers: str,
-        replace: bool = False,
-    ) -> StoredConnection:
-        async with self._engine.begin() as conn:
-            org = await self._org(conn, org_id)
-            return await conns.add(
-                conn,
-                org_id=org.id,
-                name=name,
-                base_url=base_url,
-                header_names=header_names,
-                sealed_headers=sealed_headers,
-                replace=replace,
-            )
-
-    async def get_connection(self, org_id: str, name: str) -> StoredConnection:
-        async with self._reader.connect() as conn:
-            return await conns.get(conn, org_id, name)
-
-    async def list_connections(self, org_id: str) -> list[StoredConnection]:
-        async with self._reader.connect() as conn:
-            org = await self._org(conn, org_id)
-            return await conns.list_for(conn, org.id)
-
-    async def remove_connection(self, org_id: str, name: str) -> None:
-        async with self._engine.begin() as conn:
-            org = await self._org(conn, org_id)
-            await conns.remove(conn, org.id, name)
-
-    async def missing_connections(self, org_id: str, names: list[str]) -> list[str]:
-        """The names (in order) the org has no connection for."""
-        async with self._reader.connect() as conn:
-            return await conns.missing(conn, org_id, names)
+        await self.db.close()
 
     # -- runs ---------------------------------------------------------------------------------
 
@@ -357,7 +192,7 @@ class Store:
         if not isinstance(model, str) or not 0 < len(model) <= 200:
             raise errors.InvalidRequest.field("model", "must be 1-200 characters")
         try:
-            async with self._engine.begin() as conn:
+            async with self.db.write() as conn:
                 admitted = await ledger.admit(
                     conn,
                     org_id=org_id,
@@ -373,7 +208,7 @@ class Store:
                     image_hash=image_hash,
                 )
                 if isinstance(admitted, str):  # replayed: the run its key admitted earlier
-                    return await self._run(conn, admitted), True
+                    return await rows.run(conn, admitted), True
         except sa.exc.IntegrityError as exc:
             # Only a reused run id gets here: money and keys are checked before inserting.
             raise errors.Conflict(
@@ -381,19 +216,10 @@ class Store:
             ) from exc
         return RunRow.model_validate(admitted._mapping), False
 
-    async def _run(self, conn: AsyncConnection, run_id: str, org_id: str | None = None) -> RunRow:
-        query = sa.select(runs).where(runs.c.id == run_id)
-        if org_id is not None:
-            query = query.where(runs.c.org_id == org_id)
-        row = (await conn.execute(query)).first()
-        if row is None:
-            raise errors.NotFound(f"run {run_id} not found")
-        return RunRow.model_validate(row._mapping)
-
     async def get_run(self, run_id: str, org_id: str | None = None) -> RunRow:
         """The run; another org's run is NotFound, exactly like a missing one."""
-        async with self._reader.connect() as conn:
-            return await self._run(conn, run_id, org_id)
+        async with self.db.read() as conn:
+            return await rows.run(conn, run_id, org_id)
 
     async def list_runs(
         self,
@@ -423,7 +249,7 @@ class Store:
                 )
             )
         query = query.order_by(runs.c.created_at.desc(), runs.c.id.desc()).limit(limit + 1)
-        async with self._reader.connect() as conn:
+        async with self.db.read() as conn:
             rows = [RunRow.model_validate(r._mapping) for r in await conn.execute(query)]
         if len(rows) <= limit:
             return rows, None
@@ -442,9 +268,9 @@ class Store:
                 moved[0], "changes only with the run's status (Store.transition, Store.close_run)"
             )
         values = self._run_values(fields)
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             if not values:
-                return await self._run(conn, run_id)
+                return await rows.run(conn, run_id)
             row = (
                 await conn.execute(
                     sa.update(runs).where(runs.c.id == run_id).values(**values).returning(*runs.c)
@@ -501,7 +327,7 @@ class Store:
         values = self._run_values({**fields, "status": to})
         for type_, data in events:
             self._check_event(type_, data)
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             row = await self._cas(conn, run_id, expect, to, values)
             if events:
                 await self._append_many(conn, run_id, events)
@@ -526,7 +352,7 @@ class Store:
             )
         ).first()
         if row is None:
-            current = await self._run(conn, run_id)
+            current = await rows.run(conn, run_id)
             raise errors.Conflict(f"run {run_id} is {current.status}, not one of {sorted(expect)}")
         return RunRow.model_validate(row._mapping)
 
@@ -570,11 +396,11 @@ class Store:
         tokens = int(usage.get("input_tokens", 0)) + int(usage.get("output_tokens", 0))
         if transcript is not None:
             _json_size("messages", transcript, MAX_TRANSCRIPT_BYTES)
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             try:
                 await self._cas(conn, run_id, expect, status, values)
             except errors.Conflict:
-                current = await self._run(conn, run_id)
+                current = await rows.run(conn, run_id)
                 if current.status in OPEN_STATUSES:
                     raise
                 if current.settled:
@@ -615,7 +441,7 @@ class Store:
                     "breakdown": settlement.breakdown,
                 },
             )
-            return await self._run(conn, run_id), settlement
+            return await rows.run(conn, run_id), settlement
 
     # -- scale-out: leases, cancel requests, sealed content -------------------------------------
 
@@ -632,7 +458,7 @@ class Store:
         must never put a lease on a row nobody claimed, which would expire as a host's death."""
         if not run_ids:
             return
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             await conn.execute(
                 sa.update(runs)
                 .where(
@@ -658,7 +484,7 @@ class Store:
         """This owner will not execute the run it holds: disown it with its lease ended, so
         that the next sweep of any process settles it (its live process lease no longer
         covers it). False if it is not this owner's or no longer open."""
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             done = await conn.execute(
                 sa.update(runs)
                 .where(
@@ -672,7 +498,7 @@ class Store:
 
     async def request_cancel(self, run_id: str) -> bool:
         """Flag an open run for cancellation by the host executing it; False if it ended."""
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             done = await conn.execute(
                 sa.update(runs)
                 .where(runs.c.id == run_id, runs.c.status.in_(sorted(OPEN_STATUSES)))
@@ -684,7 +510,7 @@ class Store:
         """Which of these runs some process asked to cancel."""
         if not run_ids:
             return []
-        async with self._reader.connect() as conn:
+        async with self.db.read() as conn:
             rows = await conn.execute(
                 sa.select(runs.c.id).where(
                     runs.c.id.in_(sorted(run_ids)), runs.c.cancel_requested_at.is_not(None)
@@ -694,7 +520,7 @@ class Store:
 
     async def put_sealed(self, run_id: str, kind: str, sealed: str, expires_at: datetime) -> None:
         """Keep a sealed zero-data-retention prompt or output for its one reader."""
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             stmt = ledger.insert(conn, sealed_content).values(
                 run_id=run_id, kind=kind, sealed=sealed, expires_at=expires_at
             )
@@ -707,7 +533,7 @@ class Store:
 
     async def take_sealed(self, run_id: str, kind: str) -> str | None:
         """Delete and return it: of two readers in any processes, exactly one gets it."""
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             row = (
                 await conn.execute(
                     sa.delete(sealed_content)
@@ -723,7 +549,7 @@ class Store:
 
     async def purge_sealed(self, now: datetime) -> int:
         """Delete sealed content nobody read before it expired."""
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             gone = await conn.execute(
                 sa.delete(sealed_content).where(sealed_content.c.expires_at < now)
             )
@@ -733,7 +559,7 @@ class Store:
 
     async def mark_dispatched(self, run_id: str, generation: int) -> None:
         """Its task run of hand-over ``generation`` exists in Prefect now."""
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             await conn.execute(
                 sa.update(runs)
                 .where(
@@ -760,7 +586,7 @@ class Store:
     ) -> bool:
         """A worker received the run's task run and holds it, still ``queued``, until it has a
         slot: it carries this host, owner and a lease. False if it no longer waits."""
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             done = await conn.execute(
                 sa.update(runs)
                 .where(runs.c.id == run_id, runs.c.status == RunStatus.QUEUED)
@@ -777,7 +603,7 @@ class Store:
         """Hand a run this owner took (or received untaken) but never started back to the queue
         (a draining worker): no host, owner or lease, not dispatched, under the next hand-over
         number, which is returned; None if it is no longer ``queued`` and this owner's."""
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             row = (
                 await conn.execute(
                     sa.update(runs)
@@ -803,7 +629,7 @@ class Store:
 
     async def claim_fact(self, name: str, value: str) -> str:
         """Store ``value`` under ``name`` unless some process did first; returns the stored one."""
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             stmt = ledger.insert(conn, cluster_facts).values(
                 name=name, value=value, created_at=utcnow()
             )
@@ -832,13 +658,13 @@ class Store:
 
     async def mark_recorded(self, run_id: str) -> None:
         """The run's records are written: recovery leaves it."""
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             await conn.execute(
                 sa.update(runs).where(runs.c.id == run_id).values(recorded_at=utcnow())
             )
 
     async def _runs_where(self, *where: Any) -> list[RunRow]:
-        async with self._reader.connect() as conn:
+        async with self.db.read() as conn:
             rows = await conn.execute(sa.select(runs).where(*where).order_by(runs.c.created_at))
             return [RunRow.model_validate(r._mapping) for r in rows]
 
@@ -856,7 +682,7 @@ class Store:
         self._check_event(type, data)
         if usage is not None:
             self._run_values({"usage": usage})
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             return (await self._append_many(conn, run_id, [(type, data)], usage=usage))[0]
 
     @staticmethod
@@ -919,12 +745,13 @@ class Store:
         )
         if limit is not None:
             query = query.limit(limit)
-        async with self._reader.connect() as conn:
-            rows = (await conn.execute(query)).all()
-            if not rows:
-                await self._run(conn, run_id)  # NotFound for a run that does not exist
+        async with self.db.read() as conn:
+            found = (await conn.execute(query)).all()
+            if not found:
+                await rows.run(conn, run_id)  # NotFound for a run that does not exist
         return [
-            Event(seq=r.seq, run_id=r.run_id, type=r.type, at=r.at, data=dict(r.data)) for r in rows
+            Event(seq=r.seq, run_id=r.run_id, type=r.type, at=r.at, data=dict(r.data))
+            for r in found
         ]
 
     # -- money --------------------------------------------------------------------------------
@@ -946,7 +773,7 @@ class Store:
         """
         if event is not None:
             self._check_event(*event)
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             return await self._charge(conn, run_id, kind, micros, key, event)
 
     async def _charge(
@@ -985,7 +812,7 @@ class Store:
         charges nothing. Returns the run's total."""
         for type_, data in events:
             self._check_event(type_, data)
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             total = 0
             if charges:
                 total, _ = await ledger.charge_many(conn, run_id=run_id, kind=kind, charges=charges)
@@ -994,13 +821,13 @@ class Store:
             return total
 
     async def charged(self, run_id: str) -> dict[str, int]:
-        async with self._reader.connect() as conn:
-            await self._run(conn, run_id)
+        async with self.db.read() as conn:
+            await rows.run(conn, run_id)
             return await ledger.breakdown(conn, run_id)
 
     async def settle(self, run_id: str) -> Settlement:
         """Release the reservation and debit the org by what was charged. Idempotent."""
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             return await ledger.settle(conn, run_id)
 
     # -- content ------------------------------------------------------------------------------
@@ -1010,13 +837,13 @@ class Store:
         if not isinstance(messages, list):
             raise errors.InvalidRequest.field("messages", "must be a list")
         _json_size("messages", messages, MAX_TRANSCRIPT_BYTES)
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             await self._save_transcript(conn, run_id, messages)
 
     async def _save_transcript(
         self, conn: AsyncConnection, run_id: str, messages: list[dict[str, Any]]
     ) -> None:
-        run = await self._run(conn, run_id)
+        run = await rows.run(conn, run_id)
         if _zdr(run.policy) or run.erased_at is not None:
             return
         stmt = ledger.insert(conn, run_transcripts).values(
@@ -1033,7 +860,7 @@ class Store:
         )
 
     async def get_transcript(self, run_id: str) -> list[dict[str, Any]] | None:
-        async with self._reader.connect() as conn:
+        async with self.db.read() as conn:
             row = await conn.scalar(
                 sa.select(run_transcripts.c.messages).where(run_transcripts.c.run_id == run_id)
             )
@@ -1041,8 +868,8 @@ class Store:
 
     async def erase_content(self, run_id: str) -> None:
         """Remove prompt, output, transcript and event content; money and usage stay."""
-        async with self._engine.begin() as conn:
-            await self._run(conn, run_id)
+        async with self.db.write() as conn:
+            await rows.run(conn, run_id)
             await conn.execute(
                 sa.update(runs)
                 .where(runs.c.id == run_id)
@@ -1050,10 +877,10 @@ class Store:
             )
             await conn.execute(sa.delete(run_transcripts).where(run_transcripts.c.run_id == run_id))
             await conn.execute(sa.delete(sealed_content).where(sealed_content.c.run_id == run_id))
-            rows = await conn.execute(
+            found = await conn.execute(
                 sa.select(run_events.c.seq, run_events.c.data).where(run_events.c.run_id == run_id)
             )
-            for seq, data in rows.all():
+            for seq, data in found.all():
                 redacted = redact_for_zdr(data)
                 if redacted != data:
                     await conn.execute(
@@ -1064,7 +891,7 @@ class Store:
         if self.dialect == "sqlite":
             # Old page images of the erased rows linger in the WAL until a checkpoint.
             # It must run outside a transaction, so it bypasses SQLAlchemy's begin hook.
-            async with self._engine.connect() as conn:
+            async with self.db.engine.connect() as conn:
                 raw = await conn.get_raw_connection()
                 driver: Any = raw.driver_connection
                 await driver.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -1072,7 +899,7 @@ class Store:
     async def expired_runs(self, older_than: timedelta) -> list[str]:
         """Finished runs past retention whose content has not been erased yet."""
         cutoff = utcnow() - older_than
-        async with self._reader.connect() as conn:
+        async with self.db.read() as conn:
             rows = await conn.execute(
                 sa.select(runs.c.id).where(
                     runs.c.status.in_(sorted(TERMINAL_STATUSES)),
@@ -1086,7 +913,7 @@ class Store:
         """Forget idempotency keys older than ``older_than`` (never less than 24 h)."""
         if older_than < IDEMPOTENCY_RETENTION:
             raise errors.InvalidRequest.field("older_than", "idempotency keys are kept >= 24 h")
-        async with self._engine.begin() as conn:
+        async with self.db.write() as conn:
             gone = await conn.execute(
                 sa.delete(idempotency).where(idempotency.c.created_at < utcnow() - older_than)
             )

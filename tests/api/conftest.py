@@ -101,10 +101,10 @@ async def runtime(api_settings: Settings) -> AsyncIterator[Runtime]:
 
 
 async def new_member(runtime: Runtime, org: str, usd_micros: int = 10_000_000) -> Member:
-    created = await runtime.store.create_org(org)
+    created = await runtime.store.orgs.create(org)
     if usd_micros:
-        await runtime.store.credit(created.id, usd_micros, note="test")
-    _, key = await runtime.store.create_key(created.id, f"me@{org}.test")
+        await runtime.store.orgs.credit(created.id, usd_micros, note="test")
+    _, key = await runtime.store.keys.create(created.id, f"me@{org}.test")
     return Member(org_id=created.id, key=key)
 
 

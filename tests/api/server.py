@@ -27,9 +27,9 @@ class LiveServer:
         async def make() -> str:
             store = await Store.open(self.settings.db_url)
             try:
-                created = await store.create_org(org)
-                await store.credit(created.id, usd_micros, note="test")
-                _, key = await store.create_key(created.id, f"me@{org}.test")
+                created = await store.orgs.create(org)
+                await store.orgs.credit(created.id, usd_micros, note="test")
+                _, key = await store.keys.create(created.id, f"me@{org}.test")
                 return key
             finally:
                 await store.close()

@@ -85,7 +85,7 @@ async def test_an_unbuilt_image_is_422_naming_image_with_the_available_ones(
     assert "'no-such-image' is not built" in problem["detail"]
     assert "available: default" in problem["detail"]
     # refused before any reservation
-    assert (await runtime.store.get_org(member.org_id)).reserved_micros == 0
+    assert (await runtime.store.orgs.get(member.org_id)).reserved_micros == 0
 
 
 async def test_verify_slice_must_leave_the_agent_time(

@@ -64,7 +64,7 @@ async def test_a_run_naming_no_model_without_a_default_is_a_422_naming_model(
     bare: httpx.AsyncClient,
 ) -> None:
     runtime: Runtime = bare.runtime  # type: ignore[attr-defined]
-    before = await runtime.store.get_org(bare.org_id)  # type: ignore[attr-defined]
+    before = await runtime.store.orgs.get(bare.org_id)  # type: ignore[attr-defined]
     r = await bare.post("/v1/runs", json=SAMPLE_BODY)
     assert r.status_code == 422, r.text
     assert r.headers["content-type"].startswith("application/problem+json")
@@ -74,7 +74,7 @@ async def test_a_run_naming_no_model_without_a_default_is_a_422_naming_model(
     assert item["field"] == "model"
     assert "no default model" in item["message"] and "OPENAI_API_KEY" in item["message"]
     assert "EPHEMERAL_DEFAULT_MODEL" in item["message"] and SAMPLE_MODEL in item["message"]
-    after = await runtime.store.get_org(bare.org_id)  # type: ignore[attr-defined]
+    after = await runtime.store.orgs.get(bare.org_id)  # type: ignore[attr-defined]
     assert after.balance_micros == before.balance_micros  # nothing reserved
     runs = await bare.get("/v1/runs")
     assert runs.json()["runs"] == []

@@ -70,7 +70,7 @@ async def test_queued_run_holds_nothing_and_429_past_the_bound_reserves_nothing(
     assert second["id"] not in _sandbox_owners(one_slot.settings)
     assert first["id"] in _sandbox_owners(one_slot.settings)
 
-    org_before = await one_slot.store.get_org(member.org_id)
+    org_before = await one_slot.store.orgs.get(member.org_id)
     refused = await http1.post(
         "/v1/runs", json=SLOW, headers={**member.headers, "Idempotency-Key": "full-queue"}
     )
@@ -78,7 +78,7 @@ async def test_queued_run_holds_nothing_and_429_past_the_bound_reserves_nothing(
     assert refused.headers["content-type"].startswith("application/problem+json")
     assert refused.json()["type"].endswith("/queue-full")
     assert int(refused.headers["retry-after"]) >= 1
-    org_after = await one_slot.store.get_org(member.org_id)
+    org_after = await one_slot.store.orgs.get(member.org_id)
     assert org_after.reserved_micros == org_before.reserved_micros == 2 * 40_000
     assert org_after.balance_micros == org_before.balance_micros
     runs, _ = await one_slot.store.list_runs(member.org_id, limit=10)
@@ -95,7 +95,7 @@ async def test_queued_run_holds_nothing_and_429_past_the_bound_reserves_nothing(
     await http1.post(f"/v1/runs/{first['id']}/cancel", headers=member.headers)
     row = await one_slot.wait(first["id"], timeout=60)
     assert row.charged_micros + row.refunded_micros == row.reserved_micros
-    assert (await one_slot.store.get_org(member.org_id)).reserved_micros == 0
+    assert (await one_slot.store.orgs.get(member.org_id)).reserved_micros == 0
 
 
 async def test_queue_wait_is_reported_and_not_billed(
@@ -129,7 +129,7 @@ async def test_watchdog_finishes_a_run_whose_task_is_gone(runtime: Runtime) -> N
     assert "watchdog" in (done.termination_detail or "")
     assert done.charged_micros == 0 and done.refunded_micros == done.reserved_micros
     assert (await runtime.store.list_events(row.id))[-1].type == "run.settled"
-    assert (await runtime.store.get_org(member.org_id)).reserved_micros == 0
+    assert (await runtime.store.orgs.get(member.org_id)).reserved_micros == 0
 
 
 async def test_watchdog_leaves_a_run_a_worker_holds_for_a_token(runtime: Runtime) -> None:
@@ -160,7 +160,7 @@ async def test_an_exception_on_the_execution_path_settles_the_run(
     assert done.status in TERMINAL_STATUSES and done.termination_reason == "infra_error"
     assert "ConnectionError: database went away" in (done.termination_detail or "")
     assert done.charged_micros + done.refunded_micros == done.reserved_micros
-    assert (await runtime.store.get_org(member.org_id)).reserved_micros == 0
+    assert (await runtime.store.orgs.get(member.org_id)).reserved_micros == 0
 
 
 async def test_client_waits_out_a_full_queue(api_settings: Settings) -> None:

@@ -134,7 +134,7 @@ async def test_idempotency_replays_without_a_second_reservation(
     key = {"Idempotency-Key": "order-42 retry-safe"}
     first = await http.post("/v1/runs", json=SAMPLE_BODY, headers={**member.headers, **key})
     assert first.status_code == 201
-    org_after_first = await runtime.store.get_org(member.org_id)
+    org_after_first = await runtime.store.orgs.get(member.org_id)
     # Same body with another key order and spacing: the canonical JSON is the same.
     body = json.dumps(dict(reversed(list(SAMPLE_BODY.items()))), indent=3)
     again = await http.post(
@@ -145,7 +145,7 @@ async def test_idempotency_replays_without_a_second_reservation(
     assert again.status_code == 200
     assert again.headers["idempotent-replayed"] == "true"
     assert again.json()["id"] == first.json()["id"]
-    org = await runtime.store.get_org(member.org_id)
+    org = await runtime.store.orgs.get(member.org_id)
     assert org.reserved_micros <= org_after_first.reserved_micros  # no second hold
     assert org.balance_micros <= org_after_first.balance_micros
 

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 async def _authenticates(settings: Settings, key: str) -> bool:
     store = await Store.open(settings.db_url)
     try:
-        await store.authenticate(key)
+        await store.keys.authenticate(key)
         return True
     except errors.EphemeralError:
         return False

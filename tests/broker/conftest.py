@@ -173,7 +173,7 @@ async def add_connection(
     runtime: Runtime, name: str, base_url: str, headers: dict[str, str]
 ) -> None:
     org = await runtime.local_org()
-    await runtime.store.add_connection(
+    await runtime.store.connections.add(
         org,
         name,
         base_url=base_url,

@@ -140,8 +140,8 @@ async def test_admission_refuses_an_unknown_connection(runtime: Runtime, github:
 
 
 async def test_another_orgs_connection_is_not_yours(runtime: Runtime, github: str) -> None:
-    other = await runtime.store.create_org("other")
-    await runtime.store.credit(other.id, 1_000_000)
+    other = await runtime.store.orgs.create("other")
+    await runtime.store.orgs.credit(other.id, 1_000_000)
     request = RunRequest(prompt="x", model="replay/sandbox-proof", connections=[GITHUB])
     with pytest.raises(errors.InvalidRequest):
         await runtime.admit(other.id, request)
@@ -159,7 +159,7 @@ async def test_removed_connection_is_denied_mid_run(
     runtime: Runtime, upstream: Upstream, github: str
 ) -> None:
     agent = await build_run(runtime, connections=[GITHUB])
-    await runtime.store.remove_connection(await runtime.local_org(), "github")
+    await runtime.store.connections.remove(await runtime.local_org(), "github")
     out = await call(agent, "connection_call", name="github", method="GET", path="/repos/x")
     assert "no longer exists" in out
     assert upstream.seen == []
@@ -205,9 +205,9 @@ async def test_the_api_answers_422_naming_the_connection(runtime: Runtime, githu
 
     from ephemeral.api import create_app
 
-    org = await runtime.store.create_org("acme")
-    await runtime.store.credit(org.id, 1_000_000)
-    _, key = await runtime.store.create_key(org.id, "me@acme.test")
+    org = await runtime.store.orgs.create("acme")
+    await runtime.store.orgs.credit(org.id, 1_000_000)
+    _, key = await runtime.store.keys.create(org.id, "me@acme.test")
     app = create_app(runtime.settings, runtime)
     body = {
         "prompt": "x",
@@ -222,4 +222,4 @@ async def test_the_api_answers_422_naming_the_connection(runtime: Runtime, githu
     assert r.status_code == 422, r.text
     assert r.headers["content-type"].startswith("application/problem+json")
     assert r.json()["errors"][0]["field"] == "connections[0].name"
-    assert (await runtime.store.get_org(org.id)).reserved_micros == 0  # nothing was held
+    assert (await runtime.store.orgs.get(org.id)).reserved_micros == 0  # nothing was held

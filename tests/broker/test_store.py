@@ -20,17 +20,17 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 async def test_connections_per_org(db_url: str) -> None:
     store = await Store.open(db_url)
     try:
-        a = await store.create_org("a")
-        b = await store.create_org("b")
-        made = await store.add_connection(
+        a = await store.orgs.create("a")
+        b = await store.orgs.create("b")
+        made = await store.connections.add(
             a.id, "svc", base_url="https://x.example", header_names=["X-K"], sealed_headers="T1"
         )
         assert (made.name, made.header_names, made.sealed_headers) == ("svc", ["X-K"], "T1")
         with pytest.raises(errors.Conflict):
-            await store.add_connection(
+            await store.connections.add(
                 a.id, "svc", base_url="https://y.example", header_names=[], sealed_headers="T2"
             )
-        await store.add_connection(
+        await store.connections.add(
             a.id,
             "svc",
             base_url="https://y.example",
@@ -38,22 +38,22 @@ async def test_connections_per_org(db_url: str) -> None:
             sealed_headers="T2",
             replace=True,
         )
-        assert (await store.get_connection(a.id, "svc")).base_url == "https://y.example"
-        assert await store.missing_connections(a.id, ["svc", "other"]) == ["other"]
-        assert await store.missing_connections(b.id, ["svc"]) == ["svc"]  # not b's
+        assert (await store.connections.get(a.id, "svc")).base_url == "https://y.example"
+        assert await store.connections.missing(a.id, ["svc", "other"]) == ["other"]
+        assert await store.connections.missing(b.id, ["svc"]) == ["svc"]  # not b's
         with pytest.raises(errors.NotFound):
-            await store.get_connection(b.id, "svc")
-        assert [c.name for c in await store.list_connections("a")] == ["svc"]
-        assert await store.list_connections(b.id) == []
+            await store.connections.get(b.id, "svc")
+        assert [c.name for c in await store.connections.list("a")] == ["svc"]
+        assert await store.connections.list(b.id) == []
         with pytest.raises(errors.InvalidRequest) as info:
-            await store.add_connection(
+            await store.connections.add(
                 a.id, "Bad Name", base_url="https://x", header_names=[], sealed_headers=""
             )
         assert info.value.errors and info.value.errors[0]["field"] == "name"
-        await store.remove_connection(a.id, "svc")
+        await store.connections.remove(a.id, "svc")
         with pytest.raises(errors.NotFound):
-            await store.remove_connection(a.id, "svc")
+            await store.connections.remove(a.id, "svc")
         with pytest.raises(errors.NotFound):
-            await store.list_connections("nobody")
+            await store.connections.list("nobody")
     finally:
         await store.close()

@@ -65,8 +65,8 @@ async def _two_suite_runs(settings: Settings, root: Path) -> tuple[str, str, str
         await runtime.close()
     store = await Store.open(settings.db_url)
     try:
-        org = await store.ensure_org(LOCAL_ORG)
-        _, key = await store.create_key(org.id, "me@local.test")
+        org = await store.orgs.ensure(LOCAL_ORG)
+        _, key = await store.keys.create(org.id, "me@local.test")
     finally:
         await store.close()
     return ids[0], ids[1], key

@@ -171,9 +171,9 @@ class Cluster:
         async def go() -> str:
             store = await Store.open(self.db_url)
             try:
-                made = await store.ensure_org(org)
-                await store.credit(made.id, usd_micros, note="cluster")
-                return (await store.create_key(made.id, f"{org}@cluster.test"))[1]
+                made = await store.orgs.ensure(org)
+                await store.orgs.credit(made.id, usd_micros, note="cluster")
+                return (await store.keys.create(made.id, f"{org}@cluster.test"))[1]
             finally:
                 await store.close()
 
@@ -186,7 +186,7 @@ class Cluster:
         async def go() -> int:
             store = await Store.open(self.db_url)
             try:
-                return (await store.get_org(org)).reserved_micros
+                return (await store.orgs.get(org)).reserved_micros
             finally:
                 await store.close()
 

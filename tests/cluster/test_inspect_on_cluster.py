@@ -98,7 +98,7 @@ async def test_the_battery_ran_on_a_worker_host(
 
     store = await Store.open(cluster.db_url)
     try:
-        org = await store.get_org("inspect")
+        org = await store.orgs.get("inspect")
         async with store.engine.connect() as conn:
             got = await conn.execute(
                 sa.select(runs.c.host).where(runs.c.org_id == org.id, runs.c.kind == "session")

@@ -343,7 +343,7 @@ async def _suite_rows(db_url: str, suite_run_id: str) -> list[Any]:
 
     store = await Store.open(db_url)
     try:
-        org = await store.get_org("local")
+        org = await store.orgs.get("local")
         rows, _ = await store.list_runs(org.id, limit=100)
         return [r for r in rows if r.labels.get("suite_run_id") == suite_run_id]
     finally:

@@ -208,7 +208,7 @@ async def test_the_stored_credential_never_reaches_the_guest_in_any_form(
 
 async def _run_page(runtime: Runtime, org_id: str, run_id: str) -> bytes:
     """The run's page as its org's member reads it (the real app)."""
-    _, key = await runtime.store.create_key(org_id, "reader@local.test")
+    _, key = await runtime.store.keys.create(org_id, "reader@local.test")
     app = create_app(runtime.settings, runtime)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:

@@ -93,7 +93,7 @@ def test_every_run_settles_under_prefect_faults(
     async def org_reserved() -> int:
         store = await Store.open(server.settings.db_url)
         try:
-            return (await store.get_org("soak")).reserved_micros
+            return (await store.orgs.get("soak")).reserved_micros
         finally:
             await store.close()
 

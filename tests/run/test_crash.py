@@ -128,7 +128,7 @@ async def test_kill_9_mid_run_is_recovered(
 async def _org_reserved(settings: Settings) -> int:
     store = await Store.open(settings.db_url)
     try:
-        return (await store.get_org("local")).reserved_micros
+        return (await store.orgs.get("local")).reserved_micros
     finally:
         await store.close()
 
@@ -173,7 +173,7 @@ async def test_kill_9_at_every_step_boundary_is_recovered(
 
     store = await Store.open(run_settings.db_url)
     try:
-        page, _ = await store.list_runs((await store.get_org("local")).id)
+        page, _ = await store.list_runs((await store.orgs.get("local")).id)
         rows = {r.id: r for r in page}
         by_status = sorted(r.status for r in rows.values())
     finally:
@@ -204,7 +204,7 @@ async def test_kill_9_at_every_step_boundary_is_recovered(
                 f"SELECT count(*) FROM runs WHERE run_id = '{run_id}'"
             )
             assert found == [(1,)], (run_id, found)
-        org = await runtime.store.get_org("local")
+        org = await runtime.store.orgs.get("local")
     finally:
         await runtime.close()
     assert org.reserved_micros == 0, "a reservation is still held"
@@ -219,7 +219,7 @@ async def test_recovery_settles_a_run_left_terminal_but_unsettled(run_settings: 
     """An older version ended a run in several transactions; a crash could stop between them."""
     store = await Store.open(run_settings.db_url)
     try:
-        org = await store.ensure_org("local", initial_credit_micros=1_000_000)
+        org = await store.orgs.ensure("local", initial_credit_micros=1_000_000)
         row, _ = await store.admit_run(
             org_id=org.id,
             run_id=new_run_id(),
@@ -237,7 +237,7 @@ async def test_recovery_settles_a_run_left_terminal_but_unsettled(run_settings: 
     try:
         done = await runtime.wait(row.id, timeout=5)
         events = [e.type for e in await runtime.store.list_events(row.id)]
-        org = await runtime.store.get_org("local")
+        org = await runtime.store.orgs.get("local")
     finally:
         await runtime.close()
     assert (done.status, done.termination_reason) == ("failed", "infra_error")

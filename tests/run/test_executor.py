@@ -45,7 +45,7 @@ async def test_an_executor_that_fails_leaves_the_run_settled(run_settings: Setti
         row, _ = await runtime.admit(org, RunRequest(prompt="p", model="replay/sandbox-proof"))
         row = await runtime.execute(row.id)
         events = [e.type for e in await runtime.store.list_events(row.id)]
-        balance = await runtime.store.get_org(org)
+        balance = await runtime.store.orgs.get(org)
     finally:
         await runtime.close()
     assert row.termination_reason == "infra_error"

@@ -40,8 +40,8 @@ async def runtime(session_settings: Settings) -> AsyncIterator[Runtime]:
 
 @pytest.fixture
 async def org(runtime: Runtime) -> str:
-    made = await runtime.store.create_org("acme")
-    await runtime.store.credit(made.id, 1_000_000, note="test")
+    made = await runtime.store.orgs.create("acme")
+    await runtime.store.orgs.credit(made.id, 1_000_000, note="test")
     return made.id
 
 

@@ -12,14 +12,14 @@ from tests.api.conftest import Member
 
 
 async def _balance(runtime: Runtime, member: Member) -> int:
-    return (await runtime.store.get_org(member.org_id)).balance_micros
+    return (await runtime.store.orgs.get(member.org_id)).balance_micros
 
 
 async def test_an_unknown_connection_is_a_422_naming_the_field(
     http: httpx.AsyncClient, runtime: Runtime, member: Member
 ) -> None:
-    org = await runtime.store.get_org(member.org_id)
-    await runtime.store.add_connection(
+    org = await runtime.store.orgs.get(member.org_id)
+    await runtime.store.connections.add(
         org.id, "known", base_url="http://127.0.0.1:9", header_names=[], sealed_headers="x"
     )
     before = await _balance(runtime, member)

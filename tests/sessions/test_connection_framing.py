@@ -29,7 +29,7 @@ async def test_compressed_and_ranged_echoes_of_the_secret_stay_outside(
     http: httpx.AsyncClient, runtime: Runtime, member: Member, isolation: str
 ) -> None:
     with echo_site() as echo:
-        await runtime.store.add_connection(
+        await runtime.store.connections.add(
             member.org_id,
             "svc",
             base_url=f"http://127.0.0.1:{echo.port}/api",

@@ -48,7 +48,7 @@ async def test_kill_9_with_an_open_session_is_recovered(isolation: str, tmp_path
     try:
         row = await runtime.sessions.get(session_id)
         events = [e.type for e in await runtime.store.list_events(session_id)]
-        org = await runtime.store.get_org("local")
+        org = await runtime.store.orgs.get("local")
     finally:
         await runtime.close()
     assert (row.status, row.termination_reason) == ("failed", "infra_error")
@@ -70,9 +70,9 @@ async def test_kill_9_of_the_server_settles_its_sessions(isolation: str, tmp_pat
     settings = Settings.load(state_dir=tmp_path / "state", use_prefect=False)
     runtime = await Runtime.start(settings)
     try:
-        org = await runtime.store.create_org("acme")
-        await runtime.store.credit(org.id, 1_000_000, note="test")
-        _, key = await runtime.store.create_key(org.id, "me@acme.test")
+        org = await runtime.store.orgs.create("acme")
+        await runtime.store.orgs.credit(org.id, 1_000_000, note="test")
+        _, key = await runtime.store.keys.create(org.id, "me@acme.test")
     finally:
         await runtime.close()
     port = _free_port()
@@ -94,7 +94,7 @@ async def test_kill_9_of_the_server_settles_its_sessions(isolation: str, tmp_pat
     runtime = await Runtime.start(settings)
     try:
         row = await runtime.sessions.get(session_id)
-        acme = await runtime.store.get_org("acme")
+        acme = await runtime.store.orgs.get("acme")
     finally:
         await runtime.close()
     assert (row.status, row.termination_reason) == ("failed", "infra_error")

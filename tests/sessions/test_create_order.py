@@ -71,7 +71,7 @@ async def _settle(condition: Callable[[], bool], what: str) -> None:
 
 
 async def test_creates_of_one_kind_take_turns_in_order(sessions: Sessions) -> None:
-    org = await sessions.store.ensure_org("turns", initial_credit_micros=10_000_000)
+    org = await sessions.store.orgs.ensure("turns", initial_credit_micros=10_000_000)
     source = sessions.sandboxes
     assert isinstance(source, HeldBoots)
     slots = boot_slots()

@@ -167,7 +167,7 @@ async def test_code_calls_a_connection_and_never_sees_its_secret(
     upstream: Upstream,
     isolation: str,
 ) -> None:
-    await runtime.store.add_connection(
+    await runtime.store.connections.add(
         member.org_id,
         "svc",
         base_url=f"{upstream.base}/api",

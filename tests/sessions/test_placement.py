@@ -77,7 +77,7 @@ async def test_no_live_host_is_a_429_before_any_money_moves(
     r = await http.post("/v1/sandboxes", json=BODY, headers=member.headers)
     assert r.status_code == 429, r.text
     assert "no worker host" in r.json()["detail"] and r.headers["Retry-After"]
-    assert (await api.store.get_org(member.org_id)).reserved_micros == 0
+    assert (await api.store.orgs.get(member.org_id)).reserved_micros == 0
 
 
 async def test_a_host_that_does_not_answer_ends_the_session_failed_and_refunded(
@@ -102,7 +102,7 @@ async def test_a_host_that_does_not_answer_ends_the_session_failed_and_refunded(
     assert "no worker host took the session" in obj["termination"]["detail"]
     assert obj["cost"]["charged_micros"] == 0
     assert obj["cost"]["refunded_micros"] == obj["cost"]["reserved_micros"]
-    assert (await api.store.get_org(member.org_id)).reserved_micros == 0
+    assert (await api.store.orgs.get(member.org_id)).reserved_micros == 0
 
 
 @pytest.mark.sandbox
@@ -163,7 +163,7 @@ async def test_a_placed_session_is_driven_through_the_host(
         assert types.count("sandbox.exec") == 1 and types[-1] == "run.settled"
         r = await http.post(f"/v1/sandboxes/{sid}/exec", json={"command": "true"}, headers=h)
         assert r.status_code == 409 and "has ended" in r.json()["detail"]
-        assert (await api.store.get_org(member.org_id)).reserved_micros == 0
+        assert (await api.store.orgs.get(member.org_id)).reserved_micros == 0
 
         # a host that went away: its session's calls answer 409 at once, naming it
         r = await http.post("/v1/sandboxes", json=BODY, headers=h)

@@ -134,7 +134,7 @@ async def test_idempotency_and_402(
     again = await http.post("/v1/sandboxes", json=dict(reversed(body.items())), headers=h)
     assert again.status_code == 200 and again.headers["Idempotent-Replayed"] == "true"
     assert again.json()["id"] == first.json()["id"]
-    assert (await runtime.store.get_org(member.org_id)).reserved_micros == 30_000  # once
+    assert (await runtime.store.orgs.get(member.org_id)).reserved_micros == 30_000  # once
     changed = await http.post("/v1/sandboxes", json={**body, "max_cost_micros": 1}, headers=h)
     assert changed.status_code == 422
     run_key = {**member.headers, "Idempotency-Key": "sbx-1"}

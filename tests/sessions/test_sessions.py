@@ -80,7 +80,7 @@ async def test_session_lifecycle_money_and_records(
     first = events[3].data
     assert first["command"] == "sh -c 'echo hi; id -u'" and first["stdout"] == "hi\n1000\n"
     assert events[5].data["user"] == "root"
-    org_row = await runtime.store.get_org(org)
+    org_row = await runtime.store.orgs.get(org)
     assert org_row.reserved_micros == 0
     assert org_row.balance_micros == 1_000_000 - ended.charged_micros
 
@@ -138,8 +138,8 @@ async def test_budget_cap_ends_the_session(runtime: Runtime, org: str, isolation
 
 
 async def test_insufficient_balance_is_refused(runtime: Runtime) -> None:
-    poor = await runtime.store.create_org("poor")
-    await runtime.store.credit(poor.id, 100, note="test")
+    poor = await runtime.store.orgs.create("poor")
+    await runtime.store.orgs.credit(poor.id, 100, note="test")
     with pytest.raises(errors.PaymentRequired):
         await runtime.sessions.create(poor.id, SessionRequest(max_cost_micros=1_000))
     # Nothing reserved on any org: the runtime fixture checks (tests/runlevel.py).

@@ -52,4 +52,4 @@ async def sqlite_store(sqlite_url: str) -> AsyncIterator[Store]:
 
 @pytest.fixture
 async def org(store: Store) -> Org:
-    return await store.ensure_org("acme", initial_credit_micros=1_000_000)
+    return await store.orgs.ensure("acme", initial_credit_micros=1_000_000)

@@ -31,7 +31,7 @@ def _authenticate(state_dir: Path, plaintext: str) -> Principal:
     async def go() -> Principal:
         store = await Store.open(Settings.load(state_dir=state_dir).db_url)
         try:
-            return await store.authenticate(plaintext)
+            return await store.keys.authenticate(plaintext)
         finally:
             await store.close()
 

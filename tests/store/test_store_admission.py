@@ -32,8 +32,8 @@ async def _admit(store: Store, org: Org, **kw: object):
 
 async def test_200_concurrent_admissions_never_overdraw(store: Store) -> None:
     fits = 37
-    org = await store.create_org("race")
-    await store.credit(org.id, fits * COST + COST - 1)  # one micro short of one more run
+    org = await store.orgs.create("race")
+    await store.orgs.credit(org.id, fits * COST + COST - 1)  # one micro short of one more run
 
     started = time.perf_counter()
     outcomes = await asyncio.gather(
@@ -49,7 +49,7 @@ async def test_200_concurrent_admissions_never_overdraw(store: Store) -> None:
     assert len(refused) == 200 - fits
     assert all(run.status == "queued" and not replayed for run, replayed in admitted)
 
-    after = await store.get_org(org.id)
+    after = await store.orgs.get(org.id)
     assert after.reserved_micros == fits * COST
     assert after.balance_micros == fits * COST + COST - 1
     assert after.available_micros == COST - 1
@@ -68,8 +68,8 @@ async def test_200_concurrent_admissions_never_overdraw(store: Store) -> None:
 
 
 async def test_refusal_names_balance_and_need(store: Store) -> None:
-    org = await store.create_org("poor")
-    await store.credit(org.id, 10_000)
+    org = await store.orgs.create("poor")
+    await store.orgs.credit(org.id, 10_000)
     with pytest.raises(errors.PaymentRequired) as info:
         await _admit(store, org)
     assert info.value.status == 402
@@ -111,7 +111,7 @@ async def test_same_key_same_body_replays_without_second_hold(store: Store, org:
     second, replayed2 = await _admit(store, org, idempotency_key="k-1", body_hash="h1")
     assert (replayed1, replayed2) == (False, True)
     assert second.id == first.id
-    assert (await store.get_org(org.id)).reserved_micros == COST
+    assert (await store.orgs.get(org.id)).reserved_micros == COST
 
 
 async def test_same_key_other_body_is_422(store: Store, org: Org) -> None:
@@ -120,11 +120,11 @@ async def test_same_key_other_body_is_422(store: Store, org: Org) -> None:
         await _admit(store, org, idempotency_key="k-1", body_hash="h2")
     assert info.value.status == 422
     assert info.value.errors and info.value.errors[0]["field"] == "Idempotency-Key"
-    assert (await store.get_org(org.id)).reserved_micros == COST
+    assert (await store.orgs.get(org.id)).reserved_micros == COST
 
 
 async def test_keys_are_scoped_per_org(store: Store, org: Org) -> None:
-    other = await store.ensure_org("other", initial_credit_micros=1_000_000)
+    other = await store.orgs.ensure("other", initial_credit_micros=1_000_000)
     a, _ = await _admit(store, org, idempotency_key="shared", body_hash="h1")
     b, replayed = await _admit(store, other, idempotency_key="shared", body_hash="h2")
     assert not replayed and a.id != b.id
@@ -146,7 +146,7 @@ async def test_key_still_being_admitted_is_409(store: Store, org: Org) -> None:
     with pytest.raises(errors.Conflict) as info:
         await _admit(store, org, idempotency_key="busy", body_hash="h1")
     assert info.value.status == 409
-    assert (await store.get_org(org.id)).reserved_micros == 0
+    assert (await store.orgs.get(org.id)).reserved_micros == 0
 
 
 async def test_concurrent_duplicates_hold_once(store: Store, org: Org) -> None:
@@ -160,14 +160,14 @@ async def test_concurrent_duplicates_hold_once(store: Store, org: Org) -> None:
     assert len(fresh) == 1
     assert len(replays) + len(conflicts) == 19
     assert {run.id for run, _ in replays} <= {fresh[0][0].id}
-    assert (await store.get_org(org.id)).reserved_micros == COST
+    assert (await store.orgs.get(org.id)).reserved_micros == COST
 
 
 async def test_refused_admission_releases_the_key(store: Store) -> None:
-    org = await store.create_org("later")
+    org = await store.orgs.create("later")
     with pytest.raises(errors.PaymentRequired):
         await _admit(store, org, idempotency_key="retry-me", body_hash="h")
-    await store.credit(org.id, COST)
+    await store.orgs.credit(org.id, COST)
     run, replayed = await _admit(store, org, idempotency_key="retry-me", body_hash="h")
     assert not replayed and run.status == "queued"
 
@@ -190,4 +190,4 @@ async def test_reused_run_id_is_a_conflict_and_holds_nothing(store: Store, org: 
     run, _ = await _admit(store, org)
     with pytest.raises(errors.Conflict):
         await _admit(store, org, run_id=run.id)
-    assert (await store.get_org(org.id)).reserved_micros == COST
+    assert (await store.orgs.get(org.id)).reserved_micros == COST

@@ -42,7 +42,7 @@ async def test_charges_accumulate_and_settle_refunds_the_rest(store: Store, org:
         6470,
     )
     assert settled.breakdown == {"model_micros": 330, "web_micros": 0, "compute_micros": 3200}
-    after = await store.get_org(org.id)
+    after = await store.orgs.get(org.id)
     assert (after.balance_micros, after.reserved_micros) == (1_000_000 - 3530, 0)
     stored = await store.get_run(run.id)
     assert stored.settled and stored.refunded_micros == 6470
@@ -55,7 +55,7 @@ async def test_settle_is_idempotent(store: Store, org: Org) -> None:
     first = await store.settle(run.id)
     again = await asyncio.gather(*(store.settle(run.id) for _ in range(5)))
     assert all(s == first for s in again)
-    after = await store.get_org(org.id)
+    after = await store.orgs.get(org.id)
     assert (after.balance_micros, after.reserved_micros) == (1_000_000 - 100, 0)
 
 
@@ -103,7 +103,7 @@ async def test_a_batch_adds_its_fresh_charges_once(store: Store, org: Org) -> No
         "web_micros": 450,
         "compute_micros": 0,
     }
-    async with store._engine.connect() as conn:
+    async with store.engine.connect() as conn:
         keys = (
             await conn.execute(
                 sa.select(ledger.c.idempotency_key, ledger.c.amount_micros).where(
@@ -168,15 +168,15 @@ async def test_unknown_run(store: Store) -> None:
 async def test_credit_and_debit_keep_reservations_covered(store: Store, org: Org) -> None:
     await _run(store, org, reserved=600_000)
     with pytest.raises(errors.InvalidRequest):
-        await store.credit(org.id, -500_000)
-    after = await store.credit(org.id, -400_000, "correction")
+        await store.orgs.credit(org.id, -500_000)
+    after = await store.orgs.credit(org.id, -400_000, "correction")
     assert (after.balance_micros, after.reserved_micros, after.available_micros) == (
         600_000,
         600_000,
         0,
     )
     with pytest.raises(errors.InvalidRequest):
-        await store.credit(org.id, 0)
+        await store.orgs.credit(org.id, 0)
     async with store.engine.connect() as conn:
         notes = (
             await conn.execute(
@@ -189,7 +189,7 @@ async def test_credit_and_debit_keep_reservations_covered(store: Store, org: Org
 
 
 async def test_mixed_concurrent_lifecycle_keeps_the_books(store: Store) -> None:
-    org = await store.ensure_org("busy", initial_credit_micros=500_000)
+    org = await store.orgs.ensure("busy", initial_credit_micros=500_000)
 
     async def lifecycle(i: int) -> int:
         try:
@@ -204,7 +204,7 @@ async def test_mixed_concurrent_lifecycle_keeps_the_books(store: Store) -> None:
         return (await store.settle(run.id)).charged_micros
 
     charged = await asyncio.gather(*(lifecycle(i) for i in range(60)))
-    after = await store.get_org(org.id)
+    after = await store.orgs.get(org.id)
     assert after.reserved_micros == 0
     assert after.balance_micros == 500_000 - sum(charged)
 
@@ -226,7 +226,7 @@ def test_any_charge_sequence_settles_consistently(
 async def _property(url: str, reserved: int, ops: list[tuple[str, int, bool]]) -> None:
     store = await Store.open(url)
     try:
-        org = await store.ensure_org("p", initial_credit_micros=50_000)
+        org = await store.orgs.ensure("p", initial_credit_micros=50_000)
         run = await _run(store, org, reserved=reserved)
         model_total, per_kind = 0, dict.fromkeys(KINDS, 0)
         done: list[tuple[str, str, int]] = []
@@ -249,7 +249,7 @@ async def _property(url: str, reserved: int, ops: list[tuple[str, int, bool]]) -
         assert settled.charged_micros + settled.refunded_micros == settled.reserved_micros
         assert settled.breakdown == {f"{k}_micros": v for k, v in per_kind.items()}
         assert await store.settle(run.id) == settled
-        after = await store.get_org(org.id)
+        after = await store.orgs.get(org.id)
         assert (after.balance_micros, after.reserved_micros) == (50_000 - model_total, 0)
     finally:
         await store.close()

@@ -83,7 +83,7 @@ async def test_close_run_ends_settles_and_publishes_at_once(store: Store, org: O
     assert [e.type for e in events] == ["run.queued", "run.succeeded", "run.output", "run.settled"]
     assert events[1].data == {"model_calls": 1, "tokens": 12, "reason": "completed"}
     assert events[-1].data["charged_micros"] == 1_234
-    assert (await store.get_org(org.id)).reserved_micros == 0
+    assert (await store.orgs.get(org.id)).reserved_micros == 0
 
     # A second close (the runtime abandoning a run its agent just ended) changes nothing.
     again, same = await store.close_run(
@@ -102,7 +102,7 @@ async def test_concurrent_closes_end_the_run_once(store: Store, org: Org) -> Non
     assert len({row.status for row, _ in rows}) == 1
     types = await _types(store, run.id)
     assert types.count("run.settled") == 1 and len(types) == 3
-    assert (await store.get_org(org.id)).reserved_micros == 0
+    assert (await store.orgs.get(org.id)).reserved_micros == 0
 
 
 async def test_a_failing_close_leaves_the_run_open_and_unsettled(store: Store, org: Org) -> None:
@@ -117,7 +117,7 @@ async def test_a_failing_close_leaves_the_run_open_and_unsettled(store: Store, o
     row = await store.get_run(run.id)
     assert (row.status, row.settled, row.ended_at) == ("queued", False, None)
     assert await _types(store, run.id) == ["run.queued"]
-    assert (await store.get_org(org.id)).reserved_micros == 10_000
+    assert (await store.orgs.get(org.id)).reserved_micros == 10_000
 
 
 async def test_close_run_settles_a_run_an_older_version_left_terminal(
@@ -184,7 +184,7 @@ async def test_every_status_pair_is_legal_only_if_the_table_says_so(
 ) -> None:
     run = await _run_in(store, org, start)
     before = (await store.get_run(run.id), await _types(store, run.id))
-    balance = (await store.get_org(org.id)).model_dump()
+    balance = (await store.orgs.get(org.id)).model_dump()
     if (start, to) in TRANSITIONS:
         row = await _move(store, run.id, start, to)
         assert row.status == to
@@ -193,7 +193,7 @@ async def test_every_status_pair_is_legal_only_if_the_table_says_so(
     with pytest.raises(errors.IllegalTransition, match=f"{start} -> {to}"):
         await _move(store, run.id, start, to)
     assert (await store.get_run(run.id), await _types(store, run.id)) == before
-    assert (await store.get_org(org.id)).model_dump() == balance
+    assert (await store.orgs.get(org.id)).model_dump() == balance
 
 
 def test_the_table_ends_runs_only_from_open_statuses() -> None:

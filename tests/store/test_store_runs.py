@@ -152,7 +152,7 @@ async def test_erase_content_keeps_billing(store: Store, org: Org) -> None:
 async def test_erased_content_is_gone_from_the_sqlite_files(
     sqlite_store: Store, sqlite_url: str
 ) -> None:
-    org = await sqlite_store.ensure_org("zdr", initial_credit_micros=100_000)
+    org = await sqlite_store.orgs.ensure("zdr", initial_credit_micros=100_000)
     run = await _run(sqlite_store, org)
     await sqlite_store.append_event(run.id, "run.output", {"markdown": CANARY * 20})
     await sqlite_store.save_transcript(run.id, [{"content": CANARY * 20}])
@@ -244,7 +244,7 @@ async def test_list_runs_pages_newest_first(store: Store, org: Org) -> None:
 
 async def test_another_orgs_run_is_not_found(store: Store, org: Org) -> None:
     run = await _run(store, org)
-    other = await store.ensure_org("other", initial_credit_micros=100_000)
+    other = await store.orgs.ensure("other", initial_credit_micros=100_000)
     assert (await store.get_run(run.id, org.id)).id == run.id
     with pytest.raises(errors.NotFound):
         await store.get_run(run.id, other.id)

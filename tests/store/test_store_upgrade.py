@@ -30,7 +30,7 @@ async def test_open_adds_missing_columns_and_widens_strings(db_url: str) -> None
 
     store = await Store.open(db_url)
     try:
-        org = await store.ensure_org("old", initial_credit_micros=1_000_000)
+        org = await store.orgs.ensure("old", initial_credit_micros=1_000_000)
         row, _ = await store.admit_run(
             org_id=org.id,
             run_id="run_" + "a" * 32,
