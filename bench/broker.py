@@ -28,10 +28,10 @@ import httpx
 
 from bench.served import script_server
 from ephemeral.broker import Sealer
+from ephemeral.engine.runtime import Runtime
 from ephemeral.lifecycle import TerminationReason as Reason
 from ephemeral.policy import RunRequest
 from ephemeral.providers.base import ToolCall
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.broker.conftest import Upstream, _handler
 

@@ -20,9 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.lifecycle import TerminationReason as Reason
 from ephemeral.policy import RunRequest
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from ephemeral.testing.providers import (
     FakeOpenAIServer,

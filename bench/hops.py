@@ -102,11 +102,11 @@ class Tracer:
             self.loops.add(id(asyncio.get_running_loop()))
         key = f"{rel}:{name}"
         self.calls[key] = self.calls.get(key, 0) + 1
-        if key == "ephemeral/recording.py:record_run":
+        if key == "ephemeral/engine/record.py:record_run":
             self.records.append(frame.f_locals["row"].id)
         elif key == "ephemeral/store/store.py:Store.mark_recorded":
             self.marks.append(frame.f_locals["run_id"])
-        if rel == "ephemeral/closing.py" and name == "record":
+        if rel == "ephemeral/engine/close.py" and name == "record":
             self.chains.append(self._chain(frame))
 
     def _chain(self, frame: FrameType) -> tuple[list[Frame], int]:
@@ -164,8 +164,8 @@ async def one_run(executor: str, isolation: str) -> None:
         configure(settings)
     key = await make_key(settings)
     from ephemeral.api import create_app
-    from ephemeral.engine import Engine, RunHandle
-    from ephemeral.service import Runtime
+    from ephemeral.engine.engine import Engine, RunHandle
+    from ephemeral.engine.runtime import Runtime
 
     handles = 0
     init = RunHandle.__init__

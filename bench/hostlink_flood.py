@@ -20,7 +20,7 @@ import subprocess
 import time
 from typing import Any
 
-from ephemeral.hostlink import LinkClient, Peer
+from ephemeral.sessions.link import LinkClient, Peer
 from tests.hostlink import listener
 from tests.hostlink.listener import spawn
 

@@ -25,7 +25,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from ephemeral.recipes import iter_planned, load_recipe
+from ephemeral.recipes.recipe import iter_planned, load_recipe
 from ephemeral.sandbox import images, microvm_image, registry
 from ephemeral.sandbox.base import Limits
 from ephemeral.settings import REPO_ROOT, Settings

@@ -30,10 +30,10 @@ from pathlib import Path
 from inspect_ai.util import SandboxEnvironment
 from inspect_ai.util._sandbox.local import LocalSandboxEnvironment
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.inspect_provider import EphemeralSandboxConfig, EphemeralSandboxEnvironment
 from ephemeral.inspect_provider.provider import BACKENDS
-from ephemeral.service import Runtime
-from ephemeral.sessions import ExecRequest, SessionRequest
+from ephemeral.sessions.manager import ExecRequest, SessionRequest
 from ephemeral.settings import Settings
 
 

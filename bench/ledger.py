@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.policy import RunRequest
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 
 

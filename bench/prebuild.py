@@ -19,7 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ephemeral import prebuild
+from ephemeral.recipes import prebuild
 from ephemeral.settings import Settings
 
 DOCKERFILE = "FROM debian:bookworm\nCOPY data.txt /opt/\nRUN echo {m} > /built && id\n"

@@ -43,7 +43,7 @@ class Timers:
 
 
 def instrument(runtime: Any, timers: Timers) -> None:
-    engine = runtime.engine  # the run engine builds each run (ephemeral/engine.py)
+    engine = runtime.engine  # the run engine builds each run (ephemeral/engine/engine.py)
     build = engine.build
 
     async def timed_build(run_id: str) -> Any:
@@ -89,7 +89,7 @@ def instrument(runtime: Any, timers: Timers) -> None:
 
 
 async def sequential(settings: Settings, runs: int) -> dict[str, list[float]]:
-    from ephemeral.service import Runtime
+    from ephemeral.engine.runtime import Runtime
 
     runtime = await Runtime.start(settings, executor=executor_for(settings))
     out: dict[str, list[float]] = {"wall": [], "sandbox": [], "model": [], "orchestration": []}
@@ -117,7 +117,7 @@ async def sequential(settings: Settings, runs: int) -> dict[str, list[float]]:
 
 
 async def concurrent(settings: Settings, n: int) -> tuple[float, list[Any]]:
-    from ephemeral.service import Runtime
+    from ephemeral.engine.runtime import Runtime
 
     runtime = await Runtime.start(settings, executor=executor_for(settings))
     try:

@@ -73,7 +73,7 @@ from bench.served import (
     serve,
 )
 from ephemeral.lifecycle import TERMINAL_STATUSES
-from ephemeral.pricing import PriceBook
+from ephemeral.money.pricing import PriceBook
 from ephemeral.sandbox.base import Limits
 from ephemeral.settings import Settings
 from ephemeral.store import Store
@@ -349,7 +349,7 @@ def analyse(outcomes: list[Outcome], rate: int) -> dict[str, Any]:
 
 
 # Server log lines worth counting after a soak; a lease that expired is logged by
-# ephemeral/service.py as "the lease of host … expired".
+# ephemeral/engine/runtime.py as "the lease of host … expired".
 NEEDLES = ("execution failed", "database is locked", "Traceback", "lease of host", "renewal failed")
 SANDBOX_COMMS = ("bwrap", "runsc", "runsc-gofer", "runsc-sandbox")
 

@@ -51,7 +51,7 @@ EVENT_TYPES: dict[str, tuple[str, ...]] = {
         "truncated",
         "timed_out",
     ),
-    # An agent run's program (ephemeral.agent_command): its start and its end.
+    # An agent run's program (ephemeral.agent.command): its start and its end.
     "agent.started": ("command", "image", "models", "prompt_file"),
     "agent.exited": (
         "exit_code",

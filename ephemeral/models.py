@@ -20,7 +20,7 @@ from ephemeral.providers.replay import cassette_path, load_cassette
 from ephemeral.settings import Settings
 
 if TYPE_CHECKING:
-    from ephemeral.pricing import PriceBook
+    from ephemeral.money.pricing import PriceBook
 
 # (the Settings field of a provider key, the model a request naming none then gets)
 PROVIDER_DEFAULTS: Final = (

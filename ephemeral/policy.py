@@ -249,12 +249,13 @@ class Policy(_Strict):
     verify: list[Command] = Field(default_factory=list, max_length=MAX_STEP_COMMANDS)
     verify_timeout_seconds: int | None = Field(default=None, ge=1, le=3600)
     # Put under /tmp/verify after the agent's processes are killed, before verify: the agent
-    # never sees them (ephemeral.verify). Paths relative to /tmp/verify; same limits as files.
+    # never sees them (ephemeral.engine.verify). Paths relative to /tmp/verify; same limits as
+    # files.
     verify_files: list[FileSpec] = Field(default_factory=list, max_length=MAX_FILES)
     # Models code inside the sandbox may call through the gateway (http://model.internal/,
     # ephemeral.broker.gateway), metered against this budget. Checked at admission.
     models: list[ModelName] = Field(default_factory=list, max_length=MAX_GRANTED_MODELS)
-    # A program of the run's own instead of our loop (ephemeral.agent.AgentRun.agent_step): it
+    # A program of the run's own instead of our loop (ephemeral.agent.loop.AgentRun.agent_step): it
     # calls its model through the gateway, which grants it the run's model and ``models``.
     agent: AgentSpec | None = None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ephemeral.events import Event
-from ephemeral.money import usd
+from ephemeral.money.amounts import usd
 
 
 def _first_line(text: str | None, limit: int = 160) -> str:

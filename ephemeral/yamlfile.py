@@ -1,7 +1,7 @@
 """YAML files read with the line of every key, validated by a pydantic model, every problem
 reported at once naming the file, the line and the field.
 
-Recipes, suites (``ephemeral.recipes``) and image definitions (``ephemeral.sandbox.images``)
+Recipes, suites (``ephemeral.recipes.recipe``) and image definitions (``ephemeral.sandbox.images``)
 are read here, so the sandbox layer does not import the recipes to parse its own files.
 ``line`` 0 means the file as a whole (unreadable, too large).
 """

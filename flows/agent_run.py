@@ -17,9 +17,9 @@ from prefect import flow
 from prefect.settings import get_current_settings
 from prefect.utilities.annotations import quote
 
-from ephemeral.agent import AgentRun, Steps
-from ephemeral.executor import RunHandle
-from ephemeral.service import Runtime
+from ephemeral.agent.loop import AgentRun, Steps
+from ephemeral.engine.executor import RunHandle
+from ephemeral.engine.runtime import Runtime
 from ephemeral.settings import Settings
 from ephemeral.tasks.run import load_run, settle
 from ephemeral.tasks.sandbox import provision_sandbox, teardown
@@ -49,7 +49,7 @@ FLOW_STEPS = Steps(
 
 
 class RunId(str):
-    """A run's id carrying its :class:`~ephemeral.executor.RunHandle` into the flow body.
+    """A run's id carrying its :class:`~ephemeral.engine.executor.RunHandle` into the flow body.
 
     Prefect stores a flow's parameters in its database; this one is stored as what it is, the
     bare id (a ``str``), while the body takes the handle from it."""

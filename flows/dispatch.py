@@ -19,12 +19,12 @@ from uuid import UUID
 
 from prefect import task
 
-from ephemeral import outbox
-from ephemeral.service import current
+from ephemeral.cluster import outbox
+from ephemeral.engine.runtime import current
 
 if TYPE_CHECKING:
-    from ephemeral.executor import RunHandle
-    from ephemeral.service import Runtime
+    from ephemeral.engine.executor import RunHandle
+    from ephemeral.engine.runtime import Runtime
     from ephemeral.store import Store
 
 log = logging.getLogger("ephemeral.flows.dispatch")
@@ -69,7 +69,7 @@ async def execute_run(run_id: str) -> str:
 
 async def create_task_run(run_id: str, task_run_id: UUID, client: Any = None) -> None:
     """One deferred task run of ``execute-run`` with this id, which one task worker picks up;
-    one that exists already (Prefect answers 409) is left as it is (ephemeral.outbox).
+    one that exists already (Prefect answers 409) is left as it is (ephemeral.cluster.outbox).
 
     ``create_run`` is the async core of ``execute_run.delay`` (``delay`` would block this
     event loop while it waits for Prefect's API). It is named for the run from the start, so a
@@ -89,7 +89,7 @@ async def create_task_run(run_id: str, task_run_id: UUID, client: Any = None) ->
 
 
 async def dispatch(run_id: str, client: Any = None) -> None:
-    """Hand an admitted run to the pool through the outbox (idempotent: ephemeral.outbox).
+    """Hand an admitted run to the pool through the outbox (idempotent: ephemeral.cluster.outbox).
     ``client``: an open Prefect client to reuse."""
     store = _runtime().store
     await outbox.hand_over(

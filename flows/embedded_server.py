@@ -3,7 +3,8 @@
 Prefect stops its embedded server only from an ``atexit`` hook, which SIGKILL and Python's
 default SIGTERM never run (docs/deploy.md, "Stopping serve, run and eval"). Entry points call
 :func:`configure` instead of :func:`ephemeral.prefect_setup.configure`: with no
-``PREFECT_API_URL``, Prefect's server module then starts ``python -m ephemeral.embedded_prefect``
+``PREFECT_API_URL``, Prefect's server module then starts ``python -m
+ephemeral.flows.embedded_prefect``
 (its uvicorn arguments, unchanged), which stops itself once its parent is gone.
 """
 
@@ -15,7 +16,7 @@ import types
 from typing import Any
 
 from ephemeral import prefect_setup
-from ephemeral.embedded_prefect import PARENT_ENV
+from ephemeral.flows.embedded_prefect import PARENT_ENV
 from ephemeral.settings import Settings
 
 
@@ -29,17 +30,18 @@ def configure(settings: Settings) -> None:
 
 def _guarded_popen(args: Any, *rest: Any, **kwargs: Any) -> subprocess.Popen[Any]:
     """``subprocess.Popen`` for Prefect's server module: its ``python -m uvicorn`` becomes
-    ``python -m ephemeral.embedded_prefect`` (same arguments), which ends with this process."""
+    ``python -m ephemeral.flows.embedded_prefect`` (same arguments), which ends with this
+    process."""
     argv = list(args)
     if argv[1:3] == ["-m", "uvicorn"]:
-        argv[1:3] = ["-m", "ephemeral.embedded_prefect"]
+        argv[1:3] = ["-m", "ephemeral.flows.embedded_prefect"]
         env = kwargs.get("env")
         kwargs["env"] = {**(os.environ if env is None else env), PARENT_ENV: str(os.getpid())}
     return subprocess.Popen(argv, *rest, **kwargs)
 
 
 def guard_embedded_server() -> None:
-    """Make the embedded Prefect server die with this process (ephemeral/embedded_prefect.py):
+    """Make the embedded Prefect server die with this process (flows/embedded_prefect.py):
     Prefect's module gets a ``subprocess`` whose ``Popen`` is :func:`_guarded_popen`."""
     from prefect.server.api import server
 

@@ -11,10 +11,10 @@ from typing import Any
 
 from prefect import flow
 
+from ephemeral.engine.runtime import current
 from ephemeral.evals.plan import evaluation_for
 from ephemeral.evals.report import summary
 from ephemeral.flows.recipe_run import run_and_publish
-from ephemeral.service import current
 from ephemeral.settings import Settings
 
 

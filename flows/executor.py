@@ -14,11 +14,11 @@ import os
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from ephemeral.engine import brief_error
-from ephemeral.executor import Executor, PlainExecutor
+from ephemeral.engine.engine import brief_error
+from ephemeral.engine.executor import Executor, PlainExecutor
 
 if TYPE_CHECKING:
-    from ephemeral.executor import RunHandle
+    from ephemeral.engine.executor import RunHandle
     from ephemeral.settings import Settings
 
 log = logging.getLogger("ephemeral.flows.executor")

@@ -14,13 +14,13 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import acreate_markdown_artifact, acreate_table_artifact
 
+from ephemeral.engine.runtime import Runtime, current
 from ephemeral.evals.plan import Evaluation, evaluation_for
 from ephemeral.evals.render import render_markdown, table_rows
 from ephemeral.evals.report import Report, summary
 from ephemeral.evals.store import write_report
 from ephemeral.evals.suite import run_evaluation
 from ephemeral.flows.executor import executor_for
-from ephemeral.service import Runtime, current
 from ephemeral.settings import Settings
 
 

@@ -2,7 +2,7 @@
 
 One process per host: a Prefect task worker serving ``execute-run``, with this host's runtime
 on the same event loop (its warm pool, its leases and cancel watch, its watchdog, and the
-reaper that ran at start), and the admission outbox (ephemeral.outbox). Before serving it
+reaper that ran at start), and the admission outbox (ephemeral.cluster.outbox). Before serving it
 makes sure the global concurrency limits exist: ``microvm:<host>`` at ``--limit`` (created or
 updated) and ``microvm-total`` (created if missing; an operator sets its real value).
 
@@ -28,7 +28,8 @@ from uuid import UUID
 
 from prefect.task_worker import TaskWorker
 
-from ephemeral import outbox
+from ephemeral.cluster import outbox
+from ephemeral.engine.runtime import Runtime, freeze_startup_heap
 from ephemeral.flows.dispatch import (
     TOTAL_LIMIT,
     create_task_run,
@@ -39,7 +40,6 @@ from ephemeral.flows.dispatch import (
 )
 from ephemeral.ids import utcnow
 from ephemeral.owner import this_process
-from ephemeral.service import Runtime, freeze_startup_heap
 from ephemeral.settings import Settings
 
 log = logging.getLogger("ephemeral.flows.worker")
@@ -223,8 +223,8 @@ def _seconds(value: float) -> Any:
 async def serve(settings: Settings, *, limit: int, total: int, sessions: int = 32) -> None:
     """Serve runs (and, over the internal channel, up to ``sessions`` sandbox sessions) until
     drained (a signal); the runtime closes (sandboxes torn down) after."""
-    from ephemeral import sharing
-    from ephemeral.session_host import SessionHost
+    from ephemeral.cluster import sharing
+    from ephemeral.sessions.host import SessionHost
 
     await sharing.check(settings)  # a records root or seal key of its own is refused here
     await ensure_limits(settings.host_id, limit, total)

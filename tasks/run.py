@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING
 
 from prefect import task
 
-from ephemeral.agent import AgentRun
+from ephemeral.agent.loop import AgentRun
 from ephemeral.tasks._common import TASK_OPTIONS
 
 if TYPE_CHECKING:
-    from ephemeral.executor import RunHandle
+    from ephemeral.engine.executor import RunHandle
     from ephemeral.store import RunRow
 
 
@@ -23,5 +23,5 @@ async def load_run(run: RunHandle) -> AgentRun | None:
 
 @task(name="settle", **TASK_OPTIONS)
 async def settle(run: AgentRun) -> RunRow:
-    """The run's one close (``ephemeral.closing.close``) and its record."""
+    """The run's one close (``ephemeral.engine.close.close``) and its record."""
     return await run.settle()

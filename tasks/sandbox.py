@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import task
 
-from ephemeral.agent import AgentRun
+from ephemeral.agent.loop import AgentRun
 from ephemeral.tasks._common import TASK_OPTIONS
 
 

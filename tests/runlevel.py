@@ -13,7 +13,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from ephemeral.settings import Settings
 from ephemeral.store import Store
 from ephemeral.store.schema import orgs

@@ -11,7 +11,7 @@ import pytest
 from ephemeral import docsgen
 from ephemeral.events import EVENT_TYPES
 from ephemeral.lifecycle import STATUS_FOR_REASON
-from ephemeral.money import parse_usd, usd
+from ephemeral.money.amounts import parse_usd, usd
 from ephemeral.settings import Settings
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -124,9 +124,9 @@ def _reasons_written_by_the_code() -> set[str]:
     root = DOCS.parent
     member = r"(?:TerminationReason|Reason)\.([A-Z_]+)\b"
     patterns = {
-        "ephemeral/agent.py": [member],
+        "ephemeral/agent/loop.py": [member],
         "ephemeral/broker/broker.py": [member, r'StopRun\(\s*"(\w+)"'],
-        "ephemeral/service.py": [member],
+        "ephemeral/engine/runtime.py": [member],
         "flows/agent_run.py": [member, r'_finish_elsewhere\("(\w+)"\)'],
     }
     found: set[str] = set()

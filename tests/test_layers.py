@@ -73,11 +73,35 @@ def forbidden(name: str) -> bool:
 
 def test_the_core_is_what_the_docs_say() -> None:
     names = {p.relative_to(PACKAGE).as_posix() for p in core_modules()}
-    for module in ("service.py", "engine.py", "agent.py", "recipes.py", "executor.py"):
+    for module in (
+        "engine/runtime.py",
+        "engine/engine.py",
+        "engine/executor.py",
+        "engine/close.py",
+        "agent/loop.py",
+        "sessions/manager.py",
+        "money/pricing.py",
+        "cluster/leases.py",
+        "recipes/recipe.py",
+    ):
         assert module in names
-    for folder in ("store/", "sandbox/", "broker/", "providers/", "records/", "evals/"):
+    for folder in ("store/", "sandbox/", "oci/", "broker/", "providers/", "records/", "evals/"):
         assert any(n.startswith(folder) for n in names), folder
     assert not any(n.startswith(("flows/", "tasks/", "cli/", "api/")) for n in names)
+
+
+# The modules that stay flat in ``ephemeral/``: the core's shared vocabulary (ids, errors,
+# events, settings, policy, ...), the entry points' helpers, and two that sit below the
+# packages that import them (``lifecycle``: the store and the broker; ``build_proxy``: the
+# sandbox's Dockerfile builder). Everything else lives in a package named for its subsystem.
+FLAT_AT_MOST = 20
+
+
+def test_the_tree_shows_the_subsystems() -> None:
+    flat = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(flat) <= FLAT_AT_MOST, flat
+    for package in ("engine", "agent", "sessions", "money", "cluster", "recipes"):
+        assert (PACKAGE / package / "__init__.py").is_file(), package
 
 
 @pytest.mark.parametrize("path", core_modules(), ids=lambda p: p.relative_to(PACKAGE).as_posix())
@@ -131,22 +155,17 @@ def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
 # The run engine and what drives runs and sessions: the parts below never import these.
 RUNS = (
     "ephemeral.engine",
-    "ephemeral.service",
-    "ephemeral.executor",
     "ephemeral.agent",
-    "ephemeral.closing",
     "ephemeral.sessions",
-    "ephemeral.placement",
-    "ephemeral.session_host",
-    "ephemeral.hostlink",
-    "ephemeral.flowloop",
     "ephemeral.evals",
 )
 # Direction inside the core: a module under the key never imports a module under one of its
 # values. The sandbox layer knows drivers and images, not what runs in them (recipes, evals)
 # nor the fakes that ship for tests; the broker sees a run only as a BrokerContext; the store
 # keeps rows, not sandboxes or the broker; image pulling (oci) and the records serve runs
-# without knowing the engine; and only tests (and benches) import ``ephemeral.testing``.
+# without knowing the engine; money (amounts, prices, budgets), scale-out (leases, outbox) and
+# recipes know no run engine, session or agent loop; and only tests (and benches) import
+# ``ephemeral.testing``.
 DIRECTION: dict[str, tuple[str, ...]] = {
     "ephemeral.sandbox": (
         *RUNS,
@@ -161,6 +180,17 @@ DIRECTION: dict[str, tuple[str, ...]] = {
     "ephemeral.oci": (*RUNS, "ephemeral.store", "ephemeral.records", "ephemeral.recipes"),
     "ephemeral.records": (*RUNS, "ephemeral.sandbox", "ephemeral.broker"),
     "ephemeral.providers": (*RUNS, "ephemeral.sandbox", "ephemeral.store"),
+    "ephemeral.money": (
+        *RUNS,
+        "ephemeral.cluster",
+        "ephemeral.recipes",
+        "ephemeral.sandbox",
+        "ephemeral.store",
+        "ephemeral.broker",
+        "ephemeral.records",
+    ),
+    "ephemeral.cluster": (*RUNS, "ephemeral.recipes", "ephemeral.sandbox", "ephemeral.records"),
+    "ephemeral.recipes": (*RUNS, "ephemeral.cluster", "ephemeral.store", "ephemeral.broker"),
     "ephemeral": ("ephemeral.testing",),
 }
 # A key also covers the package itself; ``ephemeral`` (everything) exempts the fakes themselves.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ephemeral.errors import InvalidRequest
-from ephemeral.money import parse_usd, usd
+from ephemeral.money.amounts import parse_usd, usd
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ Each entry point runs as a real process (embedded Prefect, real sandboxes) until
 server and a sandbox are up; then it gets the signal, and every process it had started is
 counted. After SIGTERM nothing may be left once it has exited; after SIGKILL, which no process
 can handle, the Prefect server ends by itself (it watches its parent,
-ephemeral/embedded_prefect.py) and the sandbox is destroyed by the next start's reaper (its
+flows/embedded_prefect.py) and the sandbox is destroyed by the next start's reaper (its
 handle names the dead process by pid and start time), here ``ephemeral sandbox reap``.
 """
 

@@ -25,7 +25,7 @@ from ephemeral.api.runs import router, v1
 from ephemeral.api.sandboxes import sandboxes
 from ephemeral.api.schemas import Problem, ProblemItem
 from ephemeral.api.viewer import viewer
-from ephemeral.service import Runtime, freeze_startup_heap
+from ephemeral.engine.runtime import Runtime, freeze_startup_heap
 from ephemeral.settings import Settings
 
 log = logging.getLogger("ephemeral.serve")
@@ -67,7 +67,7 @@ async def start_runtime(settings: Settings, *, warm_pool: bool) -> Runtime:
     if settings.executor == "dispatch":
         # This process admits, streams and cancels; workers execute. No warm pool.
         from ephemeral.flows.dispatch import DispatchExecutor, mark_crashed
-        from ephemeral.placement import install
+        from ephemeral.sessions.placement import install
 
         assert isinstance(executor, DispatchExecutor)
         runtime = await Runtime.start(settings, executor=executor, recover=True)

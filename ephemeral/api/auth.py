@@ -11,7 +11,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ephemeral import errors
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from ephemeral.store import Principal
 
 PAGE_COOKIE = "ephemeral_key"

@@ -28,7 +28,7 @@ from ephemeral.api.problems import field_name
 from ephemeral.api.runs import base_url, body_hash
 from ephemeral.events import Event
 from ephemeral.models import default_model, usable_models
-from ephemeral.money import parse_usd, usd
+from ephemeral.money.amounts import parse_usd, usd
 from ephemeral.policy import RunRequest
 from ephemeral.runview import run_object
 from ephemeral.store import Principal

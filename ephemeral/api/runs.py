@@ -24,12 +24,12 @@ from ephemeral.api.schemas import (
     RunPage,
     problems,
 )
+from ephemeral.engine.runtime import Runtime
 from ephemeral.events import Event
 from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus
 from ephemeral.models import default_model, usable_models
 from ephemeral.policy import RunRequest
 from ephemeral.runview import run_object
-from ephemeral.service import Runtime
 from ephemeral.store import Principal, RunRow
 
 router = APIRouter()

@@ -66,7 +66,7 @@ def load_sample(settings: Settings, name: str) -> Sample:
 async def record_sample(runtime: Any, name: str) -> Path:
     """Run recipe ``name`` once for real and keep its events as the sample (takes seconds)."""
     from ephemeral.policy import RunRequest
-    from ephemeral.recipes import expand, load_recipe
+    from ephemeral.recipes.recipe import expand, load_recipe
 
     settings: Settings = runtime.settings
     recipe = load_recipe(settings.recipes_dir / f"{name}.yaml")

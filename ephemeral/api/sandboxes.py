@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 
 from ephemeral.api.runs import IDEMPOTENCY_KEY_PATTERN, Auth, Rt, base_url, canonical_hash, created
 from ephemeral.api.schemas import Breakdown, Termination, problems
-from ephemeral.sessions import MAX_FILE_BYTES, ExecRequest, SessionRequest, session_object
+from ephemeral.sessions.manager import MAX_FILE_BYTES, ExecRequest, SessionRequest, session_object
 
 sandboxes = APIRouter(prefix="/v1", tags=["sandboxes"])
 

@@ -9,9 +9,9 @@ from typing import Any
 from markdown_it import MarkdownIt
 from markupsafe import Markup
 
-from ephemeral.checks import CheckResult
 from ephemeral.events import Event
-from ephemeral.money import usd
+from ephemeral.money.amounts import usd
+from ephemeral.recipes.checks import CheckResult
 from ephemeral.timeline import COMMAND_EVENTS, describe
 
 # The output is written by the model: raw HTML stays text ("html": False) and markdown-it's

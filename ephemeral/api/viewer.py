@@ -223,7 +223,7 @@ async def compare_page(request: Request, before: str, after: str) -> Response:
 
 
 def _results(rows: list[dict[str, Any]]) -> list[RunResult]:
-    from ephemeral.checks import CheckResult
+    from ephemeral.recipes.checks import CheckResult
 
     out = []
     for r in rows:

@@ -1,6 +1,7 @@
 """The egress proxy attached to one sandbox, and its web charges: shared by runs and sessions.
 
-An agent run (``ephemeral.agent``) and a sandbox session (``ephemeral.sessions``) both hold a
+An agent run (``ephemeral.agent.loop``) and a sandbox session (``ephemeral.sessions.manager``) both
+hold a
 budget inside a reservation and a sandbox with a guest channel. Both attach the proxy the same
 way (:func:`start_egress`) and charge its traffic the same way (:class:`WebCharges`); each
 implements the rest of :class:`~ephemeral.broker.context.BrokerContext` (policy, events, time
@@ -25,8 +26,8 @@ if TYPE_CHECKING:
     from ephemeral.broker.broker import Broker
     from ephemeral.broker.context import BrokerContext
     from ephemeral.broker.egress import Egress
-    from ephemeral.budget import RunBudget
-    from ephemeral.pricing import PriceBook
+    from ephemeral.money.budget import RunBudget
+    from ephemeral.money.pricing import PriceBook
     from ephemeral.store import Store
 
 log = logging.getLogger("ephemeral.broker")

@@ -2,7 +2,7 @@
 
 The broker sees a run only through :class:`BrokerContext`: its policy, its event log, a charge
 for one web request, the time it has left, and its org's stored connections. ``AgentRun``
-implements it (in ``ephemeral.agent``); tests use a small in-memory one. The broker never
+implements it (in ``ephemeral.agent.loop``); tests use a small in-memory one. The broker never
 imports the agent, so the two can change (and be tested) apart.
 """
 

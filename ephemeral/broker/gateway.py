@@ -69,8 +69,8 @@ from ephemeral.providers.replay import cassette_path, load_cassette
 if TYPE_CHECKING:
     from ephemeral.broker.context import BrokerContext
     from ephemeral.broker.egress import Egress, GuestStream, Head
-    from ephemeral.budget import RunBudget
-    from ephemeral.pricing import PriceBook
+    from ephemeral.money.budget import RunBudget
+    from ephemeral.money.pricing import PriceBook
     from ephemeral.settings import Settings
     from ephemeral.store import Store
 

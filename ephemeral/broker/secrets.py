@@ -55,7 +55,8 @@ class Sealer:
         return key
 
     def fingerprint(self) -> str:
-        """A one-way digest of the key, for processes to compare keys (ephemeral.sharing)."""
+        """A one-way digest of the key, for processes to compare keys
+        (ephemeral.cluster.sharing)."""
         import hashlib
 
         self._key()  # created on first use

@@ -16,7 +16,7 @@ from rich.table import Table
 from ephemeral.cli._store import with_store as _with_store
 from ephemeral.cli.output import usage
 from ephemeral.ids import rfc3339
-from ephemeral.money import parse_usd, usd
+from ephemeral.money.amounts import parse_usd, usd
 
 if TYPE_CHECKING:
     from ephemeral.store import Org, Store

@@ -27,7 +27,9 @@ if TYPE_CHECKING:
     from ephemeral.store.connections import StoredConnection
 
 T = TypeVar("T")
-LOCAL_ORG = "local"  # the org the embedded `ephemeral run` uses (ephemeral.service.LOCAL_ORG)
+LOCAL_ORG = (
+    "local"  # the org the embedded `ephemeral run` uses (ephemeral.engine.runtime.LOCAL_ORG)
+)
 
 app = typer.Typer(no_args_is_help=True, help="Broker connections: an API's base URL + credentials.")
 ORG_OPTION = typer.Option(LOCAL_ORG, "--org", help="Org name or id.")
@@ -39,7 +41,7 @@ def _with_store(settings: Settings, fn: Callable[[Store], Awaitable[T]]) -> T:
 
 async def _org_id(store: Store, org: str) -> str:
     if org == LOCAL_ORG:
-        from ephemeral.service import LOCAL_ORG_CREDIT_MICROS
+        from ephemeral.engine.runtime import LOCAL_ORG_CREDIT_MICROS
 
         made = await store.orgs.ensure(LOCAL_ORG, initial_credit_micros=LOCAL_ORG_CREDIT_MICROS)
         return made.id

@@ -22,7 +22,7 @@ from ephemeral import errors, progress
 from ephemeral.cli.exits import Exit
 from ephemeral.cli.output import fail
 from ephemeral.cli.progress import announcing, quiet, start_prefect
-from ephemeral.money import usd
+from ephemeral.money.amounts import usd
 from ephemeral.settings import Settings
 
 if TYPE_CHECKING:
@@ -39,13 +39,13 @@ async def _run(
     console: Console,
     knobs: dict[str, Any],
 ) -> Report:
+    from ephemeral.engine.runtime import Runtime
     from ephemeral.evals.plan import planned_count, resolve_path
     from ephemeral.evals.report import Report
     from ephemeral.evals.store import write_report
     from ephemeral.evals.suite import run_evaluation, watch
     from ephemeral.flows.executor import executor_for
-    from ephemeral.recipes import validate_recipe
-    from ephemeral.service import Runtime
+    from ephemeral.recipes.recipe import validate_recipe
 
     for recipe in evaluation.recipes:  # a bad recipe fails here, before any run
         validate_recipe(recipe, settings)
@@ -273,7 +273,7 @@ def register(app: typer.Typer) -> None:
 
 def _require_model(model: str, settings: Settings) -> None:
     """``--model`` must be a model this host can serve and price, refused naming the flag."""
-    from ephemeral.pricing import PriceBook
+    from ephemeral.money.pricing import PriceBook
     from ephemeral.providers.registry import provider_for
 
     try:

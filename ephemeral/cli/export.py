@@ -30,7 +30,7 @@ def export(
     """Write a suite run's samples, one row per run: recipe, cell, model, repeat, status,
     output, verdicts, verify results, tokens, cost, image and host (ZDR runs without content).
     """
-    from ephemeral.export import export_suite_run
+    from ephemeral.records.export import export_suite_run
 
     settings = Settings.load()
     target = out or Path(f"{suite_run_id}.{fmt.value}")

@@ -14,8 +14,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ephemeral import prebuild
 from ephemeral.cli.exits import Exit
+from ephemeral.recipes import prebuild
 from ephemeral.settings import Settings
 
 STYLES = {"cached": "green", "pulled": "cyan", "built": "blue", "failed": "red"}

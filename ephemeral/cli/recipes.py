@@ -13,9 +13,9 @@ from ephemeral.cli.exits import Exit
 from ephemeral.cli.output import fail, report
 from ephemeral.errors import EphemeralError
 from ephemeral.models import default_model
-from ephemeral.money import usd
+from ephemeral.money.amounts import usd
 from ephemeral.policy import Policy
-from ephemeral.recipes import (
+from ephemeral.recipes.recipe import (
     PlannedRun,
     Recipe,
     Suite,

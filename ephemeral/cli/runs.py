@@ -16,7 +16,7 @@ from ephemeral import errors
 from ephemeral.cli import exits
 from ephemeral.cli.output import err, fail, out, print_event
 from ephemeral.cli.progress import announcing, quiet, start_prefect
-from ephemeral.money import parse_usd, usd
+from ephemeral.money.amounts import parse_usd, usd
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
 
@@ -24,9 +24,9 @@ from ephemeral.settings import Settings
 async def _run_local(
     settings: Settings, requests: list[tuple[RunRequest, dict[str, Any]]], as_json: bool
 ) -> int:
+    from ephemeral.engine.runtime import Runtime
     from ephemeral.flows.executor import executor_for
     from ephemeral.runview import run_object
-    from ephemeral.service import Runtime
 
     runtime = await Runtime.start(settings, executor=executor_for(settings))
     worst = 0
@@ -68,12 +68,12 @@ async def _run_local(
 async def _run_recipe(settings: Settings, path: Path, as_json: bool) -> int:
     """A recipe's runs through the evaluation path of ``ephemeral eval`` (its money cap, its
     checks on each run, its records), one at a time so each timeline prints live."""
+    from ephemeral.engine.runtime import Runtime
     from ephemeral.evals.execute import Watchers, run_view_output
     from ephemeral.evals.plan import evaluation_for, resolve_path
     from ephemeral.evals.suite import run_evaluation
     from ephemeral.flows.executor import executor_for
-    from ephemeral.recipes import Suite, load_any, validate_recipe
-    from ephemeral.service import Runtime
+    from ephemeral.recipes.recipe import Suite, load_any, validate_recipe
 
     if isinstance(load_any(resolve_path(str(path), settings)), Suite):
         raise errors.InvalidRequest.field(
@@ -273,7 +273,7 @@ def register(app: typer.Typer) -> None:
         settings = Settings.load()
 
         async def go() -> dict[str, Any]:
-            from ephemeral.recording import cassette_of_run
+            from ephemeral.engine.record import cassette_of_run
             from ephemeral.store import Store
 
             store = await Store.open(settings.db_url)
@@ -305,7 +305,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(cancel_remote(settings, run_id))
 
         async def go() -> str:
-            from ephemeral.service import Runtime
+            from ephemeral.engine.runtime import Runtime
 
             runtime = await Runtime.start(settings)
             try:

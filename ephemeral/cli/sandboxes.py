@@ -16,7 +16,7 @@ import typer
 from ephemeral import errors
 from ephemeral.cli.output import fail, out
 from ephemeral.client import Client
-from ephemeral.money import parse_usd, usd
+from ephemeral.money.amounts import parse_usd, usd
 from ephemeral.settings import Settings
 
 sandboxes_app = typer.Typer(

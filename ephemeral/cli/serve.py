@@ -75,7 +75,7 @@ def register(app: typer.Typer) -> None:
 
             configure(settings)
         if settings.executor == "dispatch":
-            from ephemeral import sharing
+            from ephemeral.cluster import sharing
 
             try:  # a records root or seal key the cluster's other processes do not share
                 asyncio.run(sharing.check(settings))
@@ -141,7 +141,7 @@ def register_view(app: typer.Typer) -> None:
 
 
 async def _view_key(settings: Settings) -> tuple[str, str]:
-    from ephemeral.service import LOCAL_ORG, LOCAL_ORG_CREDIT_MICROS
+    from ephemeral.engine.runtime import LOCAL_ORG, LOCAL_ORG_CREDIT_MICROS
     from ephemeral.store import Store
 
     store = await Store.open(settings.db_url)

@@ -77,7 +77,7 @@ def register(app: typer.Typer) -> None:
             executor="prefect", pool_size=size, max_concurrent_runs=max(limit, 1)
         )
         try:
-            from ephemeral.hostlink import check_bind_address
+            from ephemeral.sessions.link import check_bind_address
 
             check_bind_address(settings.link_address)  # refused before anything starts
             configure(settings)  # before Prefect is imported: it reads its settings once

@@ -24,7 +24,7 @@ for runs in flight to settle; when nothing is in flight and it still does not fi
 skipped (``skipped``, reason ``budget``). A run whose settlement is unknown (an error after
 admission) keeps its whole reservation committed.
 
-Verdicts: every planned run ends in one outcome (``ephemeral.outcomes``): ``pass`` when every
+Verdicts: every planned run ends in one outcome (``ephemeral.engine.outcomes``): ``pass`` when every
 check of its recipe passes (a recipe without checks: when it succeeded), ``fail``, ``error``
 (the infrastructure's: a sandbox that died or was wrecked, a failed setup, a provider or
 internal failure, a refused admission), ``cancelled`` or ``budget`` (skipped or stopped for

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ephemeral import errors
-from ephemeral.checks import CheckResult, evaluate
 from ephemeral.evals.result import RunResult, unrun
 from ephemeral.models import NO_MODEL
-from ephemeral.recipes import PlannedRun, Recipe
+from ephemeral.recipes.checks import CheckResult, evaluate
+from ephemeral.recipes.recipe import PlannedRun, Recipe
 
 if TYPE_CHECKING:
-    from ephemeral.service import Runtime
+    from ephemeral.engine.runtime import Runtime
 
 ZDR_REASON = "(withheld: zero data retention)"
 

@@ -13,7 +13,7 @@ from ephemeral.evals.execute import Watchers
 from ephemeral.evals.store import last_suite_run
 from ephemeral.ids import new_id
 from ephemeral.models import default_model
-from ephemeral.recipes import PlannedRun, Recipe, expand, iter_planned, validate_recipe
+from ephemeral.recipes.recipe import PlannedRun, Recipe, expand, iter_planned, validate_recipe
 
 if TYPE_CHECKING:
     from ephemeral.settings import Settings
@@ -121,7 +121,7 @@ def planned_count(evaluation: Evaluation, settings: Settings | None = None) -> i
 
 def evaluation_for(path: str, settings: Settings, **kw: Any) -> Evaluation:
     """A suite file, a recipe file, or the name of a shipped suite or recipe."""
-    from ephemeral.recipes import Suite, load_any
+    from ephemeral.recipes.recipe import Suite, load_any
 
     item = load_any(resolve_path(path, settings))
     if isinstance(item, Suite):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ephemeral.engine.outcomes import Outcome
 from ephemeral.evals.compare import Comparison
 from ephemeral.evals.report import Report
-from ephemeral.money import usd
-from ephemeral.outcomes import Outcome
+from ephemeral.money.amounts import usd
 
 MAX_SHOWN_FAILURES = 20
 

@@ -6,10 +6,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from ephemeral.engine.outcomes import OUTCOMES
 from ephemeral.evals.compare import Comparison
 from ephemeral.evals.result import RunResult
 from ephemeral.evals.stats import RecipeStat
-from ephemeral.outcomes import OUTCOMES
 
 
 class Report(BaseModel):

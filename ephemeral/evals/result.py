@@ -7,9 +7,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
 
-from ephemeral.checks import CheckResult
-from ephemeral.outcomes import GRADED, Outcome, outcome_of
-from ephemeral.recipes import PlannedRun
+from ephemeral.engine.outcomes import GRADED, Outcome, outcome_of
+from ephemeral.recipes.checks import CheckResult
+from ephemeral.recipes.recipe import PlannedRun
 
 
 def pair_key(recipe: str, cell: dict[str, Any], repeat_index: int) -> str:

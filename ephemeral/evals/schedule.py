@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ephemeral import errors
 from ephemeral.evals.result import RunResult, unrun
-from ephemeral.recipes import PlannedRun
+from ephemeral.recipes.recipe import PlannedRun
 
 
 @dataclass

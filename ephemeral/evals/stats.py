@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, Field
 
+from ephemeral.engine.outcomes import GRADED, OUTCOMES, Outcome
 from ephemeral.evals.result import RunResult
-from ephemeral.outcomes import GRADED, OUTCOMES, Outcome
-from ephemeral.recipes import Recipe
+from ephemeral.recipes.recipe import Recipe
 
 
 class CheckStat(BaseModel):

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ephemeral import errors
-from ephemeral.checks import CheckResult
 from ephemeral.evals.render import render_markdown
 from ephemeral.evals.report import Report, report_json
 from ephemeral.evals.result import RunResult, pair_key
+from ephemeral.recipes.checks import CheckResult
 
 if TYPE_CHECKING:
     from ephemeral.records import Records

@@ -16,10 +16,10 @@ from ephemeral.evals.result import RunResult
 from ephemeral.evals.schedule import Cap, run_planned
 from ephemeral.evals.stats import gate_failures, recipe_stats
 from ephemeral.evals.store import load_previous
-from ephemeral.recipes import validate_recipe
+from ephemeral.recipes.recipe import validate_recipe
 
 if TYPE_CHECKING:
-    from ephemeral.service import Runtime
+    from ephemeral.engine.runtime import Runtime
 
 
 @dataclass

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from ephemeral.settings import Settings
 
 LINGER_SECONDS = 5.0

@@ -37,15 +37,16 @@ from harbor.models.trial.config import ResourceMode
 from harbor.models.trial.paths import EnvironmentPaths
 from harbor.utils.path_filter import filter_paths_by_patterns
 
-from ephemeral import errors, prebuild
+from ephemeral import errors
 from ephemeral.harbor import backend, commands
 from ephemeral.harbor.config import HarborConfig, load_config
 from ephemeral.labels import bounded
 from ephemeral.oci import sandbox_image
 from ephemeral.policy import MIN_DISK_MIB
+from ephemeral.recipes import prebuild
 from ephemeral.sandbox import hostread, hostwrite, images
 from ephemeral.sandbox.base import Limits
-from ephemeral.sessions import (
+from ephemeral.sessions.manager import (
     MAX_EXEC_OUTPUT,
     MAX_FILE_BYTES,
     NO_ROOT_ISOLATIONS,
@@ -264,7 +265,7 @@ class EphemeralEnvironment(BaseEnvironment):
 
     # images ---------------------------------------------------------------------------------
     async def _resolve_image(self, force_build: bool) -> images.ImageConfig:
-        """The task's image, as Harbor with Docker has it (``ephemeral/prebuild.py``): its
+        """The task's image, as Harbor with Docker has it (``ephemeral/recipes/prebuild.py``): its
         ``docker_image`` pulled (or one of ours), else its Dockerfile built; made once per
         environment across trials and processes, a failed build not tried again until asked.
         Any failure is Harbor's environment error (retried, never graded)."""

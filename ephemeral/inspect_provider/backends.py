@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from ephemeral import errors
 from ephemeral.sandbox.base import ExecResult
-from ephemeral.sessions import ExecRequest, SessionRequest
+from ephemeral.sessions.manager import ExecRequest, SessionRequest
 from ephemeral.settings import Settings
 
 if TYPE_CHECKING:
-    from ephemeral.service import Runtime
+    from ephemeral.engine.runtime import Runtime
 
 
 class Backend(Protocol):
@@ -33,7 +33,7 @@ class Backend(Protocol):
 
 
 class LocalBackend:
-    """A :class:`~ephemeral.service.Runtime` in this process (no server): the local drivers,
+    """A :class:`~ephemeral.engine.runtime.Runtime` in this process (no server): the local drivers,
     a warm pool for the config's isolation, the local org's play money, records on disk."""
 
     def __init__(self, runtime: Runtime, org_id: str) -> None:
@@ -42,8 +42,8 @@ class LocalBackend:
 
     @classmethod
     async def start(cls, settings: Settings, isolation: str, pool_size: int) -> LocalBackend:
+        from ephemeral.engine.runtime import Runtime
         from ephemeral.sandbox.registry import resolve_isolation
-        from ephemeral.service import Runtime
 
         level = await resolve_isolation(isolation, settings)
         settings = settings.model_copy(update={"isolation": level, "pool_size": pool_size})

@@ -7,7 +7,7 @@ import secrets
 from ephemeral import errors
 from ephemeral.client import AsyncClient
 from ephemeral.sandbox.base import ExecResult
-from ephemeral.sessions import ExecRequest, SessionRequest
+from ephemeral.sessions.manager import ExecRequest, SessionRequest
 from ephemeral.settings import Settings
 
 # stdin past this goes up as a file first (a JSON body is capped at ~11 MB on the server)

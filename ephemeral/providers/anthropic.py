@@ -16,7 +16,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ephemeral.errors import ModelError
-from ephemeral.pricing import estimate_tokens
+from ephemeral.money.pricing import estimate_tokens
 from ephemeral.providers.base import (
     STOP_END,
     STOP_MAX_TOKENS,

@@ -12,7 +12,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ephemeral.errors import ModelError
-from ephemeral.pricing import estimate_tokens
+from ephemeral.money.pricing import estimate_tokens
 from ephemeral.providers.base import (
     RAW_ARGUMENTS_KEY,
     STOP_END,

@@ -10,14 +10,14 @@ from typing import Any
 import jinja2
 
 from ephemeral.ids import rfc3339, utcnow
-from ephemeral.money import usd as _money_usd
+from ephemeral.money.amounts import usd as _money_usd
 from ephemeral.records.reader import Records
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
 
 
 def usd(micros: int | None) -> str:
-    """:func:`ephemeral.money.usd`, where a sum over no rows (NULL) is $0.00."""
+    """:func:`ephemeral.money.amounts.usd`, where a sum over no rows (NULL) is $0.00."""
     return _money_usd(micros or 0)
 
 

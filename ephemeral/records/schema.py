@@ -85,7 +85,7 @@ class RunRecord(_Record):
     compute_micros: int
     duration_ms: int | None
     checks: str | None = None  # JSON text
-    # pass / fail / error / cancelled / budget (ephemeral.outcomes); None in files written
+    # pass / fail / error / cancelled / budget (ephemeral.engine.outcomes); None in files written
     # before the column existed
     outcome: str | None = None
     # JSON text: the run's string labels (ephemeral.labels; the system's and the caller's)
@@ -95,7 +95,7 @@ class RunRecord(_Record):
     image_hash: str | None = None
     verify: str | None = None  # JSON text: [{command, exit_code, duration_ms, timed_out, ...}]
 
-    kind: str = "run"  # "run" or "session" (a sandbox session, ephemeral.sessions)
+    kind: str = "run"  # "run" or "session" (a sandbox session, ephemeral.sessions.manager)
 
     @field_validator("created_at", "started_at", "ended_at")
     @classmethod

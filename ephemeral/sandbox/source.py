@@ -1,7 +1,7 @@
 """Where runs and sessions get their sandboxes: the warm pools, the limits, the boot retries.
 
-One :class:`SandboxSource` per runtime. Runs (``ephemeral.engine``) and sessions
-(``ephemeral.sessions``) ask it for a sandbox for an owner under a policy; neither sees the
+One :class:`SandboxSource` per runtime. Runs (``ephemeral.engine.engine``) and sessions
+(``ephemeral.sessions.manager``) ask it for a sandbox for an owner under a policy; neither sees the
 pools, the drivers or the host facts behind it.
 """
 
@@ -13,9 +13,9 @@ import time
 from typing import Any, cast
 
 from ephemeral import errors, progress
+from ephemeral.money.pricing import PriceBook
 from ephemeral.oci import sandbox_image
 from ephemeral.policy import Policy
-from ephemeral.pricing import PriceBook
 from ephemeral.sandbox import images
 from ephemeral.sandbox.base import Limits, Sandbox
 from ephemeral.sandbox.pool import boot_slots

@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ephemeral import errors
 from ephemeral.ids import new_id, rfc3339, utcnow
 from ephemeral.lifecycle import RunStatus
-from ephemeral.money import usd
+from ephemeral.money.amounts import usd
 from ephemeral.store.models import Settlement
 from ephemeral.store.schema import CHARGE_KINDS, idempotency, ledger, orgs, run_events, runs
 

@@ -81,7 +81,7 @@ class RunRow(_Row):
     lease_expires_at: datetime | None = None
     cancel_requested_at: datetime | None = None
     recorded_at: datetime | None = None  # its analysis records are written (engine.record)
-    dispatched_at: datetime | None = None  # its Prefect task run exists (ephemeral.outbox)
+    dispatched_at: datetime | None = None  # its Prefect task run exists (ephemeral.cluster.outbox)
     dispatches: int | None = None  # its hand-over number; a drain's hand-back raises it
 
     @property

@@ -112,7 +112,7 @@ runs = sa.Table(
     sa.Column("erased_at", UTCDateTime, nullable=True),
     # The per-run event counter: bumping it row-locks the run, which serialises appends.
     sa.Column("last_seq", sa.Integer, nullable=False, server_default="0"),
-    # 'session' for a sandbox session (ephemeral.sessions); NULL is a run
+    # 'session' for a sandbox session (ephemeral.sessions.manager); NULL is a run
     sa.Column("kind", sa.String(16), nullable=True),
     # Scale-out (docs/deploy.md): the host executing the run, the lease it renews on it, and a
     # cancel request any process may set for that host to act on.
@@ -123,7 +123,7 @@ runs = sa.Table(
     # Set once the run's analysis records are written (after its close): recovery records a
     # settled run whose process died before this, so every run is recorded exactly once.
     sa.Column("recorded_at", UTCDateTime, nullable=True),
-    # The admission outbox (ephemeral.outbox): when the run's Prefect task run was created
+    # The admission outbox (ephemeral.cluster.outbox): when the run's Prefect task run was created
     # (NULL: not yet, or handed back by a draining worker), and which hand-over this is (its
     # task run's id is derived from the run id and this number, so a re-drive is idempotent).
     sa.Column("dispatched_at", UTCDateTime, nullable=True),
@@ -210,7 +210,7 @@ sealed_content = sa.Table(
 )
 
 
-# Facts every process of a cluster must agree on (ephemeral.sharing): the records root's
+# Facts every process of a cluster must agree on (ephemeral.cluster.sharing): the records root's
 # marker, the seal key's fingerprint. The first process to start writes them.
 cluster_facts = sa.Table(
     "cluster_facts",
@@ -221,7 +221,7 @@ cluster_facts = sa.Table(
 )
 
 
-# Worker hosts that take sandbox sessions (ephemeral.placement): where each one's internal
+# Worker hosts that take sandbox sessions (ephemeral.sessions.placement): where each one's internal
 # channel listens, which process is there, its session slots, and a heartbeat like a lease.
 worker_hosts = sa.Table(
     "worker_hosts",
@@ -236,7 +236,7 @@ worker_hosts = sa.Table(
 )
 
 
-# One row per worker process: its liveness, apart from the run rows (ephemeral.leases).
+# One row per worker process: its liveness, apart from the run rows (ephemeral.cluster.leases).
 process_leases = sa.Table(
     "process_leases",
     metadata,

@@ -471,8 +471,8 @@ class Store:
 
     async def expired_leases(self, now: datetime) -> list[RunRow]:
         """Open runs whose executing host stopped renewing their lease before ``now``, and
-        whose owning process's lease (ephemeral.leases) has lapsed too: a late run renewal of
-        a live process is not its death."""
+        whose owning process's lease (ephemeral.cluster.leases) has lapsed too: a late run
+        renewal of a live process is not its death."""
         owner_alive = sa.exists().where(
             process_leases.c.owner == runs.c.owner, process_leases.c.expires_at >= now
         )
@@ -555,7 +555,7 @@ class Store:
             )
         return int(gone.rowcount or 0)
 
-    # -- the admission outbox (ephemeral.outbox) -------------------------------------------------
+    # -- the admission outbox (ephemeral.cluster.outbox) -------------------------------------------
 
     async def mark_dispatched(self, run_id: str, generation: int) -> None:
         """Its task run of hand-over ``generation`` exists in Prefect now."""
@@ -625,7 +625,7 @@ class Store:
             ).first()
         return None if row is None else int(row[0])
 
-    # -- facts every process of a cluster shares (ephemeral.sharing) ----------------------------
+    # -- facts every process of a cluster shares (ephemeral.cluster.sharing) -----------------------
 
     async def claim_fact(self, name: str, value: str) -> str:
         """Store ``value`` under ``name`` unless some process did first; returns the stored one."""

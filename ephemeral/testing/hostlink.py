@@ -1,5 +1,5 @@
 """The internal channel without sockets: :class:`MemoryTransport` hands each signed request
-frame to a :class:`~ephemeral.hostlink.LinkServer` of this process (in the manner of httpx's
+frame to a :class:`~ephemeral.sessions.link.LinkServer` of this process (in the manner of httpx's
 ``MockTransport``). Signing, freshness, replay, the handler and the answer's checks are the
 real ones; only TCP is left out (tests/hostlink covers it, with real sockets)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ephemeral.hostlink import Expect, LinkServer, split_frame
+from ephemeral.sessions.link import Expect, LinkServer, split_frame
 
 
 class MemoryTransport:
@@ -18,7 +18,7 @@ class MemoryTransport:
 
     async def listen(self, server: LinkServer) -> str:
         """Serve ``server`` at a new loopback address of this transport (what a
-        :class:`~ephemeral.session_host.SessionHost` is given instead of a socket)."""
+        :class:`~ephemeral.sessions.host.SessionHost` is given instead of a socket)."""
         self._next += 1
         server.address = f"127.0.0.1:{self._next}"
         self.servers[server.address] = server

@@ -14,7 +14,7 @@ import pytest
 from fastapi import FastAPI
 
 from ephemeral.api import create_app
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from ephemeral.settings import Settings
 from tests import runlevel
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from ephemeral import errors
 from ephemeral.cli import app as cli_app
 from ephemeral.client import AsyncClient
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from ephemeral.settings import Settings
 from tests.api.conftest import SAMPLE_BODY, Member, new_member
 from tests.api.server import live_server

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.sandbox import images
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.api.conftest import SAMPLE_BODY, Member, write_cassette
 from tests.api.test_errors import assert_problem

@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from ephemeral.cli import app as cli_app
+from ephemeral.engine.runtime import Runtime
 from ephemeral.records import Records
 from ephemeral.records.report import render_costs_html
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.api.conftest import SAMPLE_BODY, Member
 

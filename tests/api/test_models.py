@@ -15,8 +15,8 @@ from pydantic import SecretStr
 
 from ephemeral.api import create_app
 from ephemeral.api.auth import PAGE_COOKIE
+from ephemeral.engine.runtime import Runtime
 from ephemeral.models import NO_MODEL, PROVIDER_DEFAULTS, default_model, resolve_model
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests import runlevel
 from tests.api.conftest import SAMPLE_BODY, new_member

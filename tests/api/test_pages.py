@@ -14,9 +14,9 @@ import pytest
 from ephemeral.api import view
 from ephemeral.api.pages import PAGE_COOKIE
 from ephemeral.api.samples import load_sample
+from ephemeral.engine.runtime import Runtime
 from ephemeral.evals.execute import execute_planned
-from ephemeral.recipes import expand, load_recipe
-from ephemeral.service import Runtime
+from ephemeral.recipes.recipe import expand, load_recipe
 from ephemeral.settings import Settings
 from tests.api.conftest import SAMPLE_BODY, Member, new_member
 

@@ -16,10 +16,10 @@ import pytest
 from fastapi import FastAPI
 
 from ephemeral.api import create_app
+from ephemeral.engine.runtime import Runtime
 from ephemeral.lifecycle import TERMINAL_STATUSES
 from ephemeral.policy import RunRequest
 from ephemeral.sandbox import handles
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests import runlevel
 from tests.api.conftest import SAMPLE_BODY, Member, new_member

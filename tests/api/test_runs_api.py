@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from ephemeral.client import SSEParser
+from ephemeral.engine.runtime import Runtime
 from ephemeral.events import MAX_SEQ
-from ephemeral.service import Runtime
 from tests.api.conftest import SAMPLE_BODY, Member, new_member
 
 pytestmark = pytest.mark.sandbox

@@ -14,12 +14,12 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from ephemeral.agent import AgentRun
+from ephemeral.agent.loop import AgentRun
 from ephemeral.broker import Broker, Sealer
+from ephemeral.engine.runtime import Runtime
 from ephemeral.events import Event
 from ephemeral.policy import RunRequest
 from ephemeral.providers.base import ToolCall
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests import runlevel
 from tests.run.conftest import make_cassette  # noqa: F401  (a fixture the run test uses)

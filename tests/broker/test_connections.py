@@ -10,8 +10,8 @@ import pytest
 from ephemeral import errors
 from ephemeral.broker import Broker
 from ephemeral.broker.connections import Denied, check_path, join
+from ephemeral.engine.runtime import Runtime
 from ephemeral.policy import Connection, Policy, RunRequest
-from ephemeral.service import Runtime
 from ephemeral.testing.broker import FakeContext, ask
 from tests.broker.conftest import (
     CANARY,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import ephemeral.broker
 
-FORBIDDEN = ("ephemeral.agent", "ephemeral.service", "ephemeral.sandbox")
+FORBIDDEN = ("ephemeral.agent", "ephemeral.engine", "ephemeral.sandbox")
 
 
 def _imports(path: Path) -> set[str]:

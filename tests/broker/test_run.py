@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.policy import RunRequest
 from ephemeral.runview import fold_events
-from ephemeral.service import Runtime
 from tests.broker.conftest import CANARY, Upstream, add_connection, state_bytes_contain
 
 pytestmark = [pytest.mark.sandbox]

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from ephemeral.agent import StopRun
+from ephemeral.agent.loop import StopRun
 from ephemeral.broker import Broker
 from ephemeral.broker.outbound import BODY_CAP
+from ephemeral.engine.runtime import Runtime
 from ephemeral.policy import Policy
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from ephemeral.testing.broker import PRICE, FakeContext, OutOfBudget, ask
 from tests.broker.conftest import Upstream, build_run, call, events_of

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from ephemeral.broker import attach, journal
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from tests.broker.conftest import build_run
 
 

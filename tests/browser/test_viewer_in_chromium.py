@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from ephemeral.api import viewer
+from ephemeral.engine.runtime import LOCAL_ORG, Runtime
 from ephemeral.evals.plan import Evaluation
 from ephemeral.evals.store import write_report
 from ephemeral.evals.suite import run_evaluation
-from ephemeral.recipes import load_recipe
-from ephemeral.service import LOCAL_ORG, Runtime
+from ephemeral.recipes.recipe import load_recipe
 from ephemeral.settings import Settings
 from ephemeral.store import Store
 from tests.api.server import live_server

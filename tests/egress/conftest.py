@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from ephemeral.agent import AgentRun
+from ephemeral.agent.loop import AgentRun
 from ephemeral.broker import Broker
+from ephemeral.engine.runtime import Runtime
 from ephemeral.sandbox.base import ExecResult
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.broker import conftest as _broker
 from tests.broker.conftest import Upstream, _handler, build_run

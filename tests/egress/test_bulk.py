@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from tests.egress.conftest import Names, provisioned, sh
 
 DOWN = 9 << 20  # upstream -> sandbox

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from tests.broker.conftest import CANARY, Upstream, add_connection, events_of, state_bytes_contain
 from tests.egress.conftest import Names, provisioned, sh
 from tests.egress.servers import echo_site

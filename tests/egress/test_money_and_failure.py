@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from ephemeral.broker import egress
+from ephemeral.engine.runtime import Runtime
 from ephemeral.policy import RunRequest
 from ephemeral.runview import fold_events
-from ephemeral.service import Runtime
 from tests.broker.test_run import final, tool_turn
 from tests.egress.conftest import Names
 from tests.egress.servers import serve

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from ephemeral.broker import Broker
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from ephemeral.settings import Settings
 from tests.broker.conftest import Upstream, call, events_of
 from tests.egress.conftest import Names, provisioned, sh

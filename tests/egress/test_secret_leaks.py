@@ -27,11 +27,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ephemeral.agent import AgentRun
+from ephemeral.agent.loop import AgentRun
 from ephemeral.api import create_app
 from ephemeral.api.pages import PAGE_COOKIE
+from ephemeral.engine.runtime import Runtime
 from ephemeral.records import Records
-from ephemeral.service import Runtime
 from tests.broker.conftest import CANARY, add_connection, events_of
 from tests.broker.test_redact import leaks
 from tests.egress.conftest import provisioned, sh
@@ -192,7 +192,7 @@ async def test_the_stored_credential_never_reaches_the_guest_in_any_form(
     assert not leaks(caplog.text.encode(), needle)
 
     # the Parquet records (written at settle, as the service writes them)
-    from ephemeral.recording import record_run
+    from ephemeral.engine.record import record_run
 
     await asyncio.to_thread(record_run, runtime.settings, row, events)
     recs = Records(runtime.settings.records_dir)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from ephemeral.broker import Broker
+from ephemeral.engine.runtime import Runtime
 from ephemeral.runview import fold_events
-from ephemeral.service import Runtime
 from tests.broker.conftest import (
     BIG,
     CANARY,

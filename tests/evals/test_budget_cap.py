@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from ephemeral.evals.result import RunResult
 from ephemeral.evals.schedule import Cap, run_planned
 from ephemeral.policy import Policy
-from ephemeral.recipes import PlannedRun
+from ephemeral.recipes.recipe import PlannedRun
 
 
 def planned(n: int, cost: int, recipe: str = "r") -> list[PlannedRun]:

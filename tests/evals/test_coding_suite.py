@@ -9,11 +9,11 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.evals.plan import Evaluation
 from ephemeral.evals.suite import run_evaluation
-from ephemeral.export import COLUMNS, export_suite_run
-from ephemeral.recipes import load_recipe
-from ephemeral.service import Runtime
+from ephemeral.recipes.recipe import load_recipe
+from ephemeral.records.export import COLUMNS, export_suite_run
 from ephemeral.settings import Settings
 from tests.drivers import built_image
 from tests.evals.conftest import REPO, cli, write_cassette

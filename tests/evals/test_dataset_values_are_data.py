@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.evals.plan import Evaluation
 from ephemeral.evals.suite import run_evaluation
-from ephemeral.recipes import load_recipe
+from ephemeral.recipes.recipe import load_recipe
 from ephemeral.sandbox.registry import probe_level
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.drivers import unavailable
 from tests.evals.conftest import write_cassette

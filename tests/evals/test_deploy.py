@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.policy import RunRequest
 from ephemeral.prefect_setup import ensure_template
 from ephemeral.records import Records
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from ephemeral.store import Store
 from tests.evals.prefect_server import PREFECT, REPO, PrefectServer

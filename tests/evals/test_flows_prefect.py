@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.flows.executor import executor_for
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.evals.conftest import write_cassette
 from tests.recipes.helpers import write

@@ -17,15 +17,15 @@ from pathlib import Path
 
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.evals.execute import Watchers
 from ephemeral.evals.plan import Evaluation
 from ephemeral.evals.store import write_report
 from ephemeral.evals.suite import run_evaluation
-from ephemeral.export import export_suite_run
-from ephemeral.recipes import load_recipe
+from ephemeral.recipes.recipe import load_recipe
+from ephemeral.records.export import export_suite_run
 from ephemeral.sandbox import handles
 from ephemeral.sandbox.registry import probe_level
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.drivers import unavailable
 from tests.evals.conftest import write_cassette

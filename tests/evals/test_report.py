@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from ephemeral.checks import CheckResult
 from ephemeral.evals.compare import compare
 from ephemeral.evals.render import render_markdown, table_rows
 from ephemeral.evals.report import Report
 from ephemeral.evals.result import RunResult, pair_key
 from ephemeral.evals.stats import gate_failures, recipe_stats
-from ephemeral.recipes import load_recipe
+from ephemeral.recipes.checks import CheckResult
+from ephemeral.recipes.recipe import load_recipe
 from tests.recipes.helpers import write
 
 
@@ -36,7 +36,7 @@ def result(
 
 
 def test_pair_key_matches_planned_runs(tmp_path) -> None:
-    from ephemeral.recipes import expand
+    from ephemeral.recipes.recipe import expand
 
     path = write(
         tmp_path,

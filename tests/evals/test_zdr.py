@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.evals.execute import ZDR_REASON
 from ephemeral.evals.plan import Evaluation
 from ephemeral.evals.store import write_report
 from ephemeral.evals.suite import run_evaluation
-from ephemeral.recipes import load_recipe
+from ephemeral.recipes.recipe import load_recipe
 from ephemeral.records import Records
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.evals.conftest import write_cassette
 from tests.recipes.helpers import write

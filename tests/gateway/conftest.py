@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from ephemeral.settings import Settings
 from ephemeral.testing.providers import FakeAnthropicServer, FakeOpenAIServer
 from tests import runlevel

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.events import Event
 from ephemeral.policy import RunRequest
 from ephemeral.sandbox import images
-from ephemeral.service import Runtime
 from ephemeral.settings import REPO_ROOT, Settings
 from ephemeral.testing.providers import (
     FakeOpenAIServer,

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from ephemeral.broker.gateway_fields import ALLOW_LISTS, Refused, check_body, check_headers
-from ephemeral.money import usd
+from ephemeral.engine.runtime import Runtime
+from ephemeral.money.amounts import usd
 from ephemeral.policy import RunRequest
 from ephemeral.providers.base import Usage
-from ephemeral.service import Runtime
 from ephemeral.testing.providers import (
     FakeAnthropicServer,
     FakeOpenAIServer,

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from ephemeral.agent import AgentRun
-from ephemeral.service import Runtime
+from ephemeral.agent.loop import AgentRun
+from ephemeral.engine.runtime import Runtime
 from ephemeral.testing.providers import (
     FakeAnthropicServer,
     FakeOpenAIServer,

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.providers.base import Usage
-from ephemeral.service import Runtime
 from ephemeral.testing.providers import (
     FakeOpenAIServer,
     FakeReply,
@@ -137,8 +137,8 @@ async def test_a_gateway_session_recorded_as_a_cassette_replays_offline(
 ) -> None:
     """``ephemeral record`` of a session whose code called the model makes a cassette; a new
     session granted ``replay/NAME`` gets the same answers without the provider."""
+    from ephemeral.engine.record import cassette_of_run
     from ephemeral.providers.replay import load_cassette, save_cassette
-    from ephemeral.recording import cassette_of_run
     from ephemeral.testing.providers import openai_chat_stream
 
     openai_server.push(

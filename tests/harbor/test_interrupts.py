@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from ephemeral.settings import Settings
 from tests.harbor import tasks
 from tests.harbor.tasks import run_harbor, trials

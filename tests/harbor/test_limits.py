@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.sandbox import cgroups
 from ephemeral.sandbox.base import Limits
-from ephemeral.service import Runtime
-from ephemeral.sessions import ExecRequest, SessionRequest
+from ephemeral.sessions.manager import ExecRequest, SessionRequest
 from tests.sessions.conftest import org, runtime, session_settings
 
 __all__ = ["org", "runtime", "session_settings"]

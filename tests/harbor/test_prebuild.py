@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ephemeral import prebuild
+from ephemeral.recipes import prebuild
 from ephemeral.settings import Settings
 from tests.harbor import registry_tasks as rt
 from tests.oci.conftest import Registry

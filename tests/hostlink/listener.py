@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ephemeral.hostlink import Limits, LinkServer
+from ephemeral.sessions.link import Limits, LinkServer
 from ephemeral.settings import Settings
 
 KEY = b"k" * 32

@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from ephemeral import errors, hostlink
-from ephemeral.hostlink import LinkClient, LinkError, LinkRefused, LinkServer, Peer
+from ephemeral import errors
+from ephemeral.sessions import link as hostlink
+from ephemeral.sessions.link import LinkClient, LinkError, LinkRefused, LinkServer, Peer
 from ephemeral.settings import Settings
 from tests.hostlink import listener
 from tests.hostlink.listener import KEY, spawn

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from ephemeral import errors
-from ephemeral.hostlink import LinkClient, LinkError, LinkRefused, LinkServer, Peer
+from ephemeral.sessions.link import LinkClient, LinkError, LinkRefused, LinkServer, Peer
 from ephemeral.testing.hostlink import MemoryTransport
 from tests.hostlink.listener import KEY
 from tests.hostlink.test_hostlink import Recorder, request, signed_frame

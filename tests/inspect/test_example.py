@@ -14,8 +14,8 @@ pytest.importorskip("inspect_ai", reason="the inspect extra is not installed")
 
 from inspect_ai.log import read_eval_log
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.inspect_provider import EphemeralSandboxConfig, EphemeralSandboxEnvironment
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests import costs
 

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ephemeral.errors import InvalidRequest, UnknownModel
-from ephemeral.pricing import SHIPPED_PRICE_BOOK, PriceBook, estimate_tokens
+from ephemeral.money.pricing import SHIPPED_PRICE_BOOK, PriceBook, estimate_tokens
 from ephemeral.providers.base import Message, ToolCall, Usage
 from ephemeral.settings import Settings
 

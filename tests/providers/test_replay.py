@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from ephemeral.errors import InvalidRequest, ModelError, UnknownModel
-from ephemeral.pricing import PriceBook
+from ephemeral.money.pricing import PriceBook
 from ephemeral.providers.anthropic import AnthropicProvider
 from ephemeral.providers.base import Message, ModelReply, Provider, ToolSpec
 from ephemeral.providers.openai import OpenAIProvider

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from ephemeral.errors import RecipeError
-from ephemeral.recipes import load_recipe
+from ephemeral.recipes.recipe import load_recipe
 
 
 def write(tmp_path: Path, text: str, name: str = "r.yaml") -> Path:

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from ephemeral.checks import MaxCost, MaxDuration, StatusIs, evaluate
-from ephemeral.recipes import load_recipe
+from ephemeral.recipes.checks import MaxCost, MaxDuration, StatusIs, evaluate
+from ephemeral.recipes.recipe import load_recipe
 from ephemeral.settings import Settings
 from tests.drivers import unavailable
 
@@ -101,7 +101,7 @@ async def test_eval_cassette_holds_for_every_dataset_row(name: str, tmp_path: Pa
     verify in a real sandbox of the recipe's image; then every check but those that need a
     settled run is judged against what really happened."""
     ns = pytest.importorskip("ephemeral.sandbox.namespaces", reason="no namespaces driver")
-    from ephemeral.recipes import expand
+    from ephemeral.recipes.recipe import expand
     from ephemeral.sandbox import images
     from ephemeral.sandbox.base import Limits
 

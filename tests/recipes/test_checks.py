@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import TypeAdapter
 
-from ephemeral.checks import Check, CheckResult, evaluate
+from ephemeral.recipes.checks import Check, CheckResult, evaluate
 
 from .helpers import product_page_events, product_page_run
 

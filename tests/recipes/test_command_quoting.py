@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral.recipes import expand, load_recipe
+from ephemeral.recipes.recipe import expand, load_recipe
 from tests.recipes.helpers import only, recipe_errors, write
 
 BASE = """

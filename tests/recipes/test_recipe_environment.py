@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral import datasets
-from ephemeral.checks import evaluate
 from ephemeral.errors import InvalidRequest
-from ephemeral.recipes import expand, iter_planned, load_recipe
+from ephemeral.recipes import datasets
+from ephemeral.recipes.checks import evaluate
+from ephemeral.recipes.recipe import expand, iter_planned, load_recipe
 from tests.recipes.helpers import recipe_errors, write
 
 BASE = """

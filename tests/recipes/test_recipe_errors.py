@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ephemeral.errors import RecipeError
-from ephemeral.recipes import Recipe, expand, load_recipe
+from ephemeral.recipes.recipe import Recipe, expand, load_recipe
 
 from .helpers import only, recipe_errors, write
 

@@ -8,7 +8,7 @@ import pytest
 
 from ephemeral.errors import RecipeError
 from ephemeral.policy import Policy
-from ephemeral.recipes import PlannedRun, Recipe, expand, load_recipe, worst_case_micros
+from ephemeral.recipes.recipe import PlannedRun, Recipe, expand, load_recipe, worst_case_micros
 
 from .helpers import write
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ephemeral.errors import InvalidRequest
-from ephemeral.recipes import confined_path, files_under, load_recipe
+from ephemeral.recipes.recipe import confined_path, files_under, load_recipe
 from tests.recipes.helpers import only, recipe_errors, write
 
 LINK = "a symbolic link (nothing is read through a link, in or out of the directory)"

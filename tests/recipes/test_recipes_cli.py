@@ -81,7 +81,7 @@ def test_validate_prints_every_error_and_fails(app: typer.Typer, tmp_path: Path)
 
 
 def test_validate_refuses_an_unknown_model(app: typer.Typer, tmp_path: Path) -> None:
-    pytest.importorskip("ephemeral.pricing", reason="the price book is not in this build")
+    pytest.importorskip("ephemeral.money.pricing", reason="the price book is not in this build")
     path = write(tmp_path, "name: m\nprompt: hi\nmodel: openai/no-such-model\n")
     code, _, err = run(app, "validate", str(path))
     assert code == 1

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral.recipes import (
+from ephemeral.recipes.recipe import (
     expand,
     iter_recipes,
     load_any,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ephemeral.errors import RecipeError
-from ephemeral.recipes import Recipe, Suite, load_any, load_suite
+from ephemeral.recipes.recipe import Recipe, Suite, load_any, load_suite
 
 from .helpers import write
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from ephemeral.settings import Settings
 from tests import runlevel
 

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ephemeral import closing
-from ephemeral.agent import PLAIN_STEPS
+from ephemeral.agent.loop import PLAIN_STEPS
+from ephemeral.engine import close as closing
+from ephemeral.engine.runtime import Runtime
 from ephemeral.lifecycle import RunStatus
 from ephemeral.policy import RunRequest
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from ephemeral.store import Store
 

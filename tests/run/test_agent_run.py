@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.models import NO_MODEL
 from ephemeral.policy import RunRequest
 from ephemeral.records import Records
 from ephemeral.runview import fold_events, run_object
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests import runlevel
 from tests.goldenlog import assert_golden_log

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.ids import new_run_id
 from ephemeral.records import Records
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from ephemeral.store import Store
 from tests.run.conftest import turn

@@ -1,5 +1,6 @@
 """Dispatch without Prefect: an "API" runtime hands runs to a "worker" runtime through a fake
-:class:`~ephemeral.executor.Dispatcher`, both on one SQLite store (two processes' view of it).
+:class:`~ephemeral.engine.executor.Dispatcher`, both on one SQLite store (two processes' view of
+it).
 The Prefect part (task runs, task workers, real processes) is ``tests/cluster``; this covers
 the runtime's side: ownerless admission, sealed ZDR content, cancel through the store, leases.
 """
@@ -13,12 +14,12 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from ephemeral import outbox
-from ephemeral.executor import Dispatcher, RunHandle
+from ephemeral.cluster import outbox
+from ephemeral.engine.executor import Dispatcher, RunHandle
+from ephemeral.engine.runtime import Runtime
 from ephemeral.ids import new_run_id, utcnow
 from ephemeral.lifecycle import RunStatus
 from ephemeral.policy import RunRequest
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from ephemeral.store.schema import sealed_content
 from tests.run.conftest import turn

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.policy import RunRequest
-from ephemeral.service import Runtime
 from ephemeral.settings import REPO_ROOT
 from tests.run.conftest import turn
 

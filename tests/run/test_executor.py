@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from ephemeral.api.app import start_runtime
-from ephemeral.executor import PlainExecutor, RunHandle
+from ephemeral.engine.executor import PlainExecutor, RunHandle
+from ephemeral.engine.runtime import Runtime
 from ephemeral.policy import RunRequest
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.run.conftest import turn
 
@@ -77,7 +77,7 @@ async def test_the_runtime_uses_the_executor_it_was_handed(
 async def test_serve_executes_cancels_and_hands_out_zdr_output_on_one_runtime(
     run_settings: Settings, make_cassette: Callable[..., str]
 ) -> None:
-    from ephemeral.engine import Engine
+    from ephemeral.engine.engine import Engine
     from ephemeral.flows.executor import FlowExecutor
 
     canary = "CANARY-serve-4c1e"

@@ -11,11 +11,11 @@ from collections.abc import Callable
 
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.policy import RunRequest
 from ephemeral.records import Records
 from ephemeral.sandbox import source
 from ephemeral.sandbox.base import Limits, Sandbox
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.run.conftest import turn
 from tests.sandbox.hostile import start_hostile

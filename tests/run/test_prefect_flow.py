@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.flows.executor import executor_for
 from ephemeral.flows.prefect_client import RetryWhenBusy
 from ephemeral.policy import RunRequest
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.run.conftest import turn
 from tests.sample import SAMPLE_PROMPT

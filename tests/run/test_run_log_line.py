@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from ephemeral.money import usd
+from ephemeral.engine.runtime import Runtime
+from ephemeral.money.amounts import usd
 from ephemeral.policy import RunRequest
-from ephemeral.service import Runtime
 from tests.run.test_agent_run import run_to_end
 from tests.sample import SAMPLE_PROMPT
 

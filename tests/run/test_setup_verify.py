@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from ephemeral import errors
-from ephemeral.agent import AgentRun
+from ephemeral.agent.loop import AgentRun
+from ephemeral.engine.runtime import Runtime
 from ephemeral.policy import RunRequest
 from ephemeral.records import Records
 from ephemeral.runview import run_object
 from ephemeral.sandbox import images
-from ephemeral.service import Runtime
 from ephemeral.settings import REPO_ROOT, Settings
 from tests import runlevel
 from tests.drivers import built_image, unavailable

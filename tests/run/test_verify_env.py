@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.policy import RunRequest
 from ephemeral.sandbox import registry
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests.drivers import built_image, unavailable
 from tests.run.conftest import turn
@@ -132,7 +132,7 @@ def test_verify_files_stay_out_of_sessions_and_out_of_reach_of_paths() -> None:
     are relative to /tmp/verify, never out of it."""
     from pydantic import ValidationError
 
-    from ephemeral.sessions import SessionRequest
+    from ephemeral.sessions.manager import SessionRequest
 
     file = {"path": "a.txt", "content_base64": _b64("x")}
     with pytest.raises(ValidationError, match="verify_files"):
@@ -151,7 +151,7 @@ def test_verify_files_stay_out_of_sessions_and_out_of_reach_of_paths() -> None:
 
 
 def test_the_verify_environment_keeps_no_writable_search_path() -> None:
-    from ephemeral.verify import environment
+    from ephemeral.engine.verify import environment
 
     env = environment(
         {
@@ -178,7 +178,7 @@ def test_the_verify_environment_keeps_no_writable_search_path() -> None:
 
 def test_a_recipe_puts_verify_files_from_its_own_directory(tmp_path: Path) -> None:
     from ephemeral.errors import RecipeError
-    from ephemeral.recipes import load_recipe
+    from ephemeral.recipes.recipe import load_recipe
 
     (tmp_path / "hidden").mkdir()
     (tmp_path / "hidden" / "test_hidden.py").write_text("def test_x():\n    pass\n")

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from ephemeral.api import create_app
+from ephemeral.engine.runtime import Runtime
 from ephemeral.sandbox.registry import probe_level
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests import runlevel
 from tests.api.conftest import Member, new_member

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from ephemeral.service import Runtime
-from ephemeral.sessions import ExecRequest, SessionRequest
+from ephemeral.engine.runtime import Runtime
+from ephemeral.sessions.manager import ExecRequest, SessionRequest
 from ephemeral.settings import Settings
 
 

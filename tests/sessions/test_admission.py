@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from tests.api.conftest import Member
 
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from ephemeral.broker import Sealer
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from tests.api.conftest import Member
 from tests.broker.conftest import CANARY
 from tests.broker.test_redact import leaks

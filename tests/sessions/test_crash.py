@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from ephemeral.settings import Settings
 from tests.run.test_crash import _alive, _sandbox_pids
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from ephemeral.money.pricing import PriceBook
 from ephemeral.policy import Policy
-from ephemeral.pricing import PriceBook
 from ephemeral.sandbox.base import Limits, Sandbox
 from ephemeral.sandbox.pool import boot_slots
 from ephemeral.sandbox.source import SandboxSource
-from ephemeral.sessions import SessionRequest, Sessions
+from ephemeral.sessions.manager import SessionRequest, Sessions
 from ephemeral.settings import Settings
 from ephemeral.store import Store
 from ephemeral.testing.sandbox import FakeDriver

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ephemeral.engine.runtime import Runtime
 from ephemeral.sandbox import dockerfile, images
 from ephemeral.sandbox.dockerfile import builder as df_builder
-from ephemeral.service import Runtime
 from ephemeral.settings import Settings
 from tests import runlevel
 from tests.api.conftest import Member

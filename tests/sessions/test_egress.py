@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from ephemeral.broker import Sealer
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from tests.api.conftest import Member
 from tests.broker.conftest import CANARY, state_bytes_contain
 from tests.egress.conftest import Names, Upstream, broker_settings, names, runtime, upstream

@@ -1,6 +1,6 @@
 """Placement of sessions on worker hosts, in one process (issue 22; docs/deploy.md, "Sessions
 on worker hosts"): an API runtime with placed sessions and a host runtime with a
-:class:`~ephemeral.session_host.SessionHost`, sharing one SQLite store and one seal key, talking
+:class:`~ephemeral.sessions.host.SessionHost`, sharing one SQLite store and one seal key, talking
 over the internal channel: on 127.0.0.1 (``tcp``) and, the same tests again, through the
 in-memory transport (``memory``: every check of the channel but the socket). The
 multi-process version, with host death, is ``tests/cluster/test_sessions_placed.py``."""
@@ -14,11 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ephemeral import placement
 from ephemeral.api import create_app
+from ephemeral.engine.runtime import Runtime
 from ephemeral.ids import utcnow
-from ephemeral.service import Runtime
-from ephemeral.session_host import SessionHost
+from ephemeral.sessions import placement
+from ephemeral.sessions.host import SessionHost
 from ephemeral.settings import Settings
 from ephemeral.store import hosts
 from ephemeral.testing.hostlink import MemoryTransport

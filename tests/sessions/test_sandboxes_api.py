@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from ephemeral.api.auth import PAGE_COOKIE
-from ephemeral.service import Runtime
+from ephemeral.engine.runtime import Runtime
 from ephemeral.testing.clock import FakeClock
 from tests.api.conftest import Member, new_member
 

@@ -10,11 +10,11 @@ import pytest
 from pydantic import ValidationError
 
 from ephemeral import errors
+from ephemeral.engine.runtime import Runtime
 from ephemeral.records import Records
 from ephemeral.sandbox import images
 from ephemeral.sandbox.base import AGENT_CAPS
-from ephemeral.service import Runtime
-from ephemeral.sessions import ExecRequest, SessionRequest
+from ephemeral.sessions.manager import ExecRequest, SessionRequest
 from ephemeral.store import RunRow
 from ephemeral.testing.clock import FakeClock
 from tests import runlevel

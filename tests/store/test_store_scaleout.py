@@ -10,7 +10,8 @@ from datetime import timedelta
 import pytest
 import sqlalchemy as sa
 
-from ephemeral import errors, leases
+from ephemeral import errors
+from ephemeral.cluster import leases
 from ephemeral.ids import new_run_id, utcnow
 from ephemeral.lifecycle import RunStatus, TerminationReason
 from ephemeral.store import Org, RunRow, Store
@@ -72,7 +73,7 @@ async def test_a_lease_expires_unless_renewed_and_only_open_runs_count(
 async def test_a_live_process_lease_covers_its_runs_until_it_lapses_or_lets_go(
     store: Store, org: Org
 ) -> None:
-    # A worker's run renewals can be late under load; its process lease (ephemeral.leases)
+    # A worker's run renewals can be late under load; its process lease (ephemeral.cluster.leases)
     # says it is alive, so its runs are not settled as a dead host's.
     mine, other, dropped = [await _run(store, org) for _ in range(3)]
     await _claim(store, mine.id, timedelta(seconds=-1), owner="host-a:1:1")

@@ -12,7 +12,7 @@ The recipe's own cap is ``budget_micros: N``. DESIGN writes it ``budget``; ``bud
 runs when the next run's ``max_cost_micros`` would not fit in what is left of it.
 
 Prompts, ``setup`` and ``verify`` are Jinja2 in an immutable, bounded sandbox with
-``StrictUndefined`` (:mod:`ephemeral.templates`); in commands every ``{{ … }}`` is one
+``StrictUndefined`` (:mod:`ephemeral.recipes.templates`); in commands every ``{{ … }}`` is one
 shell-quoted word. A template sees ``vars``, the values of its cell and ``repeat_index``
 (0-based). ``files_from`` and ``dataset`` are confined to the recipe's directory
 (:func:`confined_path`).
@@ -41,8 +41,6 @@ from pydantic import (
     ValidationError,
 )
 
-from ephemeral import datasets, templates
-from ephemeral.checks import CHECK_KINDS, Check, ShellCheck, ShellCondition, VerifyCondition
 from ephemeral.errors import InvalidRequest, RecipeError, UnknownModel
 from ephemeral.labels import Labels
 from ephemeral.models import NO_DEFAULT, NO_MODEL, default_model
@@ -61,6 +59,8 @@ from ephemeral.policy import (
     ImageName,
     Policy,
 )
+from ephemeral.recipes import datasets, templates
+from ephemeral.recipes.checks import CHECK_KINDS, Check, ShellCheck, ShellCondition, VerifyCondition
 from ephemeral.sandbox import hostread
 from ephemeral.settings import Settings
 from ephemeral.yamlfile import (
@@ -142,7 +142,7 @@ class Recipe(_Strict):
     # "Agent runs"); not a template: the prompt reaches it as a file and a variable.
     agent: AgentSpec | None = None
     # a directory (inside the recipe's) put under /tmp/verify after the agent's processes are
-    # killed, before verify: files the agent never sees (ephemeral.verify)
+    # killed, before verify: files the agent never sees (ephemeral.engine.verify)
     verify_files_from: str | None = Field(default=None, min_length=1, max_length=1_000)
     # Rows of a file as cells (relative to the recipe; .jsonl, .csv or .parquet, read by DuckDB)
     dataset: str | None = Field(default=None, min_length=1, max_length=1_000)
@@ -769,12 +769,13 @@ def worst_case_micros(planned: list[PlannedRun]) -> int:
 def validate_recipe(recipe: Recipe, settings: Settings) -> None:
     """Checks that need the host's configuration: today, that the model has a price.
 
-    Tolerates a build without :mod:`ephemeral.pricing`; admission still refuses unknown models.
+    Tolerates a build without :mod:`ephemeral.money.pricing`; admission still refuses unknown
+    models.
     """
     try:
-        from ephemeral.pricing import PriceBook
+        from ephemeral.money.pricing import PriceBook
     except ModuleNotFoundError as exc:
-        if exc.name == "ephemeral.pricing":
+        if exc.name == "ephemeral.money.pricing":
             return
         raise
     book = PriceBook.load(settings)

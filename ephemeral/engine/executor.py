@@ -1,6 +1,6 @@
 """How a run that got an execution slot is carried out: the seam between the core and Prefect.
 
-The engine (``ephemeral.engine``) admits a run, holds its slot, watches it and settles it if
+The engine (``ephemeral.engine.engine``) admits a run, holds its slot, watches it and settles it if
 anything escapes; an :class:`Executor` does what lies between, through a :class:`RunHandle`
 (never the runtime). The core ships only :class:`PlainExecutor` (the steps called in turn on
 this loop). :func:`ephemeral.flows.executor.executor_for` picks one from
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps
+from ephemeral.agent.loop import PLAIN_STEPS, AgentRun, Steps
 
 if TYPE_CHECKING:
     import asyncio
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class RunHandle(Protocol):
-    """One run, as an executor sees it (``ephemeral.engine.RunHandle``)."""
+    """One run, as an executor sees it (``ephemeral.engine.engine.RunHandle``)."""
 
     run_id: str
 

@@ -22,7 +22,7 @@ from datetime import timedelta
 from ephemeral.ids import utcnow
 from ephemeral.store import RunRow, Store
 
-log = logging.getLogger("ephemeral.outbox")
+log = logging.getLogger("ephemeral.cluster.outbox")
 
 # How long the admitting process has to hand its run over itself before others step in: its
 # Prefect call takes ~50 ms, seconds on a loaded box. A re-drive before that is harmless

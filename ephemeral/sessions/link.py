@@ -49,7 +49,7 @@ from typing import Any, Protocol
 from ephemeral import errors
 from ephemeral.settings import Settings
 
-log = logging.getLogger("ephemeral.hostlink")
+log = logging.getLogger("ephemeral.sessions.link")
 
 VERSION = 1
 MAX_HEADER = 64 << 10

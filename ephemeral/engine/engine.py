@@ -42,8 +42,9 @@ One run, top to bottom (``file:function`` for each stage)::
 
 A run nothing executes any more (its process died, cancelled while waiting, an executor
 that raised) ends through :meth:`Engine.abandon`, which charges the compute its events show and
-calls the same :func:`~ephemeral.closing.close`; a sandbox session ends through it too
-(``ephemeral.sessions``). A draining worker (``flows/worker.py``) sees which of its runs began
+calls the same :func:`~ephemeral.engine.close.close`; a sandbox session ends through it too
+(``ephemeral.sessions.manager``). A draining worker (``flows/worker.py``) sees which of its runs
+began
 (:meth:`Engine.began`) and ends them through :meth:`Engine.stop`: one that never began is let go
 for another host, one that outlives the drain is cancelled with the drain as its reason.
 
@@ -67,22 +68,22 @@ from datetime import timedelta
 from typing import Any
 
 from ephemeral import errors
-from ephemeral.agent import PLAIN_STEPS, AgentRun, Steps, drive
+from ephemeral.agent.loop import PLAIN_STEPS, AgentRun, Steps, drive
 from ephemeral.broker import Broker
 from ephemeral.broker import journal as charge_journal
-from ephemeral.closing import abandoned_compute, close
-from ephemeral.executor import Dispatcher, Executor
+from ephemeral.engine.close import abandoned_compute, close
+from ephemeral.engine.executor import Dispatcher, Executor
 from ephemeral.ids import utcnow
 from ephemeral.lifecycle import OPEN_STATUSES, TERMINAL_STATUSES, RunStatus, TerminationReason
 from ephemeral.models import NO_MODEL, provider_of
+from ephemeral.money.pricing import PriceBook
 from ephemeral.owner import is_alive
 from ephemeral.policy import Policy
-from ephemeral.pricing import PriceBook
 from ephemeral.sandbox.source import SandboxSource
 from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
 
-log = logging.getLogger("ephemeral.engine")
+log = logging.getLogger("ephemeral.engine.engine")
 
 EVENT_POLL_SECONDS = 0.1
 # How long a cancel waits for another process to end the run: its poll (0.5 s), the sandbox's
@@ -104,7 +105,7 @@ class RunState:
 
 
 class RunHandle:
-    """What an executor may do with one run (``ephemeral.executor.Executor``)."""
+    """What an executor may do with one run (``ephemeral.engine.executor.Executor``)."""
 
     def __init__(self, engine: Engine, state: RunState) -> None:
         self._engine = engine
@@ -371,7 +372,7 @@ class Engine:
         st = self.state(agent.run_id)
         st.agent = agent
         try:
-            # The settle step's close writes the record (once; ephemeral.closing).
+            # The settle step's close writes the record (once; ephemeral.engine.close).
             return await drive(agent, steps)
         finally:
             st.agent = None
@@ -382,7 +383,7 @@ class Engine:
         """Hand an admitted run to the dispatcher. If Prefect cannot take it now (a ``503``
         from its server under load, a timeout), the run stays ``queued`` and undispatched, and
         the outbox of every live API process and worker hands it over again
-        (ephemeral.outbox): a transient error loses no run and fails no request."""
+        (ephemeral.cluster.outbox): a transient error loses no run and fails no request."""
         assert self.dispatcher is not None
         try:
             await self.dispatcher(run_id)

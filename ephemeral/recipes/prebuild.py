@@ -200,8 +200,8 @@ def _environments(settings: Settings, path: Path, force_build: bool) -> list[Env
 
 
 def _recipe_environments(settings: Settings, path: Path) -> list[Environment]:
-    from ephemeral import recipes
     from ephemeral.oci.reference import is_reference
+    from ephemeral.recipes import recipe as recipes
 
     try:
         loaded = recipes.load_any(path)

@@ -1,7 +1,7 @@
 """One run's agent loop, without Prefect: provision → (model step, tool steps)* → teardown → settle.
 
 An agent run (``policy.agent``) has one agent step instead of the turns: its own program in the
-sandbox (``ephemeral.agent_command``), calling its model through the gateway.
+sandbox (``ephemeral.agent.command``), calling its model through the gateway.
 
 Each step is a coroutine method of :class:`AgentRun`. :func:`drive` sequences them; it is the
 only place that knows the order, and it takes the step callables as a parameter so that the
@@ -23,22 +23,22 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ephemeral import errors
-from ephemeral import verify as verify_env
+from ephemeral.agent.retry import call_with_retries
 from ephemeral.broker.attach import WebCharges, cut_egress, egress_stop, start_egress
-from ephemeral.budget import RunBudget
-from ephemeral.closing import close
+from ephemeral.engine import verify as verify_env
+from ephemeral.engine.close import close
 from ephemeral.events import redact_for_zdr
 from ephemeral.ids import utcnow
 from ephemeral.lifecycle import RunStatus, StopRun, compute_charge
 from ephemeral.lifecycle import TerminationReason as Reason
+from ephemeral.money.budget import RunBudget
 from ephemeral.policy import Policy
 from ephemeral.providers.base import Message, ModelReply, ToolCall, ToolSpec, Usage
-from ephemeral.retry import call_with_retries
 
 if TYPE_CHECKING:
     from ephemeral.broker import Broker
     from ephemeral.broker.egress import Egress
-    from ephemeral.pricing import PriceBook
+    from ephemeral.money.pricing import PriceBook
     from ephemeral.providers.base import Provider
     from ephemeral.sandbox.base import Limits, Sandbox
     from ephemeral.settings import Settings
@@ -308,7 +308,7 @@ class AgentRun:
                 Reason.MODEL_ERROR, f"no final answer within max_turns ({self.max_turns})"
             )
         left = self._check_time()
-        from ephemeral.pricing import estimate_tokens
+        from ephemeral.money.pricing import estimate_tokens
 
         est_in = estimate_tokens(self.messages, self.tools())
         price = self.price_book.model_price(self.model)
@@ -382,8 +382,8 @@ class AgentRun:
 
     async def agent_step(self) -> None:
         """An agent run's one step: its own program in place of our loop's turns
-        (``ephemeral.agent_command``)."""
-        from ephemeral.agent_command import agent_step
+        (``ephemeral.agent.command``)."""
+        from ephemeral.agent.command import agent_step
 
         await agent_step(self)
 
@@ -468,7 +468,7 @@ class AgentRun:
 
         Every process the agent left is killed first, so the grader sees the files, not a
         still-running agent; then verify gets a fresh home, the run's verify files and an
-        environment the agent could not shape (``ephemeral.verify``). Each command gets what
+        environment the agent could not shape (``ephemeral.engine.verify``). Each command gets what
         is left of the run's whole time limit (the slice kept for verify) and of the compute
         budget; results are ``verify.executed`` events and ``verify_results``, for the checks
         and the records.
@@ -585,7 +585,7 @@ class AgentRun:
             self.compute = (compute, int(self.budget.sandbox_seconds() * 1000))
 
     async def settle(self) -> RunRow:
-        """End the run: the one close (:func:`ephemeral.closing.close`), then its record."""
+        """End the run: the one close (:func:`ephemeral.engine.close.close`), then its record."""
         # Every charge still landing (a model call through the gateway settling) first: the
         # close's transcript and settlement count it.
         await self._flush_charges()

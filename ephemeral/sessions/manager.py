@@ -14,9 +14,10 @@ recovery and the records treat it exactly as a run:
 A watchdog task per session ends it at its time limit (``timeout_seconds`` from its start) or
 when compute would pass what its reservation has left, whichever comes first; the sandbox's own
 lifetime (time limit + 10 s) is the backstop. A session lives in the process that created it
-(in dispatch mode, the worker host that claimed it: ``ephemeral.placement``): when that process
+(in dispatch mode, the worker host that claimed it: ``ephemeral.sessions.placement``): when that
+process
 dies, the next start of a runtime reaps its sandbox and settles it like an orphaned run
-(:meth:`ephemeral.service.Runtime.recover`), or, on a worker host, any runtime's lease sweep.
+(:meth:`ephemeral.engine.runtime.Runtime.recover`), or, on a worker host, any runtime's lease sweep.
 """
 
 from __future__ import annotations
@@ -39,9 +40,8 @@ from pydantic import Field, field_validator, model_validator
 from ephemeral import errors
 from ephemeral.broker.attach import WebCharges, cut_egress, egress_stop, start_egress
 from ephemeral.broker.broker import Broker
-from ephemeral.budget import RunBudget
 from ephemeral.clock import SYSTEM, Clock
-from ephemeral.closing import close, record
+from ephemeral.engine.close import close, record
 from ephemeral.events import redact_for_zdr
 from ephemeral.ids import new_run_id, rfc3339, utcnow
 from ephemeral.labels import Labels, string_labels
@@ -52,8 +52,9 @@ from ephemeral.lifecycle import (
     TerminationReason,
     compute_charge,
 )
+from ephemeral.money.budget import RunBudget
+from ephemeral.money.pricing import PriceBook
 from ephemeral.policy import MAX_COST_MICROS, Policy, _fail, _Strict
-from ephemeral.pricing import PriceBook
 from ephemeral.runview import cost_view, termination_view, timestamp
 from ephemeral.sandbox import users
 from ephemeral.sandbox.base import ExecResult, Limits, Sandbox
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
     from ephemeral.broker.egress import Egress
     from ephemeral.store.connections import StoredConnection
 
-log = logging.getLogger("ephemeral.sessions")
+log = logging.getLogger("ephemeral.sessions.manager")
 
 KIND = "session"
 # The model column of a session: it has no model loop (its code may call models through the
@@ -368,7 +369,7 @@ class Sessions:
 
     async def start_admitted(self, row: RunRow) -> RunRow:
         """Start the sandbox of a session another process admitted and this host claimed
-        (``ephemeral.session_host``): the path ``create`` takes after admission."""
+        (``ephemeral.sessions.host``): the path ``create`` takes after admission."""
         self._starting.add(row.id)
         try:
             policy = Policy.model_validate(row.policy)
@@ -442,7 +443,7 @@ class Sessions:
             }
             running = await self.store.transition(
                 row.id,
-                # provisioning: claimed by a worker host (ephemeral.session_host)
+                # provisioning: claimed by a worker host (ephemeral.sessions.host)
                 expect={RunStatus.QUEUED, RunStatus.PROVISIONING},
                 to=RunStatus.RUNNING,
                 events=[("sandbox.ready", ready), ("worker.started", started)],

@@ -2,9 +2,10 @@
 
 The CLI, the API server and the Prefect flows all go through one :class:`Runtime`. It owns the
 store, the price book, the sandbox source (``ephemeral.sandbox.source``), the run engine
-(``ephemeral.engine``: how one run goes from admission to its record, in this process) and the
+(``ephemeral.engine.engine``: how one run goes from admission to its record, in this process) and
+the
 sandbox sessions. How a run is carried out once it has a slot is its
-:class:`~ephemeral.executor.Executor`, chosen by the entry point
+:class:`~ephemeral.engine.executor.Executor`, chosen by the entry point
 (``ephemeral.flows.executor.executor_for``).
 """
 
@@ -20,28 +21,28 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ephemeral import errors, progress
-from ephemeral.closing import record
-from ephemeral.engine import EVENT_POLL_SECONDS, Engine, brief_error
+from ephemeral.cluster.leases import ProcessLease
+from ephemeral.engine.close import record
+from ephemeral.engine.engine import EVENT_POLL_SECONDS, Engine, brief_error
+from ephemeral.engine.executor import Executor, PlainExecutor
 from ephemeral.events import Event
-from ephemeral.executor import Executor, PlainExecutor
 from ephemeral.ids import new_run_id, utcnow
-from ephemeral.leases import ProcessLease
 from ephemeral.lifecycle import TERMINAL_STATUSES, TerminationReason
 from ephemeral.models import NO_MODEL, resolve_model
+from ephemeral.money.pricing import PriceBook
 from ephemeral.oci import sandbox_image
 from ephemeral.owner import is_alive, this_process
 from ephemeral.policy import Policy, RunRequest
-from ephemeral.pricing import PriceBook
 from ephemeral.providers.registry import provider_for
 from ephemeral.sandbox import images
 from ephemeral.sandbox.registry import get_driver, resolve_isolation
 from ephemeral.sandbox.source import SandboxSource
-from ephemeral.sessions import Sessions, require_grants
+from ephemeral.sessions.manager import Sessions, require_grants
 from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
 
 __all__ = ["Runtime", "brief_error", "current"]
-log = logging.getLogger("ephemeral.service")
+log = logging.getLogger("ephemeral.engine.runtime")
 
 CANCEL_POLL_SECONDS = 0.5  # how often a worker looks for cancel requests on its runs
 WATCHDOG_SECONDS = 5.0  # how often the watchdog looks for runs that nothing is finishing
@@ -115,7 +116,8 @@ class Runtime:
     ) -> Runtime:
         """Open the store, finish runs orphaned by a crash, start the warm pool and the watchdog.
 
-        ``executor`` carries out each run (default: :class:`~ephemeral.executor.PlainExecutor`),
+        ``executor`` carries out each run (default:
+        :class:`~ephemeral.engine.executor.PlainExecutor`),
         on this loop: ``ephemeral serve`` too admits, streams and executes on one loop.
         """
         settings.state_dir.mkdir(parents=True, exist_ok=True)
@@ -241,7 +243,8 @@ class Runtime:
             self._admitting -= 1
         return row, replayed
 
-    # execution (the engine's; ephemeral/engine.py walks one run) ----------------------------
+    # execution (the engine's; ephemeral/engine/engine.py walks one run)
+    # ----------------------------
     def keep_prompt(self, run_id: str, prompt: str) -> None:
         """Hold a zero-data-retention prompt in memory for the engine that will build the run."""
         self.engine.keep_prompt(run_id, prompt)
@@ -324,7 +327,7 @@ class Runtime:
         now = utcnow()
         for row in await self.store.open_runs():
             if row.owner != self.owner or self.sessions.owns(row.id) or row.id in self.holding:
-                continue  # a live session has its own watchdog (ephemeral.sessions)
+                continue  # a live session has its own watchdog (ephemeral.sessions.manager)
             task = self.engine.task(row.id)
             if task is None or task.done():
                 if row.id not in self._suspects:
@@ -378,7 +381,7 @@ class Runtime:
     async def hold_leases(self, lease_seconds: float) -> None:
         """Make this runtime a worker: its slot grants take a lease, renewed every third of
         ``lease_seconds`` while the run executes here (by the run watcher), and this process
-        holds a lease of its own until :meth:`close` (ephemeral.leases)."""
+        holds a lease of its own until :meth:`close` (ephemeral.cluster.leases)."""
         if self.process_lease is None:
             self.process_lease = ProcessLease(
                 self.settings.db_url, self.owner, self.host, lease_seconds

@@ -1,7 +1,7 @@
 """The price book: what a model call, a web request and a second of sandbox cost, in micros.
 
 Every figure is an integer number of micro-dollars, and every computed charge is rounded *up*
-(a run is never undercharged by rounding). The shipped book is ``ephemeral/price_book.yaml``;
+(a run is never undercharged by rounding). The shipped book is ``ephemeral/money/price_book.yaml``;
 an operator file (``EPHEMERAL_PRICE_BOOK``) is laid over it: its model entries replace the
 shipped ones by name, its ``web`` and ``compute`` fields replace single fields, and the
 resulting version reads ``<shipped>+<override>`` so every record says which prices applied.

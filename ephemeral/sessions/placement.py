@@ -1,11 +1,12 @@
 """Sandbox sessions placed on worker hosts, for API processes in dispatch mode
 (``EPHEMERAL_EXECUTOR=dispatch``; docs/deploy.md, "Sessions on worker hosts").
 
-:class:`PlacedSessions` replaces the runtime's :class:`~ephemeral.sessions.Sessions` in an API
+:class:`PlacedSessions` replaces the runtime's :class:`~ephemeral.sessions.manager.Sessions` in an
+API
 process that dispatches. A session is validated and admitted here exactly as in one process
 (the same policy, money, idempotency), then placed: the API asks a live worker host with a
 free session slot (the ``worker_hosts`` directory) to claim and start it over the internal
-channel (:mod:`ephemeral.hostlink`). A host that is full or does not answer is skipped for the
+channel (:mod:`ephemeral.sessions.link`). A host that is full or does not answer is skipped for the
 next; none within ``placement_timeout_seconds`` and the session ends ``failed`` /
 ``infra_error``, refunded. Exec, files and delete on any API process go to the host that
 claimed the session (the run row's ``host``).
@@ -30,15 +31,15 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ephemeral import errors
-from ephemeral.closing import close
-from ephemeral.hostlink import LinkClient, LinkError, LinkRefused, Peer, Transport
+from ephemeral.engine.close import close
 from ephemeral.ids import utcnow
 from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus, TerminationReason
+from ephemeral.money.pricing import PriceBook
 from ephemeral.policy import Policy
-from ephemeral.pricing import PriceBook
 from ephemeral.sandbox.base import ExecResult, Limits
 from ephemeral.sandbox.source import SandboxSource
-from ephemeral.sessions import (
+from ephemeral.sessions.link import LinkClient, LinkError, LinkRefused, Peer, Transport
+from ephemeral.sessions.manager import (
     DEADLINE_GRACE_SECONDS,
     DEFAULT_EXEC_TIMEOUT,
     MAX_FILE_BYTES,
@@ -50,9 +51,9 @@ from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store, hosts
 
 if TYPE_CHECKING:
-    from ephemeral.service import Runtime
+    from ephemeral.engine.runtime import Runtime
 
-log = logging.getLogger("ephemeral.placement")
+log = logging.getLogger("ephemeral.sessions.placement")
 
 DIRECTORY_SECONDS = 1.0  # the host directory is read again when older than this
 CALL_MARGIN_SECONDS = 30.0  # past a command's own deadline before a call counts as hung
@@ -75,7 +76,8 @@ def install(runtime: Runtime, transport: Transport | None = None) -> None:
 
 class PlacedSessions(Sessions):
     """Admitted here, started and served on a worker host; the same arguments as
-    :class:`~ephemeral.sessions.Sessions` (its sandbox source is used only for the admission's
+    :class:`~ephemeral.sessions.manager.Sessions` (its sandbox source is used only for the
+    admission's
     isolation check: no sandbox starts in this process)."""
 
     def __init__(
@@ -96,7 +98,7 @@ class PlacedSessions(Sessions):
 
     def link(self) -> LinkClient:
         if self._link is None:
-            from ephemeral.session_host import ensure_seal_key
+            from ephemeral.sessions.host import ensure_seal_key
 
             self._link = LinkClient(
                 ensure_seal_key(self.settings), self.settings.host_id, self._transport

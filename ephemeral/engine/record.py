@@ -12,10 +12,10 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ephemeral import errors
+from ephemeral.engine.outcomes import GRADED, outcome_of_labels
 from ephemeral.events import Event
 from ephemeral.ids import rfc3339, utcnow
 from ephemeral.labels import string_labels
-from ephemeral.outcomes import GRADED, outcome_of_labels
 from ephemeral.providers.replay import PREFIX as REPLAY_PREFIX
 from ephemeral.records import EventRecord, RunRecord, StepRecord, write_run
 from ephemeral.settings import Settings

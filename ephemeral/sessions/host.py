@@ -2,10 +2,10 @@
 worker hosts").
 
 ``ephemeral worker`` starts one :class:`SessionHost` beside its runtime: the internal channel's
-listener (:mod:`ephemeral.hostlink`), its row in the host directory (``worker_hosts``), and a
+listener (:mod:`ephemeral.sessions.link`), its row in the host directory (``worker_hosts``), and a
 loop that renews the leases of the sessions it hosts, renews the directory row and acts on
 cancel requests any process wrote to the store. The sessions themselves run in the runtime's
-:class:`~ephemeral.sessions.Sessions`, exactly as in one process (same limits, events and
+:class:`~ephemeral.sessions.manager.Sessions`, exactly as in one process (same limits, events and
 money); only their admission happened in an API process.
 
 A session is claimed by one host only: the claim moves it ``queued`` → ``provisioning`` with
@@ -24,17 +24,17 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ephemeral import errors
-from ephemeral.hostlink import Limits, LinkServer, link_key
 from ephemeral.ids import utcnow
 from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus
-from ephemeral.sessions import KIND, ExecRequest
+from ephemeral.sessions.link import Limits, LinkServer, link_key
+from ephemeral.sessions.manager import KIND, ExecRequest
 from ephemeral.store import hosts
 
 if TYPE_CHECKING:
-    from ephemeral.service import Runtime
+    from ephemeral.engine.runtime import Runtime
     from ephemeral.settings import Settings
 
-log = logging.getLogger("ephemeral.session_host")
+log = logging.getLogger("ephemeral.sessions.host")
 
 TEND_SECONDS = 0.5  # cancel requests are looked for this often (as for runs)
 # Expired leases are looked for this often here, besides every runtime's 5 s watchdog: the

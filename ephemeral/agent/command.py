@@ -52,7 +52,7 @@ KILL_WAIT_SECONDS: Final = 10.0
 
 
 class AgentRun(Protocol):
-    """What the step needs of its run (``ephemeral.agent.AgentRun``, which imports this)."""
+    """What the step needs of its run (``ephemeral.agent.loop.AgentRun``, which imports this)."""
 
     row: RunRow
     policy: Policy

@@ -8,7 +8,8 @@ Zero data retention: the records of such a run hold no prompt, output, command o
 output, and the export adds none: those columns are null and each check reason is the ZDR
 placeholder; status, verdicts, exit codes, tokens and money remain.
 
-Each row's ``outcome`` (pass / fail / error / cancelled / budget, ``ephemeral.outcomes``) is the
+Each row's ``outcome`` (pass / fail / error / cancelled / budget, ``ephemeral.engine.outcomes``) is
+the
 one the records hold; ``passed`` is ``outcome = 'pass'``, so an infrastructure error is neither
 a pass nor a fail.
 """

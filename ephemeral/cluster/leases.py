@@ -1,8 +1,8 @@
 """A worker process's lease on the store: the proof that it is alive, apart from its runs.
 
 Every run a worker holds carries a lease on its row (``runs.lease_expires_at``), renewed by the
-runtime's run watcher (ephemeral.service) and used to charge compute up to the host's death
-(ephemeral.closing). Those renewals share the run rows with everything else a run writes and
+runtime's run watcher (ephemeral.engine.runtime) and used to charge compute up to the host's death
+(ephemeral.engine.close). Those renewals share the run rows with everything else a run writes and
 share the worker's event loop with its sandboxes, so under load one can be seconds late.
 Measured on 2 cores at load 6-80 (tests/cluster, 5 s leases): renewal ``UPDATE``\\s that took
 1-3.5 s to commit, and a run settled as "its host died" while its host was alive and well.
@@ -33,7 +33,7 @@ from ephemeral.store import ledger
 from ephemeral.store.engine import create_engine
 from ephemeral.store.schema import process_leases
 
-log = logging.getLogger("ephemeral.leases")
+log = logging.getLogger("ephemeral.cluster.leases")
 
 TICK_SECONDS = 0.25  # how often the event loop marks that it turns
 

@@ -37,7 +37,7 @@ from pydantic import (
 )
 
 from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus
-from ephemeral.money import usd
+from ephemeral.money.amounts import usd
 
 MAX_PATTERN_CHARS = 1_000
 _EXCERPT = 60

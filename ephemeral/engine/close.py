@@ -24,11 +24,11 @@ from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any
 
+from ephemeral.engine.record import record_run
 from ephemeral.events import Event
 from ephemeral.ids import rfc3339, utcnow
 from ephemeral.lifecycle import OPEN_STATUSES, RunStatus, TerminationReason, compute_charge
-from ephemeral.money import usd
-from ephemeral.recording import record_run
+from ephemeral.money.amounts import usd
 from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
 
