@@ -14,13 +14,13 @@ import asyncio
 import contextlib
 import copy
 import logging
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
-from prefect import task
+from prefect import Task, task
 
 from ephemeral.cluster import outbox
-from ephemeral.engine.runtime import current
 
 if TYPE_CHECKING:
     from ephemeral.engine.executor import RunHandle
@@ -38,14 +38,30 @@ def host_limit(host: str) -> str:
     return f"microvm:{host}"
 
 
-@task(name="execute-run", task_run_name="{run_id}", retries=0, log_prints=False)
-async def execute_run(run_id: str) -> str:
-    """Execute one admitted run on this worker; returns its status (no content)."""
+def execute_run_task(runtime: Runtime | None) -> Task[[str], Coroutine[Any, Any, str]]:
+    """The ``execute-run`` task, executing its runs on ``runtime`` (a worker's, which it built
+    at its start and hands in here: the body looks nothing up).
+
+    Every call makes the same task to Prefect: one code object, so one ``task_key``. A task run
+    created from :data:`execute_run` (no runtime: a dispatching process only creates runs) is
+    served by the worker's own ``execute_run_task(runtime)``."""
+
+    @task(name="execute-run", task_run_name="{run_id}", retries=0, log_prints=False)
+    async def execute_run(run_id: str) -> str:
+        """Execute one admitted run on this worker; returns its status (no content)."""
+        if runtime is None:
+            raise RuntimeError("execute-run runs inside `ephemeral worker` only")
+        return await _execute(runtime, run_id)
+
+    return execute_run
+
+
+execute_run = execute_run_task(None)
+
+
+async def _execute(runtime: Runtime, run_id: str) -> str:
     from prefect.concurrency.asyncio import concurrency
 
-    runtime = current()
-    if runtime is None:
-        raise RuntimeError("execute-run runs inside `ephemeral worker` only")
     if runtime.draining:  # this host takes no new runs: another one will
         await hand_back(runtime, run_id)
         return (await runtime.store.get_run(run_id)).status
@@ -88,10 +104,9 @@ async def create_task_run(run_id: str, task_run_id: UUID, client: Any = None) ->
             raise
 
 
-async def dispatch(run_id: str, client: Any = None) -> None:
+async def dispatch(store: Store, run_id: str, client: Any = None) -> None:
     """Hand an admitted run to the pool through the outbox (idempotent: ephemeral.cluster.outbox).
     ``client``: an open Prefect client to reuse."""
-    store = _runtime().store
     await outbox.hand_over(
         store, await store.get_run(run_id), lambda r, t: create_task_run(r, t, client)
     )
@@ -108,13 +123,6 @@ async def hand_back(runtime: Runtime, run_id: str) -> bool:
     except Exception:
         log.exception("run %s: handing it back to Prefect failed (the outbox retries)", run_id)
     return True
-
-
-def _runtime() -> Runtime:
-    runtime = current()
-    if runtime is None:
-        raise RuntimeError("dispatching needs the process's runtime on this event loop")
-    return runtime
 
 
 async def mark_crashed(run_id: str) -> None:
@@ -151,14 +159,14 @@ class DispatchExecutor:
             outbox.redrive_forever(store, create_task_run), name="outbox"
         )
 
-    async def dispatch(self, run_id: str) -> None:
+    async def dispatch(self, store: Store, run_id: str) -> None:
         if self._client is None:
             from prefect import get_client
 
             client = get_client()
             await client.__aenter__()
             self._client = client
-        await dispatch(run_id, self._client)
+        await dispatch(store, run_id, self._client)
 
     async def execute(self, run: RunHandle) -> None:
         await run.dispatch()

@@ -33,7 +33,7 @@ from ephemeral.engine.runtime import Runtime, freeze_startup_heap
 from ephemeral.flows.dispatch import (
     TOTAL_LIMIT,
     create_task_run,
-    execute_run,
+    execute_run_task,
     hand_back,
     host_limit,
     mark_crashed,
@@ -75,7 +75,7 @@ class HostWorker(TaskWorker):
     """
 
     def __init__(self, runtime: Runtime, drain_seconds: float, limit: int) -> None:
-        super().__init__(execute_run, limit=limit)
+        super().__init__(execute_run_task(runtime), limit=limit)
         self.runtime = runtime
         self.drain_seconds = drain_seconds
         self.signals = 0

@@ -73,9 +73,9 @@ async def _run(
         try:
             with watch(evaluation.suite_run_id, observe):
                 if settings.executor != "plain":
-                    from ephemeral.flows.eval_suite import eval_suite
+                    from ephemeral.flows.eval_suite import eval_suite_flow
 
-                    await eval_suite(
+                    await eval_suite_flow(runtime)(
                         suite=str(resolve_path(str(source), settings).resolve()),
                         compare=evaluation.compare_with,
                         suite_run_id=evaluation.suite_run_id,

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection
@@ -197,7 +198,9 @@ class Engine:
         # process with a dispatcher hands admitted runs to Prefect instead of executing them.
         self.lease_seconds: float | None = None
         self.dispatcher: Callable[[str], Awaitable[None]] | None = (
-            executor.dispatch if isinstance(executor, Dispatcher) else None
+            functools.partial(executor.dispatch, store)
+            if isinstance(executor, Dispatcher)
+            else None
         )
 
     # state --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from ephemeral.agent.loop import PLAIN_STEPS, AgentRun, Steps
 if TYPE_CHECKING:
     import asyncio
 
-    from ephemeral.store import RunRow
+    from ephemeral.store import RunRow, Store
 
 
 class RunHandle(Protocol):
@@ -83,8 +83,9 @@ class Dispatcher(Protocol):
     :meth:`dispatch` (nothing executes in its process) and cancels through the store.
     """
 
-    async def dispatch(self, run_id: str) -> None:
-        """Hand the admitted run to a worker; return once it is queued there."""
+    async def dispatch(self, store: Store, run_id: str) -> None:
+        """Hand the admitted run to a worker; return once it is queued there. ``store``: the
+        dispatching runtime's, where the hand-over is marked (ephemeral.outbox)."""
         ...
 
 

@@ -1,10 +1,11 @@
 """The runtime of one host process: admission, control, the watchdog, recovery.
 
-The CLI, the API server and the Prefect flows all go through one :class:`Runtime`. It owns the
-store, the price book, the sandbox source (``ephemeral.sandbox.source``), the run engine
-(``ephemeral.engine.engine``: how one run goes from admission to its record, in this process) and
-the
-sandbox sessions. How a run is carried out once it has a slot is its
+The CLI, the API server and the Prefect flows all go through one :class:`Runtime`, which each
+entry point starts and hands to what needs it (nothing looks up "the process's runtime":
+docs/architecture.md). It owns the store, the price book, the sandbox source
+(``ephemeral.sandbox.source``), the run engine (``ephemeral.engine.engine``: how one run goes from
+admission to its record, in this process) and the sandbox sessions. How a run is carried out
+once it has a slot is its
 :class:`~ephemeral.engine.executor.Executor`, chosen by the entry point
 (``ephemeral.flows.executor.executor_for``).
 """
@@ -41,7 +42,7 @@ from ephemeral.sessions.manager import Sessions, require_grants
 from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
 
-__all__ = ["Runtime", "brief_error", "current"]
+__all__ = ["Runtime", "brief_error"]
 log = logging.getLogger("ephemeral.engine.runtime")
 
 CANCEL_POLL_SECONDS = 0.5  # how often a worker looks for cancel requests on its runs
@@ -51,8 +52,6 @@ ISOLATION_LEVELS = ("microvm-kvm", "microvm-tcg", "gvisor", "namespaces")
 LOCAL_ORG = "local"
 LOCAL_ORG_CREDIT_MICROS = 100_000_000  # $100 of play money for the embedded CLI
 
-_by_loop: dict[asyncio.AbstractEventLoop, Runtime] = {}
-
 
 def freeze_startup_heap() -> None:
     """For a long-lived process once its runtime has started: what starting loaded (modules,
@@ -60,14 +59,6 @@ def freeze_startup_heap() -> None:
     leave it. Left to it, the first full collection re-scanned all of it and held every request
     of ``serve`` ~170 ms (measured; docs/deploy.md, "Seventh pass")."""
     gc.freeze()
-
-
-def current() -> Runtime | None:
-    """The runtime serving this event loop, if any (flows run by a worker start their own)."""
-    try:
-        return _by_loop.get(asyncio.get_running_loop())
-    except RuntimeError:
-        return None
 
 
 class Runtime:
@@ -124,7 +115,6 @@ class Runtime:
         progress.stage("opening the store")
         store = await Store.open(settings.db_url)
         runtime = cls(settings, store, PriceBook.load(settings), executor)
-        _by_loop[asyncio.get_running_loop()] = runtime
         if recover:
             await runtime.recover()
         if warm_pool and settings.pool_size > 0:
@@ -152,9 +142,6 @@ class Runtime:
         await self.store.close()
         if self.process_lease is not None:
             await self.process_lease.stop()
-        for loop, runtime in list(_by_loop.items()):
-            if runtime is self:
-                del _by_loop[loop]
 
     # admission -----------------------------------------------------------------------------
     async def local_org(self) -> str:

@@ -27,8 +27,8 @@ async def test_eval_suite_and_recipe_run_flows(tmp_path: Path) -> None:
         FlowRunFilterName,
     )
 
-    from ephemeral.flows.eval_suite import eval_suite
-    from ephemeral.flows.recipe_run import recipe_run
+    from ephemeral.flows.eval_suite import eval_suite_flow
+    from ephemeral.flows.recipe_run import recipe_run_flow
 
     cassettes = tmp_path / "cassettes"
     model = write_cassette(cassettes, "evalflow", [f"echo {CANARY}"], f"said {CANARY}")
@@ -57,8 +57,9 @@ async def test_eval_suite_and_recipe_run_flows(tmp_path: Path) -> None:
     )
     runtime = await Runtime.start(settings, executor=executor_for(settings))
     try:
-        first = await eval_suite(suite=str(suite))
-        second = await recipe_run(recipe=str(recipe), compare=first["suite_run_id"])
+        # The flows are handed the runtime: they look nothing up.
+        first = await eval_suite_flow(runtime)(suite=str(suite))
+        second = await recipe_run_flow(runtime)(recipe=str(recipe), compare=first["suite_run_id"])
     finally:
         await runtime.close()
     assert first["passed"] is True and first["runs"] == 2 and first["passing"] == 0

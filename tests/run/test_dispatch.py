@@ -21,6 +21,7 @@ from ephemeral.ids import new_run_id, utcnow
 from ephemeral.lifecycle import RunStatus
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
+from ephemeral.store import Store
 from ephemeral.store.schema import sealed_content
 from tests.run.conftest import turn
 
@@ -35,7 +36,7 @@ class ToWorker:
         self.dispatched: list[str] = []
         self.tasks: list[asyncio.Task[None]] = []
 
-    async def dispatch(self, run_id: str) -> None:
+    async def dispatch(self, store: Store, run_id: str) -> None:
         worker = self.worker
         assert worker is not None
         self.dispatched.append(run_id)
@@ -115,7 +116,9 @@ async def test_a_hand_over_prefect_refuses_leaves_the_run_queued_for_the_outbox(
         assert fake.dispatched == []
         waiting = await api.store.undispatched_runs(utcnow() + timedelta(seconds=1))
         assert [r.id for r in waiting] == [row.id]
-        await outbox.hand_over(api.store, waiting[0], lambda run_id, _task_run: handed(run_id))
+        await outbox.hand_over(
+            api.store, waiting[0], lambda run_id, _task_run: handed(api.store, run_id)
+        )
         settled = await api.wait(row.id, timeout=60)
     finally:
         await worker.close()
