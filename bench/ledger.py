@@ -1,6 +1,6 @@
 """What a batch of web charges costs the store: ``Store.charge_batch`` with 1, 8, 32 and 128
 charges (an egress stream charges one per MiB moved) on a real SQLite file, CPU of this
-process per batch and per charge, beside one ``append_event`` (the store's cheapest write) in
+process per batch and per charge, beside one ``store.events.append`` (the store's cheapest write) in
 the same process. Prints figures; asserts nothing.
 
     .venv/bin/python bench/ledger.py [--batches 200]
@@ -37,9 +37,9 @@ async def main(batches: int) -> None:
             runtime.holding = {row.id}  # nothing executes it: not an orphan for the watchdog
             t = cpu()
             for i in range(batches):
-                await store.append_event(row.id, "web.requested", {"method": "GET", "n": i})
+                await store.events.append(row.id, "web.requested", {"method": "GET", "n": i})
             floor = (cpu() - t) / batches * 1e3
-            print(f"append_event (floor)    {floor:6.3f} ms CPU")
+            print(f"events.append (floor)   {floor:6.3f} ms CPU")
             seq = 0
             for size in (1, 8, 32, 128):
                 t = cpu()

@@ -143,7 +143,7 @@ class AgentRun:
 
     # events ------------------------------------------------------------------------------
     async def emit(self, type_: str, data: dict[str, Any]) -> None:
-        await self.store.append_event(
+        await self.store.events.append(
             self.run_id, type_, redact_for_zdr(data) if self.zdr else data
         )
 

@@ -191,7 +191,7 @@ async def run_page(request: Request, run_id: str) -> Response:
         return render(
             request, "error.html.j2", 404, title="Not found", detail=exc.detail, signed_in=who
         )
-    events = await runtime.store.list_events(run_id)
+    events = await runtime.store.events.list(run_id)
     t0 = events[0].at if events else None
     run = run_object(row, base_url(request))
     settled = bool(events) and events[-1].type == "run.settled"

@@ -75,7 +75,7 @@ async def record_sample(runtime: Any, name: str) -> Path:
     org = await runtime.local_org()
     row, _ = await runtime.admit(org, request, labels={"sample": name})
     row = await runtime.execute(row.id)
-    events = await runtime.store.list_events(row.id)
+    events = await runtime.store.events.list(row.id)
     if row.status != "succeeded":
         raise errors.SandboxError(f"the sample run ended {row.status}; not recording it")
     sample = Sample(

@@ -256,7 +256,7 @@ class Gateway:
         try:
             while True:
                 self._dirty = False
-                await self.charges.store.save_transcript(self.charges.run_id, list(self.turns))
+                await self.charges.store.transcripts.save(self.charges.run_id, list(self.turns))
                 if not self._dirty:
                     return
         finally:

@@ -92,7 +92,7 @@ async def record(
     row = await store.get_run(run) if isinstance(run, str) else run
     if row.recorded_at is not None and not rewrite:
         return row
-    events = await store.list_events(row.id)
+    events = await store.events.list(row.id)
     if row.host is not None and row.host != settings.host_id:
         # Recovered on another host: the record goes to the run's own host partition.
         settings = settings.model_copy(update={"host_id": row.host})

@@ -533,7 +533,7 @@ class Engine:
         # Egress charges made before the process died, not yet in the ledger (broker/journal).
         await charge_journal.replay(self.store, self.settings.state_dir, run_id)
         row = await self.store.get_run(run_id)
-        events = await self.store.list_events(run_id)
+        events = await self.store.events.list(run_id)
         limits = self.sandboxes.limits(Policy.model_validate(row.policy).timeout_seconds)
         compute = abandoned_compute(
             row,

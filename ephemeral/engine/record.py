@@ -188,13 +188,13 @@ async def cassette_of_run(store: Store, run_id: str) -> dict[str, Any]:
     through the gateway, the gateway's; the cassette's model is then the one those calls used.
     """
     row = await store.get_run(run_id)
-    turns = await store.get_transcript(run_id)
+    turns = await store.transcripts.get(run_id)
     if not turns:
         raise errors.NotFound(
             f"run {run_id} has no recorded model turns (zero data retention or erased)"
         )
     model = row.model
-    calls = [e.data for e in await store.list_events(run_id) if e.type == "model.called"]
+    calls = [e.data for e in await store.events.list(run_id) if e.type == "model.called"]
     through = [c.get("model") for c in calls if c.get("via") == "gateway"]
     if calls and len(through) == len(calls):
         models = sorted({str(m) for m in through})

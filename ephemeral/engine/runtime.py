@@ -283,7 +283,7 @@ class Runtime:
         """The run's events after ``after_seq``; with ``follow``, until ``run.settled``."""
         seq = after_seq
         while True:
-            batch = await self.store.list_events(run_id, after_seq=seq)
+            batch = await self.store.events.list(run_id, after_seq=seq)
             for ev in batch:
                 seq = ev.seq
                 yield ev

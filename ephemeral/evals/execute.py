@@ -70,7 +70,7 @@ async def execute_planned(
     finally:
         # The output of a zero-data-retention run exists once, here; judge it now or never.
         zdr_output = runtime.take_zdr_output(row.id)
-    events = [e.model_dump(mode="json") for e in await runtime.store.list_events(row.id)]
+    events = [e.model_dump(mode="json") for e in await runtime.store.events.list(row.id)]
     verdicts = evaluate(recipe.checks, run_view_output(row, zdr_output), events)
     if planned.policy.zero_data_retention:
         verdicts = [v.model_copy(update={"reason": ZDR_REASON}) for v in verdicts]

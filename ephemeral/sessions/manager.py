@@ -208,7 +208,7 @@ class Live:
     # the broker's context (ephemeral.broker.context.BrokerContext) --------------------------
     async def emit(self, type_: str, data: dict[str, Any]) -> None:
         zdr = self.policy.zero_data_retention
-        await self.store.append_event(self.id, type_, redact_for_zdr(data) if zdr else data)
+        await self.store.events.append(self.id, type_, redact_for_zdr(data) if zdr else data)
 
     def record_event(self, type_: str, data: dict[str, Any]) -> None:
         zdr = self.policy.zero_data_retention
@@ -541,7 +541,7 @@ class Sessions:
         live.execs += 1
         # The row's usage counts each command as it happens: a live session reads as true
         # as a settled one (same transaction as the event).
-        await self.store.append_event(
+        await self.store.events.append(
             live.id,
             "sandbox.exec",
             {

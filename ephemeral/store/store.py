@@ -2,7 +2,8 @@
 
 One :class:`Store` per process, opened with the settings' ``db_url`` and passed down. It owns
 the database (:class:`~ephemeral.store.db.Db`, the one transaction helper) and exposes the
-repositories of one concern each: ``store.orgs``, ``store.keys``, ``store.connections``. Every
+repositories of one concern each: ``store.orgs``, ``store.keys``, ``store.connections``,
+``store.events``, ``store.transcripts``. Every
 method is one transaction. Money moves live in :mod:`ephemeral.store.ledger`. A run changes
 status only through :meth:`Store.transition` and :meth:`Store.close_run`, each of which writes
 the row and the events of that change together, guarded by the status the run must be in and
@@ -14,7 +15,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import re
 from collections.abc import Collection, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -23,8 +23,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ephemeral import errors
-from ephemeral.events import Event, redact_for_zdr
-from ephemeral.ids import RUN_ID_RE, rfc3339, utcnow
+from ephemeral.events import redact_for_zdr
+from ephemeral.ids import RUN_ID_RE, utcnow
 from ephemeral.lifecycle import (
     OPEN_STATUSES,
     STATUS_FOR_REASON,
@@ -33,10 +33,12 @@ from ephemeral.lifecycle import (
     TerminationReason,
     check_transition,
 )
+from ephemeral.store import events as events_
 from ephemeral.store import ledger, rows
 from ephemeral.store.connections import Connections
 from ephemeral.store.db import Db
 from ephemeral.store.engine import create_engine
+from ephemeral.store.events import Events, Transcripts
 from ephemeral.store.models import RunRow, Settlement
 from ephemeral.store.orgs import Keys, Orgs
 from ephemeral.store.schema import (
@@ -51,58 +53,9 @@ from ephemeral.store.schema import (
     upgrade,
 )
 
-RUN_STATUSES: frozenset[str] = frozenset(RunStatus)
-TERMINATION_REASONS: frozenset[str] = frozenset(TerminationReason)
-ORG_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-EVENT_TYPE_RE = re.compile(r"^[a-z][a-z_]*(\.[a-z][a-z_]*)+$")
-MAX_EVENT_BYTES = 1 << 20
-MAX_TRANSCRIPT_BYTES = 32 << 20
 MAX_PAGE = 100
-IDEMPOTENCY_RETENTION = timedelta(hours=24)
-
-_DATETIME_FIELDS = ("started_at", "ended_at", "lease_renewed_at", "lease_expires_at")
-_TEXT_FIELDS = (
-    "host",
-    "isolation",
-    "runtime",
-    "sandbox_id",
-    "image",
-    "image_hash",
-    "termination_detail",
-    "output",
-    "owner",
-    "prompt",
-)
-_DICT_FIELDS = ("usage", "labels")
-UPDATABLE_FIELDS = frozenset(
-    {"status", "termination_reason", *_DATETIME_FIELDS, *_TEXT_FIELDS, *_DICT_FIELDS}
-)
 LIFECYCLE_FIELDS = frozenset({"status", "termination_reason", "ended_at"})
-# An event's two statements, built once (see ledger's charge statements for why). The counter
-# moves by as many events as are appended together; the last of their numbers comes back.
-_BUMP_SEQ = (
-    sa.update(runs)
-    .where(runs.c.id == sa.bindparam("b_run_id"))
-    .values(last_seq=runs.c.last_seq + sa.bindparam("b_n", type_=sa.Integer))
-    .returning(runs.c.last_seq, runs.c.policy, runs.c.erased_at)
-)
-# The same bump setting the run's usage too (a session's exec counts in the same statement).
-_BUMP_SEQ_USAGE = _BUMP_SEQ.values(usage=sa.bindparam("b_usage", type_=runs.c.usage.type))
-_INSERT_EVENT = sa.insert(run_events)
-
-
-def _json_size(field: str, value: Any, limit: int) -> int:
-    try:
-        size = len(json.dumps(value, separators=(",", ":")).encode())
-    except (TypeError, ValueError) as exc:
-        raise errors.InvalidRequest.field(field, f"is not JSON-serialisable: {exc}") from exc
-    if size > limit:
-        raise errors.InvalidRequest.field(field, f"is {size} bytes, over the {limit}-byte cap")
-    return size
-
-
-def _zdr(policy: Any) -> bool:
-    return isinstance(policy, dict) and bool(policy.get("zero_data_retention"))
+IDEMPOTENCY_RETENTION = timedelta(hours=24)
 
 
 def _encode_cursor(created_at: datetime, run_id: str) -> str:
@@ -128,6 +81,8 @@ class Store:
         self.orgs = Orgs(self.db)
         self.keys = Keys(self.db)
         self.connections = Connections(self.db)
+        self.events = Events(self.db)
+        self.transcripts = Transcripts(self.db)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -187,8 +142,8 @@ class Store:
             raise errors.InvalidRequest.field("run_id", "must be run_ + 32 lowercase hex digits")
         if not isinstance(policy, dict):
             raise errors.InvalidRequest.field("policy", "must be an object")
-        _json_size("policy", policy, 16 << 20)
-        _json_size("labels", labels or {}, 64 << 10)
+        rows.json_size("policy", policy, 16 << 20)
+        rows.json_size("labels", labels or {}, 64 << 10)
         if not isinstance(model, str) or not 0 < len(model) <= 200:
             raise errors.InvalidRequest.field("model", "must be 1-200 characters")
         try:
@@ -232,9 +187,9 @@ class Store:
         """Newest first; the second value is the cursor of the next page, or None at the end."""
         if not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
             raise errors.InvalidRequest.field("limit", f"must be between 1 and {MAX_PAGE}")
-        if status is not None and status not in RUN_STATUSES:
+        if status is not None and status not in rows.RUN_STATUSES:
             raise errors.InvalidRequest.field(
-                "status", f"must be one of {', '.join(sorted(RUN_STATUSES))}"
+                "status", f"must be one of {', '.join(sorted(rows.RUN_STATUSES))}"
             )
         # sandbox sessions (kind 'session') are listed by their own API, not as runs
         query = sa.select(runs).where(runs.c.org_id == org_id, runs.c.kind.is_(None))
@@ -250,10 +205,10 @@ class Store:
             )
         query = query.order_by(runs.c.created_at.desc(), runs.c.id.desc()).limit(limit + 1)
         async with self.db.read() as conn:
-            rows = [RunRow.model_validate(r._mapping) for r in await conn.execute(query)]
-        if len(rows) <= limit:
-            return rows, None
-        page = rows[:limit]
+            found = [RunRow.model_validate(r._mapping) for r in await conn.execute(query)]
+        if len(found) <= limit:
+            return found, None
+        page = found[:limit]
         return page, _encode_cursor(page[-1].created_at, page[-1].id)
 
     async def update_run(self, run_id: str, **fields: Any) -> RunRow:
@@ -267,7 +222,7 @@ class Store:
             raise errors.InvalidRequest.field(
                 moved[0], "changes only with the run's status (Store.transition, Store.close_run)"
             )
-        values = self._run_values(fields)
+        values = rows.run_values(fields)
         async with self.db.write() as conn:
             if not values:
                 return await rows.run(conn, run_id)
@@ -279,33 +234,6 @@ class Store:
             if row is None:
                 raise errors.NotFound(f"run {run_id} not found")
         return RunRow.model_validate(row._mapping)
-
-    @staticmethod
-    def _run_values(fields: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(fields) - UPDATABLE_FIELDS)
-        if unknown:
-            raise errors.InvalidRequest.field(
-                unknown[0], f"is not an updatable run field ({', '.join(sorted(UPDATABLE_FIELDS))})"
-            )
-        status = fields.get("status")
-        if status is not None and status not in RUN_STATUSES:
-            raise errors.InvalidRequest.field("status", f"unknown run status {status!r}")
-        reason = fields.get("termination_reason")
-        if reason is not None and reason not in TERMINATION_REASONS:
-            raise errors.InvalidRequest.field("termination_reason", f"unknown reason {reason!r}")
-        for name in _DATETIME_FIELDS:
-            value = fields.get(name)
-            if value is not None and (not isinstance(value, datetime) or value.tzinfo is None):
-                raise errors.InvalidRequest.field(name, "must be an aware datetime")
-        for name in _TEXT_FIELDS:
-            if fields.get(name) is not None and not isinstance(fields[name], str):
-                raise errors.InvalidRequest.field(name, "must be a string")
-        for name in _DICT_FIELDS:
-            if name in fields:
-                if not isinstance(fields[name], dict):
-                    raise errors.InvalidRequest.field(name, "must be an object")
-                _json_size(name, fields[name], 1 << 20)
-        return dict(fields)
 
     async def transition(
         self,
@@ -324,13 +252,12 @@ class Store:
         """
         if to not in OPEN_STATUSES:
             raise errors.InvalidRequest.field("status", f"{to!r} is not an open status")
-        values = self._run_values({**fields, "status": to})
-        for type_, data in events:
-            self._check_event(type_, data)
+        values = rows.run_values({**fields, "status": to})
+        events_.check(events)
         async with self.db.write() as conn:
             row = await self._cas(conn, run_id, expect, to, values)
             if events:
-                await self._append_many(conn, run_id, events)
+                await events_.append_many(conn, run_id, events)
         return row
 
     async def _cas(
@@ -383,7 +310,7 @@ class Store:
         """
         reason = TerminationReason(reason)
         status = STATUS_FOR_REASON[reason]
-        values = self._run_values(
+        values = rows.run_values(
             {
                 "status": status,
                 "ended_at": utcnow(),
@@ -395,7 +322,7 @@ class Store:
         )
         tokens = int(usage.get("input_tokens", 0)) + int(usage.get("output_tokens", 0))
         if transcript is not None:
-            _json_size("messages", transcript, MAX_TRANSCRIPT_BYTES)
+            events_.check_transcript(transcript)
         async with self.db.write() as conn:
             try:
                 await self._cas(conn, run_id, expect, status, values)
@@ -417,8 +344,8 @@ class Store:
                         ("sandbox.destroyed", {"lifetime_ms": compute[1]}),
                     )
                 if transcript is not None:
-                    await self._save_transcript(conn, run_id, transcript)
-                await self._append(
+                    await events_.save_transcript(conn, run_id, transcript)
+                await events_.append(
                     conn,
                     run_id,
                     f"run.{status}",
@@ -430,8 +357,8 @@ class Store:
                 )
             settlement = await ledger.settle(conn, run_id)
             if output is not None:
-                await self._append(conn, run_id, "run.output", {"markdown": output})
-            await self._append(
+                await events_.append(conn, run_id, "run.output", {"markdown": output})
+            await events_.append(
                 conn,
                 run_id,
                 "run.settled",
@@ -668,92 +595,6 @@ class Store:
             rows = await conn.execute(sa.select(runs).where(*where).order_by(runs.c.created_at))
             return [RunRow.model_validate(r._mapping) for r in rows]
 
-    # -- events -------------------------------------------------------------------------------
-
-    async def append_event(
-        self, run_id: str, type: str, data: dict[str, Any], *, usage: dict[str, Any] | None = None
-    ) -> Event:
-        """Append with the next ``seq`` of the run (1, 2, 3… with no gaps); ``usage``, if
-        given, becomes the run's usage in the same transaction.
-
-        Under zero data retention, or once the run's content was erased, the stored data is
-        redacted to sizes (DESIGN §4); delivering content live is the caller's job.
-        """
-        self._check_event(type, data)
-        if usage is not None:
-            self._run_values({"usage": usage})
-        async with self.db.write() as conn:
-            return (await self._append_many(conn, run_id, [(type, data)], usage=usage))[0]
-
-    @staticmethod
-    def _check_event(type: str, data: dict[str, Any]) -> None:
-        if not isinstance(type, str) or not EVENT_TYPE_RE.match(type) or len(type) > 64:
-            raise errors.InvalidRequest.field("type", f"{type!r} is not an event type")
-        if not isinstance(data, dict):
-            raise errors.InvalidRequest.field("data", "must be an object")
-        _json_size("data", data, MAX_EVENT_BYTES)
-
-    async def _append(
-        self, conn: AsyncConnection, run_id: str, type: str, data: dict[str, Any]
-    ) -> Event:
-        return (await self._append_many(conn, run_id, [(type, data)]))[0]
-
-    async def _append_many(
-        self,
-        conn: AsyncConnection,
-        run_id: str,
-        events: Sequence[tuple[str, dict[str, Any]]],
-        *,
-        usage: dict[str, Any] | None = None,
-    ) -> list[Event]:
-        """Events in order, numbered next (1, 2, 3… with no gaps): one bump of the counter
-        (which also sets the run's ``usage`` when given) and one INSERT for all of them."""
-        # Bumping the counter row-locks the run, so concurrent appends queue here.
-        params: dict[str, Any] = {"b_run_id": run_id, "b_n": len(events)}
-        if usage is not None:
-            params["b_usage"] = usage
-        bump = _BUMP_SEQ if usage is None else _BUMP_SEQ_USAGE
-        bumped = (await conn.execute(bump, params)).first()
-        if bumped is None:
-            raise errors.NotFound(f"run {run_id} not found")
-        redacted = _zdr(bumped.policy) or bumped.erased_at is not None
-        first = bumped.last_seq - len(events) + 1
-        at = rfc3339(utcnow())
-        out = [
-            Event(
-                seq=first + i,
-                run_id=run_id,
-                type=type_,
-                at=at,
-                data=redact_for_zdr(data) if redacted else data,
-            )
-            for i, (type_, data) in enumerate(events)
-        ]
-        rows = [
-            {"run_id": run_id, "seq": e.seq, "type": e.type, "at": at, "data": e.data} for e in out
-        ]
-        await conn.execute(_INSERT_EVENT, rows if len(rows) > 1 else rows[0])
-        return out
-
-    async def list_events(
-        self, run_id: str, after_seq: int = 0, limit: int | None = None
-    ) -> list[Event]:
-        query = (
-            sa.select(run_events)
-            .where(run_events.c.run_id == run_id, run_events.c.seq > after_seq)
-            .order_by(run_events.c.seq)
-        )
-        if limit is not None:
-            query = query.limit(limit)
-        async with self.db.read() as conn:
-            found = (await conn.execute(query)).all()
-            if not found:
-                await rows.run(conn, run_id)  # NotFound for a run that does not exist
-        return [
-            Event(seq=r.seq, run_id=r.run_id, type=r.type, at=r.at, data=dict(r.data))
-            for r in found
-        ]
-
     # -- money --------------------------------------------------------------------------------
 
     async def charge(
@@ -772,7 +613,7 @@ class Store:
         ``sandbox.destroyed`` are one fact: recovery must never see one without the other).
         """
         if event is not None:
-            self._check_event(*event)
+            events_.check([event])
         async with self.db.write() as conn:
             return await self._charge(conn, run_id, kind, micros, key, event)
 
@@ -796,7 +637,7 @@ class Store:
             conn, run_id=run_id, kind=kind, charges=[(key, micros)]
         )
         if event is not None and key in fresh:  # a replayed charge wrote its event already
-            await self._append(conn, run_id, *event)
+            await events_.append(conn, run_id, *event)
         return total
 
     async def charge_batch(
@@ -810,14 +651,13 @@ class Store:
         :meth:`charge`: idempotent on its key, inside the reservation; ``events`` are appended
         in the same transaction. All or none: raises BudgetExhausted or Conflict (settled) and
         charges nothing. Returns the run's total."""
-        for type_, data in events:
-            self._check_event(type_, data)
+        events_.check(events)
         async with self.db.write() as conn:
             total = 0
             if charges:
                 total, _ = await ledger.charge_many(conn, run_id=run_id, kind=kind, charges=charges)
             if events:
-                await self._append_many(conn, run_id, events)
+                await events_.append_many(conn, run_id, events)
             return total
 
     async def charged(self, run_id: str) -> dict[str, int]:
@@ -831,40 +671,6 @@ class Store:
             return await ledger.settle(conn, run_id)
 
     # -- content ------------------------------------------------------------------------------
-
-    async def save_transcript(self, run_id: str, messages: list[dict[str, Any]]) -> None:
-        """Keep the model messages; a no-op under zero data retention or after erasure."""
-        if not isinstance(messages, list):
-            raise errors.InvalidRequest.field("messages", "must be a list")
-        _json_size("messages", messages, MAX_TRANSCRIPT_BYTES)
-        async with self.db.write() as conn:
-            await self._save_transcript(conn, run_id, messages)
-
-    async def _save_transcript(
-        self, conn: AsyncConnection, run_id: str, messages: list[dict[str, Any]]
-    ) -> None:
-        run = await rows.run(conn, run_id)
-        if _zdr(run.policy) or run.erased_at is not None:
-            return
-        stmt = ledger.insert(conn, run_transcripts).values(
-            run_id=run_id, messages=messages, updated_at=utcnow()
-        )
-        await conn.execute(
-            stmt.on_conflict_do_update(
-                index_elements=[run_transcripts.c.run_id],
-                set_={
-                    "messages": stmt.excluded.messages,
-                    "updated_at": stmt.excluded.updated_at,
-                },
-            )
-        )
-
-    async def get_transcript(self, run_id: str) -> list[dict[str, Any]] | None:
-        async with self.db.read() as conn:
-            row = await conn.scalar(
-                sa.select(run_transcripts.c.messages).where(run_transcripts.c.run_id == run_id)
-            )
-        return None if row is None else list(row)
 
     async def erase_content(self, run_id: str) -> None:
         """Remove prompt, output, transcript and event content; money and usage stay."""

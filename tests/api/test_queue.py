@@ -46,7 +46,7 @@ async def http1(api_settings: Settings, one_slot: Runtime) -> AsyncIterator[http
 
 async def _until(runtime: Runtime, run_id: str, event: str, timeout: float = 60) -> None:
     async with asyncio.timeout(timeout):
-        while event not in [e.type for e in await runtime.store.list_events(run_id)]:
+        while event not in [e.type for e in await runtime.store.events.list(run_id)]:
             await asyncio.sleep(0.05)
 
 
@@ -66,7 +66,7 @@ async def test_queued_run_holds_nothing_and_429_past_the_bound_reserves_nothing(
     await asyncio.sleep(0.5)  # it would have been given a sandbox by now if it were going to
     queued = await one_slot.store.get_run(second["id"])
     assert queued.status == "queued" and queued.started_at is None
-    assert [e.type for e in await one_slot.store.list_events(second["id"])] == ["run.queued"]
+    assert [e.type for e in await one_slot.store.events.list(second["id"])] == ["run.queued"]
     assert second["id"] not in _sandbox_owners(one_slot.settings)
     assert first["id"] in _sandbox_owners(one_slot.settings)
 
@@ -89,7 +89,7 @@ async def test_queued_run_holds_nothing_and_429_past_the_bound_reserves_nothing(
     assert cancelled["status"] == "cancelled"
     assert cancelled["cost"]["charged_micros"] == 0
     assert cancelled["cost"]["refunded_micros"] == SLOW["max_cost_micros"]
-    types = [e.type for e in await one_slot.store.list_events(second["id"])]
+    types = [e.type for e in await one_slot.store.events.list(second["id"])]
     assert "sandbox.ready" not in types and types[-1] == "run.settled"
 
     await http1.post(f"/v1/runs/{first['id']}/cancel", headers=member.headers)
@@ -107,7 +107,7 @@ async def test_queue_wait_is_reported_and_not_billed(
     await one_slot.wait(first["id"], timeout=60)
     row = await one_slot.wait(second["id"], timeout=60)
     assert row.status == "succeeded"
-    events = await one_slot.store.list_events(second["id"])
+    events = await one_slot.store.events.list(second["id"])
     ready = next(e for e in events if e.type == "sandbox.ready")
     assert row.started_at is not None
     waited = (row.started_at - row.created_at).total_seconds() * 1000
@@ -128,7 +128,7 @@ async def test_watchdog_finishes_a_run_whose_task_is_gone(runtime: Runtime) -> N
     assert done.status == "failed" and done.termination_reason == "infra_error"
     assert "watchdog" in (done.termination_detail or "")
     assert done.charged_micros == 0 and done.refunded_micros == done.reserved_micros
-    assert (await runtime.store.list_events(row.id))[-1].type == "run.settled"
+    assert (await runtime.store.events.list(row.id))[-1].type == "run.settled"
     assert (await runtime.store.orgs.get(member.org_id)).reserved_micros == 0
 
 

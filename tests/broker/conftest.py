@@ -166,7 +166,7 @@ async def call(agent: AgentRun, tool: str, /, **arguments: Any) -> str:
 
 
 async def events_of(agent: AgentRun, *types: str) -> list[Event]:
-    return [e for e in await agent.store.list_events(agent.run_id) if e.type in types]
+    return [e for e in await agent.store.events.list(agent.run_id) if e.type in types]
 
 
 async def add_connection(

@@ -52,7 +52,7 @@ async def test_credentials_are_injected_upstream_and_redacted_from_the_answer(
     assert echoed["path"] == "/api/repos/acme/app?page=2"
     [ev] = await events_of(agent, "connection.requested")
     assert ev.data == {"name": "github", "method": "GET", "path": "/repos/acme/app", "status": 200}
-    events = await agent.store.list_events(agent.run_id)
+    events = await agent.store.events.list(agent.run_id)
     assert CANARY not in json.dumps([e.data for e in events])
     assert agent.sandbox is None  # nothing was sent into a sandbox for this
 

@@ -73,7 +73,7 @@ async def test_a_run_uses_the_broker_and_no_secret_lands_anywhere(
     row = await runtime.engine.drive(agent)
 
     assert row.status == "succeeded", row.termination_detail
-    events = await runtime.store.list_events(row.id)
+    events = await runtime.store.events.list(row.id)
     by_type = {e.type: e.data for e in events}
     assert by_type["worker.started"]["web"] is True
     assert by_type["worker.started"]["connections"] == ["github"]
@@ -100,7 +100,7 @@ async def test_a_run_uses_the_broker_and_no_secret_lands_anywhere(
     assert any("hello from upstream" in t for t in tool_results)
     assert any("[redacted]" in t for t in tool_results)
     assert not any(CANARY in t for t in tool_results)
-    transcript = await runtime.store.get_transcript(row.id)
+    transcript = await runtime.store.transcripts.get(row.id)
     assert transcript and CANARY not in json.dumps(transcript)
     assert "QUERYSECRET" not in json.dumps([e.data for e in events])
 

@@ -33,7 +33,7 @@ async def test_fetch_returns_text_charges_and_strips_the_query(
         "status": 200,
         "cost_micros": PRICE,
     }
-    all_events = await agent.store.list_events(agent.run_id)
+    all_events = await agent.store.events.list(agent.run_id)
     assert "QUERYSECRET" not in str([e.data for e in all_events])
     assert (await agent.store.charged(agent.run_id))["web_micros"] == PRICE
     assert agent.budget.charged["web_micros"] == PRICE
@@ -225,7 +225,7 @@ async def test_zero_data_retention_keeps_no_host_or_path_in_a_denial_reason(
         "path '…' matches none of /repos/*",
         "connection '…' is not granted to this run",
     ]
-    stored = str([e.data for e in await agent.store.list_events(agent.run_id)])
+    stored = str([e.data for e in await agent.store.events.list(agent.run_id)])
     for needle in ("hidden-host-zdr", "hidden-path-zdr"):
         assert needle not in stored
         assert state_bytes_contain(runtime.settings.state_dir, needle.encode()) == []

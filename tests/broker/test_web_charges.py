@@ -28,13 +28,13 @@ async def test_request_events_are_written_with_their_charges_in_one_transaction(
     runtime: Runtime,
 ) -> None:
     agent = await build_run(runtime, web=True)
-    before = len(await runtime.store.list_events(agent.run_id))
+    before = len(await runtime.store.events.list(agent.run_id))
     for i in range(50):  # as the proxy does per request: its charge, then its event
         agent._web.charge_bytes(f"egress:{i}:0", 3)
         agent.record_event("web.requested", {"method": "GET", "host": "h", "n": i})
     await agent._web.flush()
     assert agent._web.batches == 1 and agent._web.error is None
-    events = (await runtime.store.list_events(agent.run_id))[before:]
+    events = (await runtime.store.events.list(agent.run_id))[before:]
     assert [e.data["n"] for e in events if e.type == "web.requested"] == list(range(50))
     seqs = [e.seq for e in events]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no gaps, in order
@@ -45,7 +45,7 @@ async def test_an_event_alone_is_written_and_flushed(runtime: Runtime) -> None:
     agent = await build_run(runtime, web=True)
     agent.record_event("web.requested", {"method": "GET", "host": "h"})
     await agent._web.flush()
-    assert [e.type for e in await runtime.store.list_events(agent.run_id)][-1] == "web.requested"
+    assert [e.type for e in await runtime.store.events.list(agent.run_id)][-1] == "web.requested"
 
 
 async def test_a_busy_store_is_tried_again(

@@ -98,7 +98,7 @@ async def test_bulk_bytes_arrive_whole_and_each_mib_is_charged_once(
         await agent.sandbox.put_file("/tmp/small.txt", b"after")
         res = await sh(agent, "cat /tmp/small.txt")
         assert res.stdout == "after"
-    events = [e for e in await runtime.store.list_events(agent.run_id) if e.type == "web.requested"]
+    events = [e for e in await runtime.store.events.list(agent.run_id) if e.type == "web.requested"]
     assert len(events) == 1
     tunnel = events[0].data
     assert tunnel["status"] == 200 and tunnel["bytes_in"] >= DOWN and tunnel["bytes_out"] >= UP

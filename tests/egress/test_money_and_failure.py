@@ -96,7 +96,7 @@ async def test_a_byte_heavy_download_stops_at_the_budget(
 
     assert row.termination_reason == "budget_exhausted", row.termination_detail
     assert row.termination_detail == "egress traffic used up the budget"
-    events = await runtime.store.list_events(row.id)
+    events = await runtime.store.events.list(row.id)
     shell = next(e.data for e in events if e.type == "shell.executed")
     got = int(shell["stdout"].split("got=")[1].split()[0])
     assert 10 * MIB < got < 80 * MIB  # cut well before the 200 MiB were through
@@ -143,7 +143,7 @@ async def test_a_failing_broker_closes_egress_and_ends_the_run(
     assert row.termination_reason == "infra_error"
     assert row.termination_detail == "the egress broker failed: RuntimeError"
     assert row.output is None  # the model was never asked again
-    events = await runtime.store.list_events(row.id)
+    events = await runtime.store.events.list(row.id)
     shell = next(e.data for e in events if e.type == "shell.executed")
     lines = shell["stdout"].split("\n")
     assert lines[0:2] == ["got=1000", "rc=0"]

@@ -183,7 +183,7 @@ async def test_the_stored_credential_never_reaches_the_guest_in_any_form(
     assert any(b"[redacted]" in r for r in received)
 
     needle = CANARY.encode()
-    events = await runtime.store.list_events(agent.run_id)
+    events = await runtime.store.events.list(agent.run_id)
     assert events and not leaks(json.dumps([e.data for e in events]).encode(), needle)
     requested = [e.data for e in await events_of(agent, "connection.requested")]
     assert requested and {r["status"] for r in requested} <= {200, 502}

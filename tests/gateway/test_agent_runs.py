@@ -369,12 +369,12 @@ async def test_a_cancelled_agent_run_ends_cancelled_its_agent_killed_and_settled
     row, _ = await runtime.admit(org, request)
     task = runtime.engine.launch(row.id)
     deadline = asyncio.get_running_loop().time() + 90
-    while "agent.started" not in types(await runtime.store.list_events(row.id)):
+    while "agent.started" not in types(await runtime.store.events.list(row.id)):
         assert not task.done() and asyncio.get_running_loop().time() < deadline
         await asyncio.sleep(0.1)
     await runtime.cancel(row.id)
     row = await runtime.engine.wait(row.id, timeout=60)  # the task itself ends cancelled
-    events = await runtime.store.list_events(row.id)
+    events = await runtime.store.events.list(row.id)
     assert (row.status, row.termination_reason) == ("cancelled", "cancelled"), row
     assert_settled(row, events)
     assert "never" not in (row.output or "")

@@ -289,7 +289,7 @@ async def test_the_key_never_reaches_the_sandbox_even_when_the_provider_echoes_i
     assert sorted(c["status"] for c in called) == [200, 401]
     (error,) = [c for c in called if c["status"] == 401]
     assert error["cost_micros"] == 0  # the provider answered an error: nothing to charge
-    events = json.dumps([e.data for e in await runtime.store.list_events(agent.run_id)])
+    events = json.dumps([e.data for e in await runtime.store.events.list(agent.run_id)])
     assert OPENAI_KEY not in events
     assert state_bytes_contain(runtime.settings.state_dir, OPENAI_KEY.encode()) == []
 
@@ -308,7 +308,7 @@ async def test_zero_data_retention_keeps_sizes_and_money_only(
         assert "SECRET-ANSWER" in res.stdout
     (called,) = await _called(agent)
     assert called["output_tokens"] == 2 and called["cost_micros"] > 0
-    assert await runtime.store.get_transcript(agent.run_id) is None
+    assert await runtime.store.transcripts.get(agent.run_id) is None
     for needle in (b"SECRET-ANSWER", b"SECRET-PROMPT"):
         assert state_bytes_contain(runtime.settings.state_dir, needle) == []
 
@@ -366,5 +366,5 @@ async def test_replay_serves_the_cassettes_turns_in_both_formats(
         (150, 5),
         (150, 5),
     ]
-    transcript = await runtime.store.get_transcript(agent.run_id)
+    transcript = await runtime.store.transcripts.get(agent.run_id)
     assert transcript is not None and len(transcript) == 3

@@ -64,7 +64,7 @@ async def test_a_session_with_a_model_granted_calls_it_and_pays_for_it(
     assert cost["charged_micros"] + cost["refunded_micros"] == cost["reserved_micros"]
     row = await runtime.store.get_run(sid)
     assert row.usage["model_calls"] == 1 and row.usage["input_tokens"] == 90
-    (called,) = [e.data for e in await runtime.store.list_events(sid) if e.type == "model.called"]
+    (called,) = [e.data for e in await runtime.store.events.list(sid) if e.type == "model.called"]
     assert called["cost_micros"] == want and called["via"] == "gateway"
 
 
@@ -118,7 +118,7 @@ async def test_a_model_that_never_stops_ends_the_session_budget_exhausted(
     assert row.termination_detail == "model calls used up the budget"
     assert row.charged_micros + row.refunded_micros == row.reserved_micros
     assert row.charged_micros <= row.reserved_micros
-    events = await runtime.store.list_events(sid)
+    events = await runtime.store.events.list(sid)
     called = [e.data for e in events if e.type == "model.called"]
     assert len(called) >= 3
     assert row.breakdown["model_micros"] == sum(c["cost_micros"] for c in called)
@@ -182,5 +182,5 @@ async def test_a_gateway_session_recorded_as_a_cassette_replays_offline(
     await http.delete(f"/v1/sandboxes/{sid2}", headers=member.headers)
     assert "first answer" in replayed["stdout"] and "second " in replayed["stdout"]
     assert len(openai_server.requests) == before  # offline: the provider was not called
-    called = [e.data for e in await runtime.store.list_events(sid2) if e.type == "model.called"]
+    called = [e.data for e in await runtime.store.events.list(sid2) if e.type == "model.called"]
     assert sorted((c["input_tokens"], c["output_tokens"]) for c in called) == [(20, 2), (30, 2)]

@@ -106,7 +106,7 @@ async def test_a_run_boots_its_admitted_digest_after_the_name_moves(
         row = await rt.execute(moved.id)
         assert row.status == "succeeded", row.termination_detail
         assert (row.image, row.image_hash) == (ref, first)
-        events = await rt.store.list_events(row.id)
+        events = await rt.store.events.list(row.id)
         ready = next(e.data for e in events if e.type == "sandbox.ready")
         assert (ready["image"], ready["image_hash"]) == (ref, first)
         shown = next(e.data for e in events if e.type == "shell.executed")
@@ -119,7 +119,7 @@ async def test_a_run_boots_its_admitted_digest_after_the_name_moves(
         row = await rt.execute(gone.id)
         assert row.status == "succeeded", row.termination_detail
         shown = next(
-            e.data for e in await rt.store.list_events(row.id) if e.type == "shell.executed"
+            e.data for e in await rt.store.events.list(row.id) if e.type == "shell.executed"
         )
         assert shown["stdout"] == "first\nfirst\n", shown
         assert row.image_hash == first
@@ -134,7 +134,7 @@ async def test_a_run_boots_its_admitted_digest_after_the_name_moves(
             row.termination_detail or ""
         ), row.termination_detail
         assert row.sandbox_id is None
-        assert not [e for e in await rt.store.list_events(row.id) if e.type == "sandbox.ready"]
+        assert not [e for e in await rt.store.events.list(row.id) if e.type == "sandbox.ready"]
 
         # a run admitted now gets what the name means now
         late = (await rt.admit(org, request))[0]
@@ -173,7 +173,7 @@ async def test_a_session_boots_its_admitted_digest_when_its_boot_waits(
         try:
             got = await rt.sessions.exec(row.id, None, ExecRequest(command=SHOW))
             assert got.stdout == "first\nfirst\n", got
-            events = await rt.store.list_events(row.id)
+            events = await rt.store.events.list(row.id)
             ready = next(e.data for e in events if e.type == "sandbox.ready")
             assert (ready["image"], ready["image_hash"]) == (ref, first)
             assert (await rt.sessions.get(row.id)).image_hash == first

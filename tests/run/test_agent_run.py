@@ -31,7 +31,7 @@ async def run_to_end(runtime: Runtime, request: RunRequest, **labels: object):
     org = await runtime.local_org()
     row, _ = await runtime.admit(org, request, labels=dict(labels) or None)
     row = await runtime.execute(row.id)
-    events = await runtime.store.list_events(row.id)
+    events = await runtime.store.events.list(row.id)
     return row, events
 
 
@@ -151,7 +151,7 @@ async def test_tools_not_granted_are_refused(
     row, events = await run_to_end(runtime, RunRequest(prompt="try", model=model, shell=False))
     assert row.status == "succeeded"
     assert "shell.executed" not in types(events)
-    transcript = await runtime.store.get_transcript(row.id)
+    transcript = await runtime.store.transcripts.get(row.id)
     assert transcript is not None and len(transcript) == 2
 
 
@@ -191,7 +191,7 @@ async def test_cancel_destroys_the_sandbox_and_settles(
     assert again.status == "cancelled"
     with pytest.raises(asyncio.CancelledError):
         await task
-    events = await runtime.store.list_events(row.id)
+    events = await runtime.store.events.list(row.id)
     assert_settled(await runtime.store.get_run(row.id), events)
     assert_golden_log("run-cancelled", events)
 

@@ -90,7 +90,7 @@ async def test_kill_9_mid_run_is_recovered(
                 rows = await store.open_runs()
                 if rows:
                     run_id = rows[0].id
-                    if "worker.started" in [e.type for e in await store.list_events(run_id)]:
+                    if "worker.started" in [e.type for e in await store.events.list(run_id)]:
                         break
             finally:
                 await store.close()
@@ -109,7 +109,7 @@ async def test_kill_9_mid_run_is_recovered(
     runtime = await Runtime.start(run_settings)  # recovery runs at start-up
     try:
         row = await runtime.store.get_run(run_id)
-        events = await runtime.store.list_events(run_id)
+        events = await runtime.store.events.list(run_id)
     finally:
         await runtime.close()
     assert row.status == "failed"
@@ -189,7 +189,7 @@ async def test_kill_9_at_every_step_boundary_is_recovered(
         for run_id in rows:
             # The whole point: nothing is left for Runtime.wait to poll on forever.
             row = await runtime.wait(run_id, timeout=5)
-            events = [e.type for e in await runtime.store.list_events(run_id)]
+            events = [e.type for e in await runtime.store.events.list(run_id)]
             assert row.settled and row.status in ("failed", "succeeded"), (row.status, events)
             assert row.charged_micros + row.refunded_micros == row.reserved_micros
             assert events[-1] == "run.settled" and events.count("run.settled") == 1, events
@@ -236,7 +236,7 @@ async def test_recovery_settles_a_run_left_terminal_but_unsettled(run_settings: 
     runtime = await Runtime.start(run_settings, watchdog=False)
     try:
         done = await runtime.wait(row.id, timeout=5)
-        events = [e.type for e in await runtime.store.list_events(row.id)]
+        events = [e.type for e in await runtime.store.events.list(row.id)]
         org = await runtime.store.orgs.get("local")
     finally:
         await runtime.close()

@@ -79,7 +79,7 @@ async def test_a_dispatched_zdr_run_crosses_sealed_and_is_read_once(
         assert row.owner is None  # no process owns it until a worker claims it
         assert fake.dispatched == [row.id]
         settled = await api.wait(row.id, timeout=60)
-        events = [e.type for e in await api.store.list_events(row.id)]
+        events = [e.type for e in await api.store.events.list(row.id)]
         first = await api.claim_zdr_output(settled)
         second = await worker.claim_zdr_output(settled)
         async with api.store.engine.connect() as conn:
@@ -136,7 +136,7 @@ async def test_cancel_from_the_api_reaches_the_run_on_the_worker(
         org = await api.local_org()
         row, _ = await api.submit(org, RunRequest(prompt="sleep", model=model))
         async with asyncio.timeout(60):
-            while "worker.started" not in [e.type for e in await api.store.list_events(row.id)]:
+            while "worker.started" not in [e.type for e in await api.store.events.list(row.id)]:
                 await asyncio.sleep(0.05)
         t0 = time.monotonic()
         cancelled = await api.cancel(row.id)
@@ -187,7 +187,7 @@ async def test_an_expired_lease_is_settled_once_up_to_its_last_renewal(
         assert await api.sweep() == []  # the lease has not run out yet
         # the host renewed 2 s after its sandbox was ready, then died
         [ready_event] = [
-            e for e in await api.store.list_events(row.id) if e.type == "sandbox.ready"
+            e for e in await api.store.events.list(row.id) if e.type == "sandbox.ready"
         ]
         renewed = _parse(ready_event.at) + timedelta(seconds=2)
         await api.store.renew_leases(
@@ -198,7 +198,7 @@ async def test_an_expired_lease_is_settled_once_up_to_its_last_renewal(
         )
         found = await asyncio.gather(api.settle_expired_leases(), other.settle_expired_leases())
         settled = await api.store.get_run(row.id)
-        events = await api.store.list_events(row.id)
+        events = await api.store.events.list(row.id)
     finally:
         await other.close()
         await api.close()

@@ -68,7 +68,7 @@ async def test_a_real_run_emits_the_documented_keys(
     row, _ = await runtime.admit(await runtime.local_org(), request)
     row = await runtime.execute(row.id)
     assert row.status == "succeeded", row.termination_detail
-    events = await runtime.store.list_events(row.id)
+    events = await runtime.store.events.list(row.id)
     table = documented()
     seen = {e.type for e in events}
     assert not seen - set(table), f"undocumented event types: {sorted(seen - set(table))}"

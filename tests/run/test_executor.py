@@ -44,7 +44,7 @@ async def test_an_executor_that_fails_leaves_the_run_settled(run_settings: Setti
         org = await runtime.local_org()
         row, _ = await runtime.admit(org, RunRequest(prompt="p", model="replay/sandbox-proof"))
         row = await runtime.execute(row.id)
-        events = [e.type for e in await runtime.store.list_events(row.id)]
+        events = [e.type for e in await runtime.store.events.list(row.id)]
         balance = await runtime.store.orgs.get(org)
     finally:
         await runtime.close()

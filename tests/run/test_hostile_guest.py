@@ -52,7 +52,7 @@ async def test_absurd_guest_numbers_never_cost_the_records(
     org = await runtime.local_org()
     row, _ = await runtime.admit(org, RunRequest(prompt="p", model=model))
     row = await runtime.execute(row.id)
-    events = await runtime.store.list_events(row.id)
+    events = await runtime.store.events.list(row.id)
 
     ready = next(e for e in events if e.type == "sandbox.ready")
     assert ready.data["runtime"] == "hostile_agent.py"  # the runtime's own label, recorded

@@ -103,7 +103,7 @@ async def test_an_agent_run_is_one_agent_command_task_of_its_flow(
             ),
         )
         row = await runtime.execute(row.id)
-        events = [e.type for e in await runtime.store.list_events(row.id)]
+        events = [e.type for e in await runtime.store.events.list(row.id)]
     finally:
         await runtime.close()
     assert row.status == "succeeded", row.termination_detail

@@ -28,7 +28,7 @@ async def _run(settings: Settings, model: str) -> tuple:
         org = await runtime.local_org()
         row, _ = await runtime.admit(org, RunRequest(prompt="sample", model=model))
         row = await runtime.execute(row.id)
-        return row, await runtime.store.list_events(row.id)
+        return row, await runtime.store.events.list(row.id)
 
 
 async def test_openai_wire_with_transient_errors_is_retried(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ async def test_purge_erases_content_and_keeps_billing(run_settings: Settings) ->
 
     async with runlevel.started(run_settings, check=True) as runtime:
         after = await runtime.store.get_run(row.id)
-        events = await runtime.store.list_events(row.id)
+        events = await runtime.store.events.list(row.id)
     assert after.prompt is None and after.output is None
     assert (after.charged_micros, after.refunded_micros) == (
         row.charged_micros,

@@ -77,7 +77,7 @@ async def test_setup_agent_and_verify_share_one_python_dev_sandbox(
     )
     agent = await runtime.engine.build(row.id)
     row = await runtime.engine.drive(agent)
-    events = await runtime.store.list_events(row.id)
+    events = await runtime.store.events.list(row.id)
     assert row.status == "succeeded", row.termination_detail
     t = types(events)
     assert t[:3] == ["run.queued", "sandbox.ready", "worker.started"]
@@ -250,6 +250,6 @@ async def test_a_cancel_during_verify_still_destroys_the_sandbox_and_settles(
     assert cancelled.termination_detail == "cancelled by request (during verify)"
     with pytest.raises(asyncio.CancelledError):
         await task
-    events = await runtime.store.list_events(row.id)
+    events = await runtime.store.events.list(row.id)
     assert_settled(await runtime.store.get_run(row.id), events)
     assert "sandbox.destroyed" in types(events)

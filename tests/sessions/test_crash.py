@@ -47,7 +47,7 @@ async def test_kill_9_with_an_open_session_is_recovered(isolation: str, tmp_path
     runtime = await Runtime.start(settings)  # recovery runs at start-up
     try:
         row = await runtime.sessions.get(session_id)
-        events = [e.type for e in await runtime.store.list_events(session_id)]
+        events = [e.type for e in await runtime.store.events.list(session_id)]
         org = await runtime.store.orgs.get("local")
     finally:
         await runtime.close()

@@ -55,7 +55,7 @@ async def _end(http: httpx.AsyncClient, who: Member, sid: str) -> dict[str, Any]
 
 
 async def _events(runtime: Runtime, sid: str, *types: str) -> list[dict[str, Any]]:
-    return [e.data for e in await runtime.store.list_events(sid) if e.type in types]
+    return [e.data for e in await runtime.store.events.list(sid) if e.type in types]
 
 
 def _env(stdout: str) -> dict[str, str]:
@@ -269,7 +269,7 @@ async def test_zero_data_retention_keeps_only_the_sizes_of_web_requests(
     assert "host" not in event and "path" not in event
     assert (event["host_bytes"], event["path_bytes"]) == (len("site.test"), len("/text"))
     assert ended["cost"]["breakdown"]["web_micros"] == event["cost_micros"] > 0
-    assert "site.test" not in str(await runtime.store.list_events(sid))
+    assert "site.test" not in str(await runtime.store.events.list(sid))
 
 
 async def test_a_failing_broker_closes_egress_and_ends_the_session(

@@ -158,7 +158,7 @@ async def test_a_placed_session_is_driven_through_the_host(
         assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
         cost = r.json()["cost"]
         assert cost["charged_micros"] + cost["refunded_micros"] == cost["reserved_micros"]
-        types = [e.type for e in await api.store.list_events(sid)]
+        types = [e.type for e in await api.store.events.list(sid)]
         assert types[:4] == ["run.queued", "run.claimed", "sandbox.ready", "worker.started"]
         assert types.count("sandbox.exec") == 1 and types[-1] == "run.settled"
         r = await http.post(f"/v1/sandboxes/{sid}/exec", json={"command": "true"}, headers=h)

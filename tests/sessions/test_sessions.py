@@ -58,10 +58,10 @@ async def test_session_lifecycle_money_and_records(
     assert ended.charged_micros + ended.refunded_micros == ended.reserved_micros == 20_000
     assert ended.breakdown["compute_micros"] == ended.charged_micros > 0
     assert (await runtime.sessions.end(sid, org)).settled_at == ended.settled_at  # idempotent
-    assert_golden_log("session", await runtime.store.list_events(sid))
+    assert_golden_log("session", await runtime.store.events.list(sid))
     with pytest.raises(errors.Conflict):
         await runtime.sessions.exec(sid, org, ExecRequest(command="true"))
-    events = await runtime.store.list_events(sid)
+    events = await runtime.store.events.list(sid)
     assert _types(events) == [
         "run.queued",
         "sandbox.ready",
@@ -154,10 +154,10 @@ async def test_zero_data_retention_keeps_no_content(
     res = await runtime.sessions.exec(row.id, org, ExecRequest(command="echo secret-output"))
     assert res.stdout == "secret-output\n"  # delivered to the caller
     await runtime.sessions.end(row.id, org)
-    ev = next(e for e in await runtime.store.list_events(row.id) if e.type == "sandbox.exec")
+    ev = next(e for e in await runtime.store.events.list(row.id) if e.type == "sandbox.exec")
     assert "stdout" not in ev.data and "command" not in ev.data
     assert ev.data["stdout_bytes"] == len("secret-output\n")
-    assert "secret-output" not in str(await runtime.store.list_events(row.id))
+    assert "secret-output" not in str(await runtime.store.events.list(row.id))
 
 
 async def test_web_and_connections_pass_to_the_session_policy() -> None:

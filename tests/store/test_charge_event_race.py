@@ -35,6 +35,6 @@ async def test_concurrent_settlers_write_the_charge_and_its_event_once(
         for s in others:
             await s.close()
     assert set(totals) == {700}
-    types = [e.type for e in await store.list_events(run.id)]
+    types = [e.type for e in await store.events.list(run.id)]
     assert types.count("sandbox.destroyed") == 1, types
     assert (await store.charged(run.id)).get("compute_micros") == 700

@@ -99,7 +99,7 @@ async def test_admission_records_queued_event_and_policy_unchanged(store: Store,
     assert run.policy == pol and list(run.policy) == list(pol)
     assert run.labels == {"suite": "s1"}
     assert run.reserved_micros == COST and run.charged_micros == 0
-    events = await store.list_events(run.id)
+    events = await store.events.list(run.id)
     queued = (1, "run.queued", {"reserved_micros": COST})
     assert [(e.seq, e.type, e.data) for e in events] == [queued]
     # The row admission returns (from its INSERT) is the row as stored, field for field.

@@ -32,7 +32,7 @@ async def _run(store: Store, org: Org) -> RunRow:
 
 
 async def _types(store: Store, run_id: str) -> list[str]:
-    return [e.type for e in await store.list_events(run_id)]
+    return [e.type for e in await store.events.list(run_id)]
 
 
 async def test_transition_writes_row_and_events_only_from_the_expected_status(
@@ -59,7 +59,7 @@ async def test_transition_writes_row_and_events_only_from_the_expected_status(
         sandbox_id="sbx",
     )
     assert (ready.status, ready.sandbox_id) == ("running", "sbx")
-    listed = await store.list_events(run.id)
+    listed = await store.events.list(run.id)
     assert [(e.seq, e.type) for e in listed] == [
         (1, "run.queued"),
         (2, "sandbox.ready"),
@@ -79,7 +79,7 @@ async def test_close_run_ends_settles_and_publishes_at_once(store: Store, org: O
     assert (row.status, row.termination_reason, row.output) == ("succeeded", "completed", "# done")
     assert row.settled and row.ended_at is not None
     assert (settlement.charged_micros, settlement.refunded_micros) == (1_234, 10_000 - 1_234)
-    events = await store.list_events(run.id)
+    events = await store.events.list(run.id)
     assert [e.type for e in events] == ["run.queued", "run.succeeded", "run.output", "run.settled"]
     assert events[1].data == {"model_calls": 1, "tokens": 12, "reason": "completed"}
     assert events[-1].data["charged_micros"] == 1_234
@@ -90,7 +90,7 @@ async def test_close_run_ends_settles_and_publishes_at_once(store: Store, org: O
         run.id, reason=TerminationReason.CANCELLED, detail="late", usage={}, output=None
     )
     assert (again.status, same) == ("succeeded", settlement)
-    assert len(await store.list_events(run.id)) == 4
+    assert len(await store.events.list(run.id)) == 4
 
 
 async def test_concurrent_closes_end_the_run_once(store: Store, org: Org) -> None:

@@ -33,44 +33,44 @@ async def _run(store: Store, org: Org, **pol: object) -> RunRow:
 async def test_concurrent_appends_get_gapless_seqs(store: Store, org: Org) -> None:
     run = await _run(store, org)
     appended = await asyncio.gather(
-        *(store.append_event(run.id, "model.called", {"i": i}) for i in range(100))
+        *(store.events.append(run.id, "model.called", {"i": i}) for i in range(100))
     )
     assert sorted(e.seq for e in appended) == list(range(2, 102))
-    listed = await store.list_events(run.id)
+    listed = await store.events.list(run.id)
     assert [e.seq for e in listed] == list(range(1, 102))
     assert {e.data.get("i") for e in listed[1:]} == set(range(100))
-    assert [e.seq for e in await store.list_events(run.id, after_seq=99)] == [100, 101]
+    assert [e.seq for e in await store.events.list(run.id, after_seq=99)] == [100, 101]
     assert listed[1].at.endswith("Z") and len(listed[1].at) == len("2026-01-01T00:00:00.000Z")
 
 
 async def test_event_validation(store: Store, org: Org) -> None:
     run = await _run(store, org)
     with pytest.raises(errors.InvalidRequest):
-        await store.append_event(run.id, "Not A Type", {})
+        await store.events.append(run.id, "Not A Type", {})
     with pytest.raises(errors.InvalidRequest) as info:
-        await store.append_event(run.id, "shell.executed", {"stdout": "x" * (2 << 20)})
+        await store.events.append(run.id, "shell.executed", {"stdout": "x" * (2 << 20)})
     assert info.value.errors and info.value.errors[0]["field"] == "data"
     with pytest.raises(errors.NotFound):
-        await store.append_event("run_" + "0" * 32, "run.queued", {})
+        await store.events.append("run_" + "0" * 32, "run.queued", {})
     with pytest.raises(errors.NotFound):
-        await store.list_events("run_" + "0" * 32)
+        await store.events.list("run_" + "0" * 32)
 
 
 async def test_an_event_with_usage_sets_the_runs_usage_with_it(store: Store, org: Org) -> None:
     run = await _run(store, org)
-    event = await store.append_event(run.id, "sandbox.exec", {"n": 1}, usage={"execs": 1})
+    event = await store.events.append(run.id, "sandbox.exec", {"n": 1}, usage={"execs": 1})
     assert event.seq == 2
     assert (await store.get_run(run.id)).usage == {"execs": 1}
     with pytest.raises(errors.InvalidRequest) as info:
-        await store.append_event(run.id, "sandbox.exec", {"n": 2}, usage=["not", "an", "object"])  # type: ignore[arg-type]
+        await store.events.append(run.id, "sandbox.exec", {"n": 2}, usage=["not", "an", "object"])  # type: ignore[arg-type]
     assert info.value.errors and info.value.errors[0]["field"] == "usage"
-    assert [e.seq for e in await store.list_events(run.id)] == [1, 2]  # the refused one: nothing
+    assert [e.seq for e in await store.events.list(run.id)] == [1, 2]  # the refused one: nothing
     assert (await store.get_run(run.id)).usage == {"execs": 1}
 
 
 async def test_zero_data_retention_keeps_no_content(store: Store, org: Org) -> None:
     run = await _run(store, org, zero_data_retention=True)
-    event = await store.append_event(
+    event = await store.events.append(
         run.id,
         "shell.executed",
         {
@@ -84,8 +84,8 @@ async def test_zero_data_retention_keeps_no_content(store: Store, org: Org) -> N
     )
     assert CANARY not in str(event.data)
     assert event.data["command_bytes"] == len(f"echo {CANARY}") and event.data["exit_code"] == 0
-    await store.save_transcript(run.id, [{"role": "user", "content": CANARY}])
-    assert await store.get_transcript(run.id) is None
+    await store.transcripts.save(run.id, [{"role": "user", "content": CANARY}])
+    assert await store.transcripts.get(run.id) is None
 
 
 @pytest.mark.parametrize("zdr", [False, True])
@@ -93,13 +93,13 @@ async def test_a_charge_batch_numbers_its_events_after_the_rest(
     store: Store, org: Org, zdr: bool
 ) -> None:
     run = await _run(store, org, zero_data_retention=zdr)
-    await store.append_event(run.id, "run.started", {})
+    await store.events.append(run.id, "run.started", {})
     path = f"/{CANARY}"
     events = [("web.requested", {"method": "GET", "path": path, "n": i}) for i in range(3)]
     await store.charge_batch(run.id, "web", [("w:1", 5)], events)
     await store.charge_batch(run.id, "web", [], events[:1])
-    await store.append_event(run.id, "run.completed", {})
-    got = await store.list_events(run.id)
+    await store.events.append(run.id, "run.completed", {})
+    got = await store.events.list(run.id)
     assert [e.seq for e in got] == list(range(1, len(got) + 1))
     assert [e.type for e in got][1:] == ["run.started"] + ["web.requested"] * 4 + ["run.completed"]
     web = [e.data for e in got if e.type == "web.requested"]
@@ -110,11 +110,11 @@ async def test_a_charge_batch_numbers_its_events_after_the_rest(
 
 async def test_erase_content_keeps_billing(store: Store, org: Org) -> None:
     run = await _run(store, org)
-    await store.append_event(
+    await store.events.append(
         run.id, "shell.executed", {"command": f"echo {CANARY}", "stdout": CANARY, "exit_code": 0}
     )
-    await store.append_event(run.id, "run.output", {"markdown": CANARY})
-    await store.save_transcript(run.id, [{"role": "user", "content": CANARY}])
+    await store.events.append(run.id, "run.output", {"markdown": CANARY})
+    await store.transcripts.save(run.id, [{"role": "user", "content": CANARY}])
     await store.update_run(run.id, output=CANARY, usage={"model_calls": 1})
     await store.charge(run.id, "model", 123, "m1")
     settled = await store.settle(run.id)
@@ -123,8 +123,8 @@ async def test_erase_content_keeps_billing(store: Store, org: Org) -> None:
 
     after = await store.get_run(run.id)
     assert after.prompt is None and after.output is None and after.erased_at is not None
-    assert await store.get_transcript(run.id) is None
-    events = await store.list_events(run.id)
+    assert await store.transcripts.get(run.id) is None
+    events = await store.events.list(run.id)
     assert CANARY not in str([e.data for e in events])
     assert [e.type for e in events] == ["run.queued", "shell.executed", "run.output"]
     assert events[1].data["exit_code"] == 0 and events[2].data["markdown_bytes"] == len(CANARY)
@@ -132,10 +132,10 @@ async def test_erase_content_keeps_billing(store: Store, org: Org) -> None:
     assert after.usage == {"model_calls": 1}
     assert await store.charged(run.id) == settled.breakdown
     # A late event after erasure is stored redacted too.
-    late = await store.append_event(run.id, "shell.executed", {"stdout": CANARY})
+    late = await store.events.append(run.id, "shell.executed", {"stdout": CANARY})
     assert CANARY not in str(late.data)
-    await store.save_transcript(run.id, [{"content": CANARY}])
-    assert await store.get_transcript(run.id) is None
+    await store.transcripts.save(run.id, [{"content": CANARY}])
+    assert await store.transcripts.get(run.id) is None
     async with store.engine.connect() as conn:
         kinds = (
             (
@@ -154,8 +154,8 @@ async def test_erased_content_is_gone_from_the_sqlite_files(
 ) -> None:
     org = await sqlite_store.orgs.ensure("zdr", initial_credit_micros=100_000)
     run = await _run(sqlite_store, org)
-    await sqlite_store.append_event(run.id, "run.output", {"markdown": CANARY * 20})
-    await sqlite_store.save_transcript(run.id, [{"content": CANARY * 20}])
+    await sqlite_store.events.append(run.id, "run.output", {"markdown": CANARY * 20})
+    await sqlite_store.transcripts.save(run.id, [{"content": CANARY * 20}])
     await sqlite_store.erase_content(run.id)
     await sqlite_store.close()
     db = Path(sqlite_url.split("///", 1)[1])
@@ -167,12 +167,12 @@ async def test_erased_content_is_gone_from_the_sqlite_files(
 
 async def test_transcript_roundtrip_and_overwrite(store: Store, org: Org) -> None:
     run = await _run(store, org)
-    assert await store.get_transcript(run.id) is None
-    await store.save_transcript(run.id, [{"role": "user", "content": "a"}])
-    await store.save_transcript(
+    assert await store.transcripts.get(run.id) is None
+    await store.transcripts.save(run.id, [{"role": "user", "content": "a"}])
+    await store.transcripts.save(
         run.id, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     )
-    assert await store.get_transcript(run.id) == [
+    assert await store.transcripts.get(run.id) == [
         {"role": "user", "content": "a"},
         {"role": "assistant", "content": "b"},
     ]

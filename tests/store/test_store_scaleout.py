@@ -166,7 +166,7 @@ async def test_close_run_with_expect_leaves_a_claimed_run_alone(store: Store, or
         )
     row = await store.get_run(run.id)
     assert (row.status, row.settled) == ("provisioning", False)
-    assert [e.type for e in await store.list_events(run.id)] == ["run.queued", "run.claimed"]
+    assert [e.type for e in await store.events.list(run.id)] == ["run.queued", "run.claimed"]
 
 
 async def test_sealed_content_goes_to_exactly_one_reader(

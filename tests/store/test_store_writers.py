@@ -22,10 +22,10 @@ async def test_writers_take_turns_in_the_order_they_asked(sqlite_store: Store) -
         await conn.execute(sa.update(orgs).where(orgs.c.id == org.id).values(name="turns"))
         appends = []
         for i in range(20):
-            appends.append(asyncio.create_task(sqlite_store.append_event(run.id, "x.n", {"i": i})))
+            appends.append(asyncio.create_task(sqlite_store.events.append(run.id, "x.n", {"i": i})))
             await asyncio.sleep(0)  # each asks before the next
         # A read neither waits for the held transaction nor sees it uncommitted.
-        seen = await asyncio.wait_for(sqlite_store.list_events(run.id), 10)
+        seen = await asyncio.wait_for(sqlite_store.events.list(run.id), 10)
         assert [e.type for e in seen] == ["run.queued"]
         await asyncio.sleep(0.2)
         assert not any(t.done() for t in appends)  # queued behind the open transaction
