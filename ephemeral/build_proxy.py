@@ -44,7 +44,7 @@ from ephemeral.broker.egress import (
     reply,
 )
 from ephemeral.broker.egress import _body_length as body_length
-from ephemeral.broker.ssrf import PrivateAllow, Refused, parse_url, port_of, resolve
+from ephemeral.broker.ssrf import PrivateAllow, Refused, parse_url, port_of, resolve_within
 from ephemeral.policy import WebAllow
 from ephemeral.settings import Settings
 
@@ -199,14 +199,15 @@ class BuildProxy:
                     403, f"host {url.host!r} is not in the build's allow list (build_allow_hosts)"
                 )
             try:
-                async with asyncio.timeout(CONNECT_S):
-                    checked = await resolve(
-                        url, allow_private=self.allow_private, allowed=self.private
-                    )
+                checked = await resolve_within(
+                    url,
+                    CONNECT_S,
+                    allow_private=self.allow_private,
+                    allowed=self.private,
+                    timeout_reason=f"timed out resolving {url.host!r}",
+                )
             except Refused as exc:
                 raise _Refusal(403, exc.reason) from None
-            except TimeoutError:
-                raise _Refusal(403, f"timed out resolving {url.host!r}") from None
             try:
                 async with asyncio.timeout(CONNECT_S):
                     up_r, up_w = await asyncio.open_connection(str(checked.address), port)

@@ -24,7 +24,7 @@ from ephemeral import errors
 from ephemeral.broker import outbound
 from ephemeral.broker.redact import Redactor
 from ephemeral.broker.secrets import Sealer
-from ephemeral.broker.ssrf import Refused, recorded_reason, resolve
+from ephemeral.broker.ssrf import Refused, recorded_reason, resolve_within
 from ephemeral.policy import Connection
 
 if TYPE_CHECKING:
@@ -190,12 +190,9 @@ async def call(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + max(0.1, min(REQUEST_SECONDS, ctx.time_left()))
     try:
-        async with asyncio.timeout_at(deadline):
-            target = await resolve(url, allow_private=allow_private)
+        target = await resolve_within(url, deadline - loop.time(), allow_private=allow_private)
     except Refused as exc:
         return await deny(exc.reason)
-    except TimeoutError:
-        return await deny("timed out resolving the host")
     credentials = sealer.open(stored.sealed_headers)
     headers = dict(credentials)
     if content is not None:

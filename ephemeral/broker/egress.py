@@ -48,7 +48,7 @@ from ephemeral.broker.ssrf import (
     parse_url,
     port_of,
     recorded_reason,
-    resolve,
+    resolve_within,
 )
 from ephemeral.lifecycle import StopRun
 from ephemeral.policy import WebAllow
@@ -295,14 +295,14 @@ class Egress:
             if isinstance(policy.web, WebAllow) and not policy.web.allows(target.host):
                 raise _Refusal(403, f"host {target.host!r} is not in the run's web allow list")
             try:
-                async with asyncio.timeout(CONNECT_SECONDS):
-                    checked = await resolve(
-                        target, allow_private=self.allow_private, allowed=self.web_private
-                    )
+                checked = await resolve_within(
+                    target,
+                    CONNECT_SECONDS,
+                    allow_private=self.allow_private,
+                    allowed=self.web_private,
+                )
             except Refused as exc:
                 raise _Refusal(403, exc.reason) from None
-            except TimeoutError:
-                raise _Refusal(403, "timed out resolving the host") from None
         except _Refusal as exc:
             reason = recorded_reason(exc.reason, zdr=self.ctx.policy.zero_data_retention)
             await self.ctx.emit("web.denied", {**event, "reason": reason, "cost_micros": 0})
@@ -578,12 +578,9 @@ class Egress:
         except connections.Denied as exc:
             return await deny(exc.reason)
         try:
-            async with asyncio.timeout(CONNECT_SECONDS):
-                target = await resolve(url, allow_private=self.allow_private)
+            target = await resolve_within(url, CONNECT_SECONDS, allow_private=self.allow_private)
         except Refused as exc:
             return await deny(exc.reason)
-        except TimeoutError:
-            return await deny("timed out resolving the host")
         credentials = self.sealer.open(stored.sealed_headers)
         stored_names = {k.lower() for k in credentials}
         headers = {

@@ -223,6 +223,23 @@ async def resolve(
     return Target(url=url, address=addresses[0])
 
 
+async def resolve_within(
+    url: httpx.URL,
+    seconds: float,
+    *,
+    allow_private: bool,
+    allowed: PrivateAllow | None = None,
+    timeout_reason: str = "timed out resolving the host",
+) -> Target:
+    """:func:`resolve` under a time limit: a resolver that does not answer within ``seconds`` is
+    a refusal too (``Refused(timeout_reason)``), so every caller turns both into one 403."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await resolve(url, allow_private=allow_private, allowed=allowed)
+    except TimeoutError:
+        raise Refused(timeout_reason) from None
+
+
 def public_url(url: httpx.URL | str) -> str:
     """What may be recorded: scheme, host, port and path; never userinfo, query or fragment."""
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 
 import httpx
@@ -14,6 +15,7 @@ from ephemeral.broker.ssrf import (
     parse_url,
     public_url,
     resolve,
+    resolve_within,
 )
 from ephemeral.settings import Settings
 
@@ -158,6 +160,37 @@ async def test_resolution_keeps_the_checked_address() -> None:
     assert target.address.is_loopback
     assert target.dial_url.host == str(target.address)
     assert target.url.host == "localhost"  # the Host header and TLS name stay the name
+
+
+async def test_a_resolver_that_does_not_answer_in_time_is_a_refusal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """resolve_within: a timeout is a Refused with the caller's reason (the web egress, the
+    connection calls and the build proxy each turn it into their 403), a refusal stays one, and
+    an answer in time is the checked target."""
+    loop = asyncio.get_running_loop()
+    answered = loop.getaddrinfo
+
+    async def never_answers(*args: object, **kwargs: object) -> object:
+        await asyncio.Event().wait()  # a resolver that hangs: no DNS server is reachable here
+
+    monkeypatch.setattr(loop, "getaddrinfo", never_answers)
+    with pytest.raises(Refused) as info:
+        await resolve_within(parse_url("http://localhost:9/"), 0.05, allow_private=True)
+    assert info.value.reason == "timed out resolving the host"
+    with pytest.raises(Refused) as info:
+        await resolve_within(
+            parse_url("http://localhost:9/"),
+            0.05,
+            allow_private=True,
+            timeout_reason="timed out resolving 'localhost'",
+        )
+    assert info.value.reason == "timed out resolving 'localhost'"
+    monkeypatch.setattr(loop, "getaddrinfo", answered)
+    with pytest.raises(Refused, match="resolves to a loopback address"):
+        await resolve_within(parse_url("http://localhost:9/"), 5, allow_private=False)
+    target = await resolve_within(parse_url("http://localhost:9/"), 5, allow_private=True)
+    assert target.address.is_loopback
 
 
 def _operator_allows(*entries: str) -> PrivateAllow:
