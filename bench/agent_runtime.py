@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.sandbox import timed_proc
+from bench.measure import floor_table, pct, timed_proc
 from ephemeral.sandbox import agent_runtime, images, registry
 from ephemeral.sandbox.base import Limits
 from ephemeral.sandbox.gvisor import GVisorDriver
@@ -58,23 +58,6 @@ EXCLUSIVE = "--file-access-mounts=exclusive"
 
 
 FIRST_BYTE = "bare runsc do: first byte"
-
-
-async def first_byte(argv: list[str]) -> float:
-    """ms from spawn to ``argv``'s first byte on stdout (then it is waited for)."""
-    t0 = time.perf_counter()
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    assert proc.stdout is not None
-    got = await proc.stdout.read(1)
-    ms = (time.perf_counter() - t0) * 1000
-    if not got or await proc.wait() != 0:
-        raise SystemExit(f"raw floor command failed: {' '.join(argv)}")
-    return ms
 
 
 def floors(level: str, rootfs: Path, state: str, runtime: Path, stub: Path) -> dict[str, list[str]]:
@@ -156,10 +139,6 @@ async def boot_once(
         await sbx.destroy()
 
 
-def p90(xs: list[float]) -> float:
-    return statistics.quantiles(xs, n=10, method="inclusive")[-1]
-
-
 async def level_bench(settings: Settings, busybox: str, level: str, n: int, only: set[str]) -> None:
     rootfs = await images.ensure_image(settings)
     variants = {"image python": settings, "runtime": settings}
@@ -188,16 +167,10 @@ async def level_bench(settings: Settings, busybox: str, level: str, n: int, only
                 if name == "runtime" and first is not None:
                     times["runtime: first reply"].append(first)
             for name, argv in bare.items():
-                timer = first_byte if name == FIRST_BYTE else timed_proc
-                times[name].append(await timer(argv))
-    floor = statistics.median(times["floor"])
-    print(f"\n{level} (n={n}, ms; a sandbox's: spawn to the agent's hello)")
-    for name, xs in times.items():
-        p50 = statistics.median(xs)
-        print(
-            f"  {name:32} p50 {p50:7.1f}  p90 {p90(xs):7.1f}  min {min(xs):7.1f}"
-            f"  max {max(xs):7.1f}  {p50 / floor:5.2f}x floor"
-        )
+                times[name].append(await timed_proc(argv, first_byte=name == FIRST_BYTE))
+    floor_table(
+        f"{level} (n={n}, ms; a sandbox's: spawn to the agent's hello)", times, 90, width=32
+    )
     bares = {"floor": "bare runsc do true" if level == "gvisor" else "bare bwrap true"}
     if FIRST_BYTE in times:
         bares[FIRST_BYTE] = FIRST_BYTE
@@ -207,9 +180,10 @@ async def level_bench(settings: Settings, busybox: str, level: str, n: int, only
                 continue
             xs, fl = times[name], times[bare_key]
             a, b = statistics.median(xs), statistics.median(fl)
+            c, d = pct(xs, 90), pct(fl, 90)
             print(
                 f"  {level} cold start, {name} / {bare_name}: p50 {a:.1f} / {b:.1f} = "
-                f"{a / b:.2f}x, p90 {p90(xs):.1f} / {p90(fl):.1f} = {p90(xs) / p90(fl):.2f}x"
+                f"{a / b:.2f}x, p90 {c:.1f} / {d:.1f} = {c / d:.2f}x"
             )
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.measure import missing_tool
 from bench.oci_pull import three_layers
 from ephemeral.oci.store import LayerStore, du
 from ephemeral.sandbox.dockerfile import build_dockerfile
@@ -36,10 +37,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--images", type=int, default=3)
     args = ap.parse_args()
-    for tool in ("docker-registry", "skopeo"):
-        if shutil.which(tool) is None:
-            print(f"{tool} missing (apt-get install {tool})")
-            return 1
+    if (why := missing_tool("docker-registry", "skopeo")) is not None:
+        print(why)
+        return 1
     work = Path(tempfile.mkdtemp(prefix="bench-dockerfile-layers-"))
     try:
         (work / "reg").mkdir()

@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.measure import missing_tool
 from ephemeral.oci import pull as oci_pull
 from ephemeral.oci.store import LayerStore
 from ephemeral.sandbox import microvm_image
@@ -56,10 +57,10 @@ def timed_ms(fn: object, *args: object) -> float:
 
 
 async def main(n: int, accel: str) -> int:
-    for tool in ("docker-registry", "skopeo", "qemu-system-x86_64", "mkfs.ext4"):
-        if shutil.which(tool) is None:
-            print(f"{tool} missing")
-            return 1
+    needed = ("docker-registry", "skopeo", "qemu-system-x86_64", "mkfs.ext4")
+    if (why := missing_tool(*needed)) is not None:
+        print(why)
+        return 1
     shared = Settings.load()
     root = built_image(shared, "default").rootfs
     work = Path(tempfile.mkdtemp(prefix="bench-microvm-pulled-"))

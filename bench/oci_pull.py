@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.measure import missing_tool
 from ephemeral.oci import pull as oci_pull
 from ephemeral.settings import Settings
 from tests.drivers import built_image
@@ -57,10 +58,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=3)
     args = ap.parse_args()
-    for tool in ("docker-registry", "skopeo", "umoci"):
-        if shutil.which(tool) is None:
-            print(f"{tool} missing (apt-get install {tool})")
-            return 1
+    if (why := missing_tool("docker-registry", "skopeo", "umoci")) is not None:
+        print(why)
+        return 1
     root = built_image(Settings.load(), "default").rootfs
     work = Path(tempfile.mkdtemp(prefix="bench-oci-"))
     try:

@@ -37,9 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.agent_runtime import floors
-from bench.images import pct
+from bench.measure import floor_table, missing_tool, timed_proc
 from bench.oci_pull import three_layers
-from bench.sandbox import timed_proc
 from ephemeral.oci import pull as oci_pull
 from ephemeral.sandbox import agent_runtime, images, registry
 from ephemeral.sandbox.base import Limits, Sandbox
@@ -105,14 +104,7 @@ async def level_bench(settings: Settings, pulled: str, level: str, n: int) -> No
         finally:
             for pool in pools.values():
                 await pool.close()
-    floor = statistics.median(times["floor"])
-    print(f"\n{level} (n={n}, ms until a sandbox has run `true`)")
-    for name, xs in times.items():
-        p50 = statistics.median(xs)
-        print(
-            f"  {name:14} p50 {p50:7.1f}  p95 {pct(xs, 95):7.1f}  min {min(xs):7.1f}"
-            f"  max {max(xs):7.1f}  {p50 / floor:5.2f}x floor"
-        )
+    floor_table(f"{level} (n={n}, ms until a sandbox has run `true`)", times, 95, width=14)
     for kind in ("cold", "warm"):
         ratio = statistics.median(times[f"{kind} pulled"]) / statistics.median(
             times[f"{kind} default"]
@@ -125,10 +117,9 @@ async def main() -> int:
     ap.add_argument("--levels", default="gvisor,namespaces")
     ap.add_argument("--n", type=int, default=10)
     args = ap.parse_args()
-    for tool in ("docker-registry", "skopeo"):
-        if shutil.which(tool) is None:
-            print(f"{tool} missing (apt-get install {tool})")
-            return 1
+    if (why := missing_tool("docker-registry", "skopeo")) is not None:
+        print(why)
+        return 1
     work = Path(tempfile.mkdtemp(prefix="bench-pulled-start-"))
     try:
         settings = Settings.load(state_dir=work / "state", cache_dir=work / "cache")

@@ -19,33 +19,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.measure import pct, timed_proc
 from ephemeral.sandbox import images, registry
 from ephemeral.sandbox.base import Limits, Sandbox
 from ephemeral.sandbox.pool import WarmPool
 from ephemeral.settings import Settings
 
 
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
-
-
 def fmt(xs: list[float], *ps: float) -> str:
     return " ".join(f"p{p:g}={pct(xs, p):8.2f}ms" for p in ps) + f"  (n={len(xs)})"
-
-
-async def timed_proc(argv: list[str]) -> float:
-    t0 = time.perf_counter()
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    rc = await proc.wait()
-    if rc != 0:
-        raise SystemExit(f"raw floor command failed ({rc}): {' '.join(argv)}")
-    return (time.perf_counter() - t0) * 1000
 
 
 def pss_kib(pids: set[int]) -> int:

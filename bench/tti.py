@@ -40,7 +40,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.sandbox import timed_proc
+from bench.measure import timed_proc
 from bench.served import (
     SEED_BODY,
     at,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.sandbox import pct
+from bench.measure import pct
 from ephemeral.sandbox import images, registry
 from ephemeral.sandbox.base import Limits, Sandbox
 from ephemeral.settings import Settings
