@@ -14,7 +14,7 @@ import socket
 import ssl
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 from typing import Any
@@ -82,6 +82,23 @@ def names(monkeypatch: pytest.MonkeyPatch) -> Names:
 
     monkeypatch.setattr(asyncio.base_events.BaseEventLoop, "getaddrinfo", getaddrinfo)
     return table
+
+
+@pytest.fixture
+def strict_broker(runtime: Runtime) -> Callable[..., Broker]:
+    """Brokers as an operator runs them: ``broker_allow_private_hosts`` off (this folder's
+    runtime turns it on so that its brokers reach the 127.0.0.1 upstream), with the given
+    ``egress_allow_private`` entries, validated as the operator's environment would be."""
+
+    def make(*allowed: str) -> Broker:
+        entries = Settings.load(egress_allow_private=list(allowed)).egress_allow_private
+        return Broker(
+            runtime.settings.model_copy(
+                update={"broker_allow_private_hosts": False, "egress_allow_private": entries}
+            )
+        )
+
+    return make
 
 
 @pytest.fixture(params=ISOLATIONS)

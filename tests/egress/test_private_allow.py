@@ -9,11 +9,12 @@ here has ``broker_allow_private_hosts`` off (the egress tests' runtime turns it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from ephemeral.broker import Broker
 from ephemeral.engine.runtime import Runtime
-from ephemeral.settings import Settings
 from tests.broker.conftest import Upstream, call, events_of
 from tests.egress.conftest import Names, provisioned, sh
 from tests.sandbox.test_localhost import SERVE
@@ -21,24 +22,18 @@ from tests.sandbox.test_localhost import SERVE
 pytestmark = [pytest.mark.sandbox]
 
 
-def _broker(runtime: Runtime, *allowed: str) -> Broker:
-    # validated as the operator's environment would be, then applied without the test setting
-    entries = Settings.load(egress_allow_private=list(allowed)).egress_allow_private
-    return Broker(
-        runtime.settings.model_copy(
-            update={"broker_allow_private_hosts": False, "egress_allow_private": entries}
-        )
-    )
-
-
 async def test_a_listed_network_or_name_is_reachable_where_web_is_granted(
-    runtime: Runtime, upstream: Upstream, names: Names, isolation: str
+    runtime: Runtime,
+    upstream: Upstream,
+    names: Names,
+    isolation: str,
+    strict_broker: Callable[..., Broker],
 ) -> None:
     names.set("mirror.test", "127.0.0.1")
     names.set("other.test", "127.0.0.1")
     names.set("lan.test", "10.1.2.3")
     mirror = f"http://mirror.test:{upstream.port}/text"
-    async with provisioned(runtime, isolation, _broker(runtime, "127.0.0.1/32"), web=True) as a:
+    async with provisioned(runtime, isolation, strict_broker("127.0.0.1/32"), web=True) as a:
         got = await sh(a, f"curl -sS -m 10 {mirror}")
         assert (got.exit_code, got.stdout) == (0, "hello from upstream"), got
         assert "hello from upstream" in await call(a, "web_fetch", url=mirror)
@@ -51,7 +46,7 @@ async def test_a_listed_network_or_name_is_reachable_where_web_is_granted(
         if not isolation.startswith("microvm"):
             local = await sh(a, SERVE.format(port=8765, bind="127.0.0.1"), timeout=60)
             assert (local.exit_code, local.stdout) == (0, "served-here\n" * 2), local.stderr
-    async with provisioned(runtime, isolation, _broker(runtime, "mirror.test"), web=True) as b:
+    async with provisioned(runtime, isolation, strict_broker("mirror.test"), web=True) as b:
         got = await sh(b, f"curl -sS -m 10 {mirror}")
         assert (got.exit_code, got.stdout) == (0, "hello from upstream"), got
         # the same address under another name is not the listed host
@@ -62,16 +57,20 @@ async def test_a_listed_network_or_name_is_reachable_where_web_is_granted(
 
 
 async def test_without_the_list_or_without_web_the_mirror_is_refused(
-    runtime: Runtime, upstream: Upstream, names: Names, isolation: str
+    runtime: Runtime,
+    upstream: Upstream,
+    names: Names,
+    isolation: str,
+    strict_broker: Callable[..., Broker],
 ) -> None:
     names.set("mirror.test", "127.0.0.1")
     mirror = f"http://mirror.test:{upstream.port}/text"
-    async with provisioned(runtime, isolation, _broker(runtime), web=True) as a:
+    async with provisioned(runtime, isolation, strict_broker(), web=True) as a:
         got = await sh(a, f"curl -sS -m 10 {mirror}")
         assert "host 'mirror.test' resolves to a loopback address" in got.stdout, got
         refused = await call(a, "web_fetch", url=mirror)
         assert "resolves to a loopback address" in refused, refused
-    listed = _broker(runtime, "127.0.0.1/32", "mirror.test")
+    listed = strict_broker("127.0.0.1/32", "mirror.test")
     async with provisioned(runtime, isolation, listed, web=False) as b:
         assert b.egress is None and b.egress_env == {}
         for command in (

@@ -7,6 +7,8 @@ and metadata addresses stay refused even then).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from ephemeral.broker import Broker
@@ -224,13 +226,16 @@ async def test_metadata_private_rebinding_and_literals_are_refused(
 
 
 async def test_private_addresses_are_refused_without_the_test_setting(
-    runtime: Runtime, upstream: Upstream, names: Names, isolation: str
+    runtime: Runtime,
+    upstream: Upstream,
+    names: Names,
+    isolation: str,
+    strict_broker: Callable[..., Broker],
 ) -> None:
     names.set("site.test", "127.0.0.1")
     names.set("lan.test", "10.1.2.3")
     names.set("cgnat.test", "100.64.0.1")
-    strict = Broker(runtime.settings.model_copy(update={"broker_allow_private_hosts": False}))
-    async with provisioned(runtime, isolation, broker=strict, web=True) as agent:
+    async with provisioned(runtime, isolation, broker=strict_broker(), web=True) as agent:
         for url in (
             f"http://site.test:{upstream.port}/text",
             "http://lan.test/",
