@@ -9,10 +9,11 @@ import socket
 import subprocess
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -21,6 +22,11 @@ from ephemeral.settings import Settings
 from tests.oci.layouts import Layout
 from tests.oci.token_server import ISSUER, SERVICE, TokenServer
 from tests.sandbox.image_cache import link_runtime_source
+
+if TYPE_CHECKING:
+    import httpx
+
+    from ephemeral.engine.runtime import Runtime
 
 USER, PASSWORD = "tester", "s3cret-pass"
 
@@ -177,3 +183,104 @@ def oci_settings(tmp_path: Path, registry: Registry) -> Settings:
     CredentialStore(settings).set(registry.host, Credential(username=USER, password=PASSWORD))
     link_runtime_source(settings)  # the agent runtime's python, not rebuilt in this cache
     return settings
+
+
+@dataclass
+class RunSeen:
+    """A run that succeeded, as the API shows it."""
+
+    row: dict[str, Any]  # GET /v1/runs/{id}
+    events: list[Any]
+    pulled_hex: str  # the digest the layer store now holds for the run's image
+
+    def first(self, kind: str) -> dict[str, Any]:
+        """The data of the run's first event of type ``kind``."""
+        data: dict[str, Any] = next(e["data"] for e in self.events if e["type"] == kind)
+        return data
+
+
+@dataclass
+class MemberApi:
+    """The real app in process (httpx's ASGI transport) on a runtime, as one org's member."""
+
+    rt: Runtime
+    http: httpx.AsyncClient
+    headers: dict[str, str]
+
+    @staticmethod
+    def run_body(image: str, isolation: str, timeout_seconds: int) -> dict[str, Any]:
+        return {
+            "prompt": "go",
+            "image": image,
+            "isolation": isolation,
+            "timeout_seconds": timeout_seconds,
+            "max_cost_micros": 40_000,
+        }
+
+    async def run(self, image: str, isolation: str, timeout_seconds: int) -> RunSeen:
+        """``POST /v1/runs``, waited for; it must have succeeded, its image pulled."""
+        from ephemeral.oci.reference import parse
+        from ephemeral.oci.store import LayerStore
+
+        body = self.run_body(image, isolation, timeout_seconds)
+        r = await self.http.post("/v1/runs", json=body, headers=self.headers)
+        assert r.status_code == 201, r.text
+        run_id = r.json()["id"]
+        await self.rt.wait(run_id, timeout_seconds * 2.5)
+        got = (await self.http.get(f"/v1/runs/{run_id}", headers=self.headers)).json()
+        events = (await self.http.get(f"/v1/runs/{run_id}/events", headers=self.headers)).json()
+        pulled = LayerStore(self.rt.settings).resolve(parse(image))
+        assert pulled is not None
+        assert got["status"] == "succeeded", got["termination"]
+        return RunSeen(got, events, pulled.hex)
+
+    async def session_exec(
+        self, image: str, isolation: str, timeout_seconds: int, command: str
+    ) -> dict[str, Any]:
+        """``POST /v1/sandboxes``, one exec in it, then cancelled: the exec's answer."""
+        body = {
+            "isolation": isolation,
+            "image": image,
+            "timeout_seconds": timeout_seconds,
+            "max_cost_micros": 50_000,
+        }
+        r = await self.http.post("/v1/sandboxes", json=body, headers=self.headers)
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        try:
+            r = await self.http.post(
+                f"/v1/sandboxes/{sid}/exec", json={"command": command}, headers=self.headers
+            )
+            answer: dict[str, Any] = r.json()
+            return answer
+        finally:
+            await self.http.post(f"/v1/sandboxes/{sid}/cancel", headers=self.headers)
+
+
+@pytest.fixture
+def member_api(
+    tmp_path: Path,
+) -> Callable[[Settings, str], AbstractAsyncContextManager[MemberApi]]:
+    """``member_api(settings, commands)``: the API on a runtime of ``settings`` whose default
+    model (a cassette) runs ``commands`` in one shell call and then ends, and one member."""
+
+    @contextlib.asynccontextmanager
+    async def start(settings: Settings, commands: str) -> AsyncIterator[MemberApi]:
+        import httpx
+
+        from ephemeral.api import create_app
+        from tests import runlevel
+        from tests.api.conftest import new_member, write_cassette
+        from tests.run.conftest import turn
+
+        cassettes = tmp_path / "cassettes"
+        cassettes.mkdir()
+        model = write_cassette(cassettes, "oci-run", [turn(commands), turn(final="ok")])
+        settings = settings.model_copy(update={"cassettes_dir": cassettes, "default_model": model})
+        async with runlevel.started(settings) as rt:
+            member = await new_member(rt, "acme")
+            transport = httpx.ASGITransport(app=create_app(rt.settings, rt))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                yield MemberApi(rt, http, member.headers)
+
+    return start

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,7 @@ from ephemeral.sandbox.base import Limits, Sandbox
 from ephemeral.settings import Settings
 from tests.drivers import built_image, unavailable
 from tests.oci import layouts as L
-from tests.oci.conftest import PASSWORD, USER, Registry
+from tests.oci.conftest import PASSWORD, USER, MemberApi, Registry
 from tests.sandbox.conftest import busybox_tree
 from tests.sandbox.image_cache import link_runtime_source
 
@@ -196,74 +198,25 @@ def test_a_microvm_boots_a_pulled_static_busybox(vm_settings: Settings, busybox_
 
 
 async def test_a_run_and_a_session_on_a_microvm_honour_the_config_and_record_the_digest(
-    vm_settings: Settings, no_python_image: str, tmp_path: Path
+    vm_settings: Settings,
+    no_python_image: str,
+    tmp_path: Path,
+    member_api: Callable[[Settings, str], AbstractAsyncContextManager[MemberApi]],
 ) -> None:
     """As on the other levels (test_sandbox_boot.py): admission takes a registry reference
     for a microVM, the run records the digest, a session's exec gets the config's Env,
     WorkingDir and User."""
-    import httpx
+    settings = vm_settings.model_copy(update={"state_dir": tmp_path / "state"})
+    async with member_api(settings, "id -un; echo $OCI_TEST; pwd") as api:
+        seen = await api.run(no_python_image, ISOLATION, timeout_seconds=120)
+        assert (seen.row["isolation"], seen.row["image_hash"]) == (ISOLATION, seen.pulled_hex)
+        shell = seen.first("shell.executed")
+        # a run's commands run as worker in its scratch directory, with the config's Env
+        assert shell["stdout"].split()[:2] == ["worker", "from-config"], shell
 
-    from ephemeral.api import create_app
-    from tests import runlevel
-    from tests.api.conftest import new_member, write_cassette
-    from tests.run.conftest import turn
-
-    cassettes = tmp_path / "cassettes"
-    cassettes.mkdir()
-    model = write_cassette(
-        cassettes, "oci-vm-run", [turn("id -un; echo $OCI_TEST; pwd"), turn(final="ok")]
-    )
-    settings = vm_settings.model_copy(
-        update={
-            "state_dir": tmp_path / "state",
-            "cassettes_dir": cassettes,
-            "default_model": model,
-        }
-    )
-    async with runlevel.started(settings) as rt:
-        member = await new_member(rt, "acme")
-        transport = httpx.ASGITransport(app=create_app(rt.settings, rt))
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
-            body = {
-                "prompt": "go",
-                "image": no_python_image,
-                "isolation": ISOLATION,
-                "timeout_seconds": 120,
-                "max_cost_micros": 40_000,
-            }
-            r = await http.post("/v1/runs", json=body, headers=member.headers)
-            assert r.status_code == 201, r.text
-            run = r.json()
-            await rt.wait(run["id"], 300)
-            got = (await http.get(f"/v1/runs/{run['id']}", headers=member.headers)).json()
-            pulled = LayerStore(settings).resolve(parse(no_python_image))
-            assert pulled is not None
-            assert got["status"] == "succeeded", got["termination"]
-            assert (got["isolation"], got["image_hash"]) == (ISOLATION, pulled.hex)
-            events = (await http.get(f"/v1/runs/{run['id']}/events", headers=member.headers)).json()
-            shell = next(e["data"] for e in events if e["type"] == "shell.executed")
-            # a run's commands run as worker in its scratch directory, with the config's Env
-            assert shell["stdout"].split()[:2] == ["worker", "from-config"], shell
-
-            r = await http.post(
-                "/v1/sandboxes",
-                json={
-                    "isolation": ISOLATION,
-                    "image": no_python_image,
-                    "timeout_seconds": 120,
-                    "max_cost_micros": 50_000,
-                },
-                headers=member.headers,
-            )
-            assert r.status_code == 201, r.text
-            sid = r.json()["id"]
-            r = await http.post(
-                f"/v1/sandboxes/{sid}/exec",
-                json={"command": "pwd; id -un; echo $OCI_TEST"},
-                headers=member.headers,
-            )
-            assert r.json()["stdout"] == "/srv/app\nworker\nfrom-config\n", r.text
-            await http.post(f"/v1/sandboxes/{sid}/cancel", headers=member.headers)
+        command = "pwd; id -un; echo $OCI_TEST"
+        answer = await api.session_exec(no_python_image, ISOLATION, 120, command)
+        assert answer["stdout"] == "/srv/app\nworker\nfrom-config\n", answer
 
 
 def test_a_microvm_boots_a_dockerfile_image_built_from_a_registry_image(

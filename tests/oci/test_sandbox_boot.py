@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager
 
 import pytest
 
@@ -21,7 +21,7 @@ from ephemeral.sandbox.base import Limits
 from ephemeral.settings import Settings
 from tests.drivers import built_image, unavailable
 from tests.oci import layouts as L
-from tests.oci.conftest import Registry
+from tests.oci.conftest import MemberApi, Registry
 from tests.sandbox.leaks import loop_devices
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "OCI_TEST": "from-config"}
@@ -131,80 +131,30 @@ def test_a_pulled_image_gets_a_disk_backed_root(
 
 
 async def test_runs_and_sessions_over_http_pull_at_admission_and_record_the_digest(
-    oci_settings: Settings, python_image: str, tmp_path: Path
+    oci_settings: Settings,
+    python_image: str,
+    member_api: Callable[[Settings, str], AbstractAsyncContextManager[MemberApi]],
 ) -> None:
     """As ``POST /v1/runs`` and ``POST /v1/sandboxes`` do: admission pulls (the image is not
     here yet), the run's commands run as worker with the config's Env, a session's exec
     defaults to the config's WorkingDir and User (root: it names none); the run object and the
     ready events carry the manifest's digest."""
-    import httpx
-
-    from ephemeral.api import create_app
     from ephemeral.oci.reference import parse
-    from tests import runlevel
-    from tests.api.conftest import new_member, write_cassette
-    from tests.run.conftest import turn
 
     isolation = "namespaces"
     why = await drivers_registry.probe_level(isolation, Settings.load())
     if why is not None:
         unavailable(f"{isolation} cannot run here: {why}", isolation)
-    cassettes = tmp_path / "cassettes"
-    cassettes.mkdir()
-    model = write_cassette(
-        cassettes,
-        "oci-run",
-        [turn("id -un; echo $OCI_TEST; cat /etc/oci-marker"), turn(final="ok")],
-    )
-    settings = oci_settings.model_copy(
-        update={"cassettes_dir": cassettes, "use_prefect": False, "default_model": model}
-    )
+    settings = oci_settings.model_copy(update={"use_prefect": False})
     assert LayerStore(settings).resolve(parse(python_image)) is None
-    async with runlevel.started(settings) as rt:
-        member = await new_member(rt, "acme")
-        h = member.headers
-        transport = httpx.ASGITransport(app=create_app(rt.settings, rt))
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
-            body = {
-                "prompt": "go",
-                "image": python_image,
-                "isolation": isolation,
-                "timeout_seconds": 60,
-                "max_cost_micros": 40_000,
-            }
-            r = await http.post("/v1/runs", json=body, headers=h)
-            assert r.status_code == 201, r.text
-            run = r.json()
-            await rt.wait(run["id"], 120)
-            got = (await http.get(f"/v1/runs/{run['id']}", headers=h)).json()
-            pulled = LayerStore(settings).resolve(parse(python_image))
-            assert pulled is not None
-            assert got["status"] == "succeeded", got["termination"]
-            assert (got["image"], got["image_hash"]) == (python_image, pulled.hex)
-            events = (await http.get(f"/v1/runs/{run['id']}/events", headers=h)).json()
-            shell = next(e["data"] for e in events if e["type"] == "shell.executed")
-            assert shell["stdout"] == "worker\nfrom-config\nthird layer\n"
-            ready = next(e["data"] for e in events if e["type"] == "sandbox.ready")
-            assert ready["image_hash"] == pulled.hex
+    async with member_api(settings, "id -un; echo $OCI_TEST; cat /etc/oci-marker") as api:
+        seen = await api.run(python_image, isolation, timeout_seconds=60)
+        assert (seen.row["image"], seen.row["image_hash"]) == (python_image, seen.pulled_hex)
+        assert seen.first("shell.executed")["stdout"] == "worker\nfrom-config\nthird layer\n"
+        assert seen.first("sandbox.ready")["image_hash"] == seen.pulled_hex
 
-            r = await http.post(
-                "/v1/sandboxes",
-                json={
-                    "isolation": isolation,
-                    "image": python_image,
-                    "timeout_seconds": 60,
-                    "max_cost_micros": 50_000,
-                },
-                headers=h,
-            )
-            assert r.status_code == 201, r.text
-            sid = r.json()["id"]
-            r = await http.post(
-                f"/v1/sandboxes/{sid}/exec",
-                json={"command": "pwd; id -u; echo $OCI_TEST"},
-                headers=h,
-            )
-            assert r.json()["stdout"] == "/srv\n0\nfrom-config\n", r.text
-            await http.post(f"/v1/sandboxes/{sid}/cancel", headers=h)
-            bad = await http.post("/v1/runs", json={**body, "image": "Not/Valid:ref"}, headers=h)
-            assert bad.status_code == 422 and bad.json()["errors"][0]["field"] == "image"
+        answer = await api.session_exec(python_image, isolation, 60, "pwd; id -u; echo $OCI_TEST")
+        assert answer["stdout"] == "/srv\n0\nfrom-config\n", answer
+        body = api.run_body("Not/Valid:ref", isolation, 60)
+        bad = await api.http.post("/v1/runs", json=body, headers=api.headers)
+        assert bad.status_code == 422 and bad.json()["errors"][0]["field"] == "image"
