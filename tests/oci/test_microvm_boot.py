@@ -199,6 +199,7 @@ def test_a_microvm_boots_a_pulled_static_busybox(vm_settings: Settings, busybox_
 
 async def test_a_run_and_a_session_on_a_microvm_honour_the_config_and_record_the_digest(
     vm_settings: Settings,
+    registry: Registry,
     no_python_image: str,
     tmp_path: Path,
     member_api: Callable[[Settings, str], AbstractAsyncContextManager[MemberApi]],
@@ -207,6 +208,8 @@ async def test_a_run_and_a_session_on_a_microvm_honour_the_config_and_record_the
     for a microVM, the run records the digest, a session's exec gets the config's Env,
     WorkingDir and User."""
     settings = vm_settings.model_copy(update={"state_dir": tmp_path / "state"})
+    # its own state dir holds the registry's credentials too (alone, nothing pulled it before)
+    CredentialStore(settings).set(registry.host, Credential(username=USER, password=PASSWORD))
     async with member_api(settings, "id -un; echo $OCI_TEST; pwd") as api:
         seen = await api.run(no_python_image, ISOLATION, timeout_seconds=120)
         assert (seen.row["isolation"], seen.row["image_hash"]) == (ISOLATION, seen.pulled_hex)
