@@ -1,4 +1,4 @@
-"""A run's statuses, its termination reasons and the rules between them, in one place.
+"""A run's statuses, its kinds, its termination reasons and the rules between them, in one place.
 
 A run moves ``queued → provisioning → running → <terminal>`` and is then settled; every move is
 one store transaction that writes the run row and its events together, guarded by the status
@@ -26,6 +26,20 @@ class RunStatus(StrEnum):
     TIMED_OUT = "timed_out"
     CANCELLED = "cancelled"
     BUDGET_EXHAUSTED = "budget_exhausted"
+
+
+class RunKind(StrEnum):
+    """What a row of the runs table is. The store writes NULL for a run (rows from before kinds
+    existed are runs) and ``session`` for a sandbox session; the records and the API say
+    ``run`` or ``session``: :func:`kind_of` reads either."""
+
+    RUN = "run"
+    SESSION = "session"
+
+
+def kind_of(stored: str | None) -> RunKind:
+    """The kind of a run row whose ``kind`` column holds ``stored`` (NULL is a run)."""
+    return RunKind.RUN if stored is None else RunKind(stored)
 
 
 class TerminationReason(StrEnum):

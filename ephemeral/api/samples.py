@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from ephemeral import errors
 from ephemeral.events import Event
 from ephemeral.ids import rfc3339, utcnow
+from ephemeral.lifecycle import RunStatus
 from ephemeral.models import default_model
 from ephemeral.runview import fold_events
 from ephemeral.settings import Settings
@@ -76,7 +77,7 @@ async def record_sample(runtime: Any, name: str) -> Path:
     row, _ = await runtime.admit(org, request, labels={"sample": name})
     row = await runtime.execute(row.id)
     events = await runtime.store.events.list(row.id)
-    if row.status != "succeeded":
+    if row.status != RunStatus.SUCCEEDED:
         raise errors.SandboxError(f"the sample run ended {row.status}; not recording it")
     sample = Sample(
         name=name,

@@ -10,6 +10,7 @@ from markdown_it import MarkdownIt
 from markupsafe import Markup
 
 from ephemeral.events import Event
+from ephemeral.lifecycle import TERMINAL_STATUSES
 from ephemeral.money.amounts import usd
 from ephemeral.recipes.checks import CheckResult
 from ephemeral.timeline import COMMAND_EVENTS, describe
@@ -142,13 +143,7 @@ def web_text(web: object) -> str:
 def money_line(run: dict[str, Any]) -> str | None:
     """``$0.00353 charged, $0.03647 refunded (model … · web … · compute …)`` once settled."""
     cost = run["cost"]
-    if cost.get("charged_micros") is None or run["status"] not in (
-        "succeeded",
-        "failed",
-        "timed_out",
-        "cancelled",
-        "budget_exhausted",
-    ):
+    if cost.get("charged_micros") is None or run["status"] not in TERMINAL_STATUSES:
         return None
     b = cost["breakdown"]
     return (

@@ -16,6 +16,7 @@ from ephemeral import errors
 from ephemeral.cli import exits
 from ephemeral.cli.output import err, fail, out, print_event
 from ephemeral.cli.progress import announcing, quiet, start_prefect
+from ephemeral.lifecycle import RunStatus
 from ephemeral.money.amounts import parse_usd, usd
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
@@ -53,7 +54,7 @@ async def _run_local(
                 sys.stdout.write(json.dumps(obj, indent=2) + "\n")
             else:
                 _print_output(output)
-                if row.status != "succeeded" and row.termination_detail:
+                if row.status != RunStatus.SUCCEEDED and row.termination_detail:
                     # why it ended (a replay asked another prompt, a provider's refusal, …)
                     err.print(
                         f"{row.status}: {row.termination_reason}: {row.termination_detail}",

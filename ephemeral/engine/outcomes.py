@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from typing import Any
 
-from ephemeral.lifecycle import TerminationReason
+from ephemeral.lifecycle import OPEN_STATUSES, RunStatus, TerminationReason
 
 
 class Outcome(StrEnum):
@@ -55,16 +55,16 @@ def outcome_of(status: str, reason: str | None, verdicts: Iterable[bool] | None 
         return Outcome.ERROR
     if reason in _INFRASTRUCTURE:
         return Outcome.ERROR
-    if status == "cancelled" or reason == TerminationReason.CANCELLED:
+    if status == RunStatus.CANCELLED or reason == TerminationReason.CANCELLED:
         return Outcome.CANCELLED
-    if status == "budget_exhausted" or reason == TerminationReason.BUDGET_EXHAUSTED:
+    if status == RunStatus.BUDGET_EXHAUSTED or reason == TerminationReason.BUDGET_EXHAUSTED:
         return Outcome.BUDGET
-    if status in ("queued", "provisioning", "running"):
+    if status in OPEN_STATUSES:
         return Outcome.ERROR  # asked of a run that has not ended: nothing to grade yet
     found = list(verdicts or ())
     if found:
         return Outcome.PASS if all(found) else Outcome.FAIL
-    return Outcome.PASS if status == "succeeded" else Outcome.FAIL
+    return Outcome.PASS if status == RunStatus.SUCCEEDED else Outcome.FAIL
 
 
 def outcome_of_labels(status: str, reason: str | None, labels: Mapping[str, Any]) -> Outcome:

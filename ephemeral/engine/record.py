@@ -16,6 +16,7 @@ from ephemeral.engine.outcomes import GRADED, outcome_of_labels
 from ephemeral.events import Event
 from ephemeral.ids import rfc3339, utcnow
 from ephemeral.labels import string_labels
+from ephemeral.lifecycle import RunKind, kind_of
 from ephemeral.providers.replay import PREFIX as REPLAY_PREFIX
 from ephemeral.records import EventRecord, RunRecord, StepRecord, write_run
 from ephemeral.settings import Settings
@@ -51,7 +52,7 @@ def _outcome(row: Any, labels: dict[str, Any]) -> str | None:
     """The run's outcome. A sandbox session (Harbor, Inspect) is graded by its harness, not here:
     it records only what is known on this side (error, cancelled, budget), else nothing."""
     found = outcome_of_labels(row.status, row.termination_reason, labels)
-    if getattr(row, "kind", None) == "session" and found in GRADED:
+    if kind_of(getattr(row, "kind", None)) == RunKind.SESSION and found in GRADED:
         return None
     return str(found)
 
@@ -101,7 +102,7 @@ def build_records(
         image=getattr(row, "image", None),
         image_hash=getattr(row, "image_hash", None),
         verify=_verify_column(events, zdr),
-        kind=getattr(row, "kind", None) or "run",
+        kind=kind_of(getattr(row, "kind", None)),
     )
     steps: list[StepRecord] = []
     for ev in events:

@@ -28,7 +28,7 @@ from ephemeral.engine.engine import EVENT_POLL_SECONDS, Engine, brief_error
 from ephemeral.engine.executor import Executor, PlainExecutor
 from ephemeral.events import Event
 from ephemeral.ids import new_run_id, utcnow
-from ephemeral.lifecycle import TERMINAL_STATUSES, TerminationReason
+from ephemeral.lifecycle import TERMINAL_STATUSES, RunKind, RunStatus, TerminationReason
 from ephemeral.models import NO_MODEL, resolve_model
 from ephemeral.money.pricing import PriceBook
 from ephemeral.oci import sandbox_image
@@ -270,7 +270,7 @@ class Runtime:
         row = await self.store.get_run(run_id, org_id)
         if row.status in TERMINAL_STATUSES:
             return row
-        if row.kind == "session" and self.sessions.owns(run_id):
+        if row.kind == RunKind.SESSION and self.sessions.owns(run_id):
             return await self.sessions.end(run_id, org_id, cancelled=True)
         return await self.engine.cancel(row)
 
@@ -321,7 +321,10 @@ class Runtime:
                     suspects.add(row.id)
                     continue
                 detail = "nothing was executing the run (found by the watchdog)"
-            elif row.started_at is not None and row.status in ("provisioning", "running"):
+            elif row.started_at is not None and row.status in (
+                RunStatus.PROVISIONING,
+                RunStatus.RUNNING,
+            ):
                 limit = Policy.model_validate(row.policy).timeout_seconds + WATCHDOG_GRACE_SECONDS
                 if (now - _aware(row.started_at)).total_seconds() <= limit:
                     continue
@@ -355,7 +358,7 @@ class Runtime:
             except errors.Conflict:
                 continue
             finished.append(row.id)
-            if row.kind == "session":
+            if row.kind == RunKind.SESSION:
                 continue  # the hooks are for runs' Prefect task runs: a session has none
             for hook in self.lease_expired_hooks:
                 try:

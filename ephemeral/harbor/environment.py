@@ -41,6 +41,7 @@ from ephemeral import errors
 from ephemeral.harbor import backend, commands
 from ephemeral.harbor.config import HarborConfig, load_config
 from ephemeral.labels import bounded
+from ephemeral.lifecycle import RunStatus
 from ephemeral.oci import sandbox_image
 from ephemeral.policy import MIN_DISK_MIB
 from ephemeral.recipes import prebuild
@@ -199,7 +200,7 @@ class EphemeralEnvironment(BaseEnvironment):
                 f"ephemeral: the sandbox was refused: {exc.detail}"
             ) from exc
         self._session = row.id
-        if row.status != "running":
+        if row.status != RunStatus.RUNNING:
             self._session = None
             raise SandboxBuildFailedError(
                 f"ephemeral: the sandbox did not start ({row.termination_reason}: "

@@ -10,6 +10,7 @@ import asyncio
 from typing import TYPE_CHECKING, Protocol
 
 from ephemeral import errors
+from ephemeral.lifecycle import RunStatus
 from ephemeral.sandbox.base import ExecResult
 from ephemeral.sessions.manager import ExecRequest, SessionRequest
 from ephemeral.settings import Settings
@@ -52,7 +53,7 @@ class LocalBackend:
 
     async def create(self, request: SessionRequest) -> str:
         row, _ = await self.runtime.sessions.create(self.org_id, request)
-        if row.status != "running":
+        if row.status != RunStatus.RUNNING:
             raise errors.SandboxError(
                 f"the sandbox did not start: {row.termination_reason}: {row.termination_detail}"
             )

@@ -6,6 +6,7 @@ import secrets
 
 from ephemeral import errors
 from ephemeral.client import AsyncClient
+from ephemeral.lifecycle import RunStatus
 from ephemeral.sandbox.base import ExecResult
 from ephemeral.sessions.manager import ExecRequest, SessionRequest
 from ephemeral.settings import Settings
@@ -20,7 +21,7 @@ class RemoteBackend:
 
     async def create(self, request: SessionRequest) -> str:
         obj = await self.client.sandboxes.create(**request.model_dump(mode="json"))
-        if obj.get("status") != "running":
+        if obj.get("status") != RunStatus.RUNNING:
             term = obj.get("termination") or {}
             raise errors.SandboxError(
                 f"the sandbox did not start: {term.get('reason')}: {term.get('detail')}"

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 from ephemeral import errors
 from ephemeral.ids import utcnow
-from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus
+from ephemeral.lifecycle import TERMINAL_STATUSES, RunKind, RunStatus
 from ephemeral.sessions.link import Limits, LinkServer, link_key
-from ephemeral.sessions.manager import KIND, ExecRequest
+from ephemeral.sessions.manager import ExecRequest
 from ephemeral.store import hosts
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ class SessionHost:
         free (the API process tries another host), Conflict when it no longer waits."""
         runtime = self.runtime
         row = await runtime.sessions.get(session_id)
-        if row.kind != KIND:
+        if row.kind != RunKind.SESSION:
             raise errors.NotFound(f"sandbox {session_id} not found")
         if not self.taking:
             raise errors.QueueFull(f"host {runtime.host} is draining", retry_after=1.0)

@@ -47,6 +47,7 @@ from ephemeral.ids import new_run_id, rfc3339, utcnow
 from ephemeral.labels import Labels, string_labels
 from ephemeral.lifecycle import (
     TERMINAL_STATUSES,
+    RunKind,
     RunStatus,
     StopRun,
     TerminationReason,
@@ -69,7 +70,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ephemeral.sessions.manager")
 
-KIND = "session"
 # The model column of a session: it has no model loop (its code may call models through the
 # gateway, ephemeral.broker.gateway, whose calls its usage counts).
 SESSION_MODEL = "(session)"
@@ -352,11 +352,11 @@ class Sessions:
             idempotency_key=idempotency_key,
             body_hash=body_hash,
             owner=self.owner,
-            kind=KIND,
+            kind=RunKind.SESSION,
             image_hash=image_hash,
         )
         if replayed:
-            if row.kind != KIND:
+            if row.kind != RunKind.SESSION:
                 raise errors.InvalidRequest.field(
                     "Idempotency-Key", "was used for a run, not a sandbox session"
                 )
@@ -487,7 +487,7 @@ class Sessions:
     async def get(self, session_id: str, org_id: str | None = None) -> RunRow:
         """The session's row; a run, another org's session or a missing one is NotFound."""
         row = await self.store.get_run(session_id, org_id)
-        if row.kind != KIND:
+        if row.kind != RunKind.SESSION:
             raise errors.NotFound(f"sandbox {session_id} not found")
         return row
 
@@ -755,7 +755,7 @@ def session_object(row: RunRow, base_url: str | None = None) -> dict[str, Any]:
         expires_at = rfc3339(_from_ts(started + policy.timeout_seconds))
     return {
         "id": row.id,
-        "kind": KIND,
+        "kind": RunKind.SESSION,
         "status": row.status,
         "created_at": timestamp(row.created_at),
         "started_at": timestamp(row.started_at),

@@ -1,0 +1,138 @@
+"""One word per concept (docs/architecture.md, "Words"), checked on the source where a checker can.
+
+A run's statuses and kinds are spelled once, in ``ephemeral/lifecycle.py`` (``RunStatus``,
+``RunKind``). A comparison of a ``status`` or ``kind`` with a string literal that is one of
+their values (``row.kind == "session"``, ``status in ("queued", "running")``) bypasses them:
+a renamed or added status would leave it silently comparing against a word no row holds. Every
+such comparison in the package (flows and tasks included) fails here, unless it compares a
+status that is not a run's, listed in ``NOT_A_RUN`` with what it is.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from pathlib import Path
+
+from ephemeral.lifecycle import RunKind, RunStatus
+from ephemeral.settings import REPO_ROOT
+
+ROOTS = ("ephemeral", "flows", "tasks")
+HOME = "ephemeral/lifecycle.py"  # where the words are defined
+VOCABULARY = {"status": {s.value for s in RunStatus}, "kind": {k.value for k in RunKind}}
+# Comparisons of statuses that are not a run's, by file and source text: what they compare.
+NOT_A_RUN = {
+    ("ephemeral/sandbox/qmp.py", "status in ('failed', 'cancelled')"): "QEMU's migration status",
+    ("ephemeral/cli/prebuild.py", "o.status == 'failed'"): "a prebuild outcome's status",
+    ("ephemeral/cli/prebuild.py", "out.status == 'failed'"): "a prebuild outcome's status",
+    ("ephemeral/cli/prebuild.py", "out.status != 'failed'"): "a prebuild outcome's status",
+    (
+        "ephemeral/harbor/environment.py",
+        "outcome.status == 'failed'",
+    ): "a prebuild outcome's status",
+}
+
+
+def package_files() -> list[tuple[str, Path]]:
+    """Every Python file of the package once (``ephemeral/flows`` is a link to ``flows``)."""
+    seen: dict[Path, str] = {}
+    for root in ROOTS:
+        for path in sorted((REPO_ROOT / root).rglob("*.py")):
+            seen.setdefault(path.resolve(), path.relative_to(REPO_ROOT).as_posix())
+    return sorted((rel, path) for path, rel in seen.items())
+
+
+def _field(node: ast.expr) -> str | None:
+    """``status`` or ``kind`` when ``node`` reads one: ``x.status``, ``status``,
+    ``x["status"]``, ``x.get("status")``, ``getattr(x, "status", None)``."""
+    name: object = None
+    if isinstance(node, ast.Attribute):
+        name = node.attr
+    elif isinstance(node, ast.Name):
+        name = node.id
+    elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        name = node.slice.value
+    elif (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "get"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+    ):
+        name = node.args[0].value
+    elif (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "getattr"
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+    ):
+        name = node.args[1].value
+    return name if name in VOCABULARY else None
+
+
+def _strings(node: ast.expr) -> set[str]:
+    """The string literals ``node`` is: one, or a tuple, list or set of them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return {
+            e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)
+        }
+    return set()
+
+
+def literal_comparisons(source: str) -> list[tuple[int, str]]:
+    """Each comparison of a run's status or kind with a literal of its vocabulary."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        for a, b in itertools.pairwise(operands):
+            for reader, other in ((a, b), (b, a)):
+                field = _field(reader)
+                if field is not None and _strings(other) & VOCABULARY[field]:
+                    found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_run_statuses_and_kinds_are_spelled_by_their_enums() -> None:
+    wrong = [
+        f"{rel}:{line}: {text}"
+        for rel, path in package_files()
+        if rel != HOME
+        for line, text in literal_comparisons(path.read_text())
+        if (rel, text) not in NOT_A_RUN
+    ]
+    assert not wrong, "use RunStatus / RunKind (ephemeral/lifecycle.py):\n" + "\n".join(wrong)
+
+
+def test_every_exception_is_still_in_the_code() -> None:
+    """An entry of NOT_A_RUN whose comparison is gone would excuse the next one written there."""
+    texts = {
+        (rel, text)
+        for rel, path in package_files()
+        for _, text in literal_comparisons(path.read_text())
+    }
+    assert set(NOT_A_RUN) <= texts, set(NOT_A_RUN) - texts
+
+
+def test_the_checker_sees_each_spelling() -> None:
+    bad = """
+if row.kind == "session": pass
+if "queued" != row.status: pass
+if status in ("provisioning", "running"): pass
+if obj["status"] == "succeeded": pass
+if obj.get("kind") == "run": pass
+if getattr(row, "kind", None) == "session": pass
+"""
+    assert [line for line, _ in literal_comparisons(bad)] == [2, 3, 4, 5, 6, 7]
+    good = """
+if row.kind == RunKind.SESSION: pass
+if row.status in OPEN_STATUSES: pass
+if row.status == "paused": pass
+if env.kind == "dockerfile": pass
+if row.name == "queued": pass
+"""
+    assert literal_comparisons(good) == []
