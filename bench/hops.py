@@ -164,18 +164,18 @@ async def one_run(executor: str, isolation: str) -> None:
         configure(settings)
     key = await make_key(settings)
     from ephemeral.api import create_app
-    from ephemeral.engine.engine import Engine, RunHandle
+    from ephemeral.engine.engine import Engine, EngineRunHandle
     from ephemeral.engine.runtime import Runtime
 
     handles = 0
-    init = RunHandle.__init__
+    init = EngineRunHandle.__init__
 
-    def counted(self: RunHandle, *a: Any, **kw: Any) -> None:
+    def counted(self: EngineRunHandle, *a: Any, **kw: Any) -> None:
         nonlocal handles
         handles += TRACER.on
         init(self, *a, **kw)
 
-    RunHandle.__init__ = counted  # type: ignore[method-assign]
+    EngineRunHandle.__init__ = counted  # type: ignore[method-assign]
     app = create_app(settings, warm_pool=True)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)

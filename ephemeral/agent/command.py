@@ -51,8 +51,9 @@ WATCH_SECONDS: Final = 0.2  # how often a running agent is checked against cance
 KILL_WAIT_SECONDS: Final = 10.0
 
 
-class AgentRun(Protocol):
-    """What the step needs of its run (``ephemeral.agent.loop.AgentRun``, which imports this)."""
+class CommandRun(Protocol):
+    """What the agent command step needs of its run: ``ephemeral.agent.loop.AgentRun`` is one
+    (it imports this module, so this names it only structurally)."""
 
     row: RunRow
     policy: Policy
@@ -79,7 +80,7 @@ class AgentRun(Protocol):
     async def _maybe_warn(self) -> None: ...
 
 
-def environment(run: AgentRun) -> dict[str, str]:
+def environment(run: CommandRun) -> dict[str, str]:
     """The agent command's variables: the image's, the proxy's and gateway's, the prompt's."""
     prompt = run.row.prompt or ""
     named = "" if run.model == NO_MODEL else run.model  # a run naming none gets no model
@@ -92,7 +93,7 @@ def environment(run: AgentRun) -> dict[str, str]:
     return env
 
 
-async def agent_step(run: AgentRun) -> None:
+async def agent_step(run: CommandRun) -> None:
     """Run the agent command to its exit (or kill it when the run must end) and take its
     answer into ``run.output``. Raises StopRun when the run ends other than ``completed``."""
     spec = run.policy.agent
@@ -153,7 +154,7 @@ async def agent_step(run: AgentRun) -> None:
         raise StopRun(Reason.TIMEOUT, f"time limit of {run.policy.timeout_seconds} s reached")
 
 
-async def _watch(run: AgentRun, task: asyncio.Task[ExecResult]) -> StopRun | None:
+async def _watch(run: CommandRun, task: asyncio.Task[ExecResult]) -> StopRun | None:
     """Wait for the agent's exit; the reason the run must end first, if one comes."""
     while not task.done():
         await asyncio.wait({task}, timeout=WATCH_SECONDS)
@@ -214,7 +215,7 @@ def _tail(text: str) -> str:
 
 
 async def _answer(
-    run: AgentRun, sandbox: Sandbox, res: ExecResult
+    run: CommandRun, sandbox: Sandbox, res: ExecResult
 ) -> tuple[str | None, str | None]:
     """The agent's final answer and, when there is none, why."""
     spec = run.policy.agent

@@ -14,7 +14,7 @@ One run, top to bottom (``file:function`` for each stage)::
                                                  flows/executor.py:executor_for picks it; the
                                                  flow executor passes it into the agent-run
                                                  flow: flows/agent_run.py:RunId)
-    grant     engine.py:RunHandle.grant          ``queued → provisioning``: its clock starts
+    grant     engine.py:EngineRunHandle.grant    ``queued → provisioning``: its clock starts
     build     engine.py:Engine.build             the run row (+ its zero-data-retention prompt)
                                                  → agent.py:AgentRun
     steps     engine.py:Engine.drive             → agent.py:drive: provision → setup → turn* →
@@ -105,8 +105,9 @@ class RunState:
     started: asyncio.Event = field(default_factory=asyncio.Event)  # set when its build begins
 
 
-class RunHandle:
-    """What an executor may do with one run (``ephemeral.engine.executor.Executor``)."""
+class EngineRunHandle:
+    """The engine's :class:`~ephemeral.engine.executor.RunHandle`: what an executor may do with
+    one run."""
 
     def __init__(self, engine: Engine, state: RunState) -> None:
         self._engine = engine
@@ -210,8 +211,8 @@ class Engine:
             st = self.runs[run_id] = RunState(run_id)
         return st
 
-    def handle(self, run_id: str) -> RunHandle:
-        return RunHandle(self, self.state(run_id))
+    def handle(self, run_id: str) -> EngineRunHandle:
+        return EngineRunHandle(self, self.state(run_id))
 
     def task(self, run_id: str) -> asyncio.Task[RunRow] | None:
         st = self.runs.get(run_id)
@@ -258,7 +259,7 @@ class Engine:
         try:
             async with self.slots:
                 t0 = time.monotonic()
-                await self.executor.execute(RunHandle(self, st))
+                await self.executor.execute(EngineRunHandle(self, st))
             return await self.store.get_run(run_id)
         except asyncio.CancelledError:
             raise
