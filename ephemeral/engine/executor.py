@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class RunHandle(Protocol):
-    """One run, as an executor sees it (the engine's is ``ephemeral.engine.engine.EngineRunHandle``)."""
+    """One run, as an executor sees it (the engine's: ``engine.engine.EngineRunHandle``)."""
 
     run_id: str
 
