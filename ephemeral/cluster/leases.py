@@ -30,7 +30,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ephemeral.clock import SYSTEM, Clock
 from ephemeral.store import ledger
-from ephemeral.store.engine import create_engine
+from ephemeral.store.backends import create_engine
 from ephemeral.store.schema import process_leases
 
 log = logging.getLogger("ephemeral.cluster.leases")

@@ -3,7 +3,7 @@
 A repository method is one unit of work: :meth:`Db.write` for anything that writes (committed
 as it leaves, rolled back on an exception; on SQLite it holds the write lock from its first
 statement), :meth:`Db.read` for a read that must never queue behind writers (see
-:mod:`ephemeral.store.engine`). The statements themselves take the open connection, so that a
+:mod:`ephemeral.store.backends`). The statements themselves take the open connection, so that a
 unit of work of one repository can call into another's (closing a run charges and appends).
 """
 
@@ -13,7 +13,7 @@ from contextlib import AbstractAsyncContextManager
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from ephemeral.store.engine import reader
+from ephemeral.store.backends import reader
 
 
 class Db:

@@ -35,9 +35,9 @@ from ephemeral.lifecycle import (
 )
 from ephemeral.store import events as events_
 from ephemeral.store import ledger, rows
+from ephemeral.store.backends import create_engine
 from ephemeral.store.connections import Connections
 from ephemeral.store.db import Db
-from ephemeral.store.engine import create_engine
 from ephemeral.store.events import Events, Transcripts
 from ephemeral.store.models import RunRow, Settlement
 from ephemeral.store.orgs import Keys, Orgs

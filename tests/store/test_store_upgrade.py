@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 
 from ephemeral.store import Store
-from ephemeral.store.engine import create_engine
+from ephemeral.store.backends import create_engine
 
 
 async def _columns(url: str) -> dict[str, object]:

@@ -1,4 +1,5 @@
-"""Engines for the two backends, configured so that concurrent writers serialise safely.
+"""The store's two database backends, SQLite and PostgreSQL, as SQLAlchemy engines configured
+so that concurrent writers serialise safely (the database's engine, not the run engine).
 
 SQLite: WAL, a busy timeout, and ``BEGIN IMMEDIATE`` on every write transaction, so that a
 read-then-write transaction holds the write lock from its first statement (otherwise two
