@@ -1,7 +1,7 @@
 """The sandbox seam: what every driver offers and what callers may rely on.
 
 Every driver's sandbox implements :class:`Sandbox` by subclassing
-``ephemeral.sandbox.lifecycle.SandboxBase`` (claim, expiry, destroy-once, ``async with``).
+``ephemeral.sandbox.lifecycle.SandboxBase`` (adopt, expiry, destroy-once, ``async with``).
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ class Sandbox(Protocol):
         """False once destroyed (or expired), or when its runtime died."""
         ...
 
-    async def claim(self, owner: str, lifetime_seconds: float | None = None) -> None:
-        """Hand a warm sandbox to ``owner``: re-own its handle and restart its lifetime (the
+    async def adopt(self, owner: str, lifetime_seconds: float | None = None) -> None:
+        """``owner`` adopts a warm sandbox: re-own its handle and restart its lifetime (the
         owner's ``lifetime_seconds`` when given, else the pool's)."""
         ...
 

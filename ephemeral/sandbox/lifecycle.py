@@ -1,4 +1,4 @@
-"""What every sandbox shares however it runs: claim, expiry and destroy-once.
+"""What every sandbox shares however it runs: adopt, expiry and destroy-once.
 
 A driver's sandbox subclasses :class:`SandboxBase` and supplies only ``_running`` (is its
 runtime still up?) and ``_teardown`` (kill and free what it started). The base owns the rest of
@@ -7,7 +7,7 @@ the lifecycle, so the rules hold for every level alike:
 - ``destroy`` runs ``_teardown`` exactly once, however many callers (the lifetime timer, a
   broken guest, the run's teardown, ``async with``) race to it; then removes the handle file.
 - the wall-clock lifetime (``limits.lifetime_seconds``) starts when the sandbox is ready and
-  restarts when the warm pool hands it to its real owner (``claim``), which also re-owns the
+  restarts when the warm pool hands it to its real owner (``adopt``), which also re-owns the
   handle so the reaper attributes it correctly after a crash.
 """
 
@@ -76,8 +76,8 @@ class SandboxBase:
         await asyncio.sleep(seconds)
         await self.destroy()
 
-    async def claim(self, owner: str, lifetime_seconds: float | None = None) -> None:
-        """Hand a warm sandbox to ``owner``: re-own its handle and restart its lifetime.
+    async def adopt(self, owner: str, lifetime_seconds: float | None = None) -> None:
+        """``owner`` adopts a warm sandbox: re-own its handle and restart its lifetime.
 
         ``lifetime_seconds`` is the owner's (a run or session longer than the pool's default
         must not lose its sandbox at the pool's lifetime)."""

@@ -100,7 +100,7 @@ class WarmPool:
             self._wake.set()
             if not sbx.alive:
                 continue
-            await sbx.claim(owner, None if limits is None else limits.lifetime_seconds)
+            await sbx.adopt(owner, None if limits is None else limits.lifetime_seconds)
             return sbx
         return None
 

@@ -2,7 +2,7 @@
 
 The drivers decide the argv; this module owns the lifecycle every such sandbox shares:
 persist the handle, make the cgroups, spawn the runtime inside them (it joins before exec, so
-nothing escapes), handshake with the agent, and tear down. Claim, the wall-clock lifetime and
+nothing escapes), handshake with the agent, and tear down. Adoption, the wall-clock lifetime and
 destroy-once are ``lifecycle.SandboxBase``'s.
 """
 

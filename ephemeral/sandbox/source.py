@@ -208,7 +208,7 @@ class SandboxSource:
 
 
 def _same(warm: Limits, asked: Limits) -> bool:
-    """Whether a warm sandbox of ``warm`` serves ``asked`` (its lifetime restarts at claim)."""
+    """Whether a warm sandbox of ``warm`` serves ``asked`` (its lifetime restarts when adopted)."""
     return warm.model_copy(update={"lifetime_seconds": 0}) == asked.model_copy(
         update={"lifetime_seconds": 0}
     )

@@ -6,7 +6,7 @@ file table (``whoami``, ``pwd``, ``echo``, ``cat``, ``ls``, ``true``/``false``/`
 Tests program anything else with ``FakeDriver(responses={command: ExecResult | callable})``.
 Unknown commands answer 127 like ``sh``. ``auto`` never picks it; the registry returns it only
 when asked for ``fake`` by name, and every sandbox it makes says ``isolation == "fake"``. Its
-lifecycle (claim, lifetime, destroy-once, ``async with``) is the real ``SandboxBase``.
+lifecycle (adopt, lifetime, destroy-once, ``async with``) is the real ``SandboxBase``.
 """
 
 from __future__ import annotations

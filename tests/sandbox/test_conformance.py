@@ -269,17 +269,17 @@ async def test_lifetime_ends_the_sandbox(make_sandbox: Factory) -> None:
             await asyncio.sleep(0.1)
 
 
-async def test_async_with_destroys_and_claim_reowns(
+async def test_async_with_destroys_and_adopt_reowns(
     driver: SandboxDriver, sandbox_settings: Settings
 ) -> None:
     handles_dir = Path(sandbox_settings.sandboxes_dir)
     with pytest.raises(RuntimeError, match="inside"):
         async with await driver.create(owner="pool", limits=Limits()) as sbx:
             assert sbx.alive
-            await sbx.claim("run_" + "c" * 32)
+            await sbx.adopt("run_" + "c" * 32)
             handle = json.loads((handles_dir / f"{sbx.id}.json").read_text())
             assert handle["owner"] == "run_" + "c" * 32
-            assert (await sbx.exec("true")).exit_code == 0  # a claim keeps it usable
+            assert (await sbx.exec("true")).exit_code == 0  # adoption keeps it usable
             pids: set[int] = set(getattr(sbx, "host_pids", set()))
             raise RuntimeError("failed inside")
     assert not sbx.alive

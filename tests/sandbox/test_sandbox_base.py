@@ -1,4 +1,4 @@
-"""The lifecycle every sandbox shares (claim, expiry, destroy-once, ``async with``) and the warm
+"""The lifecycle every sandbox shares (adopt, expiry, destroy-once, ``async with``) and the warm
 pool's use of it, on the in-memory fake: no host sandbox needed. The real drivers run the same
 base class in test_conformance.py."""
 
@@ -38,10 +38,10 @@ async def test_racing_destroys_tear_down_once() -> None:
     assert sbx.teardowns == 1 and not sbx.alive
 
 
-async def test_lifetime_expires_and_claim_restarts_it() -> None:
+async def test_lifetime_expires_and_adopt_restarts_it() -> None:
     sbx = await FakeDriver().create(owner="pool", limits=Limits(lifetime_seconds=1.0))
     await asyncio.sleep(0.7)
-    await sbx.claim("run_a")  # the clock starts again for the real owner
+    await sbx.adopt("run_a")  # the clock starts again for the real owner
     await asyncio.sleep(0.5)  # past the first clock's end, 0.5 s before the second's
     assert sbx.alive and isinstance(sbx, FakeSandbox) and sbx.owner == "run_a"
     async with asyncio.timeout(10):
@@ -60,7 +60,7 @@ async def test_async_with_destroys_on_exit_even_on_error() -> None:
     assert driver.sandboxes[0].destroyed
 
 
-async def test_pool_claims_what_it_hands_out_and_skips_the_dead() -> None:
+async def test_pool_adopts_what_it_hands_out_for_its_owner_and_skips_the_dead() -> None:
     driver = FakeDriver()
     pool = WarmPool(driver, size=2, limits=Limits())
     await pool.start()

@@ -1,6 +1,6 @@
 """A warm sandbox handed to a longer run or session keeps it for the owner's whole lifetime
-(before, ``claim`` restarted the pool's own lifetime: a 15-minute session lost its sandbox at
-the pool's 130 s)."""
+(before, ``adopt``, then spelled ``claim``, restarted the pool's own lifetime: a 15-minute
+session lost its sandbox at the pool's 130 s)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ephemeral.sandbox.pool import WarmPool
 from ephemeral.testing.sandbox import FakeDriver
 
 
-async def test_claim_takes_the_owners_lifetime() -> None:
+async def test_adopt_takes_the_owners_lifetime() -> None:
     pool = WarmPool(FakeDriver(), 2, Limits(lifetime_seconds=0.3))
     await pool.start()
     try:
