@@ -77,10 +77,10 @@ async def _pull(settings: Settings, store: LayerStore, ref: reference.Reference)
         budget = Budget(
             bytes=settings.image_max_unpacked_mib << 20, entries=settings.image_max_files
         )
-        slots = asyncio.Semaphore(PARALLEL_LAYERS)
+        at_once = asyncio.Semaphore(PARALLEL_LAYERS)
 
         async def one(i: int) -> LayerInfo:
-            async with slots:
+            async with at_once:
                 return await _ensure_layer(store, reg, man.layers[i], config.diff_ids[i], budget)
 
         layers = list(await asyncio.gather(*(one(i) for i in range(len(man.layers)))))

@@ -400,10 +400,10 @@ async def ensure_all(
     done: Callable[[Outcome], Awaitable[None] | None] | None = None,
 ) -> list[Outcome]:
     """Make every environment ready, ``jobs`` at a time; outcomes in ``found``'s order."""
-    slots = asyncio.Semaphore(jobs)
+    at_once = asyncio.Semaphore(jobs)
 
     async def one(item: Outcome) -> Outcome:
-        async with slots:
+        async with at_once:
             if started is not None:
                 started(item)
             out = await ensure(settings, item.env, retry_failed=retry_failed)

@@ -3,7 +3,7 @@
 An image definition is untrusted input (task authors write them), so nothing it controls runs
 as host root or sees a host path. Each command runs under bubblewrap with the image being built
 bound read-write as ``/``, in a user namespace of its own that maps ``0..65535`` inside to a
-uid slot of the ``namespaces`` driver (``base..base+65535`` on the host: never host root, never
+uid range of the ``namespaces`` driver (``base..base+65535`` on the host: never host root, never
 a real host user, never another live sandbox). Root inside may chown, write any file of the
 image and install packages' files, and none of that is host root: a process that got out of
 the mount namespace would be host uid ``base``, which owns nothing.
@@ -39,7 +39,7 @@ from typing import Protocol
 from ephemeral import errors
 from ephemeral.sandbox import cgroups, handles
 from ephemeral.sandbox.base import Limits
-from ephemeral.sandbox.uid_slots import allocate_slot
+from ephemeral.sandbox.uid_ranges import allocate_uid_range
 from ephemeral.settings import Settings
 
 IN_DIR = "/run/ephemeral-build/in"
@@ -63,7 +63,7 @@ BUILD_CAPS = (
     "CAP_SETFCAP",
 )
 RANGE = 1 << 16
-# Empty mount points on the host (one directory per uid slot); the mounts on them exist only
+# Empty mount points on the host (one directory per uid range); the mounts on them exist only
 # in each command's private mount namespace.
 MOUNT_DIR = Path("/run/ephemeral/build")
 _CAPS_XATTR = "security.capability"
@@ -361,7 +361,7 @@ def shift_owners(root: Path, delta: int, *, lo: int, hi: int) -> None:
 
 class RootHook(Protocol):
     """A root the sandbox does not own by shifting it (a registry image's layers under an
-    overlay, ``dockerfile/layers.py``): mounted once the uid slot is known, released after."""
+    overlay, ``dockerfile/layers.py``): mounted once the uid range is known, released after."""
 
     async def mount(self, base: int) -> None: ...
 
@@ -379,7 +379,7 @@ class NetHook(Protocol):
 
 
 class BuildSandbox:
-    """Holds a uid slot and the shifted ownership of ``rootfs`` for one build; ``run`` runs a
+    """Holds a uid range and the shifted ownership of ``rootfs`` for one build; ``run`` runs a
     command inside. Use as ``async with BuildSandbox(rootfs) as box:``. With ``root``, that
     hook makes ``rootfs`` (nothing is shifted); with ``net``, commands run in its network
     namespace, with its proxy in their environment, instead of one with nothing in it."""
@@ -395,7 +395,7 @@ class BuildSandbox:
         self.rootfs = rootfs
         self.limits = limits or BuildLimits()
         self.base = 0
-        self._slot_fd: int | None = None
+        self._range_fd: int | None = None
         self._shifted: list[Path] = []
         self.cgroup: BuildCgroup | None = None
         self.root = root
@@ -407,7 +407,7 @@ class BuildSandbox:
         for tool in ("bwrap", "unshare", "nsenter"):
             if shutil.which(tool) is None:
                 raise errors.SandboxError(f"image build needs {tool} (its sandbox runs in one)")
-        self.base, self._slot_fd = allocate_slot()
+        self.base, self._range_fd = allocate_uid_range()
         try:
             self.cgroup = BuildCgroup(self.limits).__enter__()
             if self.root is not None:
@@ -443,9 +443,9 @@ class BuildSandbox:
                 await asyncio.to_thread(shift_owners, path, -base, lo=base, hi=base + RANGE)
             self._shifted.clear()
         finally:
-            if self._slot_fd is not None:
-                os.close(self._slot_fd)
-                self._slot_fd = None
+            if self._range_fd is not None:
+                os.close(self._range_fd)
+                self._range_fd = None
 
     async def run(
         self,

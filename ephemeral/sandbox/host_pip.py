@@ -17,7 +17,7 @@ metadata, ``--only-binary`` or not. So what reaches the host's pip is checked fi
   caller's: a uid that owns nothing must be able to run it, and an interpreter under a private
   home (pyenv's in ``/root``, mode 0700, as Harbor's Python 3.12 venv has it) cannot be loaded
   by one;
-- as the first host uid of a uid slot of its own (:mod:`ephemeral.sandbox.uid_slots`, held for
+- as the first host uid of a uid range of its own (:mod:`ephemeral.sandbox.uid_ranges`, held for
   the call): a uid above every real user that owns nothing on the host but the scratch
   directory, with no supplementary groups and no new privileges;
 - with an environment of ``PATH``, ``HOME``, ``LANG`` and the host's ``PIP_*``, proxy and CA
@@ -41,7 +41,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 
 from ephemeral import errors
 from ephemeral.sandbox.build_sandbox import MOUNT_DIR, _mounts_prefix, run_bounded
-from ephemeral.sandbox.uid_slots import allocate_slot
+from ephemeral.sandbox.uid_ranges import allocate_uid_range
 
 # Debian's (python3-pip, installed by `make apt-runtime`): any uid can run it, whatever venv
 # (and whose interpreter) the caller runs in.
@@ -123,7 +123,7 @@ async def run(
             why := requirement_problem(r)
         ):
             raise errors.InvalidRequest.field("requirement", f"{r!r}: {why}")
-    uid, slot_fd = allocate_slot()
+    uid, range_fd = allocate_uid_range()
     scratch = Path(tempfile.mkdtemp(prefix="ephemeral-pip-", dir=within))
     points = MOUNT_DIR / str(uid)
     at = points / "pip"
@@ -152,7 +152,7 @@ async def run(
         await run_bounded(argv, what, timeout=timeout, env=_env(at / "home"))
         await asyncio.to_thread(_take, scratch / "out", into)
     finally:
-        os.close(slot_fd)
+        os.close(range_fd)
         shutil.rmtree(points, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
 

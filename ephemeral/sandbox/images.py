@@ -57,7 +57,7 @@ from ephemeral.sandbox.host_pip import requirement_problem
 from ephemeral.sandbox.image_bases import base_name as _base_name
 from ephemeral.sandbox.image_bases import microvm_definition_dir as microvm_definition_dir
 from ephemeral.sandbox.microvm_image import build_with_image
-from ephemeral.sandbox.uid_slots import allocate_slot
+from ephemeral.sandbox.uid_ranges import allocate_uid_range
 from ephemeral.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -461,35 +461,37 @@ async def _ensure_base(settings: Settings, spec: dict[str, Any]) -> Path:
 
 
 async def _mmdebstrap(spec: dict[str, Any], base: Path, rootfs: Path, prefix: list[str]) -> None:
-    """mmdebstrap as root of a user namespace of its own (a uid slot: ``0..65535`` inside is
-    ``slot..slot+65535`` on the host), in its ``unshare`` mode (as root of that namespace it
+    """mmdebstrap as root of a user namespace of its own (a uid range: ``0..65535`` inside is
+    ``first..first+65535`` on the host), in its ``unshare`` mode (as root of that namespace it
     unshares mount, pid, uts and ipc and makes no further user namespace): the maintainer
     scripts of the packages a definition or Dockerfile names run as that namespace's root,
     never as host root. The layer's owners are shifted back to ``0..65535`` after."""
-    slot, slot_fd = allocate_slot()
+    first_uid, range_fd = allocate_uid_range()
     # the layer's directory is bound (by host root, in a private mount namespace) on an empty
     # mount point that uid may reach: the directories above it are host root's only
-    points = MOUNT_DIR / str(slot)
+    points = MOUNT_DIR / str(first_uid)
     try:
         shutil.rmtree(points, ignore_errors=True)
         points.mkdir(parents=True, mode=0o755)
         at = points / "layer"
         at.mkdir(mode=0o755)
-        os.chown(base, slot, slot)
+        os.chown(base, first_uid, first_uid)
         argv = [
             *prefix,
             *_mounts_prefix([(base, at)]),
-            *_userns_prefix(slot),
+            *_userns_prefix(first_uid),
             *_mmdebstrap_argv(spec, at / rootfs.name),
         ]
         env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/", "LANG": "C.UTF-8"}
         await _run(argv, "mmdebstrap", env=env)
-        await asyncio.to_thread(shift_owners, rootfs, -slot, lo=slot, hi=slot + RANGE)
+        await asyncio.to_thread(
+            shift_owners, rootfs, -first_uid, lo=first_uid, hi=first_uid + RANGE
+        )
         os.chown(base, 0, 0)
         os.chmod(base, 0o700)
     finally:
         shutil.rmtree(points, ignore_errors=True)
-        os.close(slot_fd)
+        os.close(range_fd)
 
 
 _INSTALL = """\

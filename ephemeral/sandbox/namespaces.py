@@ -7,8 +7,8 @@ shared, so this is the weakest level: it is only picked when nothing stronger ru
 always labelled.
 
 Identities. The launcher (host root) gives each sandbox a user namespace mapping 65,536 ids,
-``0..65535`` inside to ``base..base+65535`` on the host, where ``base`` is a slot of its own
-(:mod:`ephemeral.sandbox.uid_slots`, held until destroy: two live sandboxes never share host
+``0..65535`` inside to ``base..base+65535`` on the host, a uid range of its own
+(:mod:`ephemeral.sandbox.uid_ranges`, held until destroy: two live sandboxes never share host
 uids, and none of those uids is host root or a real host user). Inside it:
 
 - the guest agent is root *of that namespace* (host uid ``base``), with only the capabilities it
@@ -61,7 +61,7 @@ from pathlib import Path
 from ephemeral.sandbox import agent_runtime, cgroups, handles, seccomp, writable_root
 from ephemeral.sandbox.base import AGENT_CAPS, Limits, Sandbox
 from ephemeral.sandbox.process import ProcessDriver, ProcessSandbox, new_handle
-from ephemeral.sandbox.uid_slots import allocate_slot
+from ephemeral.sandbox.uid_ranges import allocate_uid_range
 from ephemeral.settings import Settings
 
 SMALL_TMPFS = ("/run", "/var/tmp", "/home/worker", "/dev/shm")  # sized by tmpfs_sizes
@@ -230,7 +230,7 @@ class NamespacesDriver(ProcessDriver):
         hfile = handles.write(self.settings.sandboxes_dir, handle)
         sbx: ProcessSandbox | None = None
         fds: dict[str, int] = {}
-        slot_fd: int | None = None
+        range_fd: int | None = None
         try:
             fds["seccomp"] = _memfd("ephemeral-seccomp", seccomp.program())
             fds["cmdline"] = _memfd("cmdline", b"BOOT_IMAGE=/vmlinuz-sandbox ro quiet\n")
@@ -238,9 +238,9 @@ class NamespacesDriver(ProcessDriver):
             fds["boot_id"] = _memfd("boot_id", f"{uuid.uuid4()}\n".encode())
             host_base: int | None = None
             if not self.privileged:
-                host_base, slot_fd = allocate_slot()
+                host_base, range_fd = allocate_uid_range()
             cg = cgroups.CgroupSet.create(handle.id, limits)
-            held = slot_fd
+            held = range_fd
             sbx = ProcessSandbox(
                 sandbox_id=handle.id,
                 isolation=self.label,
@@ -251,7 +251,7 @@ class NamespacesDriver(ProcessDriver):
                 limits=limits,
                 cleanup=(lambda: os.close(held)) if held is not None else None,
             )
-            slot_fd = None  # the sandbox's destroy releases it now
+            range_fd = None  # the sandbox's destroy releases it now
             runtime, agent = self._agent_argv()
             disk = None
             if on_disk:
@@ -279,5 +279,5 @@ class NamespacesDriver(ProcessDriver):
             for fd in fds.values():
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            if slot_fd is not None:
-                os.close(slot_fd)
+            if range_fd is not None:
+                os.close(range_fd)

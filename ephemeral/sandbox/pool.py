@@ -29,12 +29,12 @@ MAX_BACKOFF_SECONDS = 30.0
 BOOTS_PER_CORE = 4
 
 
-def boot_slots() -> int:
+def boots_at_once() -> int:
     """Sandboxes booting at once on this host: four per core.
 
     A boot mostly waits (runsc's processes hand each other fds and syncs, the agent's imports
     go through the Gofer): 30 gvisor creates through this semaphore on 2 cores at load ~55 were
-    all interactive in 74 s with 2 slots and 26 s with 8 (p50 47 s and 17 s)."""
+    all interactive in 74 s with 2 at once and 26 s with 8 (p50 47 s and 17 s)."""
     return BOOTS_PER_CORE * (os.cpu_count() or 1)
 
 
@@ -90,7 +90,7 @@ class WarmPool:
     @property
     def boots(self) -> asyncio.Semaphore:
         if self._boots is None:  # made on first use: it belongs to the loop that awaits it
-            self._boots = asyncio.Semaphore(boot_slots())
+            self._boots = asyncio.Semaphore(boots_at_once())
         return self._boots
 
     async def _take_ready(self, owner: str, limits: Limits | None) -> Sandbox | None:

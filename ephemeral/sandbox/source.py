@@ -18,7 +18,7 @@ from ephemeral.oci import sandbox_image
 from ephemeral.policy import Policy
 from ephemeral.sandbox import images
 from ephemeral.sandbox.base import Limits, Sandbox
-from ephemeral.sandbox.pool import boot_slots
+from ephemeral.sandbox.pool import boots_at_once
 from ephemeral.sandbox.registry import get_driver, resolve_isolation
 from ephemeral.settings import Settings
 
@@ -38,7 +38,7 @@ class SandboxSource:
         self.settings = settings
         self.pools: dict[tuple[str, str], Any] = {}  # (isolation, image) -> WarmPool
         self._host_facts: dict[tuple[str, str], tuple[float, Any]] = {}
-        self._boots = asyncio.Semaphore(boot_slots())  # every sandbox this source starts
+        self._boots = asyncio.Semaphore(boots_at_once())  # every sandbox this source starts
         self._pool_asked = False
 
     def limits(self, timeout_seconds: int, disk_mib: int | None = None) -> Limits:

@@ -12,7 +12,7 @@ need anyway; without it, the same steps as shell commands and a Python idmap hel
 - the image is bound read-only at :data:`LOWER` (a pulled image's layers each at
   ``LOWER/<i>``, on a small tmpfs, topmost first: the overlay's lower layers); for
   ``namespaces`` through an *idmapped* mount that
-  shifts its owners into the sandbox's uid slot (host uid 0 shows as the slot's base, which
+  shifts its owners into the sandbox's uid range (host uid 0 shows as the range's base, which
   is root inside the sandbox's user namespace), so the sandbox's root owns the image's files
   as it sees them, while on the host it stays an unprivileged uid owning nothing;
 - a tmpfs of the disk limit at :data:`UPPER` (less where the memory limit could not hold it

@@ -59,7 +59,7 @@ from ephemeral.policy import MAX_COST_MICROS, Policy, _fail, _Strict
 from ephemeral.runview import cost_view, termination_view, timestamp
 from ephemeral.sandbox import users
 from ephemeral.sandbox.base import ExecResult, Limits, Sandbox
-from ephemeral.sandbox.pool import boot_slots
+from ephemeral.sandbox.pool import boots_at_once
 from ephemeral.sandbox.source import SandboxSource
 from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
@@ -327,7 +327,7 @@ class Sessions:
         kind = (policy.isolation, policy.run_image)
         gate = self._creates.get(kind)
         if gate is None:
-            gate = self._creates[kind] = asyncio.Semaphore(boot_slots())
+            gate = self._creates[kind] = asyncio.Semaphore(boots_at_once())
         return gate
 
     async def _create(

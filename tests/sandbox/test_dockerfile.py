@@ -812,7 +812,7 @@ def test_run_steps_are_not_host_root_and_have_no_network(
     settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Dockerfile's RUN is root of its own user namespace (mapped to an unprivileged host
-    uid slot), with a loopback of its own: a host service on 127.0.0.1 is out of reach."""
+    uid range), with a loopback of its own: a host service on 127.0.0.1 is out of reach."""
     import socket
 
     monkeypatch.setattr(images, "build_with_image", lambda *_: None)

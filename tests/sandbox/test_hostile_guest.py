@@ -20,7 +20,7 @@ from ephemeral import errors
 from ephemeral.sandbox import handles, namespaces, process, registry
 from ephemeral.sandbox.base import Limits, Sandbox
 from ephemeral.sandbox.process import ProcessSandbox, new_handle
-from ephemeral.sandbox.uid_slots import SLOT_BASE
+from ephemeral.sandbox.uid_ranges import RANGE_BASE
 from ephemeral.settings import Settings
 from tests.drivers import unavailable
 from tests.sandbox.conftest import Factory, _availability_of
@@ -225,7 +225,7 @@ def _host_uids(sbx: Sandbox) -> set[int]:
 async def _assert_unprivileged(sbx: Sandbox) -> None:
     assert sbx.isolation == "namespaces"
     uids = _host_uids(sbx)
-    assert uids and min(uids) >= SLOT_BASE, uids
+    assert uids and min(uids) >= RANGE_BASE, uids
     shadow = await sbx.exec("cat /etc/shadow")
     assert shadow.exit_code != 0 and "root:" not in shadow.stdout
     # no nested user namespaces, even without the seccomp filter's help

@@ -15,7 +15,7 @@ from ephemeral.sandbox import build_sandbox, images
 from ephemeral.sandbox.base import Limits
 from ephemeral.sandbox.gvisor import GVisorDriver
 from ephemeral.sandbox.namespaces import NamespacesDriver
-from ephemeral.sandbox.uid_slots import SLOT_BASE
+from ephemeral.sandbox.uid_ranges import RANGE_BASE
 from ephemeral.settings import REPO_ROOT
 from tests.drivers import required, unavailable
 from tests.sandbox.image_cache import isolated_settings
@@ -218,7 +218,7 @@ async def test_a_hostile_build_step_sees_and_writes_nothing_of_the_host(
     lines = report.splitlines()
     assert lines[0] == "0"  # root of its namespace ...
     inside, host, count = lines[1].split()
-    assert (inside, count) == ("0", "65536") and int(host) >= SLOT_BASE  # ... not host root
+    assert (inside, count) == ("0", "65536") and int(host) >= RANGE_BASE  # ... not host root
     assert lines[2] == "hostname=build etc=sandbox"
     for word in ("canary-unreadable", "proc1-unreadable", "cd-proc1-unreadable"):
         assert word in report
@@ -277,7 +277,7 @@ async def test_the_shipped_images_rebuild_in_the_sandbox_and_run(
     built = images.built_image(settings, name)
     assert built is not None and built.hash == images.definition_hash(defs / name)
     leftover = [
-        p for p in rootfs.rglob("*") if not p.is_symlink() and p.lstat().st_uid >= SLOT_BASE
+        p for p in rootfs.rglob("*") if not p.is_symlink() and p.lstat().st_uid >= RANGE_BASE
     ]
     assert leftover == []
     assert (rootfs.parent.stat().st_mode & 0o777) == 0o700
@@ -317,7 +317,7 @@ def test_shifting_owners_round_trips(tmp_path: Path) -> None:
     os.chmod(f, 0o4755)
     os.link(f, root / "hard")
     (root / "l").symlink_to("/nonexistent")
-    base = SLOT_BASE + 7 * (1 << 16)
+    base = RANGE_BASE + 7 * (1 << 16)
     build_sandbox.shift_owners(root, base, lo=0, hi=1 << 16)
     assert (f.stat().st_uid, (root / "l").lstat().st_uid) == (base + 1000, base)
     build_sandbox.shift_owners(root, -base, lo=base, hi=base + (1 << 16))
@@ -372,7 +372,7 @@ async def test_an_executable_build_step_runs_in_the_sandbox_with_its_out_dir(
     settings = isolated_settings(tmp_path, defs, "stepped", monkeypatch)
     rootfs = await images.ensure_image(settings, "stepped")
     out = rootfs.parent / "extra"
-    assert int((out / "uid_map").read_text().split()[1]) >= SLOT_BASE
+    assert int((out / "uid_map").read_text().split()[1]) >= RANGE_BASE
     assert (out / "root").read_text() == "/\n"
     assert "No such file" in (out / "host").read_text()  # the definition's host path is not there
     assert (out / "uid_map").stat().st_uid == 0  # shifted back
@@ -396,7 +396,7 @@ async def test_mmdebstrap_and_what_it_runs_are_not_host_root(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The package layer (whose maintainer scripts an author picks by naming packages) is
-    built as root of a user namespace on a uid slot: a hook in mmdebstrap's context, where
+    built as root of a user namespace on a uid range: a hook in mmdebstrap's context, where
     the maintainer scripts run, is uid 0 inside and an unprivileged host uid outside; the
     layer's files belong to host root again after. (A tiny ``extract`` layer: one package,
     and a hook run where mmdebstrap runs dpkg and its maintainer scripts.)"""
@@ -419,7 +419,7 @@ async def test_mmdebstrap_and_what_it_runs_are_not_host_root(
     rootfs = await images._ensure_base(settings, {"packages": ["dash"], "test": str(tmp_path)})
     uid, inside, outside, count = (rootfs / "who").read_text().split()
     assert (uid, inside, count) == ("0", "0", "65536")
-    assert int(outside) >= SLOT_BASE  # never host root, never a real user
+    assert int(outside) >= RANGE_BASE  # never host root, never a real user
     dash = rootfs / "bin" / "dash"
     assert (dash.stat().st_uid, dash.stat().st_gid) == (0, 0)
     assert not list(settings.image_cache_dir.glob("base/*.partial"))

@@ -13,7 +13,7 @@ import pytest
 from ephemeral.money.pricing import PriceBook
 from ephemeral.policy import Policy
 from ephemeral.sandbox.base import Limits, Sandbox
-from ephemeral.sandbox.pool import boot_slots
+from ephemeral.sandbox.pool import boots_at_once
 from ephemeral.sandbox.source import SandboxSource
 from ephemeral.sessions.manager import SessionRequest, Sessions
 from ephemeral.settings import Settings
@@ -74,7 +74,7 @@ async def test_creates_of_one_kind_take_turns_in_order(sessions: Sessions) -> No
     org = await sessions.store.orgs.ensure("turns", initial_credit_micros=10_000_000)
     source = sessions.sandboxes
     assert isinstance(source, HeldBoots)
-    slots = boot_slots()
+    slots = boots_at_once()
     request = SessionRequest(max_cost_micros=10_000, timeout_seconds=60)
     creates = []
     for i in range(slots + 3):

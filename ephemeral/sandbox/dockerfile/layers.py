@@ -3,7 +3,7 @@ new layer of the same store (``ephemeral/oci/store.py``), never a flattened copy
 
 The image's stored layers are the read-only lower layers of an overlay mounted (by host root,
 in the build's area, ``build_area.py``) at ``<stage>/root``; each lower is an *idmapped*
-bind mount that shifts its owners into the build's uid slot, so the build sandbox's root owns
+bind mount that shifts its owners into the build's uid range, so the build sandbox's root owns
 the image's files as it sees them, while the stored layers are never written. Everything a
 step writes lands in the overlay's upper directory, on the area's size-limited disk, in
 overlayfs form (whiteouts are character devices 0:0, opaque directories carry
