@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Header, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
@@ -74,6 +74,12 @@ def session_hash(body: SessionRequest) -> str:
     return canonical_hash({"sandbox": body.model_dump(mode="json")})
 
 
+# The URL names a sandbox session by its id (a run id); the path parameter keeps its published
+# name, ``sandbox_id``, for clients (the OpenAPI document and its operation ids). Inside it is
+# a session id: a sandbox id is the driver's own (docs/architecture.md, "Words").
+SessionId = Annotated[str, Path(alias="sandbox_id")]
+
+
 @sandboxes.post(
     "/sandboxes",
     status_code=201,
@@ -116,8 +122,10 @@ async def create_sandbox(
 @sandboxes.get(
     "/sandboxes/{sandbox_id}", response_model=SessionObject, responses=problems(401, 404, 422)
 )
-async def get_sandbox(request: Request, who: Auth, runtime: Rt, sandbox_id: str) -> dict[str, Any]:
-    return session_object(await runtime.sessions.get(sandbox_id, who.org_id), base_url(request))
+async def get_sandbox(
+    request: Request, who: Auth, runtime: Rt, session_id: SessionId
+) -> dict[str, Any]:
+    return session_object(await runtime.sessions.get(session_id, who.org_id), base_url(request))
 
 
 @sandboxes.post(
@@ -127,11 +135,11 @@ async def get_sandbox(request: Request, who: Auth, runtime: Rt, sandbox_id: str)
     summary="Run a command in the sandbox",
 )
 async def exec_in_sandbox(
-    body: ExecRequest, who: Auth, runtime: Rt, sandbox_id: str
+    body: ExecRequest, who: Auth, runtime: Rt, session_id: SessionId
 ) -> dict[str, Any]:
     """An argv or a shell string; a command past its timeout comes back ``timed_out``. 409 once
     the session has ended."""
-    res = await runtime.sessions.exec(sandbox_id, who.org_id, body)
+    res = await runtime.sessions.exec(session_id, who.org_id, body)
     return res.model_dump()
 
 
@@ -150,10 +158,10 @@ async def exec_in_sandbox(
     summary="Write a file (the raw body) as the sandbox's worker",
 )
 async def put_file(
-    request: Request, who: Auth, runtime: Rt, sandbox_id: str, path: PathQuery
+    request: Request, who: Auth, runtime: Rt, session_id: SessionId, path: PathQuery
 ) -> Response:
     data = await request.body()
-    await runtime.sessions.write_file(sandbox_id, who.org_id, path, data)
+    await runtime.sessions.write_file(session_id, who.org_id, path, data)
     return Response(status_code=204)
 
 
@@ -172,13 +180,13 @@ async def put_file(
 async def get_file(
     who: Auth,
     runtime: Rt,
-    sandbox_id: str,
+    session_id: SessionId,
     path: PathQuery,
     max_bytes: Annotated[int, Query(ge=0, le=MAX_FILE_BYTES)] = MAX_FILE_BYTES,
 ) -> Response:
     """403 when the worker may not read it, 404 when it does not exist (or the session is not
     yours), 409 for a directory, 413 past ``max_bytes``."""
-    data = await runtime.sessions.read_file(sandbox_id, who.org_id, path, max_bytes)
+    data = await runtime.sessions.read_file(session_id, who.org_id, path, max_bytes)
     return Response(content=data, media_type="application/octet-stream")
 
 
@@ -189,8 +197,8 @@ async def get_file(
     summary="End the session: destroy the sandbox, settle",
 )
 async def delete_sandbox(
-    request: Request, who: Auth, runtime: Rt, sandbox_id: str
+    request: Request, who: Auth, runtime: Rt, session_id: SessionId
 ) -> dict[str, Any]:
     """Idempotent: an ended session is returned as it is."""
-    row = await runtime.sessions.end(sandbox_id, who.org_id)
+    row = await runtime.sessions.end(session_id, who.org_id)
     return session_object(row, base_url(request))
