@@ -280,7 +280,7 @@ class Engine:
                 to=RunStatus.PROVISIONING,
                 started_at=utcnow(),
                 events=[("run.claimed", {"host": self.host})] if self.lease_seconds else (),
-                **self.claim_fields(),
+                **self.owner_fields(),
             )
         except errors.Conflict:  # cancelled or abandoned while it waited
             return False
@@ -295,7 +295,7 @@ class Engine:
         task = asyncio.current_task()
         try:
             await self.store.transition(
-                run_id, expect={RunStatus.QUEUED}, to=RunStatus.QUEUED, **self.claim_fields()
+                run_id, expect={RunStatus.QUEUED}, to=RunStatus.QUEUED, **self.owner_fields()
             )
         except errors.Conflict:
             return False
@@ -309,9 +309,9 @@ class Engine:
         self._release(run_id, asyncio.current_task())
         await self.fail(run_id, exc)
 
-    def claim_fields(self) -> dict[str, Any]:
-        """What a slot grant writes besides the status: this host, and (on a worker, whose
-        runs other processes watch) this process as owner and a fresh lease."""
+    def owner_fields(self) -> dict[str, Any]:
+        """What a slot grant (and a worker's take) writes besides the status: this host, this
+        process as owner and (on a worker, whose runs other processes watch) a fresh lease."""
         fields: dict[str, Any] = {"host": self.host, "owner": self.owner}
         if self.lease_seconds is not None:
             now = utcnow()
