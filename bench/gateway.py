@@ -25,9 +25,9 @@ from ephemeral.lifecycle import TerminationReason as Reason
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
 from ephemeral.testing.providers import (
+    CapturedRequest,
     FakeOpenAIServer,
     FakeReply,
-    RecordedRequest,
     openai_chat_response,
     openai_chat_stream,
 )
@@ -152,7 +152,7 @@ def report(
 async def main(levels: list[str], n: int, tokens: int, token_ms: float) -> None:
     from ephemeral.sandbox import registry
 
-    def plain(req: RecordedRequest) -> FakeReply:
+    def plain(req: CapturedRequest) -> FakeReply:
         if json.loads(req.body).get("stream"):
             pieces = [f"t{i} " for i in range(tokens)]
             return FakeReply(

@@ -1,6 +1,6 @@
-"""Recorded samples: a real run's events, kept as JSON and replayed on ``/samples/{name}``.
+"""Saved samples: a real run's events, kept as JSON and replayed on ``/samples/{name}``.
 
-``recipes/samples/<name>.events.json`` is written by :func:`record_sample` from a real run of
+``recipes/samples/<name>.events.json`` is written by :func:`save_sample` from a real run of
 recipe ``recipes/<name>.yaml`` (real sandbox, the recipe's model), so the page replays what a
 sandbox really answered, with the real timings between events.
 """
@@ -64,7 +64,7 @@ def load_sample(settings: Settings, name: str) -> Sample:
     return sample
 
 
-async def record_sample(runtime: Any, name: str) -> Path:
+async def save_sample(runtime: Any, name: str) -> Path:
     """Run recipe ``name`` once for real and keep its events as the sample (takes seconds)."""
     from ephemeral.policy import RunRequest
     from ephemeral.recipes.recipe import expand, load_recipe

@@ -24,7 +24,7 @@ from ephemeral import errors
 from ephemeral.broker import outbound
 from ephemeral.broker.redact import Redactor
 from ephemeral.broker.secrets import Sealer
-from ephemeral.broker.ssrf import Refused, recorded_reason, resolve_within
+from ephemeral.broker.ssrf import Refused, event_reason, resolve_within
 from ephemeral.policy import Connection
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ async def call(
                 "name": str(name)[:63],
                 "method": str(method)[:16],
                 "path": shown_path,
-                "reason": recorded_reason(reason, zdr=ctx.policy.zero_data_retention),
+                "reason": event_reason(reason, zdr=ctx.policy.zero_data_retention),
             },
         )
         return f"error: connection call refused: {reason}"

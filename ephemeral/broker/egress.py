@@ -45,9 +45,9 @@ from ephemeral.broker.ssrf import (
     PrivateAllow,
     Refused,
     Target,
+    event_reason,
     parse_url,
     port_of,
-    recorded_reason,
     resolve_within,
 )
 from ephemeral.lifecycle import StopRun
@@ -304,7 +304,7 @@ class Egress:
             except Refused as exc:
                 raise _Refusal(403, exc.reason) from None
         except _Refusal as exc:
-            reason = recorded_reason(exc.reason, zdr=self.ctx.policy.zero_data_retention)
+            reason = event_reason(exc.reason, zdr=self.ctx.policy.zero_data_retention)
             await self.ctx.emit("web.denied", {**event, "reason": reason, "cost_micros": 0})
             await stream.write(reply(exc.status, _REASONS[exc.status], exc.reason + "\n"))
             return
@@ -539,7 +539,7 @@ class Egress:
                     "name": name[:63],
                     "method": method[:16],
                     "path": shown,
-                    "reason": recorded_reason(reason, zdr=self.ctx.policy.zero_data_retention),
+                    "reason": event_reason(reason, zdr=self.ctx.policy.zero_data_retention),
                 },
             )
             await stream.write(reply(403, "Forbidden", f"connection call refused: {reason}\n"))

@@ -254,7 +254,7 @@ def public_url(url: httpx.URL | str) -> str:
 _QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
 
 
-def recorded_reason(reason: str, *, zdr: bool) -> str:
+def event_reason(reason: str, *, zdr: bool) -> str:
     """A refusal's reason as its ``*.denied`` event keeps it. Every reason quotes what came
     from the request, the network or the store (host, path, URL, name: ``!r``); under zero
     data retention each quoted part becomes ``'…'``, so the reason keeps its kind only."""

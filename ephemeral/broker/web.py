@@ -17,9 +17,9 @@ from ephemeral.broker import outbound
 from ephemeral.broker.ssrf import (
     PrivateAllow,
     Refused,
+    event_reason,
     parse_url,
     public_url,
-    recorded_reason,
     resolve,
 )
 from ephemeral.policy import WebAllow
@@ -57,7 +57,7 @@ async def fetch(
             {
                 "method": str(method)[:16],
                 "url": url,
-                "reason": recorded_reason(reason, zdr=ctx.policy.zero_data_retention),
+                "reason": event_reason(reason, zdr=ctx.policy.zero_data_retention),
                 "cost_micros": 0,
             },
         )

@@ -40,10 +40,10 @@ from ephemeral.providers.replay import load_cassette
 # The wire-format builders live beside the gateway, which renders replayed turns with them;
 # tests build their scripted replies from here.
 __all__ = [
+    "CapturedRequest",
     "FakeAnthropicServer",
     "FakeOpenAIServer",
     "FakeReply",
-    "RecordedRequest",
     "anthropic_message_response",
     "anthropic_message_stream",
     "openai_chat_response",
@@ -70,7 +70,7 @@ class FakeReply:
 
 
 @dataclass
-class RecordedRequest:
+class CapturedRequest:
     method: str
     path: str
     headers: dict[str, str]  # names lower-cased
@@ -80,7 +80,7 @@ class RecordedRequest:
         return json.loads(self.body)
 
 
-Script = FakeReply | Callable[[RecordedRequest], FakeReply]
+Script = FakeReply | Callable[[CapturedRequest], FakeReply]
 
 
 class _FakeModelServer:
@@ -89,7 +89,7 @@ class _FakeModelServer:
 
     def __init__(self, replies: Iterable[Script] = (), *, api_key: str | None = None) -> None:
         self.api_key = api_key
-        self.requests: list[RecordedRequest] = []
+        self.requests: list[CapturedRequest] = []
         self.unexpected = 0
         self._script: deque[Script] = deque(replies)
         self._lock = threading.Lock()
@@ -145,7 +145,7 @@ class _FakeModelServer:
 
     # --- one request ------------------------------------------------------------------------
 
-    def _answer(self, req: RecordedRequest) -> FakeReply:
+    def _answer(self, req: CapturedRequest) -> FakeReply:
         with self._lock:
             self.requests.append(req)
         if req.method != "POST" or req.path not in self.endpoints:
@@ -251,7 +251,7 @@ def _handler_for(fake: _FakeModelServer) -> type[BaseHTTPRequestHandler]:
                 self.send_error(413)
                 return
             body = self.rfile.read(length) if length else b""
-            req = RecordedRequest(
+            req = CapturedRequest(
                 method=self.command,
                 path=self.path,
                 headers={k.lower(): v for k, v in self.headers.items()},

@@ -24,9 +24,9 @@ from ephemeral.policy import RunRequest
 from ephemeral.sandbox import images
 from ephemeral.settings import REPO_ROOT, Settings
 from ephemeral.testing.providers import (
+    CapturedRequest,
     FakeOpenAIServer,
     FakeReply,
-    RecordedRequest,
     openai_chat_response,
 )
 from tests.api.server import live_server
@@ -176,7 +176,7 @@ async def test_mini_swe_agent_fixes_the_test_through_the_gateway(
     assert OPENAI_KEY not in caplog.text
 
 
-def _never_stops(req: RecordedRequest) -> FakeReply:
+def _never_stops(req: CapturedRequest) -> FakeReply:
     """A model that always wants one more command, and reports a large usage each time (as a
     provider does: its whole max tokens, input tokens no more than the body's bytes / 3)."""
     body = req.json()

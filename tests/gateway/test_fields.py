@@ -22,10 +22,10 @@ from ephemeral.money.amounts import usd
 from ephemeral.policy import RunRequest
 from ephemeral.providers.base import Usage
 from ephemeral.testing.providers import (
+    CapturedRequest,
     FakeAnthropicServer,
     FakeOpenAIServer,
     FakeReply,
-    RecordedRequest,
     openai_chat_response,
 )
 from ephemeral.timeline import describe
@@ -463,7 +463,7 @@ async def test_an_allowed_call_still_goes_through_with_only_allowed_fields(
 
 
 # -- a provider that reports more than was held ----------------------------------------------------
-def _twenty_five_times(req: RecordedRequest) -> FakeReply:
+def _twenty_five_times(req: CapturedRequest) -> FakeReply:
     """25x what the gateway held: its input estimate and the max tokens it sent."""
     body = req.json()
     held_in, held_out = len(req.body) // 3 + 16, body["max_tokens"]

@@ -14,9 +14,9 @@ import pytest
 from ephemeral.engine.runtime import Runtime
 from ephemeral.providers.base import Usage
 from ephemeral.testing.providers import (
+    CapturedRequest,
     FakeOpenAIServer,
     FakeReply,
-    RecordedRequest,
     openai_chat_response,
 )
 from tests.api.conftest import Member
@@ -90,7 +90,7 @@ async def test_a_model_that_never_stops_ends_the_session_budget_exhausted(
     """Every answer asks for more; the guest loops forever. The holds stop the calls inside the
     reservation, the session ends ``budget_exhausted`` and its sandbox (and loop) is gone."""
 
-    def more(req: RecordedRequest) -> FakeReply:
+    def more(req: CapturedRequest) -> FakeReply:
         # as a provider does: never more output than the max_tokens it was sent (the gateway
         # lowers it as the budget runs low), no more input tokens than the body has bytes / 3;
         # more would be an overrun (tests/gateway/test_fields.py)

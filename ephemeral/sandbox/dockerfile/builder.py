@@ -351,7 +351,7 @@ async def _build(
             )
         shutil.rmtree(scratch, ignore_errors=True)
         if proxy is not None:
-            info["network"] = _network_record(work, settings, proxy)
+            info["network"] = _network_info(work, settings, proxy)
         await _finish(work, plan, info, dockerfile, base_hash, digest, name)
         await area.commit(work)
     await asyncio.to_thread(image_gc.after_build, settings, out)
@@ -377,9 +377,7 @@ def _layered_meta(settings: Settings, image: PulledImage) -> dict[str, Any]:
 NETWORK_FILE = "network.json"
 
 
-def _network_record(
-    work: Path, settings: Settings, proxy: build_proxy.BuildProxy
-) -> dict[str, Any]:
+def _network_info(work: Path, settings: Settings, proxy: build_proxy.BuildProxy) -> dict[str, Any]:
     """Every request the build's proxy saw, in ``network.json`` beside ``image.json``; a
     summary for ``image.json``."""
     record = {"allow": list(settings.build_allow_hosts), "requests": proxy.records}
