@@ -40,9 +40,13 @@ def assert_settled(row, events) -> None:
     assert 0 <= row.charged_micros <= row.reserved_micros
     assert types(events)[-1] == "run.settled"
     assert "sandbox.destroyed" in types(events) or "sandbox.ready" not in types(events)
+    # docs/architecture.md: the log alone rebuilds the row's status, usage and money
     folded = fold_events(events)
     assert folded["status"] == row.status
+    assert folded["cost"]["reserved_micros"] == row.reserved_micros
     assert folded["cost"]["charged_micros"] == row.charged_micros
+    assert folded["cost"]["refunded_micros"] == row.refunded_micros
+    assert folded["usage"] == {k: (row.usage or {}).get(k, 0) for k in folded["usage"]}
     assert not folded["sandbox_alive"]
 
 
