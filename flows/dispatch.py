@@ -116,7 +116,7 @@ async def hand_back(runtime: Runtime, run_id: str) -> bool:
     """Give a run this worker holds but never started back to the queue, under a fresh task
     run (a drain). False if it no longer waits here. If the new task run cannot be made now,
     the outbox of any live process makes it."""
-    if await runtime.store.release_run(run_id, runtime.owner) is None:
+    if await runtime.store.outbox.release(run_id, runtime.owner) is None:
         return False
     try:
         await outbox.hand_over(runtime.store, await runtime.store.get_run(run_id), create_task_run)

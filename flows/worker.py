@@ -117,7 +117,7 @@ class HostWorker(TaskWorker):
         self._held[task_run_id] = run_id
         self._claimed[run_id] = None
         now = utcnow()
-        await self.runtime.store.hold_run(
+        await self.runtime.store.outbox.take(
             run_id,
             host=self.runtime.host,
             owner=self.runtime.owner,
@@ -203,10 +203,10 @@ class HostWorker(TaskWorker):
                     del self._claimed[run_id]
                 if late and run_id not in taken:
                     with contextlib.suppress(Exception):
-                        await self.runtime.store.let_go(run_id, self.runtime.owner, utcnow())
+                        await self.runtime.store.leases.let_go(run_id, self.runtime.owner, utcnow())
             with contextlib.suppress(Exception):
                 now = utcnow()
-                await self.runtime.store.renew_leases(
+                await self.runtime.store.leases.renew(
                     list(self._claimed),
                     owner=self.runtime.owner,
                     renewed_at=now,

@@ -8,12 +8,12 @@ Measured on 2 cores at load 6-80 (tests/cluster, 5 s leases): renewal ``UPDATE``
 1-3.5 s to commit, and a run settled as "its host died" while its host was alive and well.
 
 So a run's lease counts as expired only once its owner's *process lease* has lapsed too
-(:meth:`ephemeral.store.Store.expired_leases`). That lease is one row per process, which
+(``store.leases.expired``). That lease is one row per process, which
 nothing else writes, renewed every third of the lease from a thread of its own with its own
 connection, so neither a busy event loop nor a run row's lock delays it. It is renewed only
 while the process's event loop still turns (a ticker on the loop marks each turn): a process
 whose loop is wedged for a whole lease stops renewing, and its runs are settled by the others
-as before. A run the process lets go of on purpose is disowned (:meth:`Store.let_go`), so that
+as before. A run the process lets go of on purpose is disowned (``store.leases.let_go``), so that
 the process lease no longer covers it.
 """
 

@@ -8,7 +8,7 @@ process and worker finds here (:func:`redrive`, every ``REDRIVE_SECONDS``) once 
 derived from the run id and the hand-over number (``dispatches``), so a second creation of the
 same task run is refused by Prefect (409) instead of making a duplicate, whoever makes it and
 however the first attempt ended. A draining worker hands the runs it holds but never started
-back under the next number (``Store.release_run``), which gives them a fresh task run.
+back under the next number (``store.outbox.release``), which gives them a fresh task run.
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ async def hand_over(store: Store, row: RunRow, create: Create) -> None:
     """Create the run's task run (or find it made) and mark the run dispatched."""
     generation = row.dispatches or 0
     await create(row.id, task_run_id(row.id, generation))
-    await store.mark_dispatched(row.id, generation)
+    await store.outbox.mark_dispatched(row.id, generation)
 
 
 async def redrive(store: Store, create: Create) -> list[str]:
     """Hand over every run a dead process left undispatched; returns their ids."""
     done = []
-    for row in await store.undispatched_runs(utcnow() - timedelta(seconds=GRACE_SECONDS)):
+    for row in await store.outbox.undispatched(utcnow() - timedelta(seconds=GRACE_SECONDS)):
         try:
             await hand_over(store, row, create)
         except Exception:

@@ -480,7 +480,7 @@ class Engine:
                 return await self.store.get_run(run_id)
             except errors.Conflict:
                 pass  # a worker claimed it meanwhile: ask that worker
-        await self.store.request_cancel(run_id)
+        await self.store.cancels.request(run_id)
         row = await self.store.get_run(run_id)
         if row.status not in TERMINAL_STATUSES and is_alive(row.owner) is False:
             await self.abandon(run_id, TerminationReason.CANCELLED, "cancelled by request")

@@ -345,7 +345,7 @@ class Runtime:
         """Settle runs whose executing host stopped renewing their lease (it died): failed,
         ``infra_error``, compute charged up to the last renewal. Safe from many processes."""
         finished = []
-        for row in await self.store.expired_leases(utcnow()):
+        for row in await self.store.leases.expired(utcnow()):
             if self.engine.task(row.id) is not None or self.sessions.owns(row.id):
                 continue  # ours and alive: the renewal is merely late
             log.error("run %s: the lease of host %s expired", row.id, row.host)
@@ -393,7 +393,7 @@ class Runtime:
                 if lease is not None and since >= lease / 3:
                     now = utcnow()
                     t0 = time.monotonic()
-                    await self.store.renew_leases(
+                    await self.store.leases.renew(
                         mine,
                         owner=self.owner,
                         renewed_at=now,
@@ -409,7 +409,7 @@ class Runtime:
                             renewed - t0,
                             len(mine),
                         )
-                for run_id in await self.store.cancel_requested(mine):
+                for run_id in await self.store.cancels.requested(mine):
                     if self.engine.task(run_id) is not None and run_id not in cancelling:
                         cancelling[run_id] = asyncio.create_task(
                             self.cancel(run_id), name=f"cancel-{run_id}"

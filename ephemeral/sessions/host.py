@@ -28,7 +28,6 @@ from ephemeral.ids import utcnow
 from ephemeral.lifecycle import TERMINAL_STATUSES, RunKind, RunStatus
 from ephemeral.sessions.link import Limits, LinkServer, link_key
 from ephemeral.sessions.manager import ExecRequest
-from ephemeral.store import hosts
 
 if TYPE_CHECKING:
     from ephemeral.engine.runtime import Runtime
@@ -93,8 +92,8 @@ class SessionHost:
         already here carry on until they end or the runtime closes."""
         self.taking = False
         with contextlib.suppress(Exception):
-            await hosts.unregister(
-                self.runtime.store, host=self.runtime.host, instance=self.server.instance
+            await self.runtime.store.hosts.unregister(
+                host=self.runtime.host, instance=self.server.instance
             )
 
     async def close(self) -> None:
@@ -104,14 +103,13 @@ class SessionHost:
                 await self._tend_task
         await self.server.close()
         with contextlib.suppress(Exception):
-            await hosts.unregister(
-                self.runtime.store, host=self.runtime.host, instance=self.server.instance
+            await self.runtime.store.hosts.unregister(
+                host=self.runtime.host, instance=self.server.instance
             )
 
     async def _register(self) -> None:
         now = utcnow()
-        await hosts.register(
-            self.runtime.store,
+        await self.runtime.store.hosts.register(
             host=self.runtime.host,
             address=self.server.address,
             instance=self.server.instance,
@@ -232,11 +230,10 @@ class SessionHost:
         if renew:
             now = utcnow()
             expires = now + timedelta(seconds=runtime.settings.lease_seconds)
-            await runtime.store.renew_leases(
+            await runtime.store.leases.renew(
                 self.hosted, owner=runtime.owner, renewed_at=now, expires_at=expires
             )
-            alive = await hosts.heartbeat(
-                runtime.store,
+            alive = await runtime.store.hosts.heartbeat(
                 host=runtime.host,
                 instance=self.server.instance,
                 sessions_live=len(self.hosted),
@@ -247,13 +244,13 @@ class SessionHost:
                 await self._register()
             # Settled by another process (this host's lease lapsed: a stall, a partition): its
             # money is closed, so its sandbox must go too, now, not at its time limit.
-            for session_id in await hosts.ended_among(runtime.store, self.hosted):
+            for session_id in await runtime.store.hosts.ended_among(self.hosted):
                 if session_id not in self._cancelling and session_id not in self._claiming:
                     log.error("session %s: settled elsewhere; ending it here", session_id)
                     self._cancelling[session_id] = asyncio.create_task(
                         runtime.sessions.end(session_id), name=f"end-{session_id}"
                     )
-        for session_id in await runtime.store.cancel_requested(self.hosted):
+        for session_id in await runtime.store.cancels.requested(self.hosted):
             if session_id not in self._cancelling:
                 self._cancelling[session_id] = asyncio.create_task(
                     runtime.sessions.end(session_id, cancelled=True), name=f"cancel-{session_id}"

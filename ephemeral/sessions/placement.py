@@ -109,7 +109,7 @@ class PlacedSessions(Sessions):
     async def _hosts(self, *, refresh: bool = False) -> list[hosts.HostRow]:
         at, found = self._directory
         if refresh or time.monotonic() - at > DIRECTORY_SECONDS:
-            found = await hosts.live_hosts(self.store, utcnow())
+            found = await self.store.hosts.live(utcnow())
             self._directory = (time.monotonic(), found)
         return found
 
@@ -139,7 +139,7 @@ class PlacedSessions(Sessions):
         for row in await self._hosts():
             if row.host == host:
                 return Peer(row.host, row.address, row.instance)
-        found = await hosts.get_host(self.store, host)
+        found = await self.store.hosts.get(host)
         if found is None:
             raise LinkError(f"host {host} is not in the host directory (it stopped)")
         return Peer(found.host, found.address, found.instance)

@@ -3,7 +3,8 @@
 One :class:`Store` per process, opened with the settings' ``db_url`` and passed down. It owns
 the database (:class:`~ephemeral.store.db.Db`, the one transaction helper) and exposes the
 repositories of one concern each: ``store.orgs``, ``store.keys``, ``store.connections``,
-``store.events``, ``store.transcripts``. Every
+``store.events``, ``store.transcripts``, ``store.leases``, ``store.outbox``,
+``store.cancels``, ``store.facts``, ``store.hosts``. Every
 method is one transaction. Money moves live in :mod:`ephemeral.store.ledger`. A run changes
 status only through :meth:`Store.transition` and :meth:`Store.close_run`, each of which writes
 the row and the events of that change together, guarded by the status the run must be in and
@@ -36,16 +37,16 @@ from ephemeral.lifecycle import (
 from ephemeral.store import events as events_
 from ephemeral.store import ledger, rows
 from ephemeral.store.backends import create_engine
+from ephemeral.store.cluster import Cancels, Facts, Leases, Outbox
 from ephemeral.store.connections import Connections
 from ephemeral.store.db import Db
 from ephemeral.store.events import Events, Transcripts
+from ephemeral.store.hosts import Hosts
 from ephemeral.store.models import RunRow, Settlement
 from ephemeral.store.orgs import Keys, Orgs
 from ephemeral.store.schema import (
-    cluster_facts,
     idempotency,
     metadata,
-    process_leases,
     run_events,
     run_transcripts,
     runs,
@@ -83,6 +84,11 @@ class Store:
         self.connections = Connections(self.db)
         self.events = Events(self.db)
         self.transcripts = Transcripts(self.db)
+        self.leases = Leases(self.db)
+        self.outbox = Outbox(self.db)
+        self.cancels = Cancels(self.db)
+        self.facts = Facts(self.db)
+        self.hosts = Hosts(self.db)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -370,80 +376,7 @@ class Store:
             )
             return await rows.run(conn, run_id), settlement
 
-    # -- scale-out: leases, cancel requests, sealed content -------------------------------------
-
-    async def renew_leases(
-        self,
-        run_ids: Collection[str],
-        *,
-        owner: str,
-        renewed_at: datetime,
-        expires_at: datetime,
-    ) -> None:
-        """Extend the leases of these open runs that ``owner`` holds (its host is alive). A
-        run it does not hold (yet, or any more: handed back, let go) is left alone: a renewal
-        must never put a lease on a row nobody claimed, which would expire as a host's death."""
-        if not run_ids:
-            return
-        async with self.db.write() as conn:
-            await conn.execute(
-                sa.update(runs)
-                .where(
-                    runs.c.id.in_(sorted(run_ids)),
-                    runs.c.owner == owner,
-                    runs.c.status.in_(sorted(OPEN_STATUSES)),
-                )
-                .values(lease_renewed_at=renewed_at, lease_expires_at=expires_at)
-            )
-
-    async def expired_leases(self, now: datetime) -> list[RunRow]:
-        """Open runs whose executing host stopped renewing their lease before ``now``, and
-        whose owning process's lease (ephemeral.cluster.leases) has lapsed too: a late run
-        renewal of a live process is not its death."""
-        owner_alive = sa.exists().where(
-            process_leases.c.owner == runs.c.owner, process_leases.c.expires_at >= now
-        )
-        return await self._runs_where(
-            runs.c.status.in_(sorted(OPEN_STATUSES)), runs.c.lease_expires_at < now, ~owner_alive
-        )
-
-    async def let_go(self, run_id: str, owner: str, now: datetime) -> bool:
-        """This owner will not execute the run it holds: disown it with its lease ended, so
-        that the next sweep of any process settles it (its live process lease no longer
-        covers it). False if it is not this owner's or no longer open."""
-        async with self.db.write() as conn:
-            done = await conn.execute(
-                sa.update(runs)
-                .where(
-                    runs.c.id == run_id,
-                    runs.c.owner == owner,
-                    runs.c.status.in_(sorted(OPEN_STATUSES)),
-                )
-                .values(owner=None, lease_expires_at=now)
-            )
-        return bool(done.rowcount)
-
-    async def request_cancel(self, run_id: str) -> bool:
-        """Flag an open run for cancellation by the host executing it; False if it ended."""
-        async with self.db.write() as conn:
-            done = await conn.execute(
-                sa.update(runs)
-                .where(runs.c.id == run_id, runs.c.status.in_(sorted(OPEN_STATUSES)))
-                .values(cancel_requested_at=sa.func.coalesce(runs.c.cancel_requested_at, utcnow()))
-            )
-        return bool(done.rowcount)
-
-    async def cancel_requested(self, run_ids: Collection[str]) -> list[str]:
-        """Which of these runs some process asked to cancel."""
-        if not run_ids:
-            return []
-        async with self.db.read() as conn:
-            rows = await conn.execute(
-                sa.select(runs.c.id).where(
-                    runs.c.id.in_(sorted(run_ids)), runs.c.cancel_requested_at.is_not(None)
-                )
-            )
-            return [r[0] for r in rows]
+    # -- sealed content ---------------------------------------------------------------------
 
     async def put_sealed(self, run_id: str, kind: str, sealed: str, expires_at: datetime) -> None:
         """Keep a sealed zero-data-retention prompt or output for its one reader."""
@@ -482,92 +415,7 @@ class Store:
             )
         return int(gone.rowcount or 0)
 
-    # -- the admission outbox (ephemeral.cluster.outbox) -------------------------------------------
-
-    async def mark_dispatched(self, run_id: str, generation: int) -> None:
-        """Its task run of hand-over ``generation`` exists in Prefect now."""
-        async with self.db.write() as conn:
-            await conn.execute(
-                sa.update(runs)
-                .where(
-                    runs.c.id == run_id,
-                    sa.func.coalesce(runs.c.dispatches, 0) == generation,
-                    runs.c.dispatched_at.is_(None),
-                )
-                .values(dispatched_at=utcnow())
-            )
-
-    async def undispatched_runs(self, created_before: datetime) -> list[RunRow]:
-        """Runs waiting for a worker that no Prefect task run is known to carry: admitted by a
-        process that died before (or while) handing them over, or handed back by a drain."""
-        return await self._runs_where(
-            runs.c.status == RunStatus.QUEUED,
-            runs.c.owner.is_(None),
-            runs.c.kind.is_(None),
-            runs.c.dispatched_at.is_(None),
-            runs.c.created_at < created_before,
-        )
-
-    async def hold_run(
-        self, run_id: str, *, host: str, owner: str, renewed_at: datetime, expires_at: datetime
-    ) -> bool:
-        """A worker received the run's task run and holds it, still ``queued``, until it has a
-        slot: it carries this host, owner and a lease. False if it no longer waits."""
-        async with self.db.write() as conn:
-            done = await conn.execute(
-                sa.update(runs)
-                .where(runs.c.id == run_id, runs.c.status == RunStatus.QUEUED)
-                .values(
-                    host=host,
-                    owner=owner,
-                    lease_renewed_at=renewed_at,
-                    lease_expires_at=expires_at,
-                )
-            )
-        return bool(done.rowcount)
-
-    async def release_run(self, run_id: str, owner: str) -> int | None:
-        """Hand a run this owner took (or received untaken) but never started back to the queue
-        (a draining worker): no host, owner or lease, not dispatched, under the next hand-over
-        number, which is returned; None if it is no longer ``queued`` and this owner's."""
-        async with self.db.write() as conn:
-            row = (
-                await conn.execute(
-                    sa.update(runs)
-                    .where(
-                        runs.c.id == run_id,
-                        runs.c.status == RunStatus.QUEUED,
-                        sa.or_(runs.c.owner == owner, runs.c.owner.is_(None)),
-                    )
-                    .values(
-                        host=None,
-                        owner=None,
-                        lease_renewed_at=None,
-                        lease_expires_at=None,
-                        dispatched_at=None,
-                        dispatches=sa.func.coalesce(runs.c.dispatches, 0) + 1,
-                    )
-                    .returning(runs.c.dispatches)
-                )
-            ).first()
-        return None if row is None else int(row[0])
-
-    # -- facts every process of a cluster shares (ephemeral.cluster.sharing) -----------------------
-
-    async def claim_fact(self, name: str, value: str) -> str:
-        """Store ``value`` under ``name`` unless some process did first; returns the stored one."""
-        async with self.db.write() as conn:
-            stmt = ledger.insert(conn, cluster_facts).values(
-                name=name, value=value, created_at=utcnow()
-            )
-            await conn.execute(stmt.on_conflict_do_nothing(index_elements=[cluster_facts.c.name]))
-            row = (
-                await conn.execute(
-                    sa.select(cluster_facts.c.value).where(cluster_facts.c.name == name)
-                )
-            ).first()
-        assert row is not None
-        return str(row[0])
+    # -- recovery -----------------------------------------------------------------------------
 
     async def open_runs(self) -> list[RunRow]:
         """Runs not yet in a terminal status (what crash recovery has to finish)."""

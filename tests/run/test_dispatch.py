@@ -114,7 +114,7 @@ async def test_a_hand_over_prefect_refuses_leaves_the_run_queued_for_the_outbox(
         stored = await api.store.get_run(row.id)
         assert (stored.status, stored.dispatched_at, stored.owner) == ("queued", None, None)
         assert fake.dispatched == []
-        waiting = await api.store.undispatched_runs(utcnow() + timedelta(seconds=1))
+        waiting = await api.store.outbox.undispatched(utcnow() + timedelta(seconds=1))
         assert [r.id for r in waiting] == [row.id]
         await outbox.hand_over(
             api.store, waiting[0], lambda run_id, _task_run: handed(api.store, run_id)
@@ -190,7 +190,7 @@ async def test_an_expired_lease_is_settled_once_up_to_its_last_renewal(
             e for e in await api.store.events.list(row.id) if e.type == "sandbox.ready"
         ]
         renewed = _parse(ready_event.at) + timedelta(seconds=2)
-        await api.store.renew_leases(
+        await api.store.leases.renew(
             [row.id],
             owner="elsewhere:1:1",
             renewed_at=renewed,
@@ -241,7 +241,7 @@ async def test_a_taken_run_waiting_on_a_dead_worker_is_refunded_in_full(
         assert await worker.take(row.id) is True  # still queued: taking again is harmless
         # a late renewal of the run's lease (a busy worker, a locked row) is not the worker's
         # death: its process lease still holds
-        await api.store.renew_leases(
+        await api.store.leases.renew(
             [row.id],
             owner=worker.owner,
             renewed_at=utcnow(),
@@ -252,7 +252,7 @@ async def test_a_taken_run_waiting_on_a_dead_worker_is_refunded_in_full(
         # lease runs out
         assert worker.process_lease is not None
         await worker.process_lease.stop()
-        await api.store.renew_leases(
+        await api.store.leases.renew(
             [row.id],
             owner=worker.owner,
             renewed_at=utcnow(),

@@ -20,7 +20,6 @@ from ephemeral.ids import utcnow
 from ephemeral.sessions import placement
 from ephemeral.sessions.host import SessionHost
 from ephemeral.settings import Settings
-from ephemeral.store import hosts
 from ephemeral.testing.hostlink import MemoryTransport
 from tests import runlevel
 from tests.api.conftest import Member, new_member
@@ -84,8 +83,7 @@ async def test_a_host_that_does_not_answer_ends_the_session_failed_and_refunded(
     api: Runtime, http: httpx.AsyncClient, member: Member
 ) -> None:
     now = utcnow()
-    await hosts.register(
-        api.store,
+    await api.store.hosts.register(
         host="ghost",
         address="127.0.0.1:9",  # nothing listens on the discard port
         instance="0" * 32,

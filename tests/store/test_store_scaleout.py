@@ -53,20 +53,20 @@ async def test_a_lease_expires_unless_renewed_and_only_open_runs_count(
     await store.close_run(
         done.id, reason=TerminationReason.COMPLETED, detail=None, usage={}, output=None
     )
-    assert [r.id for r in await store.expired_leases(utcnow())] == [stale.id]
+    assert [r.id for r in await store.leases.expired(utcnow())] == [stale.id]
     later = utcnow() + timedelta(seconds=60)
     # only the holder renews: another process's renewal (a stale list) leaves the rows alone
-    await store.renew_leases(
+    await store.leases.renew(
         [stale.id], owner="b:2:2", renewed_at=utcnow(), expires_at=later + timedelta(1)
     )
-    assert [r.id for r in await store.expired_leases(utcnow())] == [stale.id]
-    await store.renew_leases(
+    assert [r.id for r in await store.leases.expired(utcnow())] == [stale.id]
+    await store.leases.renew(
         [fresh.id, stale.id, done.id],
         owner="a:1:1",
         renewed_at=utcnow(),
         expires_at=later + timedelta(1),
     )
-    assert await store.expired_leases(later) == []
+    assert await store.leases.expired(later) == []
     assert (await store.get_run(done.id)).lease_expires_at < later  # a closed run is not renewed
 
 
@@ -80,17 +80,17 @@ async def test_a_live_process_lease_covers_its_runs_until_it_lapses_or_lets_go(
     await _claim(store, other.id, timedelta(seconds=-1), owner="host-b:2:2")
     await _claim(store, dropped.id, timedelta(seconds=-1), owner="host-a:1:1")
     await leases.renew(store.engine, "host-a:1:1", "a", 30)
-    assert {r.id for r in await store.expired_leases(utcnow())} == {other.id}
+    assert {r.id for r in await store.leases.expired(utcnow())} == {other.id}
     # a run the live process lets go of is no longer covered; of another owner, refused
-    assert await store.let_go(dropped.id, "host-b:2:2", utcnow()) is False
-    assert await store.let_go(dropped.id, "host-a:1:1", utcnow()) is True
+    assert await store.leases.let_go(dropped.id, "host-b:2:2", utcnow()) is False
+    assert await store.leases.let_go(dropped.id, "host-a:1:1", utcnow()) is True
     assert (await store.get_run(dropped.id)).owner is None
-    assert {r.id for r in await store.expired_leases(utcnow())} == {other.id, dropped.id}
+    assert {r.id for r in await store.leases.expired(utcnow())} == {other.id, dropped.id}
     # the process lease lapses (the process died): its runs expire with their own leases
     await leases.renew(store.engine, "host-a:1:1", "a", -1)
-    assert {r.id for r in await store.expired_leases(utcnow())} == {mine.id, other.id, dropped.id}
+    assert {r.id for r in await store.leases.expired(utcnow())} == {mine.id, other.id, dropped.id}
     await leases.drop(store.engine, "host-a:1:1")
-    assert len(await store.expired_leases(utcnow())) == 3
+    assert len(await store.leases.expired(utcnow())) == 3
 
 
 async def _lease_expires(store: Store, owner: str) -> object:
@@ -141,15 +141,15 @@ async def test_a_process_lease_is_renewed_while_the_loop_turns_and_lapses_when_i
 
 async def test_cancel_requests_are_kept_for_open_runs_only(store: Store, org: Org) -> None:
     run, other = await _run(store, org), await _run(store, org)
-    assert await store.request_cancel(run.id) is True
+    assert await store.cancels.request(run.id) is True
     first = (await store.get_run(run.id)).cancel_requested_at
-    assert await store.request_cancel(run.id) is True
+    assert await store.cancels.request(run.id) is True
     assert (await store.get_run(run.id)).cancel_requested_at == first  # the first request stays
-    assert await store.cancel_requested([run.id, other.id]) == [run.id]
+    assert await store.cancels.requested([run.id, other.id]) == [run.id]
     await store.close_run(
         other.id, reason=TerminationReason.CANCELLED, detail=None, usage={}, output=None
     )
-    assert await store.request_cancel(other.id) is False
+    assert await store.cancels.request(other.id) is False
 
 
 async def test_close_run_with_expect_leaves_a_claimed_run_alone(store: Store, org: Org) -> None:
@@ -198,31 +198,31 @@ async def test_the_outbox_finds_undispatched_ownerless_runs_and_a_release_renumb
     store: Store, org: Org
 ) -> None:
     waiting, dispatched, owned = [await _run(store, org) for _ in range(3)]
-    await store.mark_dispatched(dispatched.id, 0)
-    await store.hold_run(
+    await store.outbox.mark_dispatched(dispatched.id, 0)
+    await store.outbox.take(
         owned.id, host="a", owner="a:1:2", renewed_at=utcnow(), expires_at=utcnow()
     )
     later = utcnow() + timedelta(seconds=1)
-    assert [r.id for r in await store.undispatched_runs(later)] == [waiting.id]
-    assert await store.undispatched_runs(waiting.created_at) == []  # not yet due
-    await store.mark_dispatched(waiting.id, 1)  # another hand-over's number: not this one
-    assert [r.id for r in await store.undispatched_runs(later)] == [waiting.id]
+    assert [r.id for r in await store.outbox.undispatched(later)] == [waiting.id]
+    assert await store.outbox.undispatched(waiting.created_at) == []  # not yet due
+    await store.outbox.mark_dispatched(waiting.id, 1)  # another hand-over's number: not this one
+    assert [r.id for r in await store.outbox.undispatched(later)] == [waiting.id]
 
     # a draining worker hands back what it holds: ownerless, undispatched, the next number
-    assert await store.release_run(owned.id, "b:1:2") is None  # not b's
-    assert await store.release_run(owned.id, "a:1:2") == 1
+    assert await store.outbox.release(owned.id, "b:1:2") is None  # not b's
+    assert await store.outbox.release(owned.id, "a:1:2") == 1
     back = await store.get_run(owned.id)
     assert (back.owner, back.host, back.lease_expires_at, back.dispatches) == (None,) * 3 + (1,)
-    assert await store.release_run(dispatched.id, "a:1:2") == 1  # received untaken
-    assert {r.id for r in await store.undispatched_runs(later)} == {
+    assert await store.outbox.release(dispatched.id, "a:1:2") == 1  # received untaken
+    assert {r.id for r in await store.outbox.undispatched(later)} == {
         waiting.id,
         owned.id,
         dispatched.id,
     }
     await _claim(store, waiting.id, timedelta(seconds=30))
-    assert await store.release_run(waiting.id, "a:1:2") is None  # began: not handed back
+    assert await store.outbox.release(waiting.id, "a:1:2") is None  # began: not handed back
 
 
 async def test_a_cluster_fact_is_the_first_one_claimed(store: Store) -> None:
-    assert await store.claim_fact("records_root", "x") == "x"
-    assert await store.claim_fact("records_root", "y") == "x"
+    assert await store.facts.claim("records_root", "x") == "x"
+    assert await store.facts.claim("records_root", "y") == "x"
