@@ -24,26 +24,19 @@ from typing import TYPE_CHECKING, Any
 
 from ephemeral import errors
 from ephemeral.agent.retry import call_with_retries
-from ephemeral.broker.attach import WebCharges, cut_egress, egress_stop, start_egress
 from ephemeral.engine import verify as verify_env
 from ephemeral.engine.close import close
-from ephemeral.events import redact_for_zdr
+from ephemeral.engine.run import Run
 from ephemeral.ids import utcnow
 from ephemeral.lifecycle import RunStatus, StopRun, compute_charge
 from ephemeral.lifecycle import TerminationReason as Reason
-from ephemeral.money.budget import RunBudget
-from ephemeral.policy import Policy
 from ephemeral.providers.base import Message, ModelReply, ToolCall, ToolSpec, Usage
 
 if TYPE_CHECKING:
-    from ephemeral.broker import Broker
-    from ephemeral.broker.egress import Egress
-    from ephemeral.money.pricing import PriceBook
     from ephemeral.providers.base import Provider
     from ephemeral.sandbox.base import Limits, Sandbox
     from ephemeral.settings import Settings
-    from ephemeral.store import RunRow, Store
-    from ephemeral.store.connections import StoredConnection
+    from ephemeral.store import RunRow
 
 # StopRun: from ephemeral.lifecycle
 __all__ = ["PLAIN_STEPS", "AgentRun", "Steps", "StopRun", "drive", "take_turn"]
@@ -70,32 +63,23 @@ SHELL_TOOL = ToolSpec(
 )
 
 
-@dataclass
-class AgentRun:
-    """Everything one run needs, built by the runtime from the stored run row."""
+@dataclass(kw_only=True)
+class AgentRun(Run):
+    """A run our agent loop drives (``ephemeral.engine.run.Run`` holds what every run has), built by
+    the engine from the stored run row."""
 
-    store: Store
-    row: RunRow
-    policy: Policy
     model: str
     provider: Provider
     provider_model: str
-    price_book: PriceBook
     acquire_sandbox: Callable[[str, Limits], Awaitable[Sandbox]]
-    limits: Limits
     max_turns: int = 20
     isolation: str = "auto"
     image: str = "default"
-    image_hash: str | None = None
     # From the image definition: every command of the run (setup, the agent's, verify) runs
     # with this environment, in this directory (relative to scratch; None: scratch itself).
     command_env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
-    budget: RunBudget = field(init=False)
-    deadline: float = field(init=False)  # monotonic: the run's whole time limit
-    agent_deadline: float = field(init=False)  # the agent's part: the deadline less verify's
     verify_results: list[dict[str, Any]] = field(default_factory=list)
-    sandbox: Sandbox | None = None
     messages: list[Message] = field(default_factory=list)
     turns: list[dict[str, Any]] = field(default_factory=list)  # recorded model turns
     usage: Usage = field(default_factory=Usage)
@@ -105,10 +89,6 @@ class AgentRun:
     detail: str | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     stop_detail: str | None = None  # why a cancel ends the run, when not a client's request
-    broker: Broker | None = None  # serves web_fetch / connection_call (ephemeral.broker)
-    egress: Egress | None = None  # the sandbox's proxy, when web or connections are granted
-    egress_env: dict[str, str] = field(default_factory=dict)  # proxy variables for commands
-    _web: WebCharges = field(init=False)  # the web charges (ephemeral.broker.attach)
     compute: tuple[int, int] | None = None  # (micros, lifetime_ms) of its sandbox, at teardown
     settings: Settings | None = None  # where its record goes (None: the caller records it)
     # Takes a zero-data-retention output into custody for its one reader, before the close:
@@ -116,72 +96,22 @@ class AgentRun:
     deliver_output: Callable[[str], Awaitable[None]] | None = None
     _delivered: bool = field(default=False, init=False)
 
-    def __post_init__(self) -> None:
-        rate = self.price_book.compute_micros(
-            vcpu_seconds=self.limits.cpus, gib_seconds=self.limits.memory_mib / 1024
-        )
-        self.budget = RunBudget(
-            reserved_micros=self.row.reserved_micros, compute_micros_per_second=float(rate)
-        )
-        self.deadline = time.monotonic() + self.policy.timeout_seconds
-        self.agent_deadline = self.deadline - self.policy.verify_reserve_seconds()
-        journal = self.broker.settings.state_dir if self.broker is not None else None
-        self._web = WebCharges(self.store, self.row.id, self.budget, self.price_book, journal)
-
-    @property
-    def run_id(self) -> str:
-        return self.row.id
-
-    @property
-    def zdr(self) -> bool:
-        return self.policy.zero_data_retention
-
     @property
     def cancel_detail(self) -> str:
         """Why a cancel ends the run: a drain's own reason, else the client's request."""
         return self.stop_detail or "cancelled by request"
 
-    # events ------------------------------------------------------------------------------
-    async def emit(self, type_: str, data: dict[str, Any]) -> None:
-        await self.store.events.append(
-            self.run_id, type_, redact_for_zdr(data) if self.zdr else data
-        )
-
-    def record_event(self, type_: str, data: dict[str, Any]) -> None:
-        self._web.record(type_, redact_for_zdr(data) if self.zdr else data)
-
-    def time_left(self) -> float:
-        return self.budget.seconds_left(self.agent_deadline)
-
-    # the broker's context (ephemeral.broker.context.BrokerContext) --------------------------
-    async def charge_web(self, seq: int) -> int:
-        return await self._web.charge_request(seq)
-
-    async def charge_web_bytes(self, key: str, micros: int) -> int:
-        return self._web.charge_bytes(key, micros)
-
-    async def _flush_charges(self) -> None:
-        await self._web.flush()
-
     def _check_egress(self) -> None:
         """A stop the egress proxy hit (budget out, broker failure) ends the run here."""
-        stop = egress_stop(self.egress, self._web)
+        stop = self.stop()
         if stop is not None:
             raise stop
 
     async def _start_egress(self, sandbox: Sandbox) -> None:
-        """The forwarder inside and the proxy outside, only when web or connections are on."""
         try:
-            attached = await start_egress(
-                self.broker, self, sandbox, self.price_book, charges=self._web
-            )
+            await self.start_egress(sandbox)
         except errors.SandboxError as exc:
             raise StopRun(Reason.SANDBOX_ERROR, f"egress did not start: {exc.detail}") from exc
-        if attached is not None:
-            self.egress, self.egress_env = attached
-
-    async def get_connection(self, name: str) -> StoredConnection:
-        return await self.store.connections.get(self.row.org_id, name)
 
     def _check_time(self) -> float:
         if self.cancelled.is_set():
@@ -190,7 +120,7 @@ class AgentRun:
         left = self.time_left()
         if left <= 0:
             compute = self.budget.compute_deadline()
-            if compute is not None and compute < self.agent_deadline:
+            if compute is not None and compute < self.work_deadline:
                 raise StopRun(Reason.BUDGET_EXHAUSTED, "compute used up the remaining budget")
             reserved = self.policy.verify_reserve_seconds()
             kept = f" ({reserved} s of it kept for verify)" if reserved else ""
@@ -212,46 +142,22 @@ class AgentRun:
                 to=RunStatus.PROVISIONING,
                 started_at=started_at,
             )
-        t0 = time.monotonic()
+        t0 = self.clock.monotonic()
         sandbox = await asyncio.wait_for(
             self.acquire_sandbox(self.run_id, self.limits),
             timeout=max(1.0, self.time_left()),
         )
-        self.sandbox = sandbox
-        self.budget.sandbox_started = time.monotonic()
-        # What this run waited for, not the sandbox's original boot (a pooled one is instant).
-        boot_ms = int((self.budget.sandbox_started - t0) * 1000)
-        ready = {
-            "isolation": sandbox.isolation,
-            "image": sandbox.image,
-            "image_hash": self.image_hash,
-            "boot_ms": boot_ms,
-            "queue_wait_ms": _ms(self.row.created_at, started_at),
-            "runtime": sandbox.runtime,
-        }
-        await self.store.transition(
-            self.run_id,
+        self.attach(sandbox)
+        await self.running(
+            sandbox,
+            # What this run waited for, not the sandbox's original boot (a pooled one is instant).
+            boot_ms=int((self.clock.monotonic() - t0) * 1000),
+            queue_wait_ms=_ms(self.row.created_at, started_at),
             expect={RunStatus.PROVISIONING},
-            to=RunStatus.RUNNING,
-            events=[("sandbox.ready", ready)],
-            isolation=sandbox.isolation,
-            runtime=sandbox.runtime,
-            sandbox_id=sandbox.id,
-            image=sandbox.image,
-            image_hash=self.image_hash,
         )
-        for f in self.policy.files:
-            await sandbox.put_file(f.path, f.data())
+        await self.put_files(sandbox)
         await self._start_egress(sandbox)
-        await self.emit(
-            "worker.started",
-            {
-                "shell": self.policy.shell,
-                "web": self.policy.web_shown(),
-                "connections": [c.name for c in self.policy.connections],
-                "files": [f.path for f in self.policy.files],
-            },
-        )
+        await self.emit("worker.started", self.started())
         self.messages = [
             Message(role="system", content=self._system_prompt()),
             Message(role="user", content=self.row.prompt or ""),
@@ -567,12 +473,9 @@ class AgentRun:
         if self.sandbox is None:
             return
         sandbox, self.sandbox = self.sandbox, None
-        await cut_egress(self.egress)
         try:
-            await sandbox.destroy()
+            await self.release(sandbox)
         finally:
-            self.budget.sandbox_stopped = time.monotonic()
-            await self._flush_charges()
             compute = compute_charge(
                 micros_per_second=self.budget.compute_micros_per_second,
                 seconds=self.budget.sandbox_seconds(),
@@ -588,7 +491,7 @@ class AgentRun:
         """End the run: the one close (:func:`ephemeral.engine.close.close`), then its record."""
         # Every charge still landing (a model call through the gateway settling) first: the
         # close's transcript and settlement count it.
-        await self._flush_charges()
+        await self.web.flush()
         if self.zdr and self.output is not None and self.deliver_output and not self._delivered:
             await self.deliver_output(self.output)
             self._delivered = True
@@ -607,18 +510,11 @@ class AgentRun:
 
     def _usage(self) -> dict[str, int]:
         """Our loop's model calls and those the sandbox's code made through the gateway."""
-        gateway = self.egress.gateway if self.egress is not None else None
-        calls, usage = self.model_calls, self.usage
-        if gateway is not None:
-            calls += gateway.calls
-            usage = Usage(
-                input_tokens=usage.input_tokens + gateway.usage.input_tokens,
-                output_tokens=usage.output_tokens + gateway.usage.output_tokens,
-            )
+        calls, tokens_in, tokens_out = self.gateway_usage() or (0, 0, 0)
         return {
-            "model_calls": calls,
-            "input_tokens": usage.input_tokens,
-            "output_tokens": usage.output_tokens,
+            "model_calls": self.model_calls + calls,
+            "input_tokens": self.usage.input_tokens + tokens_in,
+            "output_tokens": self.usage.output_tokens + tokens_out,
         }
 
     def _transcript(self) -> list[dict[str, Any]]:
@@ -686,7 +582,7 @@ async def take_turn(run: AgentRun, steps: Steps = PLAIN_STEPS) -> bool:
 async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
     """Run the whole loop. The sandbox is destroyed and the money settled whatever happens."""
     try:
-        async with asyncio.timeout(max(0.0, run.agent_deadline - time.monotonic()) + 5.0):
+        async with asyncio.timeout(max(0.0, run.work_deadline - run.clock.monotonic()) + 5.0):
             await steps.provision(run)
             await steps.setup(run)
             if run.policy.agent is not None:
@@ -708,7 +604,7 @@ async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
     if run.reason in (Reason.COMPLETED, Reason.TIMEOUT):
         # An agent that used all its time is still graded: verify has its own slice.
         try:
-            async with asyncio.timeout(max(0.0, run.deadline - time.monotonic()) + 5.0):
+            async with asyncio.timeout(max(0.0, run.deadline - run.clock.monotonic()) + 5.0):
                 await steps.verify(run)
         except StopRun as exc:
             run.reason, run.detail = exc.reason, exc.detail

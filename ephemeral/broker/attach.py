@@ -1,11 +1,11 @@
 """The egress proxy attached to one sandbox, and its web charges: shared by runs and sessions.
 
-An agent run (``ephemeral.agent.loop``) and a sandbox session (``ephemeral.sessions.manager``) both
-hold a
-budget inside a reservation and a sandbox with a guest channel. Both attach the proxy the same
-way (:func:`start_egress`) and charge its traffic the same way (:class:`WebCharges`); each
-implements the rest of :class:`~ephemeral.broker.context.BrokerContext` (policy, events, time
-left, connection lookup) over its own state.
+An agent run (``ephemeral.agent.loop``) and a sandbox session (``ephemeral.sessions.manager``)
+are both an ``ephemeral.engine.run.Run``: a budget inside a reservation and a sandbox with a
+guest channel. The run attaches the proxy (:func:`start_egress`), charges its traffic
+(:class:`WebCharges`) and implements the rest of
+:class:`~ephemeral.broker.context.BrokerContext` (policy, events, time left, connection
+lookup), once for both.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """What the broker needs from a run, and nothing more.
 
 The broker sees a run only through :class:`BrokerContext`: its policy, its event log, a charge
-for one web request, the time it has left, and its org's stored connections. ``AgentRun``
-implements it (in ``ephemeral.agent.loop``); tests use a small in-memory one. The broker never
-imports the agent, so the two can change (and be tested) apart.
+for one web request, the time it has left, and its org's stored connections. ``Run``
+implements it (in ``ephemeral.engine.run``) for agent runs and sandbox sessions alike; tests use a
+small in-memory one. The broker never imports the run, so the two can change (and be tested)
+apart.
 """
 
 from __future__ import annotations

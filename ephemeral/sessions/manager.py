@@ -33,27 +33,24 @@ import shlex
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
 from ephemeral import errors
-from ephemeral.broker.attach import WebCharges, cut_egress, egress_stop, start_egress
 from ephemeral.broker.broker import Broker
 from ephemeral.clock import SYSTEM, Clock
 from ephemeral.engine.close import close, record
-from ephemeral.events import redact_for_zdr
+from ephemeral.engine.run import Run
 from ephemeral.ids import new_run_id, rfc3339, utcnow
 from ephemeral.labels import Labels, string_labels
 from ephemeral.lifecycle import (
     TERMINAL_STATUSES,
     RunKind,
     RunStatus,
-    StopRun,
     TerminationReason,
     compute_charge,
 )
-from ephemeral.money.budget import RunBudget
 from ephemeral.money.pricing import PriceBook
 from ephemeral.policy import MAX_COST_MICROS, Policy, _fail, _Strict
 from ephemeral.runview import cost_view, termination_view, timestamp
@@ -64,11 +61,7 @@ from ephemeral.sandbox.source import SandboxSource
 from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
 
-if TYPE_CHECKING:
-    from ephemeral.broker.egress import Egress
-    from ephemeral.store.connections import StoredConnection
-
-log = logging.getLogger("ephemeral.sessions.manager")
+log = logging.getLogger("ephemeral.sessions")
 
 # The model column of a session: it has no model loop (its code may call models through the
 # gateway, ephemeral.broker.gateway, whose calls its usage counts).
@@ -178,20 +171,12 @@ class ExecRequest(_Strict):
         return self.command if isinstance(self.command, str) else shlex.join(self.command)
 
 
-@dataclass
-class Live:
-    """A session running in this process; the broker's context (BrokerContext) for its egress."""
+@dataclass(kw_only=True)
+class Live(Run):
+    """A session running in this process: a run (``ephemeral.engine.run.Run``, the broker's context
+    for its egress) that a client drives, with its sandbox from the start."""
 
-    id: str
-    org_id: str
-    policy: Policy
     sandbox: Sandbox
-    budget: RunBudget
-    deadline: float  # the sessions' clock.monotonic()
-    store: Store
-    web: WebCharges
-    egress: Egress | None = None  # the sandbox's proxy, when web or connections are granted
-    egress_env: dict[str, str] = field(default_factory=dict)  # proxy variables for exec
     image_env: dict[str, str] = field(default_factory=dict)  # the image's `env` (image.yaml)
     passwd: str | None = None  # the image's /etc/passwd, to resolve exec users as the guest does
     image_user: str | None = None  # a Dockerfile image's USER: exec's default user
@@ -201,31 +186,6 @@ class Live:
     ending: asyncio.Lock = field(default_factory=asyncio.Lock)
     inflight: int = 0  # commands running now (their timeouts end by the deadline)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def time_left(self) -> float:
-        return self.budget.seconds_left(self.deadline)
-
-    # the broker's context (ephemeral.broker.context.BrokerContext) --------------------------
-    async def emit(self, type_: str, data: dict[str, Any]) -> None:
-        zdr = self.policy.zero_data_retention
-        await self.store.events.append(self.id, type_, redact_for_zdr(data) if zdr else data)
-
-    def record_event(self, type_: str, data: dict[str, Any]) -> None:
-        zdr = self.policy.zero_data_retention
-        self.web.record(type_, redact_for_zdr(data) if zdr else data)
-
-    async def charge_web(self, seq: int) -> int:
-        return await self.web.charge_request(seq)
-
-    async def charge_web_bytes(self, key: str, micros: int) -> int:
-        return self.web.charge_bytes(key, micros)
-
-    async def get_connection(self, name: str) -> StoredConnection:
-        return await self.store.connections.get(self.org_id, name)
-
-    def stop(self) -> StopRun | None:
-        """Why egress says the session must end now (budget out, broker failed), or None."""
-        return egress_stop(self.egress, self.web)
 
 
 async def require_grants(
@@ -391,66 +351,35 @@ class Sessions:
         try:
             await self.sandboxes.ensure_pool()
             sandbox = await self.sandboxes.acquire(policy, row.id, limits, row.image_hash)
-            rate = self.sandboxes.compute_rate(limits, self.price_book)
-            budget = RunBudget(
-                reserved_micros=row.reserved_micros,
-                compute_micros_per_second=float(rate),
-                clock=self.clock,
-            )
             booted = time.monotonic()
-            budget.sandbox_started = self.clock.monotonic()
+            # Its time limit counts from its sandbox: the deadline is set as it attaches.
             live = Live(
-                id=row.id,
-                org_id=row.org_id,
-                policy=policy,
-                sandbox=sandbox,
-                budget=budget,
-                deadline=budget.sandbox_started + policy.timeout_seconds,
                 store=self.store,
-                web=WebCharges(
-                    self.store,
-                    row.id,
-                    budget,
-                    self.price_book,
-                    self.settings.state_dir,
-                ),
+                row=row,
+                policy=policy,
+                price_book=self.price_book,
+                limits=limits,
+                broker=Broker(self.settings),
+                clock=self.clock,
+                sandbox=sandbox,
             )
+            live.attach(sandbox)
             self._live[row.id] = live
-            attached = await start_egress(
-                Broker(self.settings), live, sandbox, self.price_book, charges=live.web
-            )
-            if attached is not None:
-                live.egress, live.egress_env = attached
+            await live.start_egress(sandbox)
             built = await self.sandboxes.admitted_image(sandbox.image, row.image_hash)
+            live.image_hash = built.hash if built else None
             live.image_env = dict(built.env) if built else {}
             live.passwd = users.read_passwd(built.rootfs) if built else None
             live.image_user, live.image_cwd = (built.user, built.cwd) if built else (None, None)
-            ready = {
-                "isolation": sandbox.isolation,
-                "image": sandbox.image,
-                "image_hash": built.hash if built else None,
-                "boot_ms": int((booted - t0) * 1000),
-                "queue_wait_ms": 0,
-                "runtime": sandbox.runtime,
-            }
-            for f in policy.files:
-                await sandbox.put_file(f.path, f.data())
-            started = {
-                "shell": policy.shell,
-                "web": policy.web_shown(),
-                "connections": [c.name for c in policy.connections],
-                "files": [f.path for f in policy.files],
-            }
-            running = await self.store.transition(
-                row.id,
+            await live.put_files(sandbox)
+            running = await live.running(
+                sandbox,
+                boot_ms=int((booted - t0) * 1000),
+                queue_wait_ms=0,
                 # provisioning: claimed by a worker host (ephemeral.sessions.host)
                 expect={RunStatus.QUEUED, RunStatus.PROVISIONING},
-                to=RunStatus.RUNNING,
-                events=[("sandbox.ready", ready), ("worker.started", started)],
+                then=[("worker.started", live.started())],
                 started_at=started_at,
-                isolation=sandbox.isolation,
-                runtime=sandbox.runtime,
-                sandbox_id=sandbox.id,
             )
             live.watchdog = asyncio.create_task(self._watch(live), name=f"session-{row.id}")
             return running
@@ -542,7 +471,7 @@ class Sessions:
         # The row's usage counts each command as it happens: a live session reads as true
         # as a settled one (same transaction as the event).
         await self.store.events.append(
-            live.id,
+            live.run_id,
             "sandbox.exec",
             {
                 "command": _cap(req.display()),
@@ -676,25 +605,22 @@ class Sessions:
 
     async def _finish(self, live: Live, reason: TerminationReason, detail: str | None) -> None:
         async with live.ending:
-            if self._live.get(live.id) is not live:
+            if self._live.get(live.run_id) is not live:
                 return  # already finished
             try:
                 await asyncio.shield(self._close(live, reason, detail))
             finally:
-                self._live.pop(live.id, None)
+                self._live.pop(live.run_id, None)
                 task = live.watchdog
                 if task is not None and task is not asyncio.current_task():
                     task.cancel()
 
     async def _close(self, live: Live, reason: TerminationReason, detail: str | None) -> None:
         try:
-            await cut_egress(live.egress)
-            await live.sandbox.destroy()
+            await live.release(live.sandbox)
         finally:
             budget = live.budget
-            budget.sandbox_stopped = self.clock.monotonic()
-            await live.web.flush()
-            charged = await self.store.charged(live.id)
+            charged = await self.store.charged(live.run_id)
             compute = compute_charge(
                 micros_per_second=budget.compute_micros_per_second,
                 seconds=budget.sandbox_seconds(),
@@ -706,14 +632,14 @@ class Sessions:
             row = await close(
                 self.store,
                 None,
-                live.id,
+                live.run_id,
                 reason=reason,
                 detail=detail,
                 usage=_usage(live),
                 output=None,
                 compute=(compute, int(budget.sandbox_seconds() * 1000)),
             )
-            self._live.pop(live.id, None)
+            self._live.pop(live.run_id, None)
             await record(self.store, self.settings, row)
 
     async def close(self) -> None:
@@ -725,13 +651,11 @@ class Sessions:
 
 def _usage(live: Live) -> dict[str, int]:
     """A session's usage: its execs, and the model calls its code made through the gateway."""
-    gateway = live.egress.gateway if live.egress is not None else None
-    if gateway is None:
-        return {"model_calls": 0, "input_tokens": 0, "output_tokens": 0, "execs": live.execs}
+    calls, tokens_in, tokens_out = live.gateway_usage() or (0, 0, 0)
     return {
-        "model_calls": gateway.calls,
-        "input_tokens": gateway.usage.input_tokens,
-        "output_tokens": gateway.usage.output_tokens,
+        "model_calls": calls,
+        "input_tokens": tokens_in,
+        "output_tokens": tokens_out,
         "execs": live.execs,
     }
 

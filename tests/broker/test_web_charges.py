@@ -14,7 +14,7 @@ from tests.broker.conftest import build_run
 
 async def test_a_burst_of_charges_lands_exactly_in_one_transaction(runtime: Runtime) -> None:
     agent = await build_run(runtime, web=True)
-    charges = agent._web
+    charges = agent.web
     for i in range(200):  # as the proxy decides them: synchronously, before the bytes move
         assert charges.charge_bytes(f"egress:1:{i}", 7) == 7
     await charges.flush()
@@ -30,10 +30,10 @@ async def test_request_events_are_written_with_their_charges_in_one_transaction(
     agent = await build_run(runtime, web=True)
     before = len(await runtime.store.events.list(agent.run_id))
     for i in range(50):  # as the proxy does per request: its charge, then its event
-        agent._web.charge_bytes(f"egress:{i}:0", 3)
+        agent.web.charge_bytes(f"egress:{i}:0", 3)
         agent.record_event("web.requested", {"method": "GET", "host": "h", "n": i})
-    await agent._web.flush()
-    assert agent._web.batches == 1 and agent._web.error is None
+    await agent.web.flush()
+    assert agent.web.batches == 1 and agent.web.error is None
     events = (await runtime.store.events.list(agent.run_id))[before:]
     assert [e.data["n"] for e in events if e.type == "web.requested"] == list(range(50))
     seqs = [e.seq for e in events]
@@ -44,7 +44,7 @@ async def test_request_events_are_written_with_their_charges_in_one_transaction(
 async def test_an_event_alone_is_written_and_flushed(runtime: Runtime) -> None:
     agent = await build_run(runtime, web=True)
     agent.record_event("web.requested", {"method": "GET", "host": "h"})
-    await agent._web.flush()
+    await agent.web.flush()
     assert [e.type for e in await runtime.store.events.list(agent.run_id)][-1] == "web.requested"
 
 
@@ -62,9 +62,9 @@ async def test_a_busy_store_is_tried_again(
 
     monkeypatch.setattr(runtime.store, "charge_batch", flaky)
     monkeypatch.setattr(attach, "WRITE_RETRY_SECONDS", (0.0,))
-    agent._web.charge_bytes("egress:1:1", 5)
-    await agent._web.flush()
-    assert agent._web.error is None and not failures
+    agent.web.charge_bytes("egress:1:1", 5)
+    await agent.web.flush()
+    assert agent.web.error is None and not failures
     assert (await runtime.store.charged(agent.run_id))["web_micros"] == 5
 
 
@@ -82,10 +82,10 @@ async def test_charges_of_a_process_that_died_are_replayed_before_settling(
     real = runtime.store.charge_batch
     monkeypatch.setattr(runtime.store, "charge_batch", never)
     for i in range(3):
-        agent._web.charge_bytes(f"egress:1:{i}", 100)
+        agent.web.charge_bytes(f"egress:1:{i}", 100)
     await stuck.wait()
-    assert agent._web._writer is not None
-    agent._web._writer.cancel()
+    assert agent.web._writer is not None
+    agent.web._writer.cancel()
     monkeypatch.setattr(runtime.store, "charge_batch", real)
     path = journal.path_for(runtime.settings.state_dir, agent.run_id)
     assert len(journal.read(path, agent.run_id)) == 3
@@ -101,8 +101,8 @@ async def test_charges_of_a_process_that_died_are_replayed_before_settling(
 
 async def test_a_replay_counts_each_charge_once_and_skips_torn_lines(runtime: Runtime) -> None:
     agent = await build_run(runtime, web=True)
-    agent._web.charge_bytes("egress:1:1", 40)
-    await agent._web.flush()  # in the ledger; the journal is gone
+    agent.web.charge_bytes("egress:1:1", 40)
+    await agent.web.flush()  # in the ledger; the journal is gone
     path = journal.path_for(runtime.settings.state_dir, agent.run_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     rid = agent.run_id
