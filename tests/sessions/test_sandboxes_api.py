@@ -13,6 +13,7 @@ from ephemeral.api.auth import PAGE_COOKIE
 from ephemeral.engine.runtime import Runtime
 from ephemeral.testing.clock import FakeClock
 from tests.api.conftest import Member, new_member
+from tests.drivers import built_image
 
 pytestmark = pytest.mark.sandbox
 
@@ -122,6 +123,24 @@ async def test_session_over_http(
     page = await http.get(f"/runs/{sid}")
     assert page.status_code == 200
     assert "$ id -un" in page.text and "worker" in page.text and "as root" in page.text
+
+
+async def test_a_sessions_row_records_its_image_as_a_runs_does(
+    http: httpx.AsyncClient, runtime: Runtime, member: Member, isolation: str
+) -> None:
+    # A session's running transition is a run's (ephemeral.run.Run.running): its row names the
+    # image and the hash its sandbox booted, as sandbox.ready does (before: both null).
+    built = built_image(runtime.settings, runtime.settings.image)
+    sid = (await _create(http, member, isolation))["id"]
+    h = member.headers
+    row = (await http.get(f"/v1/runs/{sid}", headers=h)).json()
+    events = (await http.get(f"/v1/runs/{sid}/events", headers=h)).json()
+    ready = next(e["data"] for e in events if e["type"] == "sandbox.ready")
+    assert (row["image"], row["image_hash"]) == (runtime.settings.image, built.hash)
+    assert (ready["image"], ready["image_hash"]) == (row["image"], row["image_hash"])
+    await http.delete(f"/v1/sandboxes/{sid}", headers=h)
+    ended = (await http.get(f"/v1/runs/{sid}", headers=h)).json()
+    assert (ended["image"], ended["image_hash"]) == (row["image"], row["image_hash"])
 
 
 async def test_idempotency_and_402(
