@@ -91,10 +91,6 @@ class AgentRun(Run):
     stop_detail: str | None = None  # why a cancel ends the run, when not a client's request
     compute: tuple[int, int] | None = None  # (micros, lifetime_ms) of its sandbox, at teardown
     settings: Settings | None = None  # where its record goes (None: the caller records it)
-    # Takes a zero-data-retention output into custody for its one reader, before the close:
-    # whoever sees the run settled must find it there (the engine's, set at the build).
-    deliver_output: Callable[[str], Awaitable[None]] | None = None
-    _delivered: bool = field(default=False, init=False)
 
     @property
     def cancel_detail(self) -> str:
@@ -492,9 +488,7 @@ class AgentRun(Run):
         # Every charge still landing (a model call through the gateway settling) first: the
         # close's transcript and settlement count it.
         await self.web.flush()
-        if self.zdr and self.output is not None and self.deliver_output and not self._delivered:
-            await self.deliver_output(self.output)
-            self._delivered = True
+        await self.deliver_output(self.output)
         return await close(
             self.store,
             self.settings,

@@ -48,8 +48,11 @@ began
 (:meth:`Engine.began`) and ends them through :meth:`Engine.stop`: one that never began is let go
 for another host, one that outlives the drain is cancelled with the drain as its reason.
 
-Everything one run holds in this process (its task, its agent, its zero-data-retention
-prompt, whether it holds a slot, the signal that its body began) is one :class:`RunState`.
+Everything one run holds in this process while it waits or executes (its task, its agent,
+whether it holds a slot, the signal that its body began) is one :class:`RunState`; what a built
+run holds (sandbox, budget, egress, the broker's context) is its :class:`~ephemeral.engine.run.Run`;
+zero-data-retention prompts and outputs wait for their one reader in the engine's
+:class:`~ephemeral.engine.custody.Custody`.
 An executor sees a run only as a :class:`RunHandle` (``grant``, ``run``/``build``+``drive``,
 ``row``, ``done``, ``dispatch``, ``cancel``), never the runtime. One engine per process holds
 every run it executes, on one event loop, behind one slot semaphore (``ephemeral serve`` with
@@ -73,6 +76,7 @@ from ephemeral.agent.loop import PLAIN_STEPS, AgentRun, Steps, drive
 from ephemeral.broker import Broker
 from ephemeral.broker import journal as charge_journal
 from ephemeral.engine.close import abandoned_compute, close
+from ephemeral.engine.custody import Custody
 from ephemeral.engine.executor import Dispatcher, Executor
 from ephemeral.ids import utcnow
 from ephemeral.lifecycle import OPEN_STATUSES, TERMINAL_STATUSES, RunStatus, TerminationReason
@@ -100,7 +104,6 @@ class RunState:
     run_id: str
     task: asyncio.Task[RunRow] | None = None  # what executes it (cancel and the watchdog reach it)
     agent: AgentRun | None = None  # built, being driven
-    prompt: str | None = None  # a zero-data-retention prompt, for the build
     granted: bool = False  # holds a slot; its executor has not built it yet
     started: asyncio.Event = field(default_factory=asyncio.Event)  # set when its build begins
 
@@ -160,9 +163,7 @@ class EngineRunHandle:
         sealed by that worker is taken into this process's custody for its one reader."""
         row = await self._engine.wait(self.run_id)
         if row.policy.get("zero_data_retention"):
-            output = await self._engine.unseal(self.run_id, "output")
-            if output is not None:
-                self._engine.keep_output(self.run_id, output)
+            await self._engine.custody.receive(self.run_id)
         return row
 
     async def cancel(self) -> RunRow:
@@ -192,7 +193,9 @@ class Engine:
         self.owner = owner
         self.host = settings.host_id
         self.runs: dict[str, RunState] = {}
-        self.outputs: dict[str, str] = {}  # zero-data-retention outputs, delivered once
+        # Zero-data-retention prompts and outputs; a worker's outputs are sealed for readers
+        # in other processes.
+        self.custody = Custody(settings, store, sealing=lambda: self.lease_seconds is not None)
         self.slots = asyncio.Semaphore(settings.max_concurrent_runs)
         self.run_seconds = 5.0  # moving average of a run's execution, for Retry-After
         # Scale-out (docs/deploy.md). A worker holds leases on the runs it executes; an API
@@ -233,6 +236,8 @@ class Engine:
 
     def _release(self, run_id: str, task: asyncio.Task[Any] | None) -> None:
         st = self.runs.get(run_id)
+        if st is None or task is None or st.task is task:
+            self.custody.forget(run_id)  # a prompt it never built with goes with it
         if st is not None and (task is None or st.task is task):
             del self.runs[run_id]
 
@@ -326,9 +331,7 @@ class Engine:
         row = await self.store.get_run(run_id)
         policy = Policy.model_validate(row.policy)
         if policy.zero_data_retention:
-            prompt, st.prompt = st.prompt, None
-            if prompt is None:
-                prompt = await self.unseal(run_id, "prompt")
+            prompt = await self.custody.take_prompt(run_id)
             if prompt is None:
                 raise errors.InvalidRequest(
                     "a zero-data-retention run can only execute in the process that admitted it"
@@ -361,15 +364,8 @@ class Engine:
             workdir=built.workdir if built else None,
             broker=Broker(self.settings),
             settings=self.settings,
-            deliver_output=lambda output: self._deliver(run_id, output),
+            custody=self.custody,
         )
-
-    async def _deliver(self, run_id: str, output: str) -> None:
-        """Custody of a zero-data-retention output, for its one reader."""
-        if self.lease_seconds is not None:  # a worker: the reader is in another process
-            await self.seal(run_id, "output", output)
-        else:
-            self.outputs[run_id] = output
 
     async def drive(self, agent: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
         """Drive one built run; the ``agent-run`` flow calls this with its task-wrapped steps."""
@@ -406,36 +402,6 @@ class Engine:
                 if row.status in TERMINAL_STATUSES and row.settled:
                     return row
                 await asyncio.sleep(EVENT_POLL_SECONDS)
-
-    # zero-data-retention custody ------------------------------------------------------------
-    def keep_prompt(self, run_id: str, prompt: str) -> None:
-        """Hold a zero-data-retention prompt in memory for the build of the run."""
-        self.state(run_id).prompt = prompt
-
-    def keep_output(self, run_id: str, output: str) -> None:
-        self.outputs[run_id] = output
-
-    def take_output(self, run_id: str) -> str | None:
-        """A zero-data-retention run's output is delivered once, then forgotten."""
-        return self.outputs.pop(run_id, None)
-
-    async def seal(self, run_id: str, kind: str, text: str) -> None:
-        """Keep zero-data-retention content for one reader in another process: sealed with
-        the shared key, deleted at that read or after ``zdr_ttl_seconds``."""
-        from ephemeral.broker.secrets import Sealer
-
-        token = Sealer.for_settings(self.settings).seal({"text": text})
-        expires = utcnow() + timedelta(seconds=self.settings.zdr_ttl_seconds)
-        await self.store.put_sealed(run_id, kind, token, expires)
-
-    async def unseal(self, run_id: str, kind: str) -> str | None:
-        """Take sealed content out of the store: whoever calls first gets it, once."""
-        from ephemeral.broker.secrets import Sealer
-
-        token = await self.store.take_sealed(run_id, kind)
-        if token is None:
-            return None
-        return Sealer.for_settings(self.settings).open(token).get("text")
 
     # cancel, failure, abandon ---------------------------------------------------------------
     async def cancel(self, row: RunRow) -> RunRow:

@@ -31,6 +31,7 @@ from ephemeral.money.budget import RunBudget
 if TYPE_CHECKING:
     from ephemeral.broker import Broker
     from ephemeral.broker.egress import Egress
+    from ephemeral.engine.custody import Custody
     from ephemeral.money.pricing import PriceBook
     from ephemeral.policy import Policy
     from ephemeral.sandbox.base import Limits, Sandbox
@@ -53,6 +54,9 @@ class Run:
     sandbox: Sandbox | None = None
     egress: Egress | None = None  # the sandbox's proxy, when web or connections are granted
     egress_env: dict[str, str] = field(default_factory=dict)  # proxy variables for commands
+    # Holds a zero-data-retention output for its one reader (the engine's, set at the build).
+    custody: Custody | None = None
+    _delivered: bool = field(default=False, init=False)
     budget: RunBudget = field(init=False)
     web: WebCharges = field(init=False)  # the web charges (ephemeral.broker.attach)
     deadline: float = field(init=False)  # clock.monotonic(): the run's whole time limit
@@ -147,6 +151,13 @@ class Run:
         finally:
             self.budget.sandbox_stopped = self.clock.monotonic()
             await self.web.flush()
+
+    async def deliver_output(self, output: str | None) -> None:
+        """A zero-data-retention output into custody, once, before the close: whoever sees the
+        run settled must find it there. A run that keeps its data stores it with the close."""
+        if self.zdr and output is not None and self.custody is not None and not self._delivered:
+            await self.custody.deliver(self.run_id, output)
+            self._delivered = True
 
     # time ----------------------------------------------------------------------------------
     def time_left(self) -> float:

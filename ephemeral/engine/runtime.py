@@ -194,10 +194,9 @@ class Runtime:
             image_hash=image_hash,
         )
         if not replayed and policy.zero_data_retention:
-            if self.dispatcher is not None:
-                await self.engine.seal(row.id, "prompt", request.prompt)
-            else:
-                self.keep_prompt(row.id, request.prompt)
+            await self.engine.custody.keep_prompt(
+                row.id, request.prompt, elsewhere=self.dispatcher is not None
+            )
         return row, replayed
 
     async def submit(self, org_id: str, request: RunRequest, **kw: Any) -> tuple[RunRow, bool]:
@@ -232,10 +231,6 @@ class Runtime:
 
     # execution (the engine's; ephemeral/engine/engine.py walks one run)
     # ----------------------------
-    def keep_prompt(self, run_id: str, prompt: str) -> None:
-        """Hold a zero-data-retention prompt in memory for the engine that will build the run."""
-        self.engine.keep_prompt(run_id, prompt)
-
     def launch(self, run_id: str) -> asyncio.Task[RunRow]:
         return self.engine.launch(run_id)
 
@@ -254,16 +249,14 @@ class Runtime:
         await record(self.store, self.settings, run_id, rewrite=True)
 
     def take_zdr_output(self, run_id: str) -> str | None:
-        """A zero-data-retention run's output is delivered once, then forgotten."""
-        return self.engine.take_output(run_id)
+        """A zero-data-retention run's output held here, delivered once (engine/custody.py)."""
+        return self.engine.custody.take_output(run_id)
 
     async def claim_zdr_output(self, row: RunRow) -> str | None:
         """The output of a zero-data-retention run, for its first reader only: from this
         process's memory, or sealed in the store by the worker that ran it."""
-        output = self.take_zdr_output(row.id)
-        if output is None and row.policy.get("zero_data_retention"):
-            output = await self.engine.unseal(row.id, "output")
-        return output
+        zdr = bool(row.policy.get("zero_data_retention"))
+        return await self.engine.custody.claim_output(row.id, zdr)
 
     # control -------------------------------------------------------------------------------
     async def cancel(self, run_id: str, org_id: str | None = None) -> RunRow:
