@@ -217,6 +217,14 @@ class IllegalTransition(EphemeralError):
     title = "Illegal run status transition"
 
 
+class PrefectIncompatible(EphemeralError):
+    """The installed Prefect lacks a part Ephemeral touches beyond its public API (or is a
+    version that was never tested): ``ephemeral.flows.prefect_private`` names each part."""
+
+    slug = "prefect-incompatible"
+    title = "Prefect version not supported"
+
+
 ALL_ERRORS: tuple[type[EphemeralError], ...] = (
     EphemeralError,
     InvalidRequest,
@@ -240,6 +248,7 @@ ALL_ERRORS: tuple[type[EphemeralError], ...] = (
     TransientModelError,
     BudgetExhausted,
     IllegalTransition,
+    PrefectIncompatible,
 )
 
 

@@ -16,16 +16,21 @@ import types
 from typing import Any
 
 from ephemeral import prefect_setup
+from ephemeral.flows import prefect_private
 from ephemeral.flows.embedded_prefect import PARENT_ENV
 from ephemeral.settings import Settings
 
 
 def configure(settings: Settings) -> None:
     """:func:`ephemeral.prefect_setup.configure`, then :func:`guard_embedded_server` when
-    Prefect will start its own server (imported after its environment is set)."""
+    Prefect will start its own server (imported after its environment is set), then the check
+    that the installed Prefect has every private part this process touches
+    (:func:`ephemeral.flows.prefect_private.check`: fails naming the part)."""
     prefect_setup.configure(settings)
-    if prefect_setup.embedded():
+    embedded = prefect_setup.embedded()
+    if embedded:
         guard_embedded_server()
+    prefect_private.check(embedded=embedded)
 
 
 def _guarded_popen(args: Any, *rest: Any, **kwargs: Any) -> subprocess.Popen[Any]:
@@ -45,6 +50,7 @@ def guard_embedded_server() -> None:
     Prefect's module gets a ``subprocess`` whose ``Popen`` is :func:`_guarded_popen`."""
     from prefect.server.api import server
 
+    # A private touch of Prefect, checked at start (ephemeral.flows.prefect_private).
     if getattr(server.subprocess, "ephemeral_guarded", False):
         return
     guarded = types.ModuleType("subprocess")

@@ -112,6 +112,7 @@ class FlowExecutor:
             self._starts = asyncio.Semaphore(self._starts_at_once)
         # The flow engine takes the client from this context variable (get_or_create); set in
         # this task's context it reaches the flow's task and its task runs, and nothing else.
+        # A private touch of Prefect, checked at start (ephemeral.flows.prefect_private).
         client, sync_client = await self._client_contexts()
         token = AsyncClientContext.__var__.set(client)
         sync_token = SyncClientContext.__var__.set(sync_client)

@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from ephemeral import errors
+
 FIRST_DELAY_SECONDS = 0.02
 MAX_DELAY_SECONDS = 0.5
 # Past this the 503 goes to Prefect's client, which retries it its own (slower) way.
@@ -79,7 +81,15 @@ def retry_when_busy(client: Any) -> RetryWhenBusy:
     one the flow engine's ``get_client()`` (asking with none) does not match, so it would make
     a new client per flow run (an SSL context, a version check: 0.3 CPU-s a run, measured).
     """
-    http = client._client  # PrefectHttpxAsyncClient, an httpx.AsyncClient
-    wrapped = RetryWhenBusy(http._transport)
+    # Private touches of Prefect and httpx, checked at start (ephemeral.flows.prefect_private)
+    # and here on the client itself.
+    http = getattr(client, "_client", None)  # PrefectHttpxAsyncClient, an httpx.AsyncClient
+    inner = getattr(http, "_transport", None)
+    if not isinstance(http, httpx.AsyncClient) or not isinstance(inner, httpx.AsyncBaseTransport):
+        raise errors.PrefectIncompatible(
+            "PrefectClient._client._transport (used by retry_when_busy) is not an httpx client's "
+            "transport in the installed Prefect (ephemeral/flows/prefect_private.py)"
+        )
+    wrapped = RetryWhenBusy(inner)
     http._transport = wrapped
     return wrapped

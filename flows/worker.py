@@ -26,6 +26,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from uuid import UUID
 
+from prefect.client.schemas.objects import TaskRun
+from prefect.client.subscriptions import Subscription
+from prefect.settings import get_current_settings
 from prefect.task_worker import TaskWorker
 
 from ephemeral.cluster import outbox
@@ -46,7 +49,8 @@ log = logging.getLogger("ephemeral.flows.worker")
 
 PID_FILE = "worker.pid"
 DRAIN_POLL_SECONDS = 0.2
-TAKE_SECONDS = 60.0  # from a held run's token to the runtime's take, at most (seconds, loaded)
+SCHEDULED_PATH = "/task_runs/subscriptions/scheduled"  # Prefect's websocket of task runs to run
+TAKE_SECONDS = 60.0  # from a held run's slot to the runtime's take, at most (seconds, loaded)
 
 
 async def ensure_limits(host: str, limit: int, total: int) -> None:
@@ -65,56 +69,108 @@ async def ensure_limits(host: str, limit: int, total: int) -> None:
                 )
 
 
-class HostWorker(TaskWorker):
-    """Prefect's task worker with a drain, and with every run it receives claimed at once.
+class HostWorker:
+    """This host's task worker, on Prefect's public API: Prefect's ``TaskWorker`` executes each
+    task run (``execute_task_run``), this class receives them (``Subscription``, the websocket
+    Prefect's worker uses), keeps to the limit, claims a run received at the limit, and drains.
 
-    Prefect's worker receives (and acknowledges) the next task run before it waits for a free
-    token of its limit, so at its limit it holds one run Prefect will not give anyone else.
+    A subscription hands over (and acknowledges) the next task run before anything waits for
+    a free slot, so at its limit the worker holds one run Prefect will not give anyone else.
     That run is claimed here (``queued``, this host, a lease renewed by :meth:`_renew`): if the
-    worker dies it is settled through its lease, and a drain hands it back.
+    worker dies it is settled through its lease, and a drain hands it back. Prefect's own
+    worker keeps its limit inside (a private limiter and receive loop, which this class once
+    overrode); here its limit is off and the limit is :attr:`slots`.
     """
 
     def __init__(self, runtime: Runtime, drain_seconds: float, limit: int) -> None:
-        super().__init__(execute_run_task(runtime), limit=limit)
+        self.prefect = TaskWorker(execute_run_task(runtime), limit=None)
         self.runtime = runtime
         self.drain_seconds = drain_seconds
+        self.slots = asyncio.Semaphore(limit)
         self.signals = 0
         self._drain = asyncio.Event()
         self._now = asyncio.Event()
-        self._held: dict[UUID, str] = {}  # task run id -> run id, waiting for a token
-        # run id -> when its token came: renewed here until the runtime took it (its parameters
+        self._held: dict[UUID, str] = {}  # task run id -> run id, waiting for a slot
+        # run id -> when its slot came: renewed here until the runtime took it (its parameters
         # are read and Prefect's engine starts in between: seconds on a loaded host)
         self._claimed: dict[str, float | None] = {}
         runtime.holding = self._claimed  # so its watchdog does not end them as unexecuted
-        self._loop = asyncio.get_running_loop()
+        self._executing: set[asyncio.Task[None]] = set()  # one per task run given a slot
         self.on_drain: list[Callable[[], Awaitable[None]]] = []  # run as the drain begins
 
-    def handle_sigterm(self, signum: int, frame: object) -> None:
-        # Prefect installs this as it starts; its own exits at once. Ours drains, and a second
-        # signal ends the rest now.
-        self._loop.call_soon_threadsafe(self.signal)
+    @property
+    def client_id(self) -> str:
+        return self.prefect.client_id
 
     def signal(self) -> None:
+        """SIGTERM/SIGINT: the first drains, a second ends the rest now."""
         self.runtime.draining = True
         self.signals += 1
         (self._drain if self.signals == 1 else self._now).set()
 
-    async def _acquire_token(self, task_run_id: UUID) -> bool:
-        if self._limiter is not None and self._limiter.available_tokens < 1:
+    async def serve(self) -> None:
+        """Receive and execute task runs until drained (or the subscription fails: raised)."""
+        async with self.prefect:  # its Prefect client and thread pool, for execute_task_run
+            receiving = asyncio.ensure_future(self._receive())
+            drain = asyncio.ensure_future(self._drain.wait())
+            renew = asyncio.ensure_future(self._renew())
             try:
-                await self._hold(task_run_id)
-            except Exception:  # unclaimed it is still served when a token frees
-                log.exception("task run %s: could not claim the run it carries", task_run_id)
-        try:
-            return await super()._acquire_token(task_run_id)
-        finally:
-            run_id = self._held.pop(task_run_id, None)
-            if run_id is not None:
-                self._claimed[run_id] = time.monotonic()
+                await asyncio.wait({receiving, drain}, return_when=asyncio.FIRST_COMPLETED)
+                if receiving.done():  # it ended by itself (an error): no drain, it is raised
+                    for running in self._executing:
+                        running.cancel()
+                    receiving.result()
+                    return
+                held = list(self._held.values())
+                for hook in self.on_drain:
+                    with contextlib.suppress(Exception):
+                        await hook()
+                receiving.cancel()
+                with contextlib.suppress(BaseException):
+                    await receiving
+                await self._drain_runs(held)
+            finally:
+                for loop_task in (drain, receiving, renew):
+                    loop_task.cancel()
+                # Each task run reports its end to Prefect before Prefect's client closes.
+                await asyncio.gather(*self._executing, return_exceptions=True)
 
-    async def _hold(self, task_run_id: UUID) -> None:
-        run_id = (await self._client.read_task_run(task_run_id)).name  # named for its run
-        self._held[task_run_id] = run_id
+    async def _receive(self) -> None:
+        api = get_current_settings().api.url
+        if api is None:
+            raise RuntimeError("`ephemeral worker` needs PREFECT_API_URL (a Prefect server)")
+        subscription = Subscription(
+            model=TaskRun,
+            path=SCHEDULED_PATH,
+            keys=self.prefect.task_keys,
+            client_id=self.prefect.client_id,
+            base_url=api,
+        )
+        async for task_run in subscription:
+            if self.slots.locked():  # at the limit: the run waits here, claimed
+                try:
+                    await self._hold(task_run)
+                except Exception:  # unclaimed it is still served when a slot frees
+                    log.exception("task run %s: could not claim the run it carries", task_run.id)
+            try:
+                await self.slots.acquire()
+            finally:
+                run_id = self._held.pop(task_run.id, None)
+                if run_id is not None:
+                    self._claimed[run_id] = time.monotonic()
+            executing = asyncio.create_task(self._execute(task_run), name=f"task-{task_run.name}")
+            self._executing.add(executing)
+            executing.add_done_callback(self._executing.discard)
+
+    async def _execute(self, task_run: TaskRun) -> None:
+        try:
+            await self.prefect.execute_task_run(task_run)
+        finally:
+            self.slots.release()
+
+    async def _hold(self, task_run: TaskRun) -> None:
+        run_id = task_run.name  # named for its run (create_task_run)
+        self._held[task_run.id] = run_id
         self._claimed[run_id] = None
         now = utcnow()
         await self.runtime.store.outbox.take(
@@ -124,29 +180,6 @@ class HostWorker(TaskWorker):
             renewed_at=now,
             expires_at=now + _seconds(self.runtime.settings.lease_seconds),
         )
-
-    async def _subscribe_to_task_scheduling(self) -> None:
-        subscription = asyncio.ensure_future(super()._subscribe_to_task_scheduling())
-        drain = asyncio.ensure_future(self._drain.wait())
-        renew = asyncio.ensure_future(self._renew())
-        try:
-            await asyncio.wait({subscription, drain}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            drain.cancel()
-        if subscription.done():  # it ended by itself (an error): no drain, the error is raised
-            renew.cancel()
-            return subscription.result()
-        held = list(self._held.values())
-        for hook in self.on_drain:
-            with contextlib.suppress(Exception):
-                await hook()
-        subscription.cancel()
-        with contextlib.suppress(BaseException):
-            await subscription
-        try:
-            await self._drain_runs(held)
-        finally:
-            renew.cancel()
 
     async def _drain_runs(self, held: list[str]) -> None:
         runtime, engine = self.runtime, self.runtime.engine
@@ -190,15 +223,15 @@ class HostWorker(TaskWorker):
 
     async def _renew(self) -> None:
         """Keep the leases of the runs claimed at receipt until the runtime takes them (and
-        renews them itself). One the runtime has not taken ``TAKE_SECONDS`` after its token (its
+        renews them itself). One the runtime has not taken ``TAKE_SECONDS`` after its slot (its
         task run failed to start) is let go: disowned with its lease ended, it is settled by the
         next sweep of any process."""
         lease = self.runtime.settings.lease_seconds
         while True:
             await asyncio.sleep(lease / 3)
             taken = self.runtime.engine.executing()
-            for run_id, token_at in list(self._claimed.items()):
-                late = token_at is not None and time.monotonic() - token_at > TAKE_SECONDS
+            for run_id, slot_at in list(self._claimed.items()):
+                late = slot_at is not None and time.monotonic() - slot_at > TAKE_SECONDS
                 if run_id in taken or late:
                     del self._claimed[run_id]
                 if late and run_id not in taken:
@@ -237,7 +270,8 @@ async def serve(settings: Settings, *, limit: int, total: int, sessions: int = 3
     worker = HostWorker(runtime, settings.drain_seconds, limit)
     if host is not None:  # a drain takes no new sessions either
         worker.on_drain.append(host.stop_taking)
-    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, worker.signal)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(signum, worker.signal)
     redrive = asyncio.create_task(outbox.redrive_forever(runtime.store, create_task_run))
     pid_file = settings.state_dir / PID_FILE
     pid_file.write_text(this_process() + "\n")
@@ -248,7 +282,7 @@ async def serve(settings: Settings, *, limit: int, total: int, sessions: int = 3
         worker.client_id,
     )
     try:
-        await worker.astart()
+        await worker.serve()
     finally:
         redrive.cancel()
         with contextlib.suppress(BaseException):
