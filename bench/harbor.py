@@ -64,7 +64,7 @@ def _row(label: str, found: list[Trial], wall: float) -> str:
 async def _floor(state: Path, isolation: str, image: str) -> float:
     from ephemeral.engine.runtime import Runtime
     from ephemeral.sandbox.base import Limits
-    from ephemeral.sessions.manager import ExecRequest, SessionRequest
+    from ephemeral.sessions.requests import ExecRequest, SessionRequest
     from ephemeral.settings import Settings
 
     runtime = await Runtime.start(Settings.load(state_dir=state, pool_size=0), warm_pool=False)

@@ -33,7 +33,7 @@ from inspect_ai.util._sandbox.local import LocalSandboxEnvironment
 from ephemeral.engine.runtime import Runtime
 from ephemeral.inspect_provider import EphemeralSandboxConfig, EphemeralSandboxEnvironment
 from ephemeral.inspect_provider.provider import BACKENDS
-from ephemeral.sessions.manager import ExecRequest, SessionRequest
+from ephemeral.sessions.requests import ExecRequest, SessionRequest
 from ephemeral.settings import Settings
 
 

@@ -475,7 +475,7 @@ class AsyncRuns:
 
 
 def _exec_body(command: list[str] | str, fields: dict[str, Any]) -> dict[str, Any]:
-    from ephemeral.sessions.manager import ExecRequest
+    from ephemeral.sessions.requests import ExecRequest
 
     stdin = fields.pop("stdin", None)
     if stdin is not None:

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ephemeral import errors
 from ephemeral.policy import MAX_FILES_BYTES, MAX_PROMPT_CHARS
-from ephemeral.sessions.manager import MAX_FILE_BYTES as MAX_SANDBOX_FILE_BYTES
+from ephemeral.sessions.requests import MAX_FILE_BYTES as MAX_SANDBOX_FILE_BYTES
 
 # Base64 grows files by 4/3; the prompt may be 4 bytes per character in UTF-8; plus slack for
 # the other fields. Anything above cannot be a valid run request.

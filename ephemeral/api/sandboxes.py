@@ -3,6 +3,8 @@ authorise, call ``runtime.sessions``, render. Auth, idempotency, 402 and problem
 
 from __future__ import annotations
 
+import math
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Request
@@ -11,7 +13,13 @@ from pydantic import BaseModel, Field
 
 from ephemeral.api.runs import IDEMPOTENCY_KEY_PATTERN, Auth, Rt, base_url, canonical_hash, created
 from ephemeral.api.schemas import Breakdown, Termination, problems
-from ephemeral.sessions.manager import MAX_FILE_BYTES, ExecRequest, SessionRequest, session_object
+from ephemeral.ids import rfc3339
+from ephemeral.labels import string_labels
+from ephemeral.lifecycle import RunKind
+from ephemeral.policy import Policy
+from ephemeral.runview import cost_view, termination_view, timestamp
+from ephemeral.sessions.requests import MAX_FILE_BYTES, ExecRequest, SessionRequest
+from ephemeral.store import RunRow
 
 sandboxes = APIRouter(prefix="/v1", tags=["sandboxes"])
 
@@ -202,3 +210,38 @@ async def delete_sandbox(
     """Idempotent: an ended session is returned as it is."""
     row = await runtime.sessions.end(session_id, who.org_id)
     return session_object(row, base_url(request))
+
+
+def session_object(row: RunRow, base_url: str | None = None) -> dict[str, Any]:
+    """The public sandbox session object (``GET /v1/sandboxes/{id}``)."""
+    policy = Policy.model_validate(row.policy)
+    prefix = (base_url or "").rstrip("/")
+    expires_at = None
+    if row.started_at is not None:
+        started = row.started_at.timestamp()
+        expires_at = rfc3339(_from_ts(started + policy.timeout_seconds))
+    return {
+        "id": row.id,
+        "kind": RunKind.SESSION,
+        "status": row.status,
+        "created_at": timestamp(row.created_at),
+        "started_at": timestamp(row.started_at),
+        "ended_at": timestamp(row.ended_at),
+        "expires_at": expires_at,
+        "policy": row.policy,
+        "isolation": row.isolation,
+        "runtime": row.runtime,
+        "termination": termination_view(row),
+        "usage": {"execs": int((row.usage or {}).get("execs", 0))},
+        "cost": cost_view(row),
+        "labels": string_labels(row.labels),
+        "links": {
+            "self": f"{prefix}/v1/sandboxes/{row.id}",
+            "events": f"{prefix}/v1/runs/{row.id}/events",
+            "page": f"{prefix}/runs/{row.id}",
+        },
+    }
+
+
+def _from_ts(seconds: float) -> datetime:
+    return datetime.fromtimestamp(math.floor(seconds * 1000) / 1000, UTC)

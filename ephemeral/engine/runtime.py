@@ -26,6 +26,7 @@ from ephemeral.cluster.leases import ProcessLease
 from ephemeral.engine.close import record
 from ephemeral.engine.engine import EVENT_POLL_SECONDS, Engine, brief_error
 from ephemeral.engine.executor import Executor, PlainExecutor
+from ephemeral.engine.grants import require_grants
 from ephemeral.events import Event
 from ephemeral.ids import new_run_id, utcnow
 from ephemeral.lifecycle import TERMINAL_STATUSES, RunKind, RunStatus, TerminationReason
@@ -38,7 +39,7 @@ from ephemeral.providers.registry import provider_for
 from ephemeral.sandbox import images
 from ephemeral.sandbox.registry import get_driver, resolve_isolation
 from ephemeral.sandbox.source import SandboxSource
-from ephemeral.sessions.manager import Sessions, require_grants
+from ephemeral.sessions.manager import Sessions
 from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
 
@@ -149,7 +150,7 @@ class Runtime:
         return org.id
 
     async def require_connections(self, org_id: str, policy: Policy) -> None:
-        """The grant checks runs and sandbox sessions share (``sessions.require_grants``)."""
+        """The grant checks runs and sandbox sessions share (``engine.grants.require_grants``)."""
         await require_grants(self.store, org_id, policy, self.price_book, self.settings)
 
     async def admit(

@@ -47,13 +47,8 @@ from ephemeral.policy import MIN_DISK_MIB
 from ephemeral.recipes import prebuild
 from ephemeral.sandbox import hostread, hostwrite, images
 from ephemeral.sandbox.base import Limits
-from ephemeral.sessions.manager import (
-    MAX_EXEC_OUTPUT,
-    MAX_FILE_BYTES,
-    NO_ROOT_ISOLATIONS,
-    ExecRequest,
-    SessionRequest,
-)
+from ephemeral.sessions.manager import NO_ROOT_ISOLATIONS
+from ephemeral.sessions.requests import MAX_EXEC_OUTPUT, MAX_FILE_BYTES, ExecRequest, SessionRequest
 
 log = logging.getLogger("ephemeral.harbor")
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 from ephemeral import errors
 from ephemeral.lifecycle import RunStatus
 from ephemeral.sandbox.base import ExecResult
-from ephemeral.sessions.manager import ExecRequest, SessionRequest
+from ephemeral.sessions.requests import ExecRequest, SessionRequest
 from ephemeral.settings import Settings
 
 if TYPE_CHECKING:

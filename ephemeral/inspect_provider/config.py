@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ephemeral import errors
 from ephemeral.policy import MAX_COST_MICROS, Policy
-from ephemeral.sessions.manager import SessionRequest
+from ephemeral.sessions.requests import SessionRequest
 from ephemeral.settings import Isolation
 
 

@@ -37,7 +37,7 @@ from ephemeral import errors
 from ephemeral.inspect_provider.backends import Backend, LocalBackend
 from ephemeral.inspect_provider.config import EphemeralSandboxConfig, load_config
 from ephemeral.labels import bounded
-from ephemeral.sessions.manager import MAX_EXEC_OUTPUT, MAX_FILE_BYTES, ExecRequest
+from ephemeral.sessions.requests import MAX_EXEC_OUTPUT, MAX_FILE_BYTES, ExecRequest
 from ephemeral.settings import Settings
 
 log = logging.getLogger("ephemeral.inspect")

@@ -8,7 +8,7 @@ from ephemeral import errors
 from ephemeral.client import AsyncClient
 from ephemeral.lifecycle import RunStatus
 from ephemeral.sandbox.base import ExecResult
-from ephemeral.sessions.manager import ExecRequest, SessionRequest
+from ephemeral.sessions.requests import ExecRequest, SessionRequest
 from ephemeral.settings import Settings
 
 # stdin past this goes up as a file first (a JSON body is capped at ~11 MB on the server)

@@ -27,7 +27,7 @@ from ephemeral import errors
 from ephemeral.ids import utcnow
 from ephemeral.lifecycle import TERMINAL_STATUSES, RunKind, RunStatus
 from ephemeral.sessions.link import Limits, LinkServer, link_key
-from ephemeral.sessions.manager import ExecRequest
+from ephemeral.sessions.requests import ExecRequest
 
 if TYPE_CHECKING:
     from ephemeral.engine.runtime import Runtime

@@ -14,36 +14,31 @@ recovery and the records treat it exactly as a run:
 A watchdog task per session ends it at its time limit (``timeout_seconds`` from its start) or
 when compute would pass what its reservation has left, whichever comes first; the sandbox's own
 lifetime (time limit + 10 s) is the backstop. A session lives in the process that created it
-(in dispatch mode, the worker host that claimed it: ``ephemeral.sessions.placement``): when that
-process
-dies, the next start of a runtime reaps its sandbox and settles it like an orphaned run
-(:meth:`ephemeral.engine.runtime.Runtime.recover`), or, on a worker host, any runtime's lease sweep.
+(in dispatch mode, the worker host that claimed it: ``ephemeral.sessions.placement``): when
+that process dies, the next start of a runtime reaps its sandbox and settles it like an orphaned
+run (:meth:`ephemeral.engine.runtime.Runtime.recover`), or, on a worker host, any runtime's
+lease sweep. What a client sends is ``ephemeral.sessions.requests``; the public session object
+is rendered by ``ephemeral.api.sandboxes``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import logging
-import math
 import secrets
-import shlex
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
-
 from ephemeral import errors
 from ephemeral.broker.broker import Broker
 from ephemeral.clock import SYSTEM, Clock
 from ephemeral.engine.close import close, record
+from ephemeral.engine.grants import require_grants
 from ephemeral.engine.run import Run
-from ephemeral.ids import new_run_id, rfc3339, utcnow
-from ephemeral.labels import Labels, string_labels
+from ephemeral.ids import new_run_id, utcnow
 from ephemeral.lifecycle import (
     TERMINAL_STATUSES,
     RunKind,
@@ -52,12 +47,12 @@ from ephemeral.lifecycle import (
     compute_charge,
 )
 from ephemeral.money.pricing import PriceBook
-from ephemeral.policy import MAX_COST_MICROS, Policy, _fail, _Strict
-from ephemeral.runview import cost_view, termination_view, timestamp
+from ephemeral.policy import MAX_COST_MICROS, Policy
 from ephemeral.sandbox import users
 from ephemeral.sandbox.base import ExecResult, Limits, Sandbox
 from ephemeral.sandbox.pool import boots_at_once
 from ephemeral.sandbox.source import SandboxSource
+from ephemeral.sessions.requests import MAX_FILE_BYTES, ExecRequest, SessionRequest
 from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
 
@@ -66,11 +61,7 @@ log = logging.getLogger("ephemeral.sessions")
 # The model column of a session: it has no model loop (its code may call models through the
 # gateway, ephemeral.broker.gateway, whose calls its usage counts).
 SESSION_MODEL = "(session)"
-MAX_EXEC_OUTPUT = 4 << 20  # per stream: two capped streams must fit one 16 MiB guest frame
-DEFAULT_EXEC_OUTPUT = 1 << 20
-MAX_FILE_BYTES = 128 << 20  # per file read or written (the sandbox's /tmp is 256 MiB)
 INLINE_STDIN = 1 << 20  # larger stdin goes to a file in the sandbox first (stdin_path)
-MAX_ARGV_BYTES = 2 << 20
 EVENT_TEXT_CAP = 16 << 10  # command, stdout and stderr kept per sandbox.exec event
 DEFAULT_EXEC_TIMEOUT = 3600.0  # no timeout: until the session's own deadline
 # At the time limit, a command cut at the same deadline gets this long to come back killed
@@ -78,97 +69,6 @@ DEFAULT_EXEC_TIMEOUT = 3600.0  # no timeout: until the session's own deadline
 DEADLINE_GRACE_SECONDS = 3.0
 # Where root would be host root: namespaces run privileged (EPHEMERAL_NAMESPACES_PRIVILEGED).
 NO_ROOT_ISOLATIONS = frozenset({"namespaces-privileged"})
-
-
-class SessionRequest(Policy):
-    """The body of ``POST /v1/sandboxes``: a run's policy fields, nothing else.
-
-    ``web`` and ``connections`` work as for a run: the sandbox gets the broker's egress
-    forwarder and every exec'd command its proxy variables (``ephemeral.broker.attach``).
-    ``labels`` as for a run (``ephemeral.labels``)."""
-
-    labels: Labels = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _no_setup_or_verify(self) -> SessionRequest:
-        # A session has no agent turn to run them around: its client runs commands with exec.
-        for name in ("setup", "verify", "verify_timeout_seconds", "verify_files"):
-            if getattr(self, name):
-                _fail(
-                    (name,),
-                    getattr(self, name),
-                    "not available to sandbox sessions: run the commands with exec",
-                )
-        return self
-
-    def policy(self) -> Policy:
-        return Policy.model_validate(self.model_dump(include=set(Policy.model_fields)))
-
-
-class ExecRequest(_Strict):
-    """One command in a session (the body of ``POST /v1/sandboxes/{id}/exec``)."""
-
-    command: list[str] | str = Field(
-        description="an argv (run directly) or a shell string (run with sh -c)"
-    )
-    stdin_base64: str = Field(default="", description="bytes for the command's stdin, base64")
-    stdin_path: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=4096,
-        description="read stdin from this file in the sandbox instead (opened as `user`)",
-    )
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = Field(default=None, min_length=1, max_length=4096)
-    user: str | None = Field(
-        default=None,
-        pattern=r"^([a-z_][a-z0-9_.-]{0,31}|[0-9]{1,10})$",
-        description="a user of the image (name or uid); default the worker (uid 1000)",
-    )
-    timeout_seconds: float | None = Field(default=None, gt=0, le=3600)
-    max_output_bytes: int = Field(default=DEFAULT_EXEC_OUTPUT, ge=0, le=MAX_EXEC_OUTPUT)
-
-    @field_validator("command")
-    @classmethod
-    def _command(cls, v: list[str] | str) -> list[str] | str:
-        if isinstance(v, str):
-            if not v.strip():
-                raise ValueError("must not be empty")
-            if len(v.encode()) > MAX_ARGV_BYTES:
-                raise ValueError(f"longer than {MAX_ARGV_BYTES} bytes")
-            return v
-        if not v:
-            raise ValueError("an argv needs at least one element")
-        if sum(len(a.encode()) + 1 for a in v) > MAX_ARGV_BYTES:
-            raise ValueError(f"longer than {MAX_ARGV_BYTES} bytes")
-        if any("\0" in a for a in v):
-            raise ValueError("must not contain NUL")
-        return v
-
-    @field_validator("env")
-    @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
-        for k, value in v.items():
-            if not k or "=" in k or "\0" in k or len(k) > 255:
-                raise ValueError(f"bad variable name {k[:40]!r}")
-            if "\0" in value:
-                raise ValueError(f"{k[:40]}: a value must not contain NUL")
-        return v
-
-    @field_validator("stdin_base64")
-    @classmethod
-    def _stdin(cls, v: str) -> str:
-        try:
-            base64.b64decode(v, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise ValueError("is not valid base64") from exc
-        return v
-
-    def stdin(self) -> bytes:
-        return base64.b64decode(self.stdin_base64)
-
-    def display(self) -> str:
-        return self.command if isinstance(self.command, str) else shlex.join(self.command)
 
 
 @dataclass(kw_only=True)
@@ -186,29 +86,6 @@ class Live(Run):
     ending: asyncio.Lock = field(default_factory=asyncio.Lock)
     inflight: int = 0  # commands running now (their timeouts end by the deadline)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-async def require_grants(
-    store: Store, org_id: str, policy: Policy, price_book: PriceBook, settings: Settings
-) -> None:
-    """A 422 naming ``connections[i].name`` when the org has no connection of that name,
-    ``models[i]`` for a granted model this host cannot serve or price, or ``disk_mib`` past
-    the host's ``disk_max_mib`` (runs and sandbox sessions are admitted with the same check)."""
-    from ephemeral.broker.gateway import check_grants
-
-    check_grants(policy.models, price_book, settings)
-    if policy.disk_mib is not None and policy.disk_mib > settings.disk_max_mib:
-        raise errors.InvalidRequest.field(
-            "disk_mib",
-            f"must be at most {settings.disk_max_mib} (this host's EPHEMERAL_DISK_MAX_MIB)",
-        )
-    names = [c.name for c in policy.connections]
-    missing = await store.connections.missing(org_id, names)
-    if missing:
-        raise errors.InvalidRequest.field(
-            f"connections[{names.index(missing[0])}].name",
-            f"this org has no connection named {missing[0]!r} (ephemeral connections add)",
-        )
 
 
 class Sessions:
@@ -667,40 +544,3 @@ def _cap(text: str) -> str:
 def _check_path(path: str) -> None:
     if not isinstance(path, str) or not 0 < len(path) <= 4096 or "\0" in path:
         raise errors.InvalidRequest.field("path", "must be 1-4096 characters without NUL")
-
-
-def session_object(row: RunRow, base_url: str | None = None) -> dict[str, Any]:
-    """The public sandbox session object (``GET /v1/sandboxes/{id}``)."""
-    policy = Policy.model_validate(row.policy)
-    prefix = (base_url or "").rstrip("/")
-    expires_at = None
-    if row.started_at is not None:
-        started = row.started_at.timestamp()
-        expires_at = rfc3339(_from_ts(started + policy.timeout_seconds))
-    return {
-        "id": row.id,
-        "kind": RunKind.SESSION,
-        "status": row.status,
-        "created_at": timestamp(row.created_at),
-        "started_at": timestamp(row.started_at),
-        "ended_at": timestamp(row.ended_at),
-        "expires_at": expires_at,
-        "policy": row.policy,
-        "isolation": row.isolation,
-        "runtime": row.runtime,
-        "termination": termination_view(row),
-        "usage": {"execs": int((row.usage or {}).get("execs", 0))},
-        "cost": cost_view(row),
-        "labels": string_labels(row.labels),
-        "links": {
-            "self": f"{prefix}/v1/sandboxes/{row.id}",
-            "events": f"{prefix}/v1/runs/{row.id}/events",
-            "page": f"{prefix}/runs/{row.id}",
-        },
-    }
-
-
-def _from_ts(seconds: float) -> Any:
-    from datetime import UTC, datetime
-
-    return datetime.fromtimestamp(math.floor(seconds * 1000) / 1000, UTC)

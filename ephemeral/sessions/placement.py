@@ -39,14 +39,8 @@ from ephemeral.policy import Policy
 from ephemeral.sandbox.base import ExecResult, Limits
 from ephemeral.sandbox.source import SandboxSource
 from ephemeral.sessions.link import LinkClient, LinkError, LinkRefused, Peer, Transport
-from ephemeral.sessions.manager import (
-    DEADLINE_GRACE_SECONDS,
-    DEFAULT_EXEC_TIMEOUT,
-    MAX_FILE_BYTES,
-    ExecRequest,
-    SessionRequest,
-    Sessions,
-)
+from ephemeral.sessions.manager import DEADLINE_GRACE_SECONDS, DEFAULT_EXEC_TIMEOUT, Sessions
+from ephemeral.sessions.requests import MAX_FILE_BYTES, ExecRequest, SessionRequest
 from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store, hosts
 

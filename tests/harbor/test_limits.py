@@ -8,7 +8,7 @@ from pathlib import Path
 from ephemeral.engine.runtime import Runtime
 from ephemeral.sandbox import cgroups
 from ephemeral.sandbox.base import Limits
-from ephemeral.sessions.manager import ExecRequest, SessionRequest
+from ephemeral.sessions.requests import ExecRequest, SessionRequest
 from tests.sessions.conftest import org, runtime, session_settings
 
 __all__ = ["org", "runtime", "session_settings"]

@@ -24,7 +24,7 @@ from ephemeral.oci.reference import parse
 from ephemeral.oci.store import LayerStore
 from ephemeral.policy import RunRequest
 from ephemeral.sandbox import registry as drivers_registry
-from ephemeral.sessions.manager import ExecRequest, SessionRequest
+from ephemeral.sessions.requests import ExecRequest, SessionRequest
 from ephemeral.settings import Settings
 from tests import runlevel
 from tests.api.conftest import write_cassette

@@ -132,7 +132,7 @@ def test_verify_files_stay_out_of_sessions_and_out_of_reach_of_paths() -> None:
     are relative to /tmp/verify, never out of it."""
     from pydantic import ValidationError
 
-    from ephemeral.sessions.manager import SessionRequest
+    from ephemeral.sessions.requests import SessionRequest
 
     file = {"path": "a.txt", "content_base64": _b64("x")}
     with pytest.raises(ValidationError, match="verify_files"):

@@ -10,7 +10,7 @@ import asyncio
 import sys
 
 from ephemeral.engine.runtime import Runtime
-from ephemeral.sessions.manager import ExecRequest, SessionRequest
+from ephemeral.sessions.requests import ExecRequest, SessionRequest
 from ephemeral.settings import Settings
 
 

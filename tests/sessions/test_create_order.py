@@ -15,7 +15,8 @@ from ephemeral.policy import Policy
 from ephemeral.sandbox.base import Limits, Sandbox
 from ephemeral.sandbox.pool import boots_at_once
 from ephemeral.sandbox.source import SandboxSource
-from ephemeral.sessions.manager import SessionRequest, Sessions
+from ephemeral.sessions.manager import Sessions
+from ephemeral.sessions.requests import SessionRequest
 from ephemeral.settings import Settings
 from ephemeral.store import Store
 from ephemeral.testing.sandbox import FakeDriver

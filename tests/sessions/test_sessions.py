@@ -14,7 +14,7 @@ from ephemeral.engine.runtime import Runtime
 from ephemeral.records import Records
 from ephemeral.sandbox import images
 from ephemeral.sandbox.base import AGENT_CAPS
-from ephemeral.sessions.manager import ExecRequest, SessionRequest
+from ephemeral.sessions.requests import ExecRequest, SessionRequest
 from ephemeral.store import RunRow
 from ephemeral.testing.clock import FakeClock
 from tests import runlevel
