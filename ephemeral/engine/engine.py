@@ -1,52 +1,53 @@
 """The run engine: one run, from admission to its record, in this process.
 
-One run, top to bottom (``file:function`` for each stage)::
+One run, top to bottom (``file:function`` for each stage; files under ``ephemeral/``, those
+of this package by name)::
 
-    admit     service.py:Runtime.admit           validate (model, connections, image,
-                                                 isolation) → store.Store.admit_run: one
-                                                 transaction: idempotency claim, hold
-                                                 max_cost_micros on the org, run ``queued``
-    launch    service.py:Runtime.submit          → engine.py:Engine.launch (a task per run), or
-                                                 Engine.dispatch (a worker on some host runs it)
-    slot      engine.py:Engine.execute           waits ``queued`` for one of
-                                                 max_concurrent_runs slots, then hands a
-                                                 RunHandle to the executor (executor.py;
-                                                 flows/executor.py:executor_for picks it; the
-                                                 flow executor passes it into the agent-run
-                                                 flow: flows/agent_run.py:RunId)
-    grant     engine.py:EngineRunHandle.grant    ``queued → provisioning``: its clock starts
-    build     engine.py:Engine.build             the run row (+ its zero-data-retention prompt)
-                                                 → agent.py:AgentRun
-    steps     engine.py:Engine.drive             → agent.py:drive: provision → setup → turn* →
-                                                 verify → teardown → settle, each a Steps
-                                                 callable (plain methods, or Prefect tasks in
-                                                 flows/agent_run.py)
-      provision   agent.py:AgentRun.provision    sandbox/source.py:SandboxSource.acquire (warm
-                                                 pool or boot) → ``running`` + sandbox.ready,
-                                                 files, egress, worker.started
-      setup       agent.py:AgentRun.setup        the request's setup commands
-      turn        agent.py:take_turn             AgentRun.model_step, then AgentRun.tool_step
-                                                 for each tool call
-      verify      agent.py:AgentRun.verify       the request's verify commands
-      teardown    agent.py:AgentRun.teardown     destroy the sandbox, measure its compute
-      settle      agent.py:AgentRun.settle       a zero-data-retention output into custody,
-                                                 then closing.py:close
-    close     closing.py:close                   one transaction (store.Store.close_run):
-                                                 compute charge + sandbox.destroyed, terminal
-                                                 status, run.<status>, settlement, run.output,
-                                                 run.settled, transcript
-    record    closing.py:record                  Parquet rows (recording.py:record_run), then
-                                                 store.Store.mark_recorded; a crash between the
-                                                 close and the marker is repaired by
-                                                 service.py:Runtime.recover
+    admit     runtime.py:Runtime.admit              validate (model, connections, image,
+                                                    isolation) → store.Store.admit_run: one
+                                                    transaction: idempotency claim, hold
+                                                    max_cost_micros on the org, run ``queued``
+    launch    runtime.py:Runtime.submit             → engine.py:Engine.launch (a task per run), or
+                                                    Engine.dispatch (a worker on some host runs it)
+    slot      engine.py:Engine.execute              waits ``queued`` for one of
+                                                    max_concurrent_runs slots, then hands a
+                                                    RunHandle to the executor (executor.py;
+                                                    flows/executor.py:executor_for picks it; the
+                                                    flow executor passes it into the agent-run
+                                                    flow: flows/agent_run.py:RunId)
+    grant     engine.py:EngineRunHandle.grant       ``queued → provisioning``: its clock starts
+    build     engine.py:Engine.build                the run row (+ its zero-data-retention prompt)
+                                                    → agent/loop.py:AgentRun
+    steps     engine.py:Engine.drive                → agent/loop.py:drive: provision → setup →
+                                                    turn* → verify → teardown → settle, each a
+                                                    Steps callable (plain methods, or Prefect
+                                                    tasks in flows/agent_run.py)
+      provision   agent/loop.py:AgentRun.provision  sandbox/source.py:SandboxSource.acquire (warm
+                                                    pool or boot) → ``running`` + sandbox.ready,
+                                                    files, egress, worker.started
+      setup       agent/loop.py:AgentRun.setup      the request's setup commands
+      turn        agent/loop.py:take_turn           AgentRun.model_step, then AgentRun.tool_step
+                                                    for each tool call
+      verify      agent/loop.py:AgentRun.verify     the request's verify commands
+      teardown    agent/loop.py:AgentRun.teardown   destroy the sandbox, measure its compute
+      settle      agent/loop.py:AgentRun.settle     a zero-data-retention output into custody,
+                                                    then close.py:close
+    close     close.py:close                        one transaction (store.Store.close_run):
+                                                    compute charge + sandbox.destroyed, terminal
+                                                    status, run.<status>, settlement, run.output,
+                                                    run.settled, transcript
+    record    close.py:record                       Parquet rows (record.py:record_run), then
+                                                    store.Store.mark_recorded; a crash between the
+                                                    close and the marker is repaired by
+                                                    runtime.py:Runtime.recover
 
 A run nothing executes any more (its process died, cancelled while waiting, an executor
 that raised) ends through :meth:`Engine.abandon`, which charges the compute its events show and
 calls the same :func:`~ephemeral.engine.close.close`; a sandbox session ends through it too
-(``ephemeral.sessions.manager``). A draining worker (``flows/worker.py``) sees which of its runs
-began
-(:meth:`Engine.began`) and ends them through :meth:`Engine.stop`: one that never began is let go
-for another host, one that outlives the drain is cancelled with the drain as its reason.
+(``ephemeral.sessions.manager``). A draining worker (``flows/worker.py``) sees which of its
+runs began (:meth:`Engine.began`) and ends them through :meth:`Engine.stop`: one that never
+began is let go for another host, one that outlives the drain is cancelled with the drain as its
+reason.
 
 Everything one run holds in this process while it waits or executes (its task, its agent,
 whether it holds a slot, the signal that its body began) is one :class:`RunState`; what a built
