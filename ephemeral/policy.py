@@ -248,9 +248,8 @@ class Policy(_Strict):
     setup: list[Command] = Field(default_factory=list, max_length=MAX_STEP_COMMANDS)
     verify: list[Command] = Field(default_factory=list, max_length=MAX_STEP_COMMANDS)
     verify_timeout_seconds: int | None = Field(default=None, ge=1, le=3600)
-    # Put under /tmp/verify after the agent's processes are killed, before verify: the agent
-    # never sees them (ephemeral.engine.verify). Paths relative to /tmp/verify; same limits as
-    # files.
+    # Put under /tmp/verify after the agent's processes are killed, before verify: the agent never
+    # sees them (ephemeral.engine.verify). Paths relative to /tmp/verify; same limits as files.
     verify_files: list[FileSpec] = Field(default_factory=list, max_length=MAX_FILES)
     # Models code inside the sandbox may call through the gateway (http://model.internal/,
     # ephemeral.broker.gateway), metered against this budget. Checked at admission.

@@ -4,12 +4,11 @@ that started it is gone.
 Prefect starts its embedded server with ``python -m uvicorn …`` and stops it only from an
 ``atexit`` hook, which neither SIGKILL nor Python's default SIGTERM runs: each ``serve``,
 ``run`` or ``eval`` killed that way left the server running (~200 MB, its port held).
-:func:`ephemeral.flows.embedded_server.guard_embedded_server` makes Prefect run
-``python -m ephemeral.flows.embedded_prefect …`` with the same arguments instead. This module
-watches
-its parent (a process whose parent dies is reparented, so ``getppid()`` changes; unlike
-``PR_SET_PDEATHSIG`` this does not fire when merely the *thread* that started it ends), and
-when the parent is gone asks uvicorn to stop (SIGTERM), then kills itself after a grace period.
+:func:`ephemeral.flows.embedded_server.guard_embedded_server` makes Prefect run ``python -m
+ephemeral.flows.embedded_prefect …`` with the same arguments instead. This module watches its parent
+(a process whose parent dies is reparented, so ``getppid()`` changes; unlike ``PR_SET_PDEATHSIG``
+this does not fire when merely the *thread* that started it ends), and when the parent is gone asks
+uvicorn to stop (SIGTERM), then kills itself after a grace period.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Prefect stops its embedded server only from an ``atexit`` hook, which SIGKILL and Python's
 default SIGTERM never run (docs/deploy.md, "Stopping serve, run and eval"). Entry points call
 :func:`configure` instead of :func:`ephemeral.prefect_setup.configure`: with no
-``PREFECT_API_URL``, Prefect's server module then starts ``python -m
-ephemeral.flows.embedded_prefect``
-(its uvicorn arguments, unchanged), which stops itself once its parent is gone.
+``PREFECT_API_URL``, Prefect's server module then starts
+``python -m ephemeral.flows.embedded_prefect`` (its uvicorn arguments, unchanged), which stops
+itself once its parent is gone.
 """
 
 from __future__ import annotations

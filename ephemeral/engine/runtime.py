@@ -1,12 +1,11 @@
 """The runtime of one host process: admission, control, the watchdog, recovery.
 
-The CLI, the API server and the Prefect flows all go through one :class:`Runtime`, which each
-entry point starts and hands to what needs it (nothing looks up "the process's runtime":
+The CLI, the API server and the Prefect flows all go through one :class:`Runtime`, which each entry
+point starts and hands to what needs it (nothing looks up "the process's runtime":
 docs/architecture.md). It owns the store, the price book, the sandbox source
 (``ephemeral.sandbox.source``), the run engine (``ephemeral.engine.engine``: how one run goes from
-admission to its record, in this process) and the sandbox sessions. How a run is carried out
-once it has a slot is its
-:class:`~ephemeral.engine.executor.Executor`, chosen by the entry point
+admission to its record, in this process) and the sandbox sessions. How a run is carried out once it
+has a slot is its :class:`~ephemeral.engine.executor.Executor`, chosen by the entry point
 (``ephemeral.flows.executor.executor_for``).
 """
 
@@ -109,8 +108,8 @@ class Runtime:
         """Open the store, finish runs orphaned by a crash, start the warm pool and the watchdog.
 
         ``executor`` carries out each run (default:
-        :class:`~ephemeral.engine.executor.PlainExecutor`),
-        on this loop: ``ephemeral serve`` too admits, streams and executes on one loop.
+        :class:`~ephemeral.engine.executor.PlainExecutor`), on this loop: ``ephemeral serve`` too
+        admits, streams and executes on one loop.
         """
         settings.state_dir.mkdir(parents=True, exist_ok=True)
         progress.stage("opening the store")
@@ -230,8 +229,7 @@ class Runtime:
             self._admitting -= 1
         return row, replayed
 
-    # execution (the engine's; ephemeral/engine/engine.py walks one run)
-    # ----------------------------
+    # execution (the engine's; ephemeral/engine/engine.py walks one run) -------------------
     def launch(self, run_id: str) -> asyncio.Task[RunRow]:
         return self.engine.launch(run_id)
 

@@ -9,8 +9,7 @@ output, and the export adds none: those columns are null and each check reason i
 placeholder; status, verdicts, exit codes, tokens and money remain.
 
 Each row's ``outcome`` (pass / fail / error / cancelled / budget, ``ephemeral.engine.outcomes``) is
-the
-one the records hold; ``passed`` is ``outcome = 'pass'``, so an infrastructure error is neither
+the one the records hold; ``passed`` is ``outcome = 'pass'``, so an infrastructure error is neither
 a pass nor a fail.
 """
 

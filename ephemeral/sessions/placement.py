@@ -2,14 +2,13 @@
 (``EPHEMERAL_EXECUTOR=dispatch``; docs/deploy.md, "Sessions on worker hosts").
 
 :class:`PlacedSessions` replaces the runtime's :class:`~ephemeral.sessions.manager.Sessions` in an
-API
-process that dispatches. A session is validated and admitted here exactly as in one process
-(the same policy, money, idempotency), then placed: the API asks a live worker host with a
-free session slot (the ``worker_hosts`` directory) to claim and start it over the internal
-channel (:mod:`ephemeral.sessions.link`). A host that is full or does not answer is skipped for the
-next; none within ``placement_timeout_seconds`` and the session ends ``failed`` /
-``infra_error``, refunded. Exec, files and delete on any API process go to the host that
-claimed the session (the run row's ``host``).
+API process that dispatches. A session is validated and admitted here exactly as in one process (the
+same policy, money, idempotency), then placed: the API asks a live worker host with a free session
+slot (the ``worker_hosts`` directory) to claim and start it over the internal channel
+(:mod:`ephemeral.sessions.link`). A host that is full or does not answer is skipped for the next;
+none within ``placement_timeout_seconds`` and the session ends ``failed`` / ``infra_error``,
+refunded. Exec, files and delete on any API process go to the host that claimed the session
+(the run row's ``host``).
 
 Why not through Prefect as runs go: a task run costs 120-280 ms from submission to its body
 (docs/deploy.md, the mechanism table), past this path's 50 ms budget, and a session is driven
@@ -71,8 +70,7 @@ def install(runtime: Runtime, transport: Transport | None = None) -> None:
 class PlacedSessions(Sessions):
     """Admitted here, started and served on a worker host; the same arguments as
     :class:`~ephemeral.sessions.manager.Sessions` (its sandbox source is used only for the
-    admission's
-    isolation check: no sandbox starts in this process)."""
+    admission's isolation check: no sandbox starts in this process)."""
 
     def __init__(
         self,

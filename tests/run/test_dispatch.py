@@ -1,7 +1,6 @@
 """Dispatch without Prefect: an "API" runtime hands runs to a "worker" runtime through a fake
 :class:`~ephemeral.engine.executor.Dispatcher`, both on one SQLite store (two processes' view of
-it).
-The Prefect part (task runs, task workers, real processes) is ``tests/cluster``; this covers
+it). The Prefect part (task runs, task workers, real processes) is ``tests/cluster``; this covers
 the runtime's side: ownerless admission, sealed ZDR content, cancel through the store, leases.
 """
 
