@@ -31,6 +31,9 @@ def pytest_configure(config: pytest.Config) -> None:
     drivers.required()  # a typo in EPHEMERAL_TEST_REQUIRE_DRIVERS stops the run here
 
     os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect")
+    # Prefect reads this once, at import: its embedded server's start took more than the
+    # default 90 s at load 40 on these 2 cores. A bound against a server that never comes up.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "900")
     prefect_setup.configure(Settings.load(state_dir=_SESSION_TMP / "state"))
 
 
