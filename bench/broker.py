@@ -28,8 +28,8 @@ import httpx
 
 from bench.served import script_server
 from ephemeral.broker import Sealer
+from ephemeral.engine import exits
 from ephemeral.engine.runtime import Runtime
-from ephemeral.lifecycle import TerminationReason as Reason
 from ephemeral.policy import RunRequest
 from ephemeral.providers.base import ToolCall
 from ephemeral.settings import Settings
@@ -424,7 +424,7 @@ async def egress(levels: list[str], n: int, mib: int, trials: int) -> None:
                             p_rates.append(_rate(json.loads(res.stdout)))
                     finally:
                         await agent.teardown()
-                        agent.reason = agent.reason or Reason.COMPLETED
+                        agent.exit = agent.exit or exits.succeeded()
                         await agent.settle()
                     print(f"\n== egress on {level} (n={n}, {mib} MiB through one tunnel)")
                     show_pair("HTTP round trip", direct["http_ms"], proxied["http_ms"])

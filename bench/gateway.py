@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ephemeral.engine import exits
 from ephemeral.engine.runtime import Runtime
-from ephemeral.lifecycle import TerminationReason as Reason
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
 from ephemeral.testing.providers import (
@@ -219,7 +219,7 @@ async def main(levels: list[str], n: int, tokens: int, token_ms: float) -> None:
                         gw = json.loads(res.stdout)
                     finally:
                         await agent.teardown()
-                        agent.reason = agent.reason or Reason.COMPLETED
+                        agent.exit = agent.exit or exits.succeeded()
                         await agent.settle()
                     report(level, n, tokens, token_ms, direct, gw)
                     charged = await runtime.store.charged(row.id)

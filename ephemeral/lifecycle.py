@@ -58,6 +58,8 @@ OPEN_STATUSES: frozenset[RunStatus] = frozenset(
     {RunStatus.QUEUED, RunStatus.PROVISIONING, RunStatus.RUNNING}
 )
 TERMINAL_STATUSES: frozenset[RunStatus] = frozenset(RunStatus) - OPEN_STATUSES
+# Open with its clock started (the slot grant): its time limit counts, its sandbox may be up.
+STARTED_STATUSES: frozenset[RunStatus] = frozenset({RunStatus.PROVISIONING, RunStatus.RUNNING})
 
 # Every legal move of a run's status. A terminal status is final: nothing leaves it, not even
 # to itself (a second close of an ended run changes nothing and is not a move).

@@ -18,8 +18,11 @@ from prefect.settings import get_current_settings
 from prefect.utilities.annotations import quote
 
 from ephemeral.agent.loop import AgentRun, Steps
+from ephemeral.engine import exits
 from ephemeral.engine.executor import RunHandle
+from ephemeral.engine.exits import Exit
 from ephemeral.engine.runtime import Runtime
+from ephemeral.sandbox.reaper import reap
 from ephemeral.settings import Settings
 from ephemeral.tasks.run import load_run, settle
 from ephemeral.tasks.sandbox import provision_sandbox, teardown
@@ -62,19 +65,25 @@ class RunId(str):
         return self
 
 
-def _finish_elsewhere(reason: str) -> Any:
-    """A hook for cancellation/crash. It runs in another process after the flow process is
-    gone, so it finds the run (and through it the sandbox) from persisted state only."""
+def _finish_elsewhere(exit: Exit) -> Any:
+    """A hook for cancellation/crash: the run takes ``exit``. It runs in another process after
+    the flow process is gone, so it finds the run (and through it the sandbox) from persisted
+    state only."""
 
     def hook(flow: Any, flow_run: Any, state: Any) -> None:
         run_id = (flow_run.parameters or {}).get("run_id")
         if not run_id:
             return
 
+        async def alive(owner: str) -> bool:
+            return owner != run_id
+
         async def finish() -> None:
             runtime = await Runtime.start(Settings.load(), recover=False)
             try:
-                await runtime.finish_orphan(run_id, reason)
+                # its process is gone: so is anything of it but the sandboxes it owned
+                await reap(runtime.settings, is_owner_alive=alive)
+                await runtime.engine.end(run_id, exit)
             finally:
                 await runtime.close()
 
@@ -98,8 +107,8 @@ _NO_RESULTS = Path(get_current_settings().results.local_storage_path)
     persist_result=False,
     result_storage=_NO_RESULTS,
     log_prints=False,
-    on_cancellation=[_finish_elsewhere("cancelled")],
-    on_crashed=[_finish_elsewhere("infra_error")],
+    on_cancellation=[_finish_elsewhere(exits.cancelled())],
+    on_crashed=[_finish_elsewhere(exits.crashed("the run's process died"))],
 )
 async def agent_run(run_id: str) -> str:
     owned: Runtime | None = None

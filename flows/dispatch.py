@@ -21,6 +21,7 @@ from uuid import UUID
 from prefect import Task, task
 
 from ephemeral.cluster import outbox
+from ephemeral.engine import exits
 
 if TYPE_CHECKING:
     from ephemeral.engine.executor import RunHandle
@@ -78,7 +79,7 @@ async def _execute(runtime: Runtime, run_id: str) -> str:
         ):
             row = await runtime.execute(run_id)
     except Exception as exc:  # no slot (a missing limit, a timeout): the run must not wait on
-        await runtime.drop(run_id, exc)
+        await runtime.engine.end(run_id, exits.crashed(exc), release=True)
         raise
     return row.status
 

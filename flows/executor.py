@@ -14,8 +14,8 @@ import os
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from ephemeral.engine.engine import brief_error
 from ephemeral.engine.executor import Executor, PlainExecutor
+from ephemeral.engine.exits import brief_error
 
 if TYPE_CHECKING:
     from ephemeral.engine.executor import RunHandle

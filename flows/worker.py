@@ -32,6 +32,7 @@ from prefect.settings import get_current_settings
 from prefect.task_worker import TaskWorker
 
 from ephemeral.cluster import outbox
+from ephemeral.engine import exits
 from ephemeral.engine.runtime import Runtime, freeze_startup_heap
 from ephemeral.flows.dispatch import (
     TOTAL_LIMIT,
@@ -42,6 +43,7 @@ from ephemeral.flows.dispatch import (
     mark_crashed,
 )
 from ephemeral.ids import utcnow
+from ephemeral.lifecycle import STARTED_STATUSES
 from ephemeral.owner import this_process
 from ephemeral.settings import Settings
 
@@ -198,9 +200,9 @@ class HostWorker:
         while True:
             for run_id, b in engine.began().items():
                 if not b:  # taken, waiting for a slot: another host will run it
-                    await engine.stop(run_id)
+                    await engine.let_go(run_id)
                     if not await hand_back(runtime, run_id):  # it began meanwhile
-                        await engine.stop(run_id, self._detail("before it began"))
+                        await self._end(run_id, "before it began")
             if not engine.executing() or self._now.is_set() or time.monotonic() >= deadline:
                 break
             with contextlib.suppress(TimeoutError):
@@ -210,16 +212,21 @@ class HostWorker:
         if left:
             why = "at a second signal" if self._now.is_set() else "past the drain timeout"
             log.warning("worker %s: ending %d runs %s", runtime.host, len(left), why)
-            detail = self._detail(
+            why = (
                 f"at a second stop signal ({self.drain_seconds:.0f} s drain timeout)"
                 if self._now.is_set()
                 else f"the run outlived the drain timeout ({self.drain_seconds:.0f} s)"
             )
-            await asyncio.gather(*(engine.stop(r, detail) for r in left))
+            await asyncio.gather(*(self._end(r, why) for r in left))
         log.warning("worker %s drained", runtime.host)
 
-    def _detail(self, why: str) -> str:
-        return f"host {self.runtime.host} was stopped (drained): {why}"
+    async def _end(self, run_id: str, why: str) -> None:
+        """A run that began here ends ``cancelled`` by the drain (one still queued is left to
+        the queue: its task is let go)."""
+        detail = f"host {self.runtime.host} was stopped (drained): {why}"
+        await self.runtime.engine.end(
+            run_id, exits.cancelled(detail), expect=STARTED_STATUSES, release=True
+        )
 
     async def _renew(self) -> None:
         """Keep the leases of the runs claimed at receipt until the runtime takes them (and

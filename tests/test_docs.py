@@ -126,8 +126,8 @@ def _reasons_written_by_the_code() -> set[str]:
     patterns = {
         "ephemeral/agent/loop.py": [member],
         "ephemeral/broker/broker.py": [member, r'StopRun\(\s*"(\w+)"'],
+        "ephemeral/engine/exits.py": [member],  # the named exits (the others name these)
         "ephemeral/engine/runtime.py": [member],
-        "flows/agent_run.py": [member, r'_finish_elsewhere\("(\w+)"\)'],
     }
     found: set[str] = set()
     for path, regexes in patterns.items():

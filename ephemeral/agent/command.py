@@ -35,6 +35,7 @@ from ephemeral.lifecycle import TerminationReason as Reason
 from ephemeral.models import NO_MODEL
 
 if TYPE_CHECKING:
+    from ephemeral.engine.exits import Exit
     from ephemeral.policy import Policy
     from ephemeral.sandbox.base import ExecResult, Sandbox
     from ephemeral.store import RunRow
@@ -67,7 +68,7 @@ class CommandRun(Protocol):
     def run_id(self) -> str: ...
 
     @property
-    def cancel_detail(self) -> str: ...
+    def stopped_by(self) -> Exit: ...
 
     def exec_env(self) -> dict[str, str]: ...
 
@@ -129,7 +130,7 @@ async def agent_step(run: CommandRun) -> None:
     except asyncio.CancelledError:
         # A cancel or a drain: the agent dies with it (teardown destroys the sandbox next).
         await _kill(sandbox, task, ending=True)
-        exited = _exited(None, killed=run.cancel_detail)
+        exited = _exited(None, killed=run.stopped_by.detail or run.stopped_by.reason)
         await asyncio.shield(run.emit("agent.exited", exited))
         raise
     if stop is not None:

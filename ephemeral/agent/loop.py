@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from ephemeral import errors
 from ephemeral.agent.retry import call_with_retries
+from ephemeral.engine import exits
 from ephemeral.engine import verify as verify_env
 from ephemeral.engine.close import close
+from ephemeral.engine.exits import Exit
 from ephemeral.engine.run import Run
 from ephemeral.ids import utcnow
 from ephemeral.lifecycle import RunStatus, StopRun, compute_charge
@@ -85,17 +87,23 @@ class AgentRun(Run):
     usage: Usage = field(default_factory=Usage)
     model_calls: int = 0
     output: str | None = None
-    reason: Reason | None = None
-    detail: str | None = None
+    exit: Exit | None = None  # how the run ends (ephemeral.engine.exits), once the loop knows
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
-    stop_detail: str | None = None  # why a cancel ends the run, when not a client's request
+    stopping: Exit | None = None  # the exit a stop from outside gave it (Engine.end)
     compute: tuple[int, int] | None = None  # (micros, lifetime_ms) of its sandbox, at teardown
     settings: Settings | None = None  # where its record goes (None: the caller records it)
 
     @property
-    def cancel_detail(self) -> str:
-        """Why a cancel ends the run: a drain's own reason, else the client's request."""
-        return self.stop_detail or "cancelled by request"
+    def stopped_by(self) -> Exit:
+        """The exit a stop from outside ends the run with: the one it was given (a drain, the
+        watchdog), else a client's cancel."""
+        return self.stopping or exits.cancelled()
+
+    def stop_with(self, exit: Exit) -> None:
+        """End the run by ``exit`` from outside: the loop takes it at its next step, or at
+        once when its task is cancelled (``Engine.end``)."""
+        self.stopping = exit
+        self.cancelled.set()
 
     def _check_egress(self) -> None:
         """A stop the egress proxy hit (budget out, broker failure) ends the run here."""
@@ -111,7 +119,7 @@ class AgentRun(Run):
 
     def _check_time(self) -> float:
         if self.cancelled.is_set():
-            raise StopRun(Reason.CANCELLED, "cancelled by request")
+            raise self.stopped_by.stop()
         self._check_egress()
         left = self.time_left()
         if left <= 0:
@@ -493,8 +501,7 @@ class AgentRun(Run):
             self.store,
             self.settings,
             self.run_id,
-            reason=self.reason or Reason.INFRA_ERROR,
-            detail=self.detail,
+            self.exit or Exit(Reason.INFRA_ERROR),
             usage=self._usage(),
             output=self.output,
             keep_output=not self.zdr,
@@ -551,18 +558,6 @@ class Steps:
 PLAIN_STEPS = Steps()
 
 
-def _reason_for(exc: BaseException) -> tuple[Reason, str]:
-    if isinstance(exc, StopRun):
-        return exc.reason, exc.detail or exc.reason
-    if isinstance(exc, errors.IsolationUnavailable | errors.SandboxError):
-        return Reason.SANDBOX_ERROR, exc.detail
-    if isinstance(exc, errors.ModelError):
-        return Reason.MODEL_ERROR, exc.detail
-    if isinstance(exc, TimeoutError):
-        return Reason.TIMEOUT, "time limit reached"
-    return Reason.INFRA_ERROR, f"{type(exc).__name__}: internal error"
-
-
 async def take_turn(run: AgentRun, steps: Steps = PLAIN_STEPS) -> bool:
     """One model call and the tool calls it asked for; False once the model gave its answer."""
     reply = await steps.model_step(run)
@@ -584,33 +579,33 @@ async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
             else:
                 while await (steps.turn(run) if steps.turn else take_turn(run, steps)):
                     pass
-        run.reason, run.detail = Reason.COMPLETED, None
+        run.exit = exits.succeeded()
     except asyncio.CancelledError:
-        run.reason, run.detail = Reason.CANCELLED, run.cancel_detail
+        run.exit = run.stopped_by
         await _finish(run, steps)
         raise
     except Exception as exc:
-        run.reason, run.detail = _reason_for(exc)
-        if run.reason is Reason.INFRA_ERROR:
+        run.exit = exits.raised(exc)
+        if run.exit.reason is Reason.INFRA_ERROR:
             log.exception("run %s failed", run.run_id)
         if run.output is None and run.messages and run.messages[-1].role == "assistant":
             run.output = run.messages[-1].content
-    if run.reason in (Reason.COMPLETED, Reason.TIMEOUT):
+    if run.exit.reason in (Reason.COMPLETED, Reason.TIMEOUT):
         # An agent that used all its time is still graded: verify has its own slice.
         try:
             async with asyncio.timeout(max(0.0, run.deadline - run.clock.monotonic()) + 5.0):
                 await steps.verify(run)
         except StopRun as exc:
-            run.reason, run.detail = exc.reason, exc.detail
+            run.exit = Exit(exc.reason, exc.detail)
         except TimeoutError:
             log.warning("run %s: verify outlived the run's time limit", run.run_id)
         except asyncio.CancelledError:
-            run.reason, run.detail = Reason.CANCELLED, "cancelled by request (during verify)"
+            run.exit = run.stopping or exits.cancelled(f"{exits.BY_REQUEST} (during verify)")
             await _finish(run, steps)
             raise
         except Exception:  # a broken grader must not leave the run open
             log.exception("run %s: verify failed", run.run_id)
-            run.reason, run.detail = Reason.INFRA_ERROR, "verify failed: internal error"
+            run.exit = exits.crashed("verify failed: internal error")
     return await _finish(run, steps)
 
 

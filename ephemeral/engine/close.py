@@ -1,7 +1,8 @@
 """The one close of a run, and its record, written once.
 
-Finished runs (``AgentRun.settle``), abandoned runs (``Engine.abandon``: dead owner, cancelled
-while waiting, an executor that raised) and sandbox sessions (``Sessions``) all end here:
+Every exit of a run (``ephemeral.engine.exits``) ends here, whoever takes it: a run's own agent
+(``AgentRun.settle``), the engine for a run no agent drives (``Engine.end``: dead owner,
+cancelled while waiting, an executor that raised) and a sandbox session's manager (``Sessions``):
 
     close     one store transaction (:meth:`Store.close_run`): the sandbox's compute charge with
               ``sandbox.destroyed``, the terminal status, ``run.<status>``, the settlement
@@ -24,10 +25,11 @@ from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any
 
+from ephemeral.engine.exits import Exit
 from ephemeral.engine.record import record_run
 from ephemeral.events import Event
 from ephemeral.ids import rfc3339, utcnow
-from ephemeral.lifecycle import OPEN_STATUSES, RunStatus, TerminationReason, compute_charge
+from ephemeral.lifecycle import OPEN_STATUSES, RunStatus, compute_charge
 from ephemeral.money.amounts import usd
 from ephemeral.settings import Settings
 from ephemeral.store import RunRow, Store
@@ -40,9 +42,8 @@ async def close(
     store: Store,
     settings: Settings | None,
     run_id: str,
+    exit: Exit,
     *,
-    reason: TerminationReason,
-    detail: str | None,
     usage: dict[str, Any],
     output: str | None,
     keep_output: bool = True,
@@ -50,7 +51,7 @@ async def close(
     transcript: list[dict[str, Any]] | None = None,
     expect: Collection[RunStatus] = OPEN_STATUSES,
 ) -> RunRow:
-    """End a run in one transaction, then write its record (unless ``settings`` is None:
+    """End a run by ``exit`` in one transaction, then write its record (unless ``settings`` is None:
     the caller records it later).
 
     ``compute`` is ``(micros, lifetime_ms)`` of the run's sandbox, charged with
@@ -59,8 +60,8 @@ async def close(
     """
     row, _ = await store.close_run(
         run_id,
-        reason=reason,
-        detail=detail,
+        reason=exit.reason,
+        detail=exit.detail,
         usage=usage,
         output=output,
         keep_output=keep_output,

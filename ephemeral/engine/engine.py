@@ -41,13 +41,18 @@ of this package by name)::
                                                     close and the marker is repaired by
                                                     runtime.py:Runtime.recover
 
-A run nothing executes any more (its process died, cancelled while waiting, an executor
-that raised) ends through :meth:`Engine.abandon`, which charges the compute its events show and
-calls the same :func:`~ephemeral.engine.close.close`; a sandbox session ends through it too
-(``ephemeral.sessions.manager``). A draining worker (``flows/worker.py``) sees which of its
-runs began (:meth:`Engine.began`) and ends them through :meth:`Engine.stop`: one that never
-began is let go for another host, one that outlives the drain is cancelled with the drain as its
-reason.
+How a run ends is one of its exits (``engine/exits.py``: succeeded, failed, raised,
+timed_out, budget_exhausted, cancelled, crashed), each a named transition to the same
+:func:`~ephemeral.engine.close.close`. The agent loop takes its own
+(``agent/loop.py:drive``); everything else ends a run through :meth:`Engine.end` with the exit
+it names: a cancel (:meth:`Engine.cancel`: here, or the process that executes it is asked), the
+watchdog (``timed_out`` past the time limit, ``crashed`` when nothing executes it), recovery
+and expired leases (``crashed``), an executor that raised (``crashed``), a draining worker
+(``cancelled`` with the drain as its detail; a run whose body never began is let go for another
+host, :meth:`Engine.let_go`), Prefect's cancellation and crash hooks (``cancelled``,
+``crashed``). ``end`` stops a live agent with the exit (the agent tears down and closes with
+it); a run no agent closes is closed there, charging the compute its events show. A sandbox
+session's exits are taken by its manager (``sessions/manager.py:Sessions``).
 
 Everything one run holds in this process while it waits or executes (its task, its agent,
 whether it holds a slot, the signal that its body began) is one :class:`RunState`; what a built
@@ -76,11 +81,13 @@ from ephemeral import errors
 from ephemeral.agent.loop import PLAIN_STEPS, AgentRun, Steps, drive
 from ephemeral.broker import Broker
 from ephemeral.broker import journal as charge_journal
+from ephemeral.engine import exits
 from ephemeral.engine.close import abandoned_compute, close
 from ephemeral.engine.custody import Custody
 from ephemeral.engine.executor import Dispatcher, Executor
+from ephemeral.engine.exits import Exit, brief_error
 from ephemeral.ids import utcnow
-from ephemeral.lifecycle import OPEN_STATUSES, TERMINAL_STATUSES, RunStatus, TerminationReason
+from ephemeral.lifecycle import OPEN_STATUSES, TERMINAL_STATUSES, RunStatus
 from ephemeral.models import NO_MODEL, provider_of
 from ephemeral.money.pricing import PriceBook
 from ephemeral.owner import is_alive
@@ -95,6 +102,9 @@ EVENT_POLL_SECONDS = 0.1
 # How long a cancel waits for another process to end the run: its poll (0.5 s), the sandbox's
 # destroy and the settle take about a second, several on a loaded host; then the API says 202.
 CANCEL_WAIT_SECONDS = 10.0
+# How long an exit waits for the run's agent to close it (teardown, settle) before the engine
+# closes it itself from the run's events.
+STOP_WAIT_SECONDS = 30.0
 
 
 # one run's state ------------------------------------------------------------------------------
@@ -269,8 +279,13 @@ class Engine:
             return await self.store.get_run(run_id)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - any failure must end the run, never leave it open
-            await self.fail(run_id, exc)
+        except Exception as exc:
+            log.error("run %s: execution failed: %s", run_id, brief_error(exc), exc_info=exc)
+            try:
+                await self.end(run_id, exits.crashed(exc))
+            except Exception:
+                # The store itself is failing; the watchdog retries once this task is gone.
+                log.exception("run %s: could not settle after a failure", run_id)
             return await self.store.get_run(run_id)
         finally:
             self.run_seconds = 0.9 * self.run_seconds + 0.1 * (time.monotonic() - t0)
@@ -309,11 +324,6 @@ class Engine:
         if st.task is None:
             st.task = task  # its lease is renewed, cancels reach it
         return True
-
-    async def drop(self, run_id: str, exc: BaseException) -> None:
-        """A taken run cannot execute here (no slot): end it ``infra_error``, let it go."""
-        self._release(run_id, asyncio.current_task())
-        await self.fail(run_id, exc)
 
     def owner_fields(self) -> dict[str, Any]:
         """What a slot grant (and a worker's take) writes besides the status: this host, this
@@ -404,103 +414,85 @@ class Engine:
                     return row
                 await asyncio.sleep(EVENT_POLL_SECONDS)
 
-    # cancel, failure, abandon ---------------------------------------------------------------
+    # exits (ephemeral.engine.exits) ---------------------------------------------------------
     async def cancel(self, row: RunRow) -> RunRow:
-        """Cancel an open run (not a session): stop its agent or its waiting task here, or
-        ask the process that executes it."""
+        """Cancel an open run (not a session): the ``cancelled`` exit, taken here when this
+        process executes the run (or owns it and nothing executes it), else by the process
+        that executes it."""
         run_id = row.id
-        if self.dispatcher is not None:  # its runs execute on workers, never here
-            return await self.cancel_elsewhere(row)
+        exit = exits.cancelled()
         st = self.runs.get(run_id)
-        agent = st.agent if st is not None else None
-        task = st.task if st is not None else None
-        if agent is not None:
-            agent.cancelled.set()
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-        elif task is not None:  # admitted, waiting for a slot
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            await self.abandon(run_id, TerminationReason.CANCELLED, "cancelled by request")
-        elif row.owner == self.owner:
-            await self.abandon(run_id, TerminationReason.CANCELLED, "cancelled by request")
-        else:
-            return await self.cancel_elsewhere(row)
-        return await self.store.get_run(run_id)
-
-    async def cancel_elsewhere(self, row: RunRow) -> RunRow:
-        """Cancel a run no task of this process executes: still waiting for a worker, it is
-        closed here; claimed by some process (any host), that process is asked through the
-        store and acts within its cancel poll; if that process is dead, here."""
-        run_id = row.id
+        mine = st is not None and (st.agent is not None or st.task is not None)
+        # A dispatching process executes no run: its runs are on workers, never here.
+        if self.dispatcher is None and (mine or row.owner == self.owner):
+            return await self.end(run_id, exit)
+        # Still waiting for a worker: closed here (unless a worker claims it meanwhile).
         if row.status == RunStatus.QUEUED:
-            try:
-                await self.abandon(
-                    run_id,
-                    TerminationReason.CANCELLED,
-                    "cancelled by request",
-                    expect={RunStatus.QUEUED},
-                )
-                return await self.store.get_run(run_id)
-            except errors.Conflict:
-                pass  # a worker claimed it meanwhile: ask that worker
+            row = await self.end(run_id, exit, expect={RunStatus.QUEUED})
+            if row.status in TERMINAL_STATUSES:
+                return row
+        # Claimed by some process (any host): asked through the store, it acts within its
+        # cancel poll; if it is dead, the run is ended here.
         await self.store.cancels.request(run_id)
         row = await self.store.get_run(run_id)
         if row.status not in TERMINAL_STATUSES and is_alive(row.owner) is False:
-            await self.abandon(run_id, TerminationReason.CANCELLED, "cancelled by request")
+            await self.end(run_id, exit)
         with contextlib.suppress(TimeoutError):
             return await self.wait(run_id, timeout=CANCEL_WAIT_SECONDS)
         return await self.store.get_run(run_id)
 
-    async def stop(self, run_id: str, detail: str | None = None) -> None:
-        """End a run this process executes, now (a draining worker, ``ephemeral.flows.worker``);
-        ``detail`` replaces "cancelled by request" as its reason. One whose body never began is
-        only let go: its task cancelled and its state dropped, nothing settled (``detail``
-        None; the caller hands it back to the queue)."""
-        st = self.runs.pop(run_id, None)  # off executing() at once: no lease renewal, no cancel
+    async def end(
+        self,
+        run_id: str,
+        exit: Exit,
+        *,
+        expect: Collection[RunStatus] = OPEN_STATUSES,
+        release: bool = False,
+    ) -> RunRow:
+        """End a run by ``exit`` (``ephemeral.engine.exits``): the one way the engine ends a run.
+
+        A run whose agent this process drives is stopped, and the agent closes it with that
+        exit (teardown, then the close); a task that only waits for a slot is cancelled. A run
+        no agent closed (nothing drives it: it waited, its process died, its executor raised;
+        or its agent did not finish within ``STOP_WAIT_SECONDS``) is closed here, charging the
+        compute its events show, if it is still open in one of ``expect``: one in another
+        status is left as it is (returned, as every row is). ``release``: the run leaves this
+        process's runs at once (a draining worker's: no lease renewal, no cancel reaches it).
+
+        Any number of processes may end the same run at once: the compute charge is idempotent
+        on its ledger key and the close is a compare-and-set, so it ends once, by one exit.
+        """
+        st = self.runs.pop(run_id, None) if release else self.runs.get(run_id)
+        agent = st.agent if st is not None else None
         task = st.task if st is not None else None
-        if st is not None and st.agent is not None:
-            st.agent.stop_detail = detail
+        if agent is not None:
+            agent.stop_with(exit)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                async with asyncio.timeout(STOP_WAIT_SECONDS):
+                    await asyncio.shield(task)
+        elif agent is not None:  # driven without a task of ours: it takes the exit at its next step
+            return await self.store.get_run(run_id)
+        return await self._close(run_id, exit, expect)
+
+    async def let_go(self, run_id: str) -> None:
+        """Stop executing a run whose body never began, without ending it: its task cancelled
+        and its state dropped (a draining worker hands it back to the queue)."""
+        st = self.runs.pop(run_id, None)
+        task = st.task if st is not None else None
         if task is not None and task is not asyncio.current_task():
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-        row = await self.store.get_run(run_id)
-        if detail is not None and row.status != RunStatus.QUEUED and not row.settled:
-            await self.abandon(run_id, TerminationReason.CANCELLED, detail)
 
-    async def fail(self, run_id: str, exc: BaseException) -> None:
-        """An exception escaped the execution path: end the run ``infra_error`` with the reason."""
-        log.error("run %s: execution failed: %s", run_id, brief_error(exc), exc_info=exc)
-        try:
-            row = await self.store.get_run(run_id)
-            if row.status not in TERMINAL_STATUSES or not row.settled:
-                await self.abandon(
-                    run_id, TerminationReason.INFRA_ERROR, f"execution failed: {brief_error(exc)}"
-                )
-        except Exception:
-            # The store itself is failing; the watchdog retries once this task is gone.
-            log.exception("run %s: could not settle after a failure", run_id)
-
-    async def abandon(
-        self,
-        run_id: str,
-        reason: TerminationReason,
-        detail: str,
-        *,
-        expect: Collection[RunStatus] = OPEN_STATUSES,
-    ) -> None:
-        """Close a run that has no live agent: charge compute it used, settle, record.
-
-        Any number of processes may abandon the same run at once: the compute charge is
-        idempotent on its ledger key and the close is a compare-and-set, so it settles once.
-        """
+    async def _close(self, run_id: str, exit: Exit, expect: Collection[RunStatus]) -> RunRow:
+        """The close of a run no agent closes (:meth:`end`)."""
         # Egress charges made before the process died, not yet in the ledger (broker/journal).
         await charge_journal.replay(self.store, self.settings.state_dir, run_id)
         row = await self.store.get_run(run_id)
+        if row.settled or (row.status in OPEN_STATUSES and row.status not in expect):
+            return row
         events = await self.store.events.list(run_id)
         limits = self.sandboxes.limits(Policy.model_validate(row.policy).timeout_seconds)
         compute = abandoned_compute(
@@ -509,23 +501,20 @@ class Engine:
             micros_per_second=self.sandboxes.compute_rate(limits, self.price_book),
             charged=await self.store.charged(run_id),
         )
-        await close(
-            self.store,
-            self.settings,
-            run_id,
-            reason=reason,
-            detail=detail,
-            usage=row.usage or {},
-            output=row.output,
-            compute=compute,
-            expect=expect,
-        )
+        try:
+            row = await close(
+                self.store,
+                self.settings,
+                run_id,
+                exit,
+                usage=row.usage or {},
+                output=row.output,
+                compute=compute,
+                expect=expect,
+            )
+        except errors.Conflict:  # it left `expect` meanwhile (a worker claimed it)
+            return await self.store.get_run(run_id)
         st = self.runs.get(run_id)
         if st is not None and st.task is None:
             del self.runs[run_id]
-
-
-def brief_error(exc: BaseException) -> str:
-    """The exception's type and first line, bounded: it lands in the run's termination detail."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__
+        return row

@@ -21,14 +21,21 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ephemeral import errors, progress
+from ephemeral.clock import SYSTEM, Clock
 from ephemeral.cluster.leases import ProcessLease
+from ephemeral.engine import exits
 from ephemeral.engine.close import record
-from ephemeral.engine.engine import EVENT_POLL_SECONDS, Engine, brief_error
+from ephemeral.engine.engine import EVENT_POLL_SECONDS, Engine
 from ephemeral.engine.executor import Executor, PlainExecutor
+from ephemeral.engine.exits import brief_error
 from ephemeral.engine.grants import require_grants
 from ephemeral.events import Event
 from ephemeral.ids import new_run_id, utcnow
-from ephemeral.lifecycle import TERMINAL_STATUSES, RunKind, RunStatus, TerminationReason
+from ephemeral.lifecycle import (
+    STARTED_STATUSES,
+    TERMINAL_STATUSES,
+    RunKind,
+)
 from ephemeral.models import NO_MODEL, resolve_model
 from ephemeral.money.pricing import PriceBook
 from ephemeral.oci import sandbox_image
@@ -68,6 +75,7 @@ class Runtime:
         store: Store,
         price_book: PriceBook,
         executor: Executor | None = None,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -88,6 +96,9 @@ class Runtime:
         # (flows.worker.HostWorker): nothing executes them yet, and that is not a fault.
         self.holding: Collection[str] = ()
         self.draining = False  # a draining worker takes no new runs (ephemeral.flows.worker)
+        # The run watchdog's (its sweeps and the time limits it enforces): a test moves a fake
+        # one; the sessions, leases and runs keep their own.
+        self.clock = clock
 
     @property
     def dispatcher(self) -> Callable[[str], Awaitable[None]] | None:
@@ -104,17 +115,19 @@ class Runtime:
         warm_pool: bool = False,
         recover: bool = True,
         watchdog: bool = True,
+        clock: Clock = SYSTEM,
     ) -> Runtime:
         """Open the store, finish runs orphaned by a crash, start the warm pool and the watchdog.
 
         ``executor`` carries out each run (default:
         :class:`~ephemeral.engine.executor.PlainExecutor`), on this loop: ``ephemeral serve`` too
         admits, streams and executes on one loop.
+        ``clock``: the watchdog's (``ephemeral.clock``).
         """
         settings.state_dir.mkdir(parents=True, exist_ok=True)
         progress.stage("opening the store")
         store = await Store.open(settings.db_url)
-        runtime = cls(settings, store, PriceBook.load(settings), executor)
+        runtime = cls(settings, store, PriceBook.load(settings), executor, clock)
         if recover:
             await runtime.recover()
         if warm_pool and settings.pool_size > 0:
@@ -240,9 +253,6 @@ class Runtime:
     async def take(self, run_id: str) -> bool:
         return await self.engine.take(run_id)
 
-    async def drop(self, run_id: str, exc: BaseException) -> None:
-        await self.engine.drop(run_id, exc)
-
     async def record(self, run_id: str) -> None:
         """Write the run's records again (an eval adds its verdicts after the close)."""
         await record(self.store, self.settings, run_id, rewrite=True)
@@ -288,7 +298,7 @@ class Runtime:
     # watchdog ------------------------------------------------------------------------------
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(WATCHDOG_SECONDS)
+            await self.clock.sleep(WATCHDOG_SECONDS)
             try:
                 await self.sweep()
             except Exception:
@@ -298,12 +308,13 @@ class Runtime:
         """Finish this process's runs that nothing is finishing; returns the ids it finished.
 
         A run with no live task on two sweeps in a row (one is not enough: a caller may admit
-        and only then execute) is abandoned ``infra_error``. A run still ``provisioning`` or
-        ``running`` past its time limit plus a grace is stopped and then abandoned.
+        and only then execute) ends ``crashed``. A run still ``provisioning`` or ``running`` past
+        its time limit plus a grace ends ``timed_out``: its agent is stopped with that exit and
+        closes the run (``Engine.end``).
         """
         finished: list[str] = []
         suspects: set[str] = set()
-        now = utcnow()
+        now = self.clock.now()
         for row in await self.store.open_runs():
             if row.owner != self.owner or self.sessions.owns(row.id) or row.id in self.holding:
                 continue  # a live session has its own watchdog (ephemeral.sessions.manager)
@@ -312,21 +323,16 @@ class Runtime:
                 if row.id not in self._suspects:
                     suspects.add(row.id)
                     continue
-                detail = "nothing was executing the run (found by the watchdog)"
-            elif row.started_at is not None and row.status in (
-                RunStatus.PROVISIONING,
-                RunStatus.RUNNING,
-            ):
+                exit = exits.crashed("nothing was executing the run (found by the watchdog)")
+            elif row.started_at is not None and row.status in STARTED_STATUSES:
                 limit = Policy.model_validate(row.policy).timeout_seconds + WATCHDOG_GRACE_SECONDS
                 if (now - _aware(row.started_at)).total_seconds() <= limit:
                     continue
-                await self._stop(row.id, task)
-                detail = "the run outlived its time limit (stopped by the watchdog)"
+                exit = exits.timed_out("the run outlived its time limit (stopped by the watchdog)")
             else:
                 continue
-            if (await self.store.get_run(row.id)).status not in TERMINAL_STATUSES:
-                log.error("run %s: %s", row.id, detail)
-                await self.engine.abandon(row.id, TerminationReason.INFRA_ERROR, detail)
+            log.error("run %s: %s", row.id, exit.detail)
+            await self.engine.end(row.id, exit)
             finished.append(row.id)
         self._suspects = suspects
         finished += await self.settle_expired_leases()
@@ -341,14 +347,8 @@ class Runtime:
             if self.engine.task(row.id) is not None or self.sessions.owns(row.id):
                 continue  # ours and alive: the renewal is merely late
             log.error("run %s: the lease of host %s expired", row.id, row.host)
-            try:
-                await self.engine.abandon(
-                    row.id,
-                    TerminationReason.INFRA_ERROR,
-                    f"host {row.host} stopped renewing the run's lease (it died or lost the store)",
-                )
-            except errors.Conflict:
-                continue
+            why = f"host {row.host} stopped renewing the run's lease (it died or lost the store)"
+            await self.engine.end(row.id, exits.crashed(why))
             finished.append(row.id)
             if row.kind == RunKind.SESSION:
                 continue  # the hooks are for runs' Prefect task runs: a session has none
@@ -412,12 +412,6 @@ class Runtime:
             except Exception:
                 log.exception("run watcher: cancel poll or lease renewal failed")
 
-    async def _stop(self, run_id: str, task: asyncio.Task[RunRow]) -> None:
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            async with asyncio.timeout(30):
-                await asyncio.shield(task)
-
     # recovery ------------------------------------------------------------------------------
     async def recover(self) -> list[str]:
         """Finish runs whose owning process died: reap their sandboxes, fail, settle, record
@@ -443,14 +437,12 @@ class Runtime:
 
         await reap(self.settings, is_owner_alive=owner_alive)
         for row in orphans:
-            await self.engine.abandon(
-                row.id, TerminationReason.INFRA_ERROR, "the process running this run died"
-            )
+            await self.engine.end(row.id, exits.crashed("the process running this run died"))
         # Ended but never settled: only a crash inside an older version's multi-step close
         # leaves this (the close is one transaction now). Settle from what was charged.
         for row in await self.store.unsettled_runs():
             if is_alive(row.owner) is False and row.owner != self.owner:
-                await self.engine.abandon(row.id, TerminationReason.INFRA_ERROR, "unsettled")
+                await self.engine.end(row.id, exits.crashed("unsettled"))
                 orphan_ids.add(row.id)
         # Settled but never recorded: the process died between its close and its record.
         for row in await self.store.unrecorded_runs():
@@ -458,23 +450,6 @@ class Runtime:
                 await record(self.store, self.settings, row)
                 orphan_ids.add(row.id)
         return sorted(orphan_ids)
-
-    async def finish_orphan(self, run_id: str, reason: TerminationReason | str) -> None:
-        """Close a run whose process is gone (Prefect cancellation/crash hooks call this)."""
-        from ephemeral.sandbox.reaper import reap
-
-        row = await self.store.get_run(run_id)
-        if row.status in TERMINAL_STATUSES:
-            return
-
-        async def alive(owner: str) -> bool:
-            return owner != run_id
-
-        await reap(self.settings, is_owner_alive=alive)
-        reason = TerminationReason(reason)
-        cancelled = reason is TerminationReason.CANCELLED
-        detail = "cancelled by request" if cancelled else "the run's process died"
-        await self.engine.abandon(run_id, reason, detail)
 
     # introspection -------------------------------------------------------------------------
     def images(self) -> list[dict[str, Any]]:

@@ -35,7 +35,9 @@ from typing import Any
 from ephemeral import errors
 from ephemeral.broker.broker import Broker
 from ephemeral.clock import SYSTEM, Clock
+from ephemeral.engine import exits
 from ephemeral.engine.close import close, record
+from ephemeral.engine.exits import Exit
 from ephemeral.engine.grants import require_grants
 from ephemeral.engine.run import Run
 from ephemeral.ids import new_run_id, utcnow
@@ -261,33 +263,30 @@ class Sessions:
             live.watchdog = asyncio.create_task(self._watch(live), name=f"session-{row.id}")
             return running
         except asyncio.CancelledError:
-            await asyncio.shield(self._fail_start(row, sandbox, "cancelled while starting"))
+            await asyncio.shield(
+                self._end_start(row, sandbox, exits.cancelled("cancelled while starting"))
+            )
             raise
         except Exception as exc:  # noqa: BLE001 - a failed start must settle, never stay open
-            reason = "sandbox_error" if isinstance(exc, errors.EphemeralError) else "infra_error"
-            detail = exc.detail if isinstance(exc, errors.EphemeralError) else type(exc).__name__
-            log.warning("session %s: start failed: %s", row.id, detail)
-            await asyncio.shield(self._fail_start(row, sandbox, detail, reason))
+            exit = (
+                exits.failed(TerminationReason.SANDBOX_ERROR, exc.detail)
+                if isinstance(exc, errors.EphemeralError)
+                else exits.crashed(type(exc).__name__)
+            )
+            log.warning("session %s: start failed: %s", row.id, exit.detail)
+            await asyncio.shield(self._end_start(row, sandbox, exit))
         return await self.store.get_run(row.id)
 
-    async def _fail_start(
-        self, row: RunRow, sandbox: Sandbox | None, detail: str, reason: str = "cancelled"
-    ) -> None:
+    async def _end_start(self, row: RunRow, sandbox: Sandbox | None, exit: Exit) -> None:
+        """A start that failed takes ``exit``: as a live session once it is one, else its
+        sandbox (if one came up) goes and the row closes with nothing used."""
         live = self._live.get(row.id)
         if live is not None:
-            await self._finish(live, TerminationReason(reason), detail)
+            await self._end(live, exit)
             return
         if sandbox is not None:
             await sandbox.destroy()
-        await close(
-            self.store,
-            self.settings,
-            row.id,
-            reason=TerminationReason(reason),
-            detail=detail,
-            usage={},
-            output=None,
-        )
+        await close(self.store, self.settings, row.id, exit, usage={}, output=None)
 
     # lookups -------------------------------------------------------------------------------
     async def get(self, session_id: str, org_id: str | None = None) -> RunRow:
@@ -301,7 +300,7 @@ class Sessions:
         live = self._live.get(session_id)
         if live is not None and (org_id is None or live.org_id == org_id):
             if live.time_left() <= 0 or live.stop() is not None:
-                await self._end_by_limit(live)
+                await self._end(live, self._limit_exit(live))
             else:
                 return live
         row = await self.get(session_id, org_id)  # NotFound for another org's
@@ -363,7 +362,7 @@ class Sessions:
             usage=_usage(live),
         )
         if live.stop() is not None:  # egress cut this command's streams: the session ends now
-            await self._end_by_limit(live)
+            await self._end(live, self._limit_exit(live))
         return res
 
     async def kill_all(self, session_id: str, org_id: str | None) -> int:
@@ -388,7 +387,7 @@ class Sessions:
         try:
             yield
         except errors.SandboxError as exc:
-            await self._finish(live, TerminationReason.SANDBOX_ERROR, exc.detail)
+            await self._end(live, exits.failed(TerminationReason.SANDBOX_ERROR, exc.detail))
             raise
         finally:
             live.inflight -= 1
@@ -421,7 +420,7 @@ class Sessions:
         try:
             await live.sandbox.put_file(path, data, user="worker")
         except errors.SandboxError as exc:
-            await self._finish(live, TerminationReason.SANDBOX_ERROR, exc.detail)
+            await self._end(live, exits.failed(TerminationReason.SANDBOX_ERROR, exc.detail))
             raise
 
     async def read_file(
@@ -433,7 +432,7 @@ class Sessions:
         try:
             return await live.sandbox.get_file(path, min(max_bytes, MAX_FILE_BYTES), user="worker")
         except errors.SandboxError as exc:
-            await self._finish(live, TerminationReason.SANDBOX_ERROR, exc.detail)
+            await self._end(live, exits.failed(TerminationReason.SANDBOX_ERROR, exc.detail))
             raise
 
     # end -----------------------------------------------------------------------------------
@@ -446,10 +445,7 @@ class Sessions:
         on a session) ``cancelled``."""
         live = self._live.get(session_id)
         if live is not None and (org_id is None or live.org_id == org_id):
-            if cancelled:
-                await self._finish(live, TerminationReason.CANCELLED, "cancelled by request")
-            else:
-                await self._finish(live, TerminationReason.COMPLETED, None)
+            await self._end(live, exits.cancelled() if cancelled else exits.succeeded())
             return await self.store.get_run(session_id)
         row = await self.get(session_id, org_id)
         if row.status in TERMINAL_STATUSES:
@@ -465,34 +461,32 @@ class Sessions:
         if live.inflight:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(live.idle.wait(), DEADLINE_GRACE_SECONDS)
-        await self._end_by_limit(live)
+        await self._end(live, self._limit_exit(live))
 
-    async def _end_by_limit(self, live: Live) -> None:
+    def _limit_exit(self, live: Live) -> Exit:
+        """The exit of a session a limit ends: egress stopped it (its budget ran out, or the
+        broker failed), else its time limit or, before it, its compute budget."""
         stop = live.stop()
-        if stop is not None:  # egress: its budget ran out, or the broker failed
-            await self._finish(live, stop.reason, stop.detail)
-            return
+        if stop is not None:
+            return Exit(stop.reason, stop.detail)
         if self.clock.monotonic() >= live.deadline:
-            reason = TerminationReason.TIMEOUT
-            detail = f"time limit of {live.policy.timeout_seconds} s reached"
-        else:
-            reason = TerminationReason.BUDGET_EXHAUSTED
-            detail = "compute used up the remaining budget"
-        await self._finish(live, reason, detail)
+            return exits.timed_out(f"time limit of {live.policy.timeout_seconds} s reached")
+        return exits.budget_exhausted("compute used up the remaining budget")
 
-    async def _finish(self, live: Live, reason: TerminationReason, detail: str | None) -> None:
+    async def _end(self, live: Live, exit: Exit) -> None:
+        """End a live session by ``exit`` (once: a second exit finds it ended)."""
         async with live.ending:
             if self._live.get(live.run_id) is not live:
-                return  # already finished
+                return  # already ended
             try:
-                await asyncio.shield(self._close(live, reason, detail))
+                await asyncio.shield(self._close(live, exit))
             finally:
                 self._live.pop(live.run_id, None)
                 task = live.watchdog
                 if task is not None and task is not asyncio.current_task():
                     task.cancel()
 
-    async def _close(self, live: Live, reason: TerminationReason, detail: str | None) -> None:
+    async def _close(self, live: Live, exit: Exit) -> None:
         try:
             await live.release(live.sandbox)
         finally:
@@ -510,8 +504,7 @@ class Sessions:
                 self.store,
                 None,
                 live.run_id,
-                reason=reason,
-                detail=detail,
+                exit,
                 usage=_usage(live),
                 output=None,
                 compute=(compute, int(budget.sandbox_seconds() * 1000)),
@@ -523,7 +516,7 @@ class Sessions:
         """End every live session (the runtime is stopping): ``cancelled``, settled."""
         for live in list(self._live.values()):
             with contextlib.suppress(Exception):
-                await self._finish(live, TerminationReason.CANCELLED, "the server stopped")
+                await self._end(live, exits.cancelled("the server stopped"))
 
 
 def _usage(live: Live) -> dict[str, int]:

@@ -30,9 +30,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ephemeral import errors
+from ephemeral.engine import exits
 from ephemeral.engine.close import close
 from ephemeral.ids import utcnow
-from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus, TerminationReason
+from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus
 from ephemeral.money.pricing import PriceBook
 from ephemeral.policy import Policy
 from ephemeral.sandbox.base import ExecResult, Limits
@@ -184,10 +185,10 @@ class PlacedSessions(Sessions):
                     log.warning("session %s: host %s: %s", row.id, host.host, exc.detail)
                     self.link().forget(host.address)
                     if await self._claimed(row.id):  # it got there before the link broke
-                        return await self._settled_start(row.id, deadline)
+                        return await self._started(row.id, deadline)
                     continue
                 except errors.Conflict:  # cancelled meanwhile, or claimed by an earlier try
-                    return await self._settled_start(row.id, deadline)
+                    return await self._started(row.id, deadline)
                 finally:
                     self._pending[host.host] -= 1
                 self._note(host.host, result.get("sessions_live"))
@@ -203,21 +204,20 @@ class PlacedSessions(Sessions):
                 self.store,
                 self.settings,
                 row.id,
-                reason=TerminationReason.INFRA_ERROR,
-                detail=detail,
+                exits.crashed(detail),
                 usage={},
                 output=None,
                 expect={RunStatus.QUEUED},
             )
         except errors.Conflict:  # a host claimed it at the last moment
-            return await self._settled_start(row.id, deadline)
+            return await self._started(row.id, deadline)
 
     async def _claimed(self, session_id: str) -> bool:
         return (await self.store.get_run(session_id)).status != RunStatus.QUEUED
 
-    async def _settled_start(self, session_id: str, deadline: float) -> RunRow:
-        """The session left ``queued`` through another path: answer once it is running or
-        over (or as it is at the deadline)."""
+    async def _started(self, session_id: str, deadline: float) -> RunRow:
+        """The session left ``queued`` through another path (a host's start, or an exit):
+        answer once it is running or over (or as it is at the deadline). No exit of its own."""
         while True:
             row = await self.store.get_run(session_id)
             if row.status not in (RunStatus.QUEUED, RunStatus.PROVISIONING):

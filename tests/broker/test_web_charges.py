@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from ephemeral.broker import attach, journal
+from ephemeral.engine import exits
 from ephemeral.engine.runtime import Runtime
 from tests.broker.conftest import build_run
 
@@ -91,7 +92,8 @@ async def test_charges_of_a_process_that_died_are_replayed_before_settling(
     assert len(journal.read(path, agent.run_id)) == 3
     assert (await runtime.store.charged(agent.run_id))["web_micros"] == 0
 
-    await runtime.finish_orphan(agent.run_id, "infra_error")  # the settle path after a crash
+    # the settle path after a crash
+    await runtime.engine.end(agent.run_id, exits.crashed("the run's process died"))
     row = await runtime.store.get_run(agent.run_id)
     assert row.status == "failed" and row.settled_at is not None
     assert row.breakdown["web_micros"] == 300

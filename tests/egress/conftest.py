@@ -214,10 +214,10 @@ async def provisioned(
         yield agent
     finally:
         await agent.teardown()
-        if agent.reason is None:
-            from ephemeral.lifecycle import TerminationReason
+        if agent.exit is None:
+            from ephemeral.engine import exits
 
-            agent.reason = TerminationReason.COMPLETED
+            agent.exit = exits.succeeded()
         await agent.settle()
         # this task executed the run: let the engine forget it, as a launched run's task does
         # when it ends (the run-level check holds the engine to keeping no run it settled)
