@@ -100,7 +100,7 @@ async def main(n: int) -> None:
             show("bare httpx GET", bare)
             for tool, times in results.items():
                 show(tool, times)
-            charged = await runtime.store.charged(row.id)
+            charged = await runtime.store.money.charged(row.id)
             print(f"web charged: {charged['web_micros']} micros for {n} requests")
         finally:
             await runtime.close()

@@ -222,7 +222,7 @@ async def main(levels: list[str], n: int, tokens: int, token_ms: float) -> None:
                         agent.exit = agent.exit or exits.succeeded()
                         await agent.settle()
                     report(level, n, tokens, token_ms, direct, gw)
-                    charged = await runtime.store.charged(row.id)
+                    charged = await runtime.store.money.charged(row.id)
                     print(f"model charged: {charged['model_micros']} micros for {2 * n} calls")
             finally:
                 await runtime.close()

@@ -1,4 +1,4 @@
-"""What a batch of web charges costs the store: ``Store.charge_batch`` with 1, 8, 32 and 128
+"""What a batch of web charges costs the store: ``store.money.charge_batch`` with 1, 8, 32 and 128
 charges (an egress stream charges one per MiB moved) on a real SQLite file, CPU of this
 process per batch and per charge, beside one ``store.events.append`` (the store's cheapest write) in
 the same process. Prints figures; asserts nothing.
@@ -48,7 +48,7 @@ async def main(batches: int) -> None:
                     for _ in range(size):
                         seq += 1
                         charges.append((f"{row.id}:egress:1:{seq}", 1))
-                    await store.charge_batch(row.id, "web", charges)
+                    await store.money.charge_batch(row.id, "web", charges)
                 per_batch = (cpu() - t) / batches * 1e3
                 print(
                     f"charge_batch of {size:<4}   {per_batch:6.3f} ms CPU a batch, "

@@ -256,7 +256,7 @@ class AgentRun(Run):
         # Never charge past the reservation, even if a provider over-reports usage.
         cost = min(cost, self.budget.remaining())
         self.budget.charged["model_micros"] += cost
-        await self.store.charge(
+        await self.store.money.charge(
             self.run_id, "model", cost, key=f"{self.run_id}:model:{self.model_calls}"
         )
         self.model_calls += 1

@@ -50,9 +50,9 @@ class WebCharges:
     Egress charges (a request and its first MiB, each further MiB) are decided here in memory,
     journalled (``ephemeral.broker.journal``) and written to the ledger in batches: one writer
     task per run takes every charge decided since its last commit and writes them in one
-    transaction (``Store.charge_batch``), with the egress events recorded since (:meth:`record`).
-    :meth:`flush` waits until all of them are in the store; the owner calls it before it charges
-    compute and settles.
+    transaction (``store.money.charge_batch``), with the egress events recorded since
+    (:meth:`record`). :meth:`flush` waits until all of them are in the store; the owner calls it
+    before it charges compute and settles.
     """
 
     store: Store
@@ -78,7 +78,7 @@ class WebCharges:
                 TerminationReason.BUDGET_EXHAUSTED, "the next web request does not fit the budget"
             )
         try:
-            await self.store.charge(self.run_id, "web", price, key=f"{self.run_id}:web:{seq}")
+            await self.store.money.charge(self.run_id, "web", price, key=f"{self.run_id}:web:{seq}")
         except errors.BudgetExhausted as exc:
             raise StopRun(
                 TerminationReason.BUDGET_EXHAUSTED, "the next web request does not fit the budget"
@@ -127,7 +127,7 @@ class WebCharges:
             events, self._events = self._events, []
             for pause in (*WRITE_RETRY_SECONDS, None):
                 try:
-                    await self.store.charge_batch(self.run_id, "web", batch, events)
+                    await self.store.money.charge_batch(self.run_id, "web", batch, events)
                     self.batches += 1
                     break
                 except (errors.BudgetExhausted, errors.Conflict) as exc:

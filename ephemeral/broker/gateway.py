@@ -723,7 +723,7 @@ class Gateway:
         try:
             if cost:
                 key = f"{self.charges.run_id}:gateway:{n}"
-                await self.charges.store.charge(
+                await self.charges.store.money.charge(
                     self.charges.run_id, "model", cost, key=key, event=overrun
                 )
             elif overrun is not None:

@@ -85,7 +85,7 @@ async def replay(store: Store, state_dir: Path, run_id: str) -> int:
     charges = read(path, run_id)
     if charges:
         try:
-            await store.charge_batch(run_id, "web", charges)
+            await store.money.charge_batch(run_id, "web", charges)
         except (errors.Conflict, errors.BudgetExhausted) as exc:
             # Settled already (by another process), or past the reservation: nothing to add.
             log.error("%s: journalled egress charges not replayed: %s", run_id, exc)

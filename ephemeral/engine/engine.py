@@ -499,7 +499,7 @@ class Engine:
             row,
             events,
             micros_per_second=self.sandboxes.compute_rate(limits, self.price_book),
-            charged=await self.store.charged(run_id),
+            charged=await self.store.money.charged(run_id),
         )
         try:
             row = await close(

@@ -491,7 +491,7 @@ class Sessions:
             await live.release(live.sandbox)
         finally:
             budget = live.budget
-            charged = await self.store.charged(live.run_id)
+            charged = await self.store.money.charged(live.run_id)
             compute = compute_charge(
                 micros_per_second=budget.compute_micros_per_second,
                 seconds=budget.sandbox_seconds(),

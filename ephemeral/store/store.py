@@ -4,7 +4,7 @@ One :class:`Store` per process, opened with the settings' ``db_url`` and passed 
 the database (:class:`~ephemeral.store.db.Db`, the one transaction helper) and exposes the
 repositories of one concern each: ``store.orgs``, ``store.keys``, ``store.connections``,
 ``store.events``, ``store.transcripts``, ``store.leases``, ``store.outbox``,
-``store.cancels``, ``store.facts``, ``store.hosts``. Every
+``store.cancels``, ``store.facts``, ``store.hosts``, ``store.money``. Every
 method is one transaction. Money moves live in :mod:`ephemeral.store.ledger`. A run changes
 status only through :meth:`Store.transition` and :meth:`Store.close_run`, each of which writes
 the row and the events of that change together, guarded by the status the run must be in and
@@ -35,7 +35,7 @@ from ephemeral.lifecycle import (
     check_transition,
 )
 from ephemeral.store import events as events_
-from ephemeral.store import ledger, rows
+from ephemeral.store import ledger, money, rows
 from ephemeral.store.backends import create_engine
 from ephemeral.store.cluster import Cancels, Facts, Leases, Outbox
 from ephemeral.store.connections import Connections
@@ -43,6 +43,7 @@ from ephemeral.store.db import Db
 from ephemeral.store.events import Events, Transcripts
 from ephemeral.store.hosts import Hosts
 from ephemeral.store.models import RunRow, Settlement
+from ephemeral.store.money import Money
 from ephemeral.store.orgs import Keys, Orgs
 from ephemeral.store.schema import (
     idempotency,
@@ -89,6 +90,7 @@ class Store:
         self.cancels = Cancels(self.db)
         self.facts = Facts(self.db)
         self.hosts = Hosts(self.db)
+        self.money = Money(self.db)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -341,7 +343,7 @@ class Store:
                 output = None  # closed earlier: only the settlement is missing
             else:
                 if compute is not None:
-                    await self._charge(
+                    await money.charge(
                         conn,
                         run_id,
                         "compute",
@@ -442,81 +444,6 @@ class Store:
         async with self.db.read() as conn:
             rows = await conn.execute(sa.select(runs).where(*where).order_by(runs.c.created_at))
             return [RunRow.model_validate(r._mapping) for r in rows]
-
-    # -- money --------------------------------------------------------------------------------
-
-    async def charge(
-        self,
-        run_id: str,
-        kind: str,
-        micros: int,
-        key: str,
-        *,
-        event: tuple[str, dict[str, Any]] | None = None,
-    ) -> int:
-        """Charge inside the run's reservation; idempotent on ``key``; returns the run's total.
-
-        Raises BudgetExhausted if the total would pass the reservation (nothing is charged).
-        ``event`` is appended in the same transaction (a compute charge and
-        ``sandbox.destroyed`` are one fact: recovery must never see one without the other).
-        """
-        if event is not None:
-            events_.check([event])
-        async with self.db.write() as conn:
-            return await self._charge(conn, run_id, kind, micros, key, event)
-
-    async def _charge(
-        self,
-        conn: AsyncConnection,
-        run_id: str,
-        kind: str,
-        micros: int,
-        key: str,
-        event: tuple[str, dict[str, Any]] | None,
-    ) -> int:
-        if event is not None:
-            # Lock the run's row first: two settlers of one run (the lease sweeps of several
-            # processes) must not both see "not charged yet" and both write the event. (The
-            # close's own compare-and-set took this lock already; again is harmless.)
-            await conn.execute(
-                sa.update(runs).where(runs.c.id == run_id).values(last_seq=runs.c.last_seq)
-            )
-        total, fresh = await ledger.charge_many(
-            conn, run_id=run_id, kind=kind, charges=[(key, micros)]
-        )
-        if event is not None and key in fresh:  # a replayed charge wrote its event already
-            await events_.append(conn, run_id, *event)
-        return total
-
-    async def charge_batch(
-        self,
-        run_id: str,
-        kind: str,
-        charges: list[tuple[str, int]],
-        events: Sequence[tuple[str, dict[str, Any]]] = (),
-    ) -> int:
-        """Several charges ``(key, micros)`` in one transaction (one commit), each as
-        :meth:`charge`: idempotent on its key, inside the reservation; ``events`` are appended
-        in the same transaction. All or none: raises BudgetExhausted or Conflict (settled) and
-        charges nothing. Returns the run's total."""
-        events_.check(events)
-        async with self.db.write() as conn:
-            total = 0
-            if charges:
-                total, _ = await ledger.charge_many(conn, run_id=run_id, kind=kind, charges=charges)
-            if events:
-                await events_.append_many(conn, run_id, events)
-            return total
-
-    async def charged(self, run_id: str) -> dict[str, int]:
-        async with self.db.read() as conn:
-            await rows.run(conn, run_id)
-            return await ledger.breakdown(conn, run_id)
-
-    async def settle(self, run_id: str) -> Settlement:
-        """Release the reservation and debit the org by what was charged. Idempotent."""
-        async with self.db.write() as conn:
-            return await ledger.settle(conn, run_id)
 
     # -- content ------------------------------------------------------------------------------
 

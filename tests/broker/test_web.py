@@ -35,7 +35,7 @@ async def test_fetch_returns_text_charges_and_strips_the_query(
     }
     all_events = await agent.store.events.list(agent.run_id)
     assert "QUERYSECRET" not in str([e.data for e in all_events])
-    assert (await agent.store.charged(agent.run_id))["web_micros"] == PRICE
+    assert (await agent.store.money.charged(agent.run_id))["web_micros"] == PRICE
     assert agent.budget.charged["web_micros"] == PRICE
 
 
@@ -173,7 +173,7 @@ async def test_a_request_that_does_not_fit_stops_the_run(
         await call(agent, "web_fetch", url=f"{upstream.base}/text")
     assert info.value.reason == "budget_exhausted"
     assert len(upstream.seen) == 2  # the third request was never sent
-    assert (await agent.store.charged(agent.run_id))["web_micros"] == 2 * PRICE
+    assert (await agent.store.money.charged(agent.run_id))["web_micros"] == 2 * PRICE
 
 
 async def test_a_redirect_that_does_not_fit_stops_before_the_hop(

@@ -20,7 +20,7 @@ async def test_a_burst_of_charges_lands_exactly_in_one_transaction(runtime: Runt
         assert charges.charge_bytes(f"egress:1:{i}", 7) == 7
     await charges.flush()
     assert charges.batches == 1 and charges.error is None
-    assert (await runtime.store.charged(agent.run_id))["web_micros"] == 1400
+    assert (await runtime.store.money.charged(agent.run_id))["web_micros"] == 1400
     assert agent.budget.charged["web_micros"] == 1400
     assert not journal.path_for(runtime.settings.state_dir, agent.run_id).exists()
 
@@ -39,7 +39,7 @@ async def test_request_events_are_written_with_their_charges_in_one_transaction(
     assert [e.data["n"] for e in events if e.type == "web.requested"] == list(range(50))
     seqs = [e.seq for e in events]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no gaps, in order
-    assert (await runtime.store.charged(agent.run_id))["web_micros"] == 150
+    assert (await runtime.store.money.charged(agent.run_id))["web_micros"] == 150
 
 
 async def test_an_event_alone_is_written_and_flushed(runtime: Runtime) -> None:
@@ -53,7 +53,7 @@ async def test_a_busy_store_is_tried_again(
     runtime: Runtime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     agent = await build_run(runtime, web=True)
-    real = runtime.store.charge_batch
+    real = runtime.store.money.charge_batch
     failures = [RuntimeError("database is locked")]
 
     async def flaky(*args: Any) -> int:
@@ -61,12 +61,12 @@ async def test_a_busy_store_is_tried_again(
             raise failures.pop()
         return await real(*args)
 
-    monkeypatch.setattr(runtime.store, "charge_batch", flaky)
+    monkeypatch.setattr(runtime.store.money, "charge_batch", flaky)
     monkeypatch.setattr(attach, "WRITE_RETRY_SECONDS", (0.0,))
     agent.web.charge_bytes("egress:1:1", 5)
     await agent.web.flush()
     assert agent.web.error is None and not failures
-    assert (await runtime.store.charged(agent.run_id))["web_micros"] == 5
+    assert (await runtime.store.money.charged(agent.run_id))["web_micros"] == 5
 
 
 async def test_charges_of_a_process_that_died_are_replayed_before_settling(
@@ -80,17 +80,17 @@ async def test_charges_of_a_process_that_died_are_replayed_before_settling(
         await asyncio.Event().wait()
         return 0
 
-    real = runtime.store.charge_batch
-    monkeypatch.setattr(runtime.store, "charge_batch", never)
+    real = runtime.store.money.charge_batch
+    monkeypatch.setattr(runtime.store.money, "charge_batch", never)
     for i in range(3):
         agent.web.charge_bytes(f"egress:1:{i}", 100)
     await stuck.wait()
     assert agent.web._writer is not None
     agent.web._writer.cancel()
-    monkeypatch.setattr(runtime.store, "charge_batch", real)
+    monkeypatch.setattr(runtime.store.money, "charge_batch", real)
     path = journal.path_for(runtime.settings.state_dir, agent.run_id)
     assert len(journal.read(path, agent.run_id)) == 3
-    assert (await runtime.store.charged(agent.run_id))["web_micros"] == 0
+    assert (await runtime.store.money.charged(agent.run_id))["web_micros"] == 0
 
     # the settle path after a crash
     await runtime.engine.end(agent.run_id, exits.crashed("the run's process died"))
@@ -111,5 +111,5 @@ async def test_a_replay_counts_each_charge_once_and_skips_torn_lines(runtime: Ru
     lines = [f"{rid}:egress:1:1\t40", f"{rid}:egress:1:2\t60", "run_other:egress:1:1\t9"]
     path.write_text("\n".join(lines) + f"\n{rid}:egress:1:3")  # the last line torn mid-write
     assert await journal.replay(runtime.store, runtime.settings.state_dir, rid) == 2
-    assert (await runtime.store.charged(rid))["web_micros"] == 40 + 60
+    assert (await runtime.store.money.charged(rid))["web_micros"] == 40 + 60
     assert not path.exists()

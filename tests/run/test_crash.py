@@ -195,7 +195,7 @@ async def test_kill_9_at_every_step_boundary_is_recovered(
             assert events[-1] == "run.settled" and events.count("run.settled") == 1, events
             assert events.count(f"run.{row.status}") == 1, events
             assert events.count("sandbox.destroyed") == events.count("sandbox.ready"), events
-            charged = await runtime.store.charged(run_id)
+            charged = await runtime.store.money.charged(run_id)
             assert sum(charged.values()) == row.charged_micros
             # Recorded exactly once, also when the process died between close and record
             # ("closed") or between the record's files and its marker ("recorded").
@@ -228,7 +228,7 @@ async def test_recovery_settles_a_run_left_terminal_but_unsettled(run_settings: 
             policy=policy(10_000),
             owner=f"{socket.gethostname()}:1:0",  # pid 1 never started at tick 0: a dead owner
         )
-        await store.charge(row.id, "model", 700, key=f"{row.id}:model:0")
+        await store.money.charge(row.id, "model", 700, key=f"{row.id}:model:0")
         await force_status(store, row.id, "failed", "infra_error")
     finally:
         await store.close()

@@ -20,7 +20,7 @@ async def test_concurrent_settlers_write_the_charge_and_its_event_once(
     try:
         totals = await asyncio.gather(
             *(
-                s.charge(
+                s.money.charge(
                     run.id,
                     "compute",
                     700,
@@ -37,4 +37,4 @@ async def test_concurrent_settlers_write_the_charge_and_its_event_once(
     assert set(totals) == {700}
     types = [e.type for e in await store.events.list(run.id)]
     assert types.count("sandbox.destroyed") == 1, types
-    assert (await store.charged(run.id)).get("compute_micros") == 700
+    assert (await store.money.charged(run.id)).get("compute_micros") == 700

@@ -28,14 +28,14 @@ async def _run(store: Store, org: Org, reserved: int = 10_000) -> RunRow:
 
 async def test_charges_accumulate_and_settle_refunds_the_rest(store: Store, org: Org) -> None:
     run = await _run(store, org)
-    assert await store.charge(run.id, "model", 330, "m1") == 330
-    assert await store.charge(run.id, "compute", 3200, "c1") == 3530
-    assert await store.charged(run.id) == {
+    assert await store.money.charge(run.id, "model", 330, "m1") == 330
+    assert await store.money.charge(run.id, "compute", 3200, "c1") == 3530
+    assert await store.money.charged(run.id) == {
         "model_micros": 330,
         "web_micros": 0,
         "compute_micros": 3200,
     }
-    settled = await store.settle(run.id)
+    settled = await store.money.settle(run.id)
     assert (settled.reserved_micros, settled.charged_micros, settled.refunded_micros) == (
         10_000,
         3530,
@@ -51,9 +51,9 @@ async def test_charges_accumulate_and_settle_refunds_the_rest(store: Store, org:
 
 async def test_settle_is_idempotent(store: Store, org: Org) -> None:
     run = await _run(store, org)
-    await store.charge(run.id, "web", 100, "w1")
-    first = await store.settle(run.id)
-    again = await asyncio.gather(*(store.settle(run.id) for _ in range(5)))
+    await store.money.charge(run.id, "web", 100, "w1")
+    first = await store.money.settle(run.id)
+    again = await asyncio.gather(*(store.money.settle(run.id) for _ in range(5)))
     assert all(s == first for s in again)
     after = await store.orgs.get(org.id)
     assert (after.balance_micros, after.reserved_micros) == (1_000_000 - 100, 0)
@@ -61,44 +61,48 @@ async def test_settle_is_idempotent(store: Store, org: Org) -> None:
 
 async def test_charge_is_idempotent_on_key(store: Store, org: Org) -> None:
     run = await _run(store, org)
-    totals = await asyncio.gather(*(store.charge(run.id, "model", 500, "same") for _ in range(10)))
+    totals = await asyncio.gather(
+        *(store.money.charge(run.id, "model", 500, "same") for _ in range(10))
+    )
     assert set(totals) == {500}
     with pytest.raises(errors.Conflict):
-        await store.charge(run.id, "model", 501, "same")
+        await store.money.charge(run.id, "model", 501, "same")
 
 
 async def test_charge_beyond_reservation_is_refused_whole(store: Store, org: Org) -> None:
     run = await _run(store, org, reserved=1_000)
-    await store.charge(run.id, "model", 900, "a")
+    await store.money.charge(run.id, "model", 900, "a")
     with pytest.raises(errors.BudgetExhausted):
-        await store.charge(run.id, "compute", 101, "b")
-    assert await store.charge(run.id, "compute", 100, "c") == 1_000
-    settled = await store.settle(run.id)
+        await store.money.charge(run.id, "compute", 101, "b")
+    assert await store.money.charge(run.id, "compute", 100, "c") == 1_000
+    settled = await store.money.settle(run.id)
     assert (settled.charged_micros, settled.refunded_micros) == (1_000, 0)
 
 
 async def test_concurrent_charges_never_pass_the_reservation(store: Store, org: Org) -> None:
     run = await _run(store, org, reserved=1_000)
     outcomes = await asyncio.gather(
-        *(store.charge(run.id, KINDS[i % 3], 7, f"k{i}") for i in range(200)),
+        *(store.money.charge(run.id, KINDS[i % 3], 7, f"k{i}") for i in range(200)),
         return_exceptions=True,
     )
     ok = [o for o in outcomes if isinstance(o, int)]
     assert all(isinstance(o, int | errors.BudgetExhausted) for o in outcomes)
     assert len(ok) == 1_000 // 7
-    assert sum((await store.charged(run.id)).values()) == 7 * len(ok)
-    settled = await store.settle(run.id)
+    assert sum((await store.money.charged(run.id)).values()) == 7 * len(ok)
+    settled = await store.money.settle(run.id)
     assert settled.charged_micros + settled.refunded_micros == settled.reserved_micros
 
 
 async def test_a_batch_adds_its_fresh_charges_once(store: Store, org: Org) -> None:
     run = await _run(store, org)
-    await store.charge(run.id, "web", 100, "w:1")
+    await store.money.charge(run.id, "web", 100, "w:1")
     # w:1 is already in the ledger and w:3 is in the batch twice: each counts once
     batch = [("w:1", 100), ("w:2", 100), ("w:3", 250), ("w:3", 250)]
-    assert await store.charge_batch(run.id, "web", batch) == 450
-    assert await store.charge_batch(run.id, "web", batch) == 450  # a retried batch: nothing new
-    assert await store.charged(run.id) == {
+    assert await store.money.charge_batch(run.id, "web", batch) == 450
+    assert (
+        await store.money.charge_batch(run.id, "web", batch) == 450
+    )  # a retried batch: nothing new
+    assert await store.money.charged(run.id) == {
         "model_micros": 0,
         "web_micros": 450,
         "compute_micros": 0,
@@ -116,30 +120,32 @@ async def test_a_batch_adds_its_fresh_charges_once(store: Store, org: Org) -> No
 
 async def test_a_batch_is_all_or_none(store: Store, org: Org) -> None:
     run = await _run(store, org, reserved=1_000)
-    await store.charge(run.id, "model", 700, "m")
+    await store.money.charge(run.id, "model", 700, "m")
     with pytest.raises(errors.BudgetExhausted):  # 3 x 100 fits, the fourth does not
-        await store.charge_batch(run.id, "web", [(f"w:{i}", 100) for i in range(4)])
+        await store.money.charge_batch(run.id, "web", [(f"w:{i}", 100) for i in range(4)])
     with pytest.raises(errors.Conflict):  # a key used before for another amount
-        await store.charge_batch(run.id, "web", [("w:new", 10), ("m", 699)])
+        await store.money.charge_batch(run.id, "web", [("w:new", 10), ("m", 699)])
     with pytest.raises(errors.Conflict):  # the same key twice for two amounts
-        await store.charge_batch(run.id, "web", [("w:x", 10), ("w:x", 11)])
-    assert await store.charged(run.id) == {
+        await store.money.charge_batch(run.id, "web", [("w:x", 10), ("w:x", 11)])
+    assert await store.money.charged(run.id) == {
         "model_micros": 700,
         "web_micros": 0,
         "compute_micros": 0,
     }
-    assert await store.charge_batch(run.id, "web", [(f"w:{i}", 100) for i in range(3)]) == 1_000
-    settled = await store.settle(run.id)
+    assert (
+        await store.money.charge_batch(run.id, "web", [(f"w:{i}", 100) for i in range(3)]) == 1_000
+    )
+    settled = await store.money.settle(run.id)
     assert (settled.charged_micros, settled.refunded_micros) == (1_000, 0)
     with pytest.raises(errors.Conflict):  # settled: no batch either
-        await store.charge_batch(run.id, "web", [("w:late", 1)])
+        await store.money.charge_batch(run.id, "web", [("w:late", 1)])
 
 
 async def test_no_charge_after_settle(store: Store, org: Org) -> None:
     run = await _run(store, org)
-    await store.settle(run.id)
+    await store.money.settle(run.id)
     with pytest.raises(errors.Conflict):
-        await store.charge(run.id, "compute", 1, "late")
+        await store.money.charge(run.id, "compute", 1, "late")
 
 
 @pytest.mark.parametrize(
@@ -151,15 +157,15 @@ async def test_bad_charge_names_the_field(
 ) -> None:
     run = await _run(store, org)
     with pytest.raises(errors.InvalidRequest) as info:
-        await store.charge(run.id, kind, micros, "k")  # type: ignore[arg-type]
+        await store.money.charge(run.id, kind, micros, "k")  # type: ignore[arg-type]
     assert info.value.errors and info.value.errors[0]["field"] == field
 
 
 async def test_unknown_run(store: Store) -> None:
     for call in (
-        store.charge("run_" + "0" * 32, "model", 1, "k"),
-        store.settle("run_" + "0" * 32),
-        store.charged("run_" + "0" * 32),
+        store.money.charge("run_" + "0" * 32, "model", 1, "k"),
+        store.money.settle("run_" + "0" * 32),
+        store.money.charged("run_" + "0" * 32),
     ):
         with pytest.raises(errors.NotFound):
             await call
@@ -198,10 +204,12 @@ async def test_mixed_concurrent_lifecycle_keeps_the_books(store: Store) -> None:
             return 0
         for step in range(5):
             try:
-                await store.charge(run.id, KINDS[step % 3], 1_000 * (i % 7), f"{run.id}:{step}")
+                await store.money.charge(
+                    run.id, KINDS[step % 3], 1_000 * (i % 7), f"{run.id}:{step}"
+                )
             except errors.BudgetExhausted:
                 break
-        return (await store.settle(run.id)).charged_micros
+        return (await store.money.settle(run.id)).charged_micros
 
     charged = await asyncio.gather(*(lifecycle(i) for i in range(60)))
     after = await store.orgs.get(org.id)
@@ -233,22 +241,22 @@ async def _property(url: str, reserved: int, ops: list[tuple[str, int, bool]]) -
         for i, (kind, micros, retry_earlier) in enumerate(ops):
             if retry_earlier and done:
                 key, k, m = done[i % len(done)]
-                assert await store.charge(run.id, k, m, key) == model_total
+                assert await store.money.charge(run.id, k, m, key) == model_total
                 continue
             key = f"op{i}"
             if model_total + micros <= reserved:
                 model_total += micros
                 per_kind[kind] += micros
-                assert await store.charge(run.id, kind, micros, key) == model_total
+                assert await store.money.charge(run.id, kind, micros, key) == model_total
                 done.append((key, kind, micros))
             else:
                 with pytest.raises(errors.BudgetExhausted):
-                    await store.charge(run.id, kind, micros, key)
-        settled = await store.settle(run.id)
+                    await store.money.charge(run.id, kind, micros, key)
+        settled = await store.money.settle(run.id)
         assert settled.charged_micros == model_total <= reserved
         assert settled.charged_micros + settled.refunded_micros == settled.reserved_micros
         assert settled.breakdown == {f"{k}_micros": v for k, v in per_kind.items()}
-        assert await store.settle(run.id) == settled
+        assert await store.money.settle(run.id) == settled
         after = await store.orgs.get(org.id)
         assert (after.balance_micros, after.reserved_micros) == (50_000 - model_total, 0)
     finally:

@@ -72,7 +72,7 @@ async def test_transition_writes_row_and_events_only_from_the_expected_status(
 
 async def test_close_run_ends_settles_and_publishes_at_once(store: Store, org: Org) -> None:
     run = await _run(store, org)
-    await store.charge(run.id, "model", 1_234, key=f"{run.id}:model:0")
+    await store.money.charge(run.id, "model", 1_234, key=f"{run.id}:model:0")
     row, settlement = await store.close_run(
         run.id, reason=TerminationReason.COMPLETED, detail=None, usage=USAGE, output="# done"
     )
@@ -107,7 +107,7 @@ async def test_concurrent_closes_end_the_run_once(store: Store, org: Org) -> Non
 
 async def test_a_failing_close_leaves_the_run_open_and_unsettled(store: Store, org: Org) -> None:
     run = await _run(store, org)
-    await store.charge(run.id, "model", 100, key=f"{run.id}:model:0")
+    await store.money.charge(run.id, "model", 100, key=f"{run.id}:model:0")
     async with store.engine.begin() as conn:  # the run's total no longer matches its ledger
         await conn.execute(sa.update(runs).where(runs.c.id == run.id).values(charged_micros=99))
     with pytest.raises(errors.EphemeralError, match="ledger"):
@@ -138,11 +138,13 @@ async def test_compute_charge_and_its_event_are_one_fact(store: Store, org: Org)
     run = await _run(store, org)
     key = f"{run.id}:compute"
     destroyed = ("sandbox.destroyed", {"lifetime_ms": 5})
-    assert await store.charge(run.id, "compute", 50, key=key, event=destroyed) == 50
-    assert await store.charge(run.id, "compute", 50, key=key, event=destroyed) == 50  # a retry
+    assert await store.money.charge(run.id, "compute", 50, key=key, event=destroyed) == 50
+    assert (
+        await store.money.charge(run.id, "compute", 50, key=key, event=destroyed) == 50
+    )  # a retry
     assert await _types(store, run.id) == ["run.queued", "sandbox.destroyed"]
     with pytest.raises(errors.BudgetExhausted):
-        await store.charge(run.id, "compute", 10_000, key=f"{key}:2", event=destroyed)
+        await store.money.charge(run.id, "compute", 10_000, key=f"{key}:2", event=destroyed)
     assert await _types(store, run.id) == ["run.queued", "sandbox.destroyed"]
 
 

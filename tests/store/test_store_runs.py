@@ -96,8 +96,8 @@ async def test_a_charge_batch_numbers_its_events_after_the_rest(
     await store.events.append(run.id, "run.started", {})
     path = f"/{CANARY}"
     events = [("web.requested", {"method": "GET", "path": path, "n": i}) for i in range(3)]
-    await store.charge_batch(run.id, "web", [("w:1", 5)], events)
-    await store.charge_batch(run.id, "web", [], events[:1])
+    await store.money.charge_batch(run.id, "web", [("w:1", 5)], events)
+    await store.money.charge_batch(run.id, "web", [], events[:1])
     await store.events.append(run.id, "run.completed", {})
     got = await store.events.list(run.id)
     assert [e.seq for e in got] == list(range(1, len(got) + 1))
@@ -116,8 +116,8 @@ async def test_erase_content_keeps_billing(store: Store, org: Org) -> None:
     await store.events.append(run.id, "run.output", {"markdown": CANARY})
     await store.transcripts.save(run.id, [{"role": "user", "content": CANARY}])
     await store.update_run(run.id, output=CANARY, usage={"model_calls": 1})
-    await store.charge(run.id, "model", 123, "m1")
-    settled = await store.settle(run.id)
+    await store.money.charge(run.id, "model", 123, "m1")
+    settled = await store.money.settle(run.id)
 
     await store.erase_content(run.id)
 
@@ -130,7 +130,7 @@ async def test_erase_content_keeps_billing(store: Store, org: Org) -> None:
     assert events[1].data["exit_code"] == 0 and events[2].data["markdown_bytes"] == len(CANARY)
     assert (after.charged_micros, after.refunded_micros) == (123, settled.refunded_micros)
     assert after.usage == {"model_calls": 1}
-    assert await store.charged(run.id) == settled.breakdown
+    assert await store.money.charged(run.id) == settled.breakdown
     # A late event after erasure is stored redacted too.
     late = await store.events.append(run.id, "shell.executed", {"stdout": CANARY})
     assert CANARY not in str(late.data)
