@@ -225,7 +225,7 @@ async def delete_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> d
             await runtime.wait(run_id, timeout=30)
         except TimeoutError as exc:
             raise errors.Conflict("the run is still stopping; retry the DELETE") from exc
-    await runtime.store.erase_content(run_id)
+    await runtime.store.retention.erase(run_id)
     await runtime.claim_zdr_output(await runtime.store.get_run(run_id))
     return run_object(await runtime.store.get_run(run_id, who.org_id), base_url(request))
 

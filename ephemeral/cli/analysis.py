@@ -229,9 +229,9 @@ async def _erase_expired(settings: Settings, days: int) -> int:
 
     store = await Store.open(settings.db_url)
     try:
-        expired = await store.expired_runs(timedelta(days=days))
+        expired = await store.retention.expired(timedelta(days=days))
         for run_id in expired:
-            await store.erase_content(run_id)
+            await store.retention.erase(run_id)
         return len(expired)
     finally:
         await store.close()

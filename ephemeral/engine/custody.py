@@ -4,7 +4,7 @@ A run with ``zero_data_retention`` stores neither its prompt nor its output. Its
 from admission until the run's build, its output from the run's close until the first read of
 the settled run; each is taken once, then forgotten. When the reader is in this process the
 content stays in memory; when it is in another (a run dispatched to a worker, the output of a
-run a worker executed) it is sealed in the store with the shared key (``Store.put_sealed``),
+run a worker executed) it is sealed in the store with the shared key (``store.sealed.put``),
 deleted at that read or after ``zdr_ttl_seconds``.
 
 One :class:`Custody` per engine holds it all; a :class:`~ephemeral.engine.run.Run` hands its output
@@ -87,13 +87,13 @@ class Custody:
 
         token = Sealer.for_settings(self.settings).seal({"text": text})
         expires = utcnow() + timedelta(seconds=self.settings.zdr_ttl_seconds)
-        await self.store.put_sealed(run_id, kind, token, expires)
+        await self.store.sealed.put(run_id, kind, token, expires)
 
     async def _unseal(self, run_id: str, kind: str) -> str | None:
         """Whoever calls first gets it, once."""
         from ephemeral.broker.secrets import Sealer
 
-        token = await self.store.take_sealed(run_id, kind)
+        token = await self.store.sealed.take(run_id, kind)
         if token is None:
             return None
         return Sealer.for_settings(self.settings).open(token).get("text")

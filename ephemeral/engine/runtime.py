@@ -336,7 +336,7 @@ class Runtime:
             finished.append(row.id)
         self._suspects = suspects
         finished += await self.settle_expired_leases()
-        await self.store.purge_sealed(now)
+        await self.store.sealed.purge(now)
         return finished
 
     async def settle_expired_leases(self) -> list[str]:

@@ -4,7 +4,8 @@ One :class:`Store` per process, opened with the settings' ``db_url`` and passed 
 the database (:class:`~ephemeral.store.db.Db`, the one transaction helper) and exposes the
 repositories of one concern each: ``store.orgs``, ``store.keys``, ``store.connections``,
 ``store.events``, ``store.transcripts``, ``store.leases``, ``store.outbox``,
-``store.cancels``, ``store.facts``, ``store.hosts``, ``store.money``. Every
+``store.cancels``, ``store.facts``, ``store.hosts``, ``store.money``, ``store.sealed``,
+``store.retention``. Every
 method is one transaction. Money moves live in :mod:`ephemeral.store.ledger`. A run changes
 status only through :meth:`Store.transition` and :meth:`Store.close_run`, each of which writes
 the row and the events of that change together, guarded by the status the run must be in and
@@ -17,14 +18,13 @@ import base64
 import binascii
 import json
 from collections.abc import Collection, Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ephemeral import errors
-from ephemeral.events import redact_for_zdr
 from ephemeral.ids import RUN_ID_RE, utcnow
 from ephemeral.lifecycle import (
     OPEN_STATUSES,
@@ -45,19 +45,15 @@ from ephemeral.store.hosts import Hosts
 from ephemeral.store.models import RunRow, Settlement
 from ephemeral.store.money import Money
 from ephemeral.store.orgs import Keys, Orgs
+from ephemeral.store.retention import Retention, Sealed
 from ephemeral.store.schema import (
-    idempotency,
     metadata,
-    run_events,
-    run_transcripts,
     runs,
-    sealed_content,
     upgrade,
 )
 
 MAX_PAGE = 100
 LIFECYCLE_FIELDS = frozenset({"status", "termination_reason", "ended_at"})
-IDEMPOTENCY_RETENTION = timedelta(hours=24)
 
 
 def _encode_cursor(created_at: datetime, run_id: str) -> str:
@@ -91,6 +87,8 @@ class Store:
         self.facts = Facts(self.db)
         self.hosts = Hosts(self.db)
         self.money = Money(self.db)
+        self.sealed = Sealed(self.db)
+        self.retention = Retention(self.db)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -378,45 +376,6 @@ class Store:
             )
             return await rows.run(conn, run_id), settlement
 
-    # -- sealed content ---------------------------------------------------------------------
-
-    async def put_sealed(self, run_id: str, kind: str, sealed: str, expires_at: datetime) -> None:
-        """Keep a sealed zero-data-retention prompt or output for its one reader."""
-        async with self.db.write() as conn:
-            stmt = ledger.insert(conn, sealed_content).values(
-                run_id=run_id, kind=kind, sealed=sealed, expires_at=expires_at
-            )
-            await conn.execute(
-                stmt.on_conflict_do_update(
-                    index_elements=[sealed_content.c.run_id, sealed_content.c.kind],
-                    set_={"sealed": stmt.excluded.sealed, "expires_at": stmt.excluded.expires_at},
-                )
-            )
-
-    async def take_sealed(self, run_id: str, kind: str) -> str | None:
-        """Delete and return it: of two readers in any processes, exactly one gets it."""
-        async with self.db.write() as conn:
-            row = (
-                await conn.execute(
-                    sa.delete(sealed_content)
-                    .where(
-                        sealed_content.c.run_id == run_id,
-                        sealed_content.c.kind == kind,
-                        sealed_content.c.expires_at >= utcnow(),
-                    )
-                    .returning(sealed_content.c.sealed)
-                )
-            ).first()
-        return None if row is None else str(row[0])
-
-    async def purge_sealed(self, now: datetime) -> int:
-        """Delete sealed content nobody read before it expired."""
-        async with self.db.write() as conn:
-            gone = await conn.execute(
-                sa.delete(sealed_content).where(sealed_content.c.expires_at < now)
-            )
-        return int(gone.rowcount or 0)
-
     # -- recovery -----------------------------------------------------------------------------
 
     async def open_runs(self) -> list[RunRow]:
@@ -444,58 +403,3 @@ class Store:
         async with self.db.read() as conn:
             rows = await conn.execute(sa.select(runs).where(*where).order_by(runs.c.created_at))
             return [RunRow.model_validate(r._mapping) for r in rows]
-
-    # -- content ------------------------------------------------------------------------------
-
-    async def erase_content(self, run_id: str) -> None:
-        """Remove prompt, output, transcript and event content; money and usage stay."""
-        async with self.db.write() as conn:
-            await rows.run(conn, run_id)
-            await conn.execute(
-                sa.update(runs)
-                .where(runs.c.id == run_id)
-                .values(prompt=None, output=None, erased_at=utcnow())
-            )
-            await conn.execute(sa.delete(run_transcripts).where(run_transcripts.c.run_id == run_id))
-            await conn.execute(sa.delete(sealed_content).where(sealed_content.c.run_id == run_id))
-            found = await conn.execute(
-                sa.select(run_events.c.seq, run_events.c.data).where(run_events.c.run_id == run_id)
-            )
-            for seq, data in found.all():
-                redacted = redact_for_zdr(data)
-                if redacted != data:
-                    await conn.execute(
-                        sa.update(run_events)
-                        .where(run_events.c.run_id == run_id, run_events.c.seq == seq)
-                        .values(data=redacted)
-                    )
-        if self.dialect == "sqlite":
-            # Old page images of the erased rows linger in the WAL until a checkpoint.
-            # It must run outside a transaction, so it bypasses SQLAlchemy's begin hook.
-            async with self.db.engine.connect() as conn:
-                raw = await conn.get_raw_connection()
-                driver: Any = raw.driver_connection
-                await driver.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-
-    async def expired_runs(self, older_than: timedelta) -> list[str]:
-        """Finished runs past retention whose content has not been erased yet."""
-        cutoff = utcnow() - older_than
-        async with self.db.read() as conn:
-            rows = await conn.execute(
-                sa.select(runs.c.id).where(
-                    runs.c.status.in_(sorted(TERMINAL_STATUSES)),
-                    runs.c.ended_at < cutoff,
-                    runs.c.erased_at.is_(None),
-                )
-            )
-            return [r[0] for r in rows.all()]
-
-    async def purge_idempotency(self, older_than: timedelta = IDEMPOTENCY_RETENTION) -> int:
-        """Forget idempotency keys older than ``older_than`` (never less than 24 h)."""
-        if older_than < IDEMPOTENCY_RETENTION:
-            raise errors.InvalidRequest.field("older_than", "idempotency keys are kept >= 24 h")
-        async with self.db.write() as conn:
-            gone = await conn.execute(
-                sa.delete(idempotency).where(idempotency.c.created_at < utcnow() - older_than)
-            )
-        return int(gone.rowcount or 0)

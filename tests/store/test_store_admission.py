@@ -181,9 +181,9 @@ async def test_bad_idempotency_key_names_the_field(store: Store, org: Org, key: 
 
 async def test_purge_keeps_keys_for_a_day(store: Store, org: Org) -> None:
     await _admit(store, org, idempotency_key="fresh", body_hash="h")
-    assert await store.purge_idempotency() == 0
+    assert await store.retention.purge_idempotency() == 0
     with pytest.raises(errors.InvalidRequest):
-        await store.purge_idempotency(older_than=timedelta(hours=1))
+        await store.retention.purge_idempotency(older_than=timedelta(hours=1))
 
 
 async def test_reused_run_id_is_a_conflict_and_holds_nothing(store: Store, org: Org) -> None:

@@ -119,7 +119,7 @@ async def test_erase_content_keeps_billing(store: Store, org: Org) -> None:
     await store.money.charge(run.id, "model", 123, "m1")
     settled = await store.money.settle(run.id)
 
-    await store.erase_content(run.id)
+    await store.retention.erase(run.id)
 
     after = await store.get_run(run.id)
     assert after.prompt is None and after.output is None and after.erased_at is not None
@@ -156,7 +156,7 @@ async def test_erased_content_is_gone_from_the_sqlite_files(
     run = await _run(sqlite_store, org)
     await sqlite_store.events.append(run.id, "run.output", {"markdown": CANARY * 20})
     await sqlite_store.transcripts.save(run.id, [{"content": CANARY * 20}])
-    await sqlite_store.erase_content(run.id)
+    await sqlite_store.retention.erase(run.id)
     await sqlite_store.close()
     db = Path(sqlite_url.split("///", 1)[1])
     files = [p for p in db.parent.iterdir() if p.name.startswith(db.name)]

@@ -173,11 +173,11 @@ async def test_sealed_content_goes_to_exactly_one_reader(
     store: Store, org: Org, db_url: str
 ) -> None:
     run = await _run(store, org)
-    await store.put_sealed(run.id, "output", "token-1", utcnow() + timedelta(minutes=15))
+    await store.sealed.put(run.id, "output", "token-1", utcnow() + timedelta(minutes=15))
     other = await Store.open(db_url)  # another process's store
     try:
         got = await asyncio.gather(
-            *(s.take_sealed(run.id, "output") for s in (store, other, store, other))
+            *(s.sealed.take(run.id, "output") for s in (store, other, store, other))
         )
     finally:
         await other.close()
@@ -186,12 +186,12 @@ async def test_sealed_content_goes_to_exactly_one_reader(
 
 async def test_sealed_content_past_its_ttl_is_never_read_and_purged(store: Store, org: Org) -> None:
     run = await _run(store, org)
-    await store.put_sealed(run.id, "prompt", "old", utcnow() - timedelta(seconds=1))
-    await store.put_sealed(run.id, "output", "new", utcnow() + timedelta(minutes=15))
-    assert await store.take_sealed(run.id, "prompt") is None
-    assert await store.purge_sealed(utcnow()) == 1
-    await store.erase_content(run.id)  # erasure takes what is left too
-    assert await store.take_sealed(run.id, "output") is None
+    await store.sealed.put(run.id, "prompt", "old", utcnow() - timedelta(seconds=1))
+    await store.sealed.put(run.id, "output", "new", utcnow() + timedelta(minutes=15))
+    assert await store.sealed.take(run.id, "prompt") is None
+    assert await store.sealed.purge(utcnow()) == 1
+    await store.retention.erase(run.id)  # erasure takes what is left too
+    assert await store.sealed.take(run.id, "output") is None
 
 
 async def test_the_outbox_finds_undispatched_ownerless_runs_and_a_release_renumbers(
