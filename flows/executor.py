@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from ephemeral.engine.executor import Executor, PlainExecutor
@@ -110,6 +109,7 @@ class FlowExecutor:
 
         if self._starts is None:
             self._starts = asyncio.Semaphore(self._starts_at_once)
+        starts = self._starts
         # The flow engine takes the client from this context variable (get_or_create); set in
         # this task's context it reaches the flow's task and its task runs, and nothing else.
         # A private touch of Prefect, checked at start (ephemeral.flows.prefect_private).
@@ -117,46 +117,39 @@ class FlowExecutor:
         token = AsyncClientContext.__var__.set(client)
         sync_token = SyncClientContext.__var__.set(sync_client)
         try:
-            await self._execute(run, lambda: agent_run(RunId(run)), self._starts)
+            for attempt in range(1, FLOW_START_ATTEMPTS + 1):
+                run.restart()
+                started = run.started
+                runner: asyncio.Task[str] | None = None
+                try:
+                    async with starts:
+                        if attempt == 1 and not await run.grant():
+                            return
+                        runner = asyncio.create_task(
+                            agent_run(RunId(run)), name=f"flow-{run.run_id}"
+                        )
+                        waiter = asyncio.create_task(started.wait())
+                        await asyncio.wait({runner, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                        waiter.cancel()
+                    await runner
+                    return
+                except asyncio.CancelledError:
+                    if runner is not None:
+                        runner.cancel()
+                        with contextlib.suppress(BaseException):
+                            await runner
+                    raise
+                except Exception as exc:
+                    if started.is_set() or attempt == FLOW_START_ATTEMPTS:
+                        raise
+                    log.warning(
+                        "run %s: starting its flow failed (attempt %d of %d): %s",
+                        run.run_id,
+                        attempt,
+                        FLOW_START_ATTEMPTS,
+                        brief_error(exc),
+                    )
+                    await asyncio.sleep(FLOW_START_BACKOFF_SECONDS * 2 ** (attempt - 1))
         finally:
             SyncClientContext.__var__.reset(sync_token)
             AsyncClientContext.__var__.reset(token)
-
-    async def _execute(
-        self,
-        run: RunHandle,
-        start: Callable[[], Coroutine[Any, Any, str]],
-        starts: asyncio.Semaphore,
-    ) -> None:
-        run_id = run.run_id
-        for attempt in range(1, FLOW_START_ATTEMPTS + 1):
-            run.restart()
-            started = run.started
-            runner: asyncio.Task[str] | None = None
-            try:
-                async with starts:
-                    if attempt == 1 and not await run.grant():
-                        return
-                    runner = asyncio.create_task(start(), name=f"flow-{run_id}")
-                    waiter = asyncio.create_task(started.wait())
-                    await asyncio.wait({runner, waiter}, return_when=asyncio.FIRST_COMPLETED)
-                    waiter.cancel()
-                await runner
-                return
-            except asyncio.CancelledError:
-                if runner is not None:
-                    runner.cancel()
-                    with contextlib.suppress(BaseException):
-                        await runner
-                raise
-            except Exception as exc:
-                if started.is_set() or attempt == FLOW_START_ATTEMPTS:
-                    raise
-                log.warning(
-                    "run %s: starting its flow failed (attempt %d of %d): %s",
-                    run_id,
-                    attempt,
-                    FLOW_START_ATTEMPTS,
-                    brief_error(exc),
-                )
-                await asyncio.sleep(FLOW_START_BACKOFF_SECONDS * 2 ** (attempt - 1))

@@ -11,7 +11,6 @@ from ephemeral.tasks._common import TASK_OPTIONS
 
 if TYPE_CHECKING:
     from ephemeral.engine.executor import RunHandle
-    from ephemeral.store import RunRow
 
 
 @task(name="load_run", **TASK_OPTIONS)
@@ -21,7 +20,6 @@ async def load_run(run: RunHandle) -> AgentRun | None:
     return await run.build()
 
 
-@task(name="settle", **TASK_OPTIONS)
-async def settle(run: AgentRun) -> RunRow:
-    """The run's one close (``ephemeral.engine.close.close``) and its record."""
-    return await run.settle()
+# The run's one close (``ephemeral.engine.close.close``) and its record: the task is the method
+# itself, so nothing stands between Prefect's task run and the close.
+settle = task(name="settle", **TASK_OPTIONS)(AgentRun.settle)

@@ -582,7 +582,7 @@ async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
         run.exit = exits.succeeded()
     except asyncio.CancelledError:
         run.exit = run.stopped_by
-        await _finish(run, steps)
+        await asyncio.shield(_finish(run, steps))
         raise
     except Exception as exc:
         run.exit = exits.raised(exc)
@@ -601,28 +601,25 @@ async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
             log.warning("run %s: verify outlived the run's time limit", run.run_id)
         except asyncio.CancelledError:
             run.exit = run.stopping or exits.cancelled(f"{exits.BY_REQUEST} (during verify)")
-            await _finish(run, steps)
+            await asyncio.shield(_finish(run, steps))
             raise
         except Exception:  # a broken grader must not leave the run open
             log.exception("run %s: verify failed", run.run_id)
             run.exit = exits.crashed("verify failed: internal error")
-    return await _finish(run, steps)
+    return await asyncio.shield(_finish(run, steps))
 
 
 async def _finish(run: AgentRun, steps: Steps) -> RunRow:
-    # Teardown and settlement must finish even if the caller is being cancelled.
-    # If a step's wrapper fails (a Prefect API error around the task, not the step itself), the
-    # plain method still runs: both are idempotent, and neither may be skipped.
-    async def finish() -> RunRow:
-        try:
-            await steps.teardown(run)
-        except Exception as exc:  # noqa: BLE001 - the sandbox must go whatever failed
-            log.warning("run %s: teardown step failed (%s); tearing down directly", run.run_id, exc)
-            await run.teardown()
-        try:
-            return await steps.settle(run)
-        except Exception as exc:  # noqa: BLE001 - the money must settle whatever failed
-            log.warning("run %s: settle step failed (%s); settling directly", run.run_id, exc)
-            return await run.settle()
-
-    return await asyncio.shield(finish())
+    """Teardown, then settle. ``drive`` awaits it shielded: both must finish even if the caller
+    is being cancelled. If a step's wrapper fails (a Prefect API error around the task, not the
+    step itself), the plain method still runs: both are idempotent, and neither may be skipped."""
+    try:
+        await steps.teardown(run)
+    except Exception as exc:  # noqa: BLE001 - the sandbox must go whatever failed
+        log.warning("run %s: teardown step failed (%s); tearing down directly", run.run_id, exc)
+        await run.teardown()
+    try:
+        return await steps.settle(run)
+    except Exception as exc:  # noqa: BLE001 - the money must settle whatever failed
+        log.warning("run %s: settle step failed (%s); settling directly", run.run_id, exc)
+        return await run.settle()

@@ -12,16 +12,17 @@ of this package by name)::
     slot      engine.py:Engine.execute              waits ``queued`` for one of
                                                     max_concurrent_runs slots, then hands a
                                                     RunHandle to the executor (executor.py;
-                                                    flows/executor.py:executor_for picks it; the
-                                                    flow executor passes it into the agent-run
-                                                    flow: flows/agent_run.py:RunId)
+                                                    flows/executor.py:executor_for picks it;
+                                                    FlowExecutor.execute starts the agent-run
+                                                    flow with it: flows/agent_run.py:RunId)
     grant     engine.py:EngineRunHandle.grant       ``queued → provisioning``: its clock starts
     build     engine.py:Engine.build                the run row (+ its zero-data-retention prompt)
                                                     → agent/loop.py:AgentRun
-    steps     engine.py:Engine.drive                → agent/loop.py:drive: provision → setup →
-                                                    turn* → verify → teardown → settle, each a
-                                                    Steps callable (plain methods, or Prefect
-                                                    tasks in flows/agent_run.py)
+    steps     engine.py:EngineRunHandle.drive       → agent/loop.py:drive: provision → setup →
+                                                    turn* → verify, then agent/loop.py:_finish
+                                                    (shielded): teardown → settle; each a Steps
+                                                    callable (plain methods, or Prefect tasks in
+                                                    flows/agent_run.py)
       provision   agent/loop.py:AgentRun.provision  sandbox/source.py:SandboxSource.acquire (warm
                                                     pool or boot) → ``running`` + sandbox.ready,
                                                     files, egress, worker.started
@@ -31,7 +32,8 @@ of this package by name)::
       verify      agent/loop.py:AgentRun.verify     the request's verify commands
       teardown    agent/loop.py:AgentRun.teardown   destroy the sandbox, measure its compute
       settle      agent/loop.py:AgentRun.settle     a zero-data-retention output into custody,
-                                                    then close.py:close
+                                                    then close.py:close (the ``settle`` task is
+                                                    this method: tasks/run.py)
     close     close.py:close                        one transaction (store.Store.close_run):
                                                     compute charge + sandbox.destroyed, terminal
                                                     status, run.<status>, settlement, run.output,
@@ -151,8 +153,17 @@ class EngineRunHandle:
         return await self._engine.build(self.run_id)
 
     async def drive(self, agent: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
-        """Drive the built run through ``steps`` to its close and record."""
-        return await self._engine.drive(agent, steps)
+        """Drive the built run through ``steps`` to its close and record (the ``agent-run``
+        flow calls this with its task-wrapped steps)."""
+        self._state.agent = agent  # cancel and stop reach the agent through its state
+        try:
+            # The settle step's close writes the record (once; ephemeral.engine.close).
+            return await drive(agent, steps)
+        finally:
+            self._state.agent = None
+            # Driven without the engine's execute (tests, a flow process): nothing else drops it.
+            if self._state.task is None:
+                self._engine._release(self.run_id, None)
 
     async def run(self, steps: Steps = PLAIN_STEPS) -> RunRow:
         """Build and drive: the whole body, for an executor that runs it on this loop."""
@@ -377,18 +388,6 @@ class Engine:
             settings=self.settings,
             custody=self.custody,
         )
-
-    async def drive(self, agent: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
-        """Drive one built run; the ``agent-run`` flow calls this with its task-wrapped steps."""
-        st = self.state(agent.run_id)
-        st.agent = agent
-        try:
-            # The settle step's close writes the record (once; ephemeral.engine.close).
-            return await drive(agent, steps)
-        finally:
-            st.agent = None
-            if st.task is None:  # driven without the engine's execute (tests, a flow process)
-                self._release(agent.run_id, None)
 
     async def dispatch(self, run_id: str) -> None:
         """Hand an admitted run to the dispatcher. If Prefect cannot take it now (a ``503``

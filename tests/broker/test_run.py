@@ -70,7 +70,7 @@ async def test_a_run_uses_the_broker_and_no_secret_lands_anywhere(
     )
     row, _ = await runtime.admit(await runtime.local_org(), request)
     agent = await runtime.engine.build(row.id)
-    row = await runtime.engine.drive(agent)
+    row = await runtime.engine.handle(agent.run_id).drive(agent)
 
     assert row.status == "succeeded", row.termination_detail
     events = await runtime.store.events.list(row.id)

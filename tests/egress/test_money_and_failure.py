@@ -92,7 +92,7 @@ async def test_a_byte_heavy_download_stops_at_the_budget(
     )
     row, _ = await runtime.admit(await runtime.local_org(), request)
     agent = await runtime.engine.build(row.id)
-    row = await runtime.engine.drive(agent)
+    row = await runtime.engine.handle(agent.run_id).drive(agent)
 
     assert row.termination_reason == "budget_exhausted", row.termination_detail
     assert row.termination_detail == "egress traffic used up the budget"
@@ -138,7 +138,7 @@ async def test_a_failing_broker_closes_egress_and_ends_the_run(
     request = RunRequest(prompt="Go.", model=model, web=True, shell=True, isolation=isolation)
     row, _ = await runtime.admit(await runtime.local_org(), request)
     agent = await runtime.engine.build(row.id)
-    row = await runtime.engine.drive(agent)
+    row = await runtime.engine.handle(agent.run_id).drive(agent)
 
     assert row.termination_reason == "infra_error"
     assert row.termination_detail == "the egress broker failed: RuntimeError"

@@ -76,7 +76,7 @@ async def test_setup_agent_and_verify_share_one_python_dev_sandbox(
         ),
     )
     agent = await runtime.engine.build(row.id)
-    row = await runtime.engine.drive(agent)
+    row = await runtime.engine.handle(agent.run_id).drive(agent)
     events = await runtime.store.events.list(row.id)
     assert row.status == "succeeded", row.termination_detail
     t = types(events)
