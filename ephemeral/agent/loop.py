@@ -600,7 +600,10 @@ async def drive(run: AgentRun, steps: Steps = PLAIN_STEPS) -> RunRow:
         except TimeoutError:
             log.warning("run %s: verify outlived the run's time limit", run.run_id)
         except asyncio.CancelledError:
-            run.exit = run.stopping or exits.cancelled(f"{exits.BY_REQUEST} (during verify)")
+            # Whoever stopped it (a client, a drain, the watchdog), the detail says the agent
+            # had finished and its grading was cut short.
+            stop = run.stopping or exits.cancelled()
+            run.exit = Exit(stop.reason, f"{stop.detail or stop.reason} (during verify)")
             await asyncio.shield(_finish(run, steps))
             raise
         except Exception:  # a broken grader must not leave the run open
