@@ -42,6 +42,9 @@ class LiveServer:
         return result[0]
 
 
+START_PATIENCE = 900.0
+
+
 @contextlib.contextmanager
 def live_server(settings: Settings, *, warm_pool: bool = False) -> Iterator[LiveServer]:
     app = create_app(settings, warm_pool=warm_pool)
@@ -51,7 +54,10 @@ def live_server(settings: Settings, *, warm_pool: bool = False) -> Iterator[Live
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
+    # the start boots the warm pool and, under `flow`, Prefect's embedded server: more than
+    # 60 s at load 40 here. The bound only stops a server that never comes up (a start that
+    # fails ends the thread, which fails the test at once)
+    deadline = time.monotonic() + START_PATIENCE
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the test server did not start")
