@@ -88,7 +88,7 @@ class Tracer:
         self.threads: set[str] = set()
         self.loops: set[int] = set()
         self.records: list[str] = []  # run ids, per record_run call
-        self.marks: list[str] = []  # run ids, per Store.mark_recorded call
+        self.marks: list[str] = []  # run ids, per store.runs.mark_recorded call
 
     def profile(self, frame: FrameType, event: str, arg: Any) -> None:
         if event != "call" or not self.on:
@@ -104,7 +104,7 @@ class Tracer:
         self.calls[key] = self.calls.get(key, 0) + 1
         if key == "ephemeral/engine/record.py:record_run":
             self.records.append(frame.f_locals["row"].id)
-        elif key == "ephemeral/store/store.py:Store.mark_recorded":
+        elif key == "ephemeral/store/runs.py:Runs.mark_recorded":
             self.marks.append(frame.f_locals["run_id"])
         if rel == "ephemeral/engine/close.py" and name == "record":
             self.chains.append(self._chain(frame))

@@ -2,9 +2,9 @@
 
 A run moves ``queued → provisioning → running → <terminal>`` and is then settled; every move is
 one store transaction that writes the run row and its events together, guarded by the status
-the run is expected to be in (:meth:`ephemeral.store.Store.transition`,
-:meth:`ephemeral.store.Store.close_run`). Both check each move against :data:`TRANSITIONS`, the
-one table of legal ``(from, to)`` pairs. The values are the strings of the wire and the
+the run is expected to be in (``store.runs.transition``, ``store.runs.close``: see
+:mod:`ephemeral.store.runs`). Both check each move against :data:`TRANSITIONS`, the one table
+of legal ``(from, to)`` pairs. The values are the strings of the wire and the
 database: a ``StrEnum`` member *is* its string.
 """
 

@@ -65,9 +65,9 @@ async def _execute(runtime: Runtime, run_id: str) -> str:
 
     if runtime.draining:  # this host takes no new runs: another one will
         await hand_back(runtime, run_id)
-        return (await runtime.store.get_run(run_id)).status
+        return (await runtime.store.runs.get(run_id)).status
     if not await runtime.take(run_id):
-        return (await runtime.store.get_run(run_id)).status  # cancelled while it waited
+        return (await runtime.store.runs.get(run_id)).status  # cancelled while it waited
     # The code that starts sandboxes takes a slot of this host's limit and of the total, and
     # strict: a missing limit fails loudly instead of limiting nothing.
     try:
@@ -109,7 +109,7 @@ async def dispatch(store: Store, run_id: str, client: Any = None) -> None:
     """Hand an admitted run to the pool through the outbox (idempotent: ephemeral.cluster.outbox).
     ``client``: an open Prefect client to reuse."""
     await outbox.hand_over(
-        store, await store.get_run(run_id), lambda r, t: create_task_run(r, t, client)
+        store, await store.runs.get(run_id), lambda r, t: create_task_run(r, t, client)
     )
 
 
@@ -120,7 +120,7 @@ async def hand_back(runtime: Runtime, run_id: str) -> bool:
     if await runtime.store.outbox.release(run_id, runtime.owner) is None:
         return False
     try:
-        await outbox.hand_over(runtime.store, await runtime.store.get_run(run_id), create_task_run)
+        await outbox.hand_over(runtime.store, await runtime.store.runs.get(run_id), create_task_run)
     except Exception:
         log.exception("run %s: handing it back to Prefect failed (the outbox retries)", run_id)
     return True

@@ -24,7 +24,7 @@ RECORD_WAIT_SECONDS = 30.0  # a session ended by its watchdog writes its record 
 async def before_close(runtime: Runtime) -> list[str]:
     """Every settled run is recorded (waiting for records still being written)."""
     deadline = time.monotonic() + RECORD_WAIT_SECONDS
-    while unrecorded := await runtime.store.unrecorded_runs():
+    while unrecorded := await runtime.store.runs.unrecorded():
         if time.monotonic() > deadline:
             return [f"run {r.id} is settled but not recorded" for r in unrecorded]
         await asyncio.sleep(0.1)
@@ -39,7 +39,7 @@ async def after_close(runtime: Runtime) -> list[str]:
     left += [f"sandbox handle {p.name} is left" for p in handles]
     store = await Store.open(runtime.settings.db_url)
     try:
-        left += [f"run {r.id} is still {r.status}" for r in await store.open_runs()]
+        left += [f"run {r.id} is still {r.status}" for r in await store.runs.open()]
         async with store.engine.connect() as conn:
             held = (
                 await conn.execute(

@@ -140,7 +140,7 @@ class AgentRun(Run):
         started_at = self.row.started_at
         if started_at is None:  # executed without the runtime's slot grant
             started_at = utcnow()
-            await self.store.transition(
+            await self.store.runs.transition(
                 self.run_id,
                 expect={RunStatus.QUEUED},
                 to=RunStatus.PROVISIONING,

@@ -128,7 +128,7 @@ async def index(request: Request) -> Response:
     who = await page_principal(request)
     runs: list[dict[str, Any]] = []
     if who is not None:
-        rows, _ = await runtime.store.list_runs(who.org_id, limit=20)
+        rows, _ = await runtime.store.runs.list(who.org_id, limit=20)
         runs = [run_object(r, base_url(request)) for r in rows]
     return render(request, "index.html.j2", signed_in=who, runs=runs, headline=view.headline)
 
@@ -186,7 +186,7 @@ async def run_page(request: Request, run_id: str) -> Response:
     if who is None:
         return _login_redirect(request)
     try:
-        row = await runtime.store.get_run(run_id, who.org_id)
+        row = await runtime.store.runs.get(run_id, who.org_id)
     except errors.NotFound as exc:
         return render(
             request, "error.html.j2", 404, title="Not found", detail=exc.detail, signed_in=who
@@ -217,7 +217,7 @@ async def run_live(request: Request, run_id: str, after: sse.After = 0, t0: str 
     who = await page_principal(request)
     if who is None:
         raise errors.Unauthorized("sign in to follow this run")
-    await runtime.store.get_run(run_id, who.org_id)
+    await runtime.store.runs.get(run_id, who.org_id)
     start = max(after, sse.parse_last_event_id(request.headers.get("last-event-id")) or 0)
     macros = _macros()
     base = base_url(request)
@@ -236,7 +236,7 @@ async def run_live(request: Request, run_id: str, after: sse.After = 0, t0: str 
             ev.type.startswith("run.") and ev.type not in ("run.queued", "run.output")
         ):
             return {}
-        run = run_object(await runtime.store.get_run(run_id), base)
+        run = run_object(await runtime.store.runs.get(run_id), base)
         return {"summary_html": str(macros.summary(**_summary_context(run)))}
 
     # Rendering needs the store (for the settled summary), so events are mapped here, not in sse.

@@ -138,7 +138,7 @@ async def list_runs(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
 ) -> dict[str, Any]:
-    rows, next_cursor = await runtime.store.list_runs(
+    rows, next_cursor = await runtime.store.runs.list(
         who.org_id, status=status, limit=limit, cursor=cursor or None
     )
     return {"runs": [run_object(r, base_url(request)) for r in rows], "next_cursor": next_cursor}
@@ -146,7 +146,7 @@ async def list_runs(
 
 @v1.get("/runs/{run_id}", response_model=RunObject, responses=problems(401, 404, 422))
 async def get_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> dict[str, Any]:
-    row = await runtime.store.get_run(run_id, who.org_id)
+    row = await runtime.store.runs.get(run_id, who.org_id)
     return await render_run(request, runtime, row)
 
 
@@ -171,7 +171,7 @@ async def get_events(
     after: sse.After = 0,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
 ) -> Response:
-    await runtime.store.get_run(run_id, who.org_id)  # 404 for another org's run
+    await runtime.store.runs.get(run_id, who.org_id)  # 404 for another org's run
     resume = sse.parse_last_event_id(last_event_id)
     start = max(after, resume or 0)
     if "text/event-stream" in request.headers.get("accept", ""):
@@ -218,7 +218,7 @@ async def cancel_run(
     summary="Erase a run's content (prompt, commands, outputs); billing stays",
 )
 async def delete_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> dict[str, Any]:
-    row = await runtime.store.get_run(run_id, who.org_id)
+    row = await runtime.store.runs.get(run_id, who.org_id)
     if row.status not in TERMINAL_STATUSES:
         await runtime.cancel(run_id, who.org_id)
         try:
@@ -226,8 +226,8 @@ async def delete_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> d
         except TimeoutError as exc:
             raise errors.Conflict("the run is still stopping; retry the DELETE") from exc
     await runtime.store.retention.erase(run_id)
-    await runtime.claim_zdr_output(await runtime.store.get_run(run_id))
-    return run_object(await runtime.store.get_run(run_id, who.org_id), base_url(request))
+    await runtime.claim_zdr_output(await runtime.store.runs.get(run_id))
+    return run_object(await runtime.store.runs.get(run_id, who.org_id), base_url(request))
 
 
 @v1.get("/costs", responses=problems(401, 422), tags=["costs"], summary="Spend of your org")

@@ -4,7 +4,7 @@ Every exit of a run (``ephemeral.engine.exits``) ends here, whoever takes it: a 
 (``AgentRun.settle``), the engine for a run no agent drives (``Engine.end``: dead owner,
 cancelled while waiting, an executor that raised) and a sandbox session's manager (``Sessions``):
 
-    close     one store transaction (:meth:`Store.close_run`): the sandbox's compute charge with
+    close     one store transaction (``store.runs.close``): the sandbox's compute charge with
               ``sandbox.destroyed``, the terminal status, ``run.<status>``, the settlement
               (``charged + refunded = reserved``), ``run.output``, ``run.settled``, the transcript
     record    the Parquet records (``recording.record_run``), then the ``recorded_at`` marker;
@@ -58,7 +58,7 @@ async def close(
     ``sandbox.destroyed`` in the same transaction (skipped if charged already). A run that is
     closed already is returned as it is (settled, if a crash had left only that undone).
     """
-    row, _ = await store.close_run(
+    row, _ = await store.runs.close(
         run_id,
         reason=exit.reason,
         detail=exit.detail,
@@ -90,7 +90,7 @@ async def record(
     The files are named by the run and its host's partition, so a rewrite after a crash
     (between the files and the marker) replaces them: one record per run.
     """
-    row = await store.get_run(run) if isinstance(run, str) else run
+    row = await store.runs.get(run) if isinstance(run, str) else run
     if row.recorded_at is not None and not rewrite:
         return row
     events = await store.events.list(row.id)
@@ -98,7 +98,7 @@ async def record(
         # Recovered on another host: the record goes to the run's own host partition.
         settings = settings.model_copy(update={"host_id": row.host})
     await asyncio.to_thread(record_run, settings, row, events)
-    await store.mark_recorded(row.id)
+    await store.runs.mark_recorded(row.id)
     return row.model_copy(update={"recorded_at": utcnow()})
 
 

@@ -4,7 +4,7 @@ One run, top to bottom (``file:function`` for each stage; files under ``ephemera
 of this package by name)::
 
     admit     runtime.py:Runtime.admit              validate (model, connections, image,
-                                                    isolation) → store.Store.admit_run: one
+                                                    isolation) → store/runs.py:Runs.admit: one
                                                     transaction: idempotency claim, hold
                                                     max_cost_micros on the org, run ``queued``
     launch    runtime.py:Runtime.submit             → engine.py:Engine.launch (a task per run), or
@@ -34,13 +34,13 @@ of this package by name)::
       settle      agent/loop.py:AgentRun.settle     a zero-data-retention output into custody,
                                                     then close.py:close (the ``settle`` task is
                                                     this method: tasks/run.py)
-    close     close.py:close                        one transaction (store.Store.close_run):
+    close     close.py:close                        one transaction (store/runs.py:Runs.close):
                                                     compute charge + sandbox.destroyed, terminal
                                                     status, run.<status>, settlement, run.output,
                                                     run.settled, transcript
     record    close.py:record                       Parquet rows (record.py:record_run), then
-                                                    store.Store.mark_recorded; a crash between the
-                                                    close and the marker is repaired by
+                                                    store/runs.py:Runs.mark_recorded; a crash
+                                                    between the close and the marker is repaired by
                                                     runtime.py:Runtime.recover
 
 How a run ends is one of its exits (``engine/exits.py``: succeeded, failed, raised,
@@ -146,7 +146,7 @@ class EngineRunHandle:
 
     async def build(self) -> AgentRun | None:
         """The run's agent, or None when the run is not waiting to run here."""
-        row = await self._engine.store.get_run(self.run_id)
+        row = await self._engine.store.runs.get(self.run_id)
         waiting = row.status == RunStatus.QUEUED or self._state.granted
         if not waiting or row.reserved_micros <= 0:
             return None
@@ -174,7 +174,7 @@ class EngineRunHandle:
 
     async def row(self) -> RunRow:
         """The run's row as stored now."""
-        return await self._engine.store.get_run(self.run_id)
+        return await self._engine.store.runs.get(self.run_id)
 
     async def dispatch(self) -> None:
         """Hand the run to a worker (a dispatching runtime only)."""
@@ -189,7 +189,7 @@ class EngineRunHandle:
         return row
 
     async def cancel(self) -> RunRow:
-        row = await self._engine.store.get_run(self.run_id)
+        row = await self._engine.store.runs.get(self.run_id)
         if row.status in TERMINAL_STATUSES:
             return row
         return await self._engine.cancel(row)
@@ -287,7 +287,7 @@ class Engine:
             async with self.slots:
                 t0 = time.monotonic()
                 await self.executor.execute(EngineRunHandle(self, st))
-            return await self.store.get_run(run_id)
+            return await self.store.runs.get(run_id)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -297,7 +297,7 @@ class Engine:
             except Exception:
                 # The store itself is failing; the watchdog retries once this task is gone.
                 log.exception("run %s: could not settle after a failure", run_id)
-            return await self.store.get_run(run_id)
+            return await self.store.runs.get(run_id)
         finally:
             self.run_seconds = 0.9 * self.run_seconds + 0.1 * (time.monotonic() - t0)
             st.granted = False
@@ -306,7 +306,7 @@ class Engine:
 
     async def grant(self, run_id: str) -> bool:
         try:
-            await self.store.transition(
+            await self.store.runs.transition(
                 run_id,
                 expect={RunStatus.QUEUED},
                 to=RunStatus.PROVISIONING,
@@ -326,7 +326,7 @@ class Engine:
         settled like any other of a dead host. False if the run no longer waits."""
         task = asyncio.current_task()
         try:
-            await self.store.transition(
+            await self.store.runs.transition(
                 run_id, expect={RunStatus.QUEUED}, to=RunStatus.QUEUED, **self.owner_fields()
             )
         except errors.Conflict:
@@ -350,7 +350,7 @@ class Engine:
         st = self.state(run_id)
         st.granted = False
         st.started.set()
-        row = await self.store.get_run(run_id)
+        row = await self.store.runs.get(run_id)
         policy = Policy.model_validate(row.policy)
         if policy.zero_data_retention:
             prompt = await self.custody.take_prompt(run_id)
@@ -407,7 +407,7 @@ class Engine:
     async def wait(self, run_id: str, timeout: float | None = None) -> RunRow:
         async with asyncio.timeout(timeout):
             while True:
-                row = await self.store.get_run(run_id)
+                row = await self.store.runs.get(run_id)
                 # Settled implies `run.settled` is written: the close is one transaction.
                 if row.status in TERMINAL_STATUSES and row.settled:
                     return row
@@ -433,12 +433,12 @@ class Engine:
         # Claimed by some process (any host): asked through the store, it acts within its
         # cancel poll; if it is dead, the run is ended here.
         await self.store.cancels.request(run_id)
-        row = await self.store.get_run(run_id)
+        row = await self.store.runs.get(run_id)
         if row.status not in TERMINAL_STATUSES and is_alive(row.owner) is False:
             await self.end(run_id, exit)
         with contextlib.suppress(TimeoutError):
             return await self.wait(run_id, timeout=CANCEL_WAIT_SECONDS)
-        return await self.store.get_run(run_id)
+        return await self.store.runs.get(run_id)
 
     async def end(
         self,
@@ -472,7 +472,7 @@ class Engine:
                 async with asyncio.timeout(STOP_WAIT_SECONDS):
                     await asyncio.shield(task)
         elif agent is not None:  # driven without a task of ours: it takes the exit at its next step
-            return await self.store.get_run(run_id)
+            return await self.store.runs.get(run_id)
         return await self._close(run_id, exit, expect)
 
     async def let_go(self, run_id: str) -> None:
@@ -489,7 +489,7 @@ class Engine:
         """The close of a run no agent closes (:meth:`end`)."""
         # Egress charges made before the process died, not yet in the ledger (broker/journal).
         await charge_journal.replay(self.store, self.settings.state_dir, run_id)
-        row = await self.store.get_run(run_id)
+        row = await self.store.runs.get(run_id)
         if row.settled or (row.status in OPEN_STATUSES and row.status not in expect):
             return row
         events = await self.store.events.list(run_id)
@@ -512,7 +512,7 @@ class Engine:
                 expect=expect,
             )
         except errors.Conflict:  # it left `expect` meanwhile (a worker claimed it)
-            return await self.store.get_run(run_id)
+            return await self.store.runs.get(run_id)
         st = self.runs.get(run_id)
         if st is not None and st.task is None:
             del self.runs[run_id]

@@ -188,7 +188,7 @@ async def cassette_of_run(store: Store, run_id: str) -> dict[str, Any]:
     The turns are our loop's, or, for a run or session whose sandbox code called the model
     through the gateway, the gateway's; the cassette's model is then the one those calls used.
     """
-    row = await store.get_run(run_id)
+    row = await store.runs.get(run_id)
     turns = await store.transcripts.get(run_id)
     if not turns:
         raise errors.NotFound(

@@ -115,7 +115,7 @@ class Run:
             "queue_wait_ms": queue_wait_ms,
             "runtime": sandbox.runtime,
         }
-        return await self.store.transition(
+        return await self.store.runs.transition(
             self.run_id,
             expect=expect,
             to=RunStatus.RUNNING,

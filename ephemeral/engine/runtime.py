@@ -189,7 +189,7 @@ class Runtime:
         # 422 naming `image` (or `agent.image`); a registry image's digest, which it boots
         image_hash = await self.sandboxes.require_image(policy)
         await self.sandboxes.require_isolation(policy.isolation, disk_mib=policy.disk_mib)
-        row, replayed = await self.store.admit_run(
+        row, replayed = await self.store.runs.admit(
             org_id=org_id,
             run_id=new_run_id(),
             model=model,
@@ -269,7 +269,7 @@ class Runtime:
 
     # control -------------------------------------------------------------------------------
     async def cancel(self, run_id: str, org_id: str | None = None) -> RunRow:
-        row = await self.store.get_run(run_id, org_id)
+        row = await self.store.runs.get(run_id, org_id)
         if row.status in TERMINAL_STATUSES:
             return row
         if row.kind == RunKind.SESSION and self.sessions.owns(run_id):
@@ -315,7 +315,7 @@ class Runtime:
         finished: list[str] = []
         suspects: set[str] = set()
         now = self.clock.now()
-        for row in await self.store.open_runs():
+        for row in await self.store.runs.open():
             if row.owner != self.owner or self.sessions.owns(row.id) or row.id in self.holding:
                 continue  # a live session has its own watchdog (ephemeral.sessions.manager)
             task = self.engine.task(row.id)
@@ -419,7 +419,7 @@ class Runtime:
         from ephemeral.sandbox.reaper import reap
 
         orphans: list[RunRow] = []
-        for row in await self.store.open_runs():
+        for row in await self.store.runs.open():
             if row.owner is None:
                 continue  # dispatched, waiting in Prefect's queue for a worker to claim it
             if is_alive(row.owner) is False and row.owner != self.owner:
@@ -430,7 +430,7 @@ class Runtime:
             if owner in orphan_ids:
                 return False
             try:
-                row = await self.store.get_run(owner)
+                row = await self.store.runs.get(owner)
             except errors.NotFound:
                 return False
             return row.status not in TERMINAL_STATUSES and is_alive(row.owner) is not False
@@ -440,12 +440,12 @@ class Runtime:
             await self.engine.end(row.id, exits.crashed("the process running this run died"))
         # Ended but never settled: only a crash inside an older version's multi-step close
         # leaves this (the close is one transaction now). Settle from what was charged.
-        for row in await self.store.unsettled_runs():
+        for row in await self.store.runs.unsettled():
             if is_alive(row.owner) is False and row.owner != self.owner:
                 await self.engine.end(row.id, exits.crashed("unsettled"))
                 orphan_ids.add(row.id)
         # Settled but never recorded: the process died between its close and its record.
-        for row in await self.store.unrecorded_runs():
+        for row in await self.store.runs.unrecorded():
             if is_alive(row.owner) is False and row.owner != self.owner:
                 await record(self.store, self.settings, row)
                 orphan_ids.add(row.id)

@@ -74,7 +74,7 @@ async def execute_planned(
     verdicts = evaluate(recipe.checks, run_view_output(row, zdr_output), events)
     if planned.policy.zero_data_retention:
         verdicts = [v.model_copy(update={"reason": ZDR_REASON}) for v in verdicts]
-    row = await runtime.store.update_run(
+    row = await runtime.store.runs.update(
         row.id, labels={**row.labels, "checks": [v.model_dump() for v in verdicts]}
     )
     await runtime.record(row.id)  # rewrites the run's records, now with the verdicts

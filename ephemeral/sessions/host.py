@@ -184,7 +184,7 @@ class SessionHost:
         self._claiming.add(session_id)
         try:
             now = utcnow()
-            row = await runtime.store.transition(
+            row = await runtime.store.runs.transition(
                 session_id,
                 expect={RunStatus.QUEUED},
                 to=RunStatus.PROVISIONING,

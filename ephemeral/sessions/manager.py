@@ -181,7 +181,7 @@ class Sessions:
         await require_grants(self.store, org_id, policy, self.price_book, self.settings)
         await self.sandboxes.require_isolation(policy.isolation, disk_mib=policy.disk_mib)
         image_hash = await self.sandboxes.require_image(policy)  # a registry image's digest
-        row, replayed = await self.store.admit_run(
+        row, replayed = await self.store.runs.admit(
             org_id=org_id,
             run_id=new_run_id(),
             model=SESSION_MODEL,
@@ -275,7 +275,7 @@ class Sessions:
             )
             log.warning("session %s: start failed: %s", row.id, exit.detail)
             await asyncio.shield(self._end_start(row, sandbox, exit))
-        return await self.store.get_run(row.id)
+        return await self.store.runs.get(row.id)
 
     async def _end_start(self, row: RunRow, sandbox: Sandbox | None, exit: Exit) -> None:
         """A start that failed takes ``exit``: as a live session once it is one, else its
@@ -291,7 +291,7 @@ class Sessions:
     # lookups -------------------------------------------------------------------------------
     async def get(self, session_id: str, org_id: str | None = None) -> RunRow:
         """The session's row; a run, another org's session or a missing one is NotFound."""
-        row = await self.store.get_run(session_id, org_id)
+        row = await self.store.runs.get(session_id, org_id)
         if row.kind != RunKind.SESSION:
             raise errors.NotFound(f"sandbox {session_id} not found")
         return row
@@ -446,7 +446,7 @@ class Sessions:
         live = self._live.get(session_id)
         if live is not None and (org_id is None or live.org_id == org_id):
             await self._end(live, exits.cancelled() if cancelled else exits.succeeded())
-            return await self.store.get_run(session_id)
+            return await self.store.runs.get(session_id)
         row = await self.get(session_id, org_id)
         if row.status in TERMINAL_STATUSES:
             return row

@@ -159,7 +159,7 @@ class PlacedSessions(Sessions):
         timeout = settings.placement_timeout_seconds
         # If this process dies before a host claims the session, this lease expires and any
         # process's sweep settles it (refunded: it never had a sandbox).
-        await self.store.update_run(
+        await self.store.runs.update(
             row.id,
             lease_expires_at=utcnow() + timedelta(seconds=timeout + settings.lease_seconds),
         )
@@ -192,7 +192,7 @@ class PlacedSessions(Sessions):
                 finally:
                     self._pending[host.host] -= 1
                 self._note(host.host, result.get("sessions_live"))
-                return await self.store.get_run(row.id)
+                return await self.store.runs.get(row.id)
             if time.monotonic() >= deadline:
                 break
             refresh = True
@@ -213,13 +213,13 @@ class PlacedSessions(Sessions):
             return await self._started(row.id, deadline)
 
     async def _claimed(self, session_id: str) -> bool:
-        return (await self.store.get_run(session_id)).status != RunStatus.QUEUED
+        return (await self.store.runs.get(session_id)).status != RunStatus.QUEUED
 
     async def _started(self, session_id: str, deadline: float) -> RunRow:
         """The session left ``queued`` through another path (a host's start, or an exit):
         answer once it is running or over (or as it is at the deadline). No exit of its own."""
         while True:
-            row = await self.store.get_run(session_id)
+            row = await self.store.runs.get(session_id)
             if row.status not in (RunStatus.QUEUED, RunStatus.PROVISIONING):
                 return row
             if time.monotonic() >= deadline:
@@ -240,7 +240,7 @@ class PlacedSessions(Sessions):
 
     async def _unreachable(self, row: RunRow, exc: LinkError) -> errors.EphemeralError:
         """The error for a call its host did not answer: the session's state, never a hang."""
-        now = await self.store.get_run(row.id)
+        now = await self.store.runs.get(row.id)
         if now.status in TERMINAL_STATUSES:
             return _ended(now)
         if isinstance(exc, LinkRefused):
@@ -346,7 +346,7 @@ class PlacedSessions(Sessions):
             {"cancelled": cancelled},
             timeout=DEADLINE_GRACE_SECONDS + CALL_MARGIN_SECONDS,
         )
-        return await self.store.get_run(session_id)
+        return await self.store.runs.get(session_id)
 
     async def close(self) -> None:
         await super().close()

@@ -64,7 +64,7 @@ async def test_queued_run_holds_nothing_and_429_past_the_bound_reserves_nothing(
     assert second["status"] == "queued"
 
     await asyncio.sleep(0.5)  # it would have been given a sandbox by now if it were going to
-    queued = await one_slot.store.get_run(second["id"])
+    queued = await one_slot.store.runs.get(second["id"])
     assert queued.status == "queued" and queued.started_at is None
     assert [e.type for e in await one_slot.store.events.list(second["id"])] == ["run.queued"]
     assert second["id"] not in _sandbox_owners(one_slot.settings)
@@ -81,7 +81,7 @@ async def test_queued_run_holds_nothing_and_429_past_the_bound_reserves_nothing(
     org_after = await one_slot.store.orgs.get(member.org_id)
     assert org_after.reserved_micros == org_before.reserved_micros == 2 * 40_000
     assert org_after.balance_micros == org_before.balance_micros
-    runs, _ = await one_slot.store.list_runs(member.org_id, limit=10)
+    runs, _ = await one_slot.store.runs.list(member.org_id, limit=10)
     assert len(runs) == 2
 
     # A queued run cancelled before its slot is charged nothing and never had a sandbox.
@@ -124,7 +124,7 @@ async def test_watchdog_finishes_a_run_whose_task_is_gone(runtime: Runtime) -> N
     row, _ = await runtime.admit(member.org_id, RunRequest(prompt="never launched"))
     assert row.id not in await runtime.sweep()  # one sweep: it may be about to execute
     assert row.id in await runtime.sweep()
-    done = await runtime.store.get_run(row.id)
+    done = await runtime.store.runs.get(row.id)
     assert done.status == "failed" and done.termination_reason == "infra_error"
     assert "watchdog" in (done.termination_detail or "")
     assert done.charged_micros == 0 and done.refunded_micros == done.reserved_micros
@@ -140,7 +140,7 @@ async def test_watchdog_leaves_a_run_a_worker_holds_for_a_token(runtime: Runtime
     runtime.holding = {row.id}
     for _ in range(3):
         assert row.id not in await runtime.sweep()
-    assert (await runtime.store.get_run(row.id)).status == "queued"
+    assert (await runtime.store.runs.get(row.id)).status == "queued"
     runtime.holding = set()  # let go (never taken): the watchdog's again
     assert row.id not in await runtime.sweep()
     assert row.id in await runtime.sweep()

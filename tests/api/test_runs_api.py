@@ -181,7 +181,7 @@ async def test_balance_too_small_is_402_with_a_clear_detail(
     assert r.status_code == 402
     body = r.json()
     assert body["status"] == 402 and body["detail"]
-    assert (await runtime.store.list_runs(poor.org_id))[0] == []
+    assert (await runtime.store.runs.list(poor.org_id))[0] == []
 
 
 async def test_another_orgs_run_is_404_everywhere(
@@ -272,7 +272,7 @@ async def test_delete_erases_content_and_keeps_billing(
     text = json.dumps(events)
     assert "whoami" not in text and "worker\\n" not in text and "Ran `whoami`" not in text
     assert [e["type"] for e in events][-1] == "run.settled"
-    row = await runtime.store.get_run(run["id"])
+    row = await runtime.store.runs.get(run["id"])
     assert row.prompt is None
 
 

@@ -94,7 +94,7 @@ async def test_charges_of_a_process_that_died_are_replayed_before_settling(
 
     # the settle path after a crash
     await runtime.engine.end(agent.run_id, exits.crashed("the run's process died"))
-    row = await runtime.store.get_run(agent.run_id)
+    row = await runtime.store.runs.get(agent.run_id)
     assert row.status == "failed" and row.settled_at is not None
     assert row.breakdown["web_micros"] == 300
     assert row.charged_micros + row.refunded_micros == row.reserved_micros

@@ -59,12 +59,12 @@ def install(point: str) -> None:
 def _patch(point: str) -> None:
     from ephemeral.flows import dispatch
     from ephemeral.store import ledger
-    from ephemeral.store.store import Store
+    from ephemeral.store.runs import Runs
 
     if point == "after-reservation":
         ledger.admit = _after(ledger.admit)  # type: ignore[method-assign]
     elif point == "after-row":
-        Store.admit_run = _after(Store.admit_run)  # type: ignore[method-assign]
+        Runs.admit = _after(Runs.admit)  # type: ignore[method-assign]
     elif point == "before-prefect":
         dispatch.create_task_run = _before(dispatch.create_task_run)
     else:

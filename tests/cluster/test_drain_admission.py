@@ -256,7 +256,7 @@ async def _org_runs(db_url: str, org: str) -> list[Any]:
     store = await Store.open(db_url)
     try:
         made = await store.orgs.get(org)
-        return (await store.list_runs(made.id, limit=100))[0]
+        return (await store.runs.list(made.id, limit=100))[0]
     finally:
         await store.close()
 

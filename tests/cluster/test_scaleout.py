@@ -333,7 +333,7 @@ async def _row(db_url: str, run_id: str) -> Any:
 
     store = await Store.open(db_url)
     try:
-        return await store.get_run(run_id)
+        return await store.runs.get(run_id)
     finally:
         await store.close()
 
@@ -344,7 +344,7 @@ async def _suite_rows(db_url: str, suite_run_id: str) -> list[Any]:
     store = await Store.open(db_url)
     try:
         org = await store.orgs.get("local")
-        rows, _ = await store.list_runs(org.id, limit=100)
+        rows, _ = await store.runs.list(org.id, limit=100)
         return [r for r in rows if r.labels.get("suite_run_id") == suite_run_id]
     finally:
         await store.close()

@@ -79,7 +79,7 @@ def rows(cluster: Cluster, ids: list[str]) -> dict[str, Any]:
     async def go() -> dict[str, Any]:
         store = await Store.open(cluster.db_url)
         try:
-            return {i: await store.get_run(i) for i in ids}
+            return {i: await store.runs.get(i) for i in ids}
         finally:
             await store.close()
 

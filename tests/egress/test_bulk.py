@@ -105,5 +105,5 @@ async def test_bulk_bytes_arrive_whole_and_each_mib_is_charged_once(
     moved = tunnel["bytes_in"] + tunnel["bytes_out"]
     mibs = -(-moved // (1 << 20))  # each MiB paid before it moved, the first with the request
     assert tunnel["cost_micros"] == 1000 + 100 * mibs
-    row = await runtime.store.get_run(agent.run_id)
+    row = await runtime.store.runs.get(agent.run_id)
     assert row.breakdown["web_micros"] == tunnel["cost_micros"]

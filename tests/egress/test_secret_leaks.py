@@ -187,7 +187,7 @@ async def test_the_stored_credential_never_reaches_the_guest_in_any_form(
     assert events and not leaks(json.dumps([e.data for e in events]).encode(), needle)
     requested = [e.data for e in await events_of(agent, "connection.requested")]
     assert requested and {r["status"] for r in requested} <= {200, 502}
-    row = await runtime.store.get_run(agent.run_id)
+    row = await runtime.store.runs.get(agent.run_id)
     assert not leaks(await _run_page(runtime, row.org_id, agent.run_id), needle)
     assert not leaks(caplog.text.encode(), needle)
 

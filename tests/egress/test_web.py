@@ -138,7 +138,7 @@ async def test_web_on_reaches_http_and_https_and_is_charged(
     # one request price plus one MiB ahead, per request or tunnel
     assert all(e.data["cost_micros"] == 1000 + 100 for e in events)
     assert "SECRETQ" not in str([e.data for e in events])
-    row = await runtime.store.get_run(agent.run_id)
+    row = await runtime.store.runs.get(agent.run_id)
     assert row.breakdown["web_micros"] == sum(e.data["cost_micros"] for e in events)
     all_events = await runtime.store.events.list(agent.run_id)
     assert fold_events(all_events)["cost"]["charged_micros"] == row.charged_micros

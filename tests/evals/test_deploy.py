@@ -111,7 +111,7 @@ async def test_deployments_run_on_a_process_worker(server: PrefectServer, tmp_pa
 
     store = await Store.open(settings.db_url)
     try:
-        assert (await store.get_run(row.id)).status == "succeeded"
+        assert (await store.runs.get(row.id)).status == "succeeded"
     finally:
         await store.close()
     _, rows = Records(settings.records_dir).costs(by="recipe", since=None)

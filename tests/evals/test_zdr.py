@@ -52,7 +52,7 @@ async def test_zdr_output_is_judged_once_and_not_kept(tmp_path: Path) -> None:
         assert [c.passed for c in r.checks] == [True, False, False]
         assert all(c.reason == ZDR_REASON for c in r.checks)
         assert runtime.take_zdr_output(r.run_id or "") is None
-        row = await runtime.store.get_run(r.run_id or "")
+        row = await runtime.store.runs.get(r.run_id or "")
         assert row.output is None
         assert [c["passed"] for c in row.labels["checks"]] == [True, False, False]
     finally:

@@ -382,7 +382,7 @@ async def test_bad_agent_requests_are_refused_naming_the_field(
     assert r.status_code == 422, r.text
     fields = [e["field"] for e in r.json().get("errors") or []]
     assert field in fields, r.json()
-    assert (await runtime.store.open_runs()) == []
+    assert (await runtime.store.runs.open()) == []
 
 
 async def test_a_cancelled_agent_run_ends_cancelled_its_agent_killed_and_settled(

@@ -428,7 +428,7 @@ async def test_the_reproduction_is_refused_before_anything_reaches_the_upstream(
     assert [d["field"] for d in denied] == [case[3] for case in REPRODUCTION]
     assert all(d["reason"].startswith(f"{d['field']}: ") for d in denied)
     assert await events_of(agent, "model.called") == []
-    row = await runtime.store.get_run(agent.run_id)
+    row = await runtime.store.runs.get(agent.run_id)
     assert row.breakdown["model_micros"] == 0
 
 

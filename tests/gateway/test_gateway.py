@@ -129,7 +129,7 @@ async def test_chat_completions_and_responses_plain_and_streamed(
             GPT, Usage(input_tokens=c["input_tokens"], output_tokens=c["output_tokens"])
         )
         assert c["cost_micros"] == want and c["reserved_micros"] >= want
-    row = await runtime.store.get_run(agent.run_id)
+    row = await runtime.store.runs.get(agent.run_id)
     assert row.breakdown["model_micros"] == sum(c["cost_micros"] for c in called)
     assert row.breakdown["web_micros"] == 0
     assert row.charged_micros + row.refunded_micros == row.reserved_micros
@@ -215,7 +215,7 @@ async def test_an_ungranted_model_is_refused_in_the_providers_shape(
         ("claude-sonnet-4-5", "messages"),
     ]
     assert await _called(agent) == []
-    row = await runtime.store.get_run(agent.run_id)
+    row = await runtime.store.runs.get(agent.run_id)
     assert row.breakdown["model_micros"] == 0
 
 
@@ -243,7 +243,7 @@ async def test_a_client_that_hangs_up_mid_stream_is_charged_what_the_provider_re
     assert event["cost_micros"] == runtime.price_book.model_cost(
         GPT, Usage(input_tokens=70, output_tokens=60)
     )
-    row = await runtime.store.get_run(agent.run_id)
+    row = await runtime.store.runs.get(agent.run_id)
     assert row.breakdown["model_micros"] == event["cost_micros"]
     assert row.charged_micros + row.refunded_micros == row.reserved_micros
 

@@ -62,7 +62,7 @@ async def test_a_session_with_a_model_granted_calls_it_and_pays_for_it(
     assert cost["breakdown"]["model_micros"] == want
     assert cost["breakdown"]["web_micros"] == 0
     assert cost["charged_micros"] + cost["refunded_micros"] == cost["reserved_micros"]
-    row = await runtime.store.get_run(sid)
+    row = await runtime.store.runs.get(sid)
     assert row.usage["model_calls"] == 1 and row.usage["input_tokens"] == 90
     (called,) = [e.data for e in await runtime.store.events.list(sid) if e.type == "model.called"]
     assert called["cost_micros"] == want and called["via"] == "gateway"
@@ -109,11 +109,11 @@ async def test_a_model_that_never_stops_ends_the_session_budget_exhausted(
     assert "started" in res["stdout"]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        row = await runtime.store.get_run(sid)
+        row = await runtime.store.runs.get(sid)
         if row.status not in ("queued", "provisioning", "running"):
             break
         await asyncio.sleep(0.1)
-    row = await runtime.store.get_run(sid)
+    row = await runtime.store.runs.get(sid)
     assert row.status == "budget_exhausted", (row.status, row.termination_detail)
     assert row.termination_detail == "model calls used up the budget"
     assert row.charged_micros + row.refunded_micros == row.reserved_micros

@@ -22,7 +22,7 @@ from ephemeral.engine.runtime import Runtime
 from ephemeral.lifecycle import RunStatus
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
-from ephemeral.store import Store
+from ephemeral.store.runs import Runs
 
 
 def _die() -> None:
@@ -59,14 +59,14 @@ def _to(status: RunStatus) -> Callable[..., bool]:
 
 
 BOUNDARIES: dict[str, Callable[[], None]] = {
-    "admitted": lambda: _after(Store, "admit_run"),
-    "provisioning": lambda: _after(Store, "transition", _to(RunStatus.PROVISIONING)),
-    "sandbox.ready": lambda: _after(Store, "transition", _to(RunStatus.RUNNING)),
+    "admitted": lambda: _after(Runs, "admit"),
+    "provisioning": lambda: _after(Runs, "transition", _to(RunStatus.PROVISIONING)),
+    "sandbox.ready": lambda: _after(Runs, "transition", _to(RunStatus.RUNNING)),
     # The loop holds the step callables in PLAIN_STEPS: wrapping the methods would not reach it.
     "model_step": lambda: _after(PLAIN_STEPS, "model_step"),
     "tool_step": lambda: _after(PLAIN_STEPS, "tool_step"),
     "teardown": lambda: _after(PLAIN_STEPS, "teardown"),
-    "closed": lambda: _after(Store, "close_run"),
+    "closed": lambda: _after(Runs, "close"),
     # The record's files are written, its `recorded` marker is not.
     "recorded": lambda: _after_sync(closing, "record_run"),
 }

@@ -204,7 +204,7 @@ async def test_cancel_destroys_the_sandbox_and_settles(
     with pytest.raises(asyncio.CancelledError):
         await task
     events = await runtime.store.events.list(row.id)
-    assert_settled(await runtime.store.get_run(row.id), events)
+    assert_settled(await runtime.store.runs.get(row.id), events)
     assert_golden_log("run-cancelled", events)
 
 

@@ -87,7 +87,7 @@ async def test_kill_9_mid_run_is_recovered(
         while time.monotonic() < deadline:
             store = await Store.open(run_settings.db_url)
             try:
-                rows = await store.open_runs()
+                rows = await store.runs.open()
                 if rows:
                     run_id = rows[0].id
                     if "worker.started" in [e.type for e in await store.events.list(run_id)]:
@@ -108,7 +108,7 @@ async def test_kill_9_mid_run_is_recovered(
 
     runtime = await Runtime.start(run_settings)  # recovery runs at start-up
     try:
-        row = await runtime.store.get_run(run_id)
+        row = await runtime.store.runs.get(run_id)
         events = await runtime.store.events.list(run_id)
     finally:
         await runtime.close()
@@ -173,7 +173,7 @@ async def test_kill_9_at_every_step_boundary_is_recovered(
 
     store = await Store.open(run_settings.db_url)
     try:
-        page, _ = await store.list_runs((await store.orgs.get("local")).id)
+        page, _ = await store.runs.list((await store.orgs.get("local")).id)
         rows = {r.id: r for r in page}
         by_status = sorted(r.status for r in rows.values())
     finally:
@@ -220,7 +220,7 @@ async def test_recovery_settles_a_run_left_terminal_but_unsettled(run_settings: 
     store = await Store.open(run_settings.db_url)
     try:
         org = await store.orgs.ensure("local", initial_credit_micros=1_000_000)
-        row, _ = await store.admit_run(
+        row, _ = await store.runs.admit(
             org_id=org.id,
             run_id=new_run_id(),
             model="replay/x",

@@ -110,7 +110,7 @@ async def test_a_hand_over_prefect_refuses_leaves_the_run_queued_for_the_outbox(
     try:
         org = await api.local_org()
         row, _ = await api.submit(org, RunRequest(prompt="p", model=model))
-        stored = await api.store.get_run(row.id)
+        stored = await api.store.runs.get(row.id)
         assert (stored.status, stored.dispatched_at, stored.owner) == ("queued", None, None)
         assert fake.dispatched == []
         waiting = await api.store.outbox.undispatched(utcnow() + timedelta(seconds=1))
@@ -159,7 +159,7 @@ async def test_an_expired_lease_is_settled_once_up_to_its_last_renewal(
     other = await Runtime.start(run_settings, recover=False, watchdog=False)
     try:
         org = await api.local_org()
-        row, _ = await api.store.admit_run(
+        row, _ = await api.store.runs.admit(
             org_id=org,
             run_id=new_run_id(),
             model="replay/sandbox-proof",
@@ -167,7 +167,7 @@ async def test_an_expired_lease_is_settled_once_up_to_its_last_renewal(
             policy=RunRequest(prompt="p").policy().model_dump(mode="json"),
         )
         ready = utcnow()
-        await api.store.transition(
+        await api.store.runs.transition(
             row.id,
             expect={RunStatus.QUEUED},
             to=RunStatus.PROVISIONING,
@@ -177,7 +177,7 @@ async def test_an_expired_lease_is_settled_once_up_to_its_last_renewal(
             lease_renewed_at=ready,
             lease_expires_at=ready + timedelta(seconds=30),
         )
-        await api.store.transition(
+        await api.store.runs.transition(
             row.id,
             expect={RunStatus.PROVISIONING},
             to=RunStatus.RUNNING,
@@ -196,7 +196,7 @@ async def test_an_expired_lease_is_settled_once_up_to_its_last_renewal(
             expires_at=utcnow() - timedelta(seconds=1),
         )
         found = await asyncio.gather(api.settle_expired_leases(), other.settle_expired_leases())
-        settled = await api.store.get_run(row.id)
+        settled = await api.store.runs.get(row.id)
         events = await api.store.events.list(row.id)
     finally:
         await other.close()
@@ -227,7 +227,7 @@ async def test_a_taken_run_waiting_on_a_dead_worker_is_refunded_in_full(
     await worker.hold_leases(30)
     try:
         org = await api.local_org()
-        row, _ = await api.store.admit_run(
+        row, _ = await api.store.runs.admit(
             org_id=org,
             run_id=new_run_id(),
             model="replay/sandbox-proof",
@@ -235,7 +235,7 @@ async def test_a_taken_run_waiting_on_a_dead_worker_is_refunded_in_full(
             policy=RunRequest(prompt="p").policy().model_dump(mode="json"),
         )
         assert await worker.take(row.id) is True
-        taken = await api.store.get_run(row.id)
+        taken = await api.store.runs.get(row.id)
         assert (taken.status, taken.host, taken.owner) == ("queued", "w9", worker.owner)
         assert await worker.take(row.id) is True  # still queued: taking again is harmless
         # a late renewal of the run's lease (a busy worker, a locked row) is not the worker's
@@ -258,7 +258,7 @@ async def test_a_taken_run_waiting_on_a_dead_worker_is_refunded_in_full(
             expires_at=utcnow() - timedelta(seconds=1),
         )
         assert await api.settle_expired_leases() == [row.id]
-        settled = await api.store.get_run(row.id)
+        settled = await api.store.runs.get(row.id)
         assert await worker.engine.grant(row.id) is False  # nothing left to start
     finally:
         await worker.close()

@@ -39,7 +39,7 @@ async def test_purge_erases_content_and_keeps_billing(run_settings: Settings) ->
     assert not summary.exists()
 
     async with runlevel.started(run_settings, check=True) as runtime:
-        after = await runtime.store.get_run(row.id)
+        after = await runtime.store.runs.get(row.id)
         events = await runtime.store.events.list(row.id)
     assert after.prompt is None and after.output is None
     assert (after.charged_micros, after.refunded_micros) == (

@@ -84,7 +84,7 @@ async def test_creates_of_one_kind_take_turns_in_order(sessions: Sessions) -> No
     await _settle(lambda: len(source.booting) == slots, f"{slots} boots began")
     await asyncio.sleep(0.2)
     # The rest wait their turn before admission: nothing reserved or recorded for them yet.
-    admitted = await sessions.store.open_runs()
+    admitted = await sessions.store.runs.open()
     assert sorted(r.labels["n"] for r in admitted) == list(range(slots))
     assert len(source.booting) == slots
 

@@ -119,7 +119,7 @@ async def test_a_placed_session_is_driven_through_the_host(
         assert r.status_code == 201, r.text
         sid = r.json()["id"]
         assert r.json()["status"] == "running"
-        row = await api.store.get_run(sid)
+        row = await api.store.runs.get(sid)
         assert (row.host, row.status) == ("h1", "running")
         assert sid in host.hosted and not api.sessions.owns(sid)
 

@@ -93,7 +93,7 @@ async def test_session_lifecycle_money_and_records(
     finally:
         records.close()
     # sessions are not runs: the run list does not show them
-    listed, _ = await runtime.store.list_runs(org)
+    listed, _ = await runtime.store.runs.list(org)
     assert listed == []
 
 

@@ -13,7 +13,7 @@ from tests.store.storehelp import policy
 async def test_concurrent_settlers_write_the_charge_and_its_event_once(
     db_url: str, org: Org, store: Store
 ) -> None:
-    run, _ = await store.admit_run(
+    run, _ = await store.runs.admit(
         org_id=org.id, run_id=new_run_id(), model="replay/x", prompt="p", policy=policy(10_000)
     )
     others = [await Store.open(db_url) for _ in range(4)]  # one engine per "process"

@@ -27,7 +27,7 @@ async def _admit(store: Store, org: Org, **kw: object):
         "policy": policy(COST),
     }
     args.update(kw)
-    return await store.admit_run(**args)  # type: ignore[arg-type]
+    return await store.runs.admit(**args)  # type: ignore[arg-type]
 
 
 async def test_200_concurrent_admissions_never_overdraw(store: Store) -> None:
@@ -75,12 +75,12 @@ async def test_refusal_names_balance_and_need(store: Store) -> None:
     assert info.value.status == 402
     assert "40000" in info.value.detail and "10000" in info.value.detail
     # A refused admission leaves nothing behind.
-    assert await store.list_runs(org.id) == ([], None)
+    assert await store.runs.list(org.id) == ([], None)
 
 
 async def test_unknown_org_is_not_found(store: Store) -> None:
     with pytest.raises(errors.NotFound):
-        await store.admit_run(
+        await store.runs.admit(
             org_id="org_nope", run_id=new_run_id(), model="m/x", prompt="p", policy=policy()
         )
 
@@ -103,7 +103,7 @@ async def test_admission_records_queued_event_and_policy_unchanged(store: Store,
     queued = (1, "run.queued", {"reserved_micros": COST})
     assert [(e.seq, e.type, e.data) for e in events] == [queued]
     # The row admission returns (from its INSERT) is the row as stored, field for field.
-    assert run == await store.get_run(run.id)
+    assert run == await store.runs.get(run.id)
 
 
 async def test_same_key_same_body_replays_without_second_hold(store: Store, org: Org) -> None:

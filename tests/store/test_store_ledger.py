@@ -20,7 +20,7 @@ KINDS = ("model", "web", "compute")
 
 
 async def _run(store: Store, org: Org, reserved: int = 10_000) -> RunRow:
-    run, _ = await store.admit_run(
+    run, _ = await store.runs.admit(
         org_id=org.id, run_id=new_run_id(), model="replay/x", prompt="p", policy=policy(reserved)
     )
     return run
@@ -44,7 +44,7 @@ async def test_charges_accumulate_and_settle_refunds_the_rest(store: Store, org:
     assert settled.breakdown == {"model_micros": 330, "web_micros": 0, "compute_micros": 3200}
     after = await store.orgs.get(org.id)
     assert (after.balance_micros, after.reserved_micros) == (1_000_000 - 3530, 0)
-    stored = await store.get_run(run.id)
+    stored = await store.runs.get(run.id)
     assert stored.settled and stored.refunded_micros == 6470
     assert stored.breakdown == settled.breakdown
 

@@ -25,7 +25,7 @@ USAGE = {"model_calls": 1, "input_tokens": 10, "output_tokens": 2}
 
 
 async def _run(store: Store, org: Org) -> RunRow:
-    run, _ = await store.admit_run(
+    run, _ = await store.runs.admit(
         org_id=org.id, run_id=new_run_id(), model="replay/x", prompt="p", policy=policy(10_000)
     )
     return run
@@ -39,19 +39,19 @@ async def test_transition_writes_row_and_events_only_from_the_expected_status(
     store: Store, org: Org
 ) -> None:
     run = await _run(store, org)
-    started = await store.transition(
+    started = await store.runs.transition(
         run.id, expect={RunStatus.QUEUED}, to=RunStatus.PROVISIONING, started_at=utcnow()
     )
     assert started.status == "provisioning" and started.started_at is not None
     with pytest.raises(errors.Conflict, match="provisioning"):
-        await store.transition(
+        await store.runs.transition(
             run.id,
             expect={RunStatus.QUEUED},
             to=RunStatus.RUNNING,
             events=[("sandbox.ready", {"boot_ms": 1})],
         )
     assert await _types(store, run.id) == ["run.queued"]  # the refused move wrote nothing
-    ready = await store.transition(
+    ready = await store.runs.transition(
         run.id,
         expect={RunStatus.PROVISIONING},
         to=RunStatus.RUNNING,
@@ -66,14 +66,14 @@ async def test_transition_writes_row_and_events_only_from_the_expected_status(
         (3, "worker.started"),
     ]
     assert listed[2].data == {"shell": True}
-    with pytest.raises(errors.InvalidRequest):  # ending a run is close_run's job
-        await store.transition(run.id, expect={RunStatus.RUNNING}, to=RunStatus.SUCCEEDED)
+    with pytest.raises(errors.InvalidRequest):  # ending a run is runs.close's job
+        await store.runs.transition(run.id, expect={RunStatus.RUNNING}, to=RunStatus.SUCCEEDED)
 
 
 async def test_close_run_ends_settles_and_publishes_at_once(store: Store, org: Org) -> None:
     run = await _run(store, org)
     await store.money.charge(run.id, "model", 1_234, key=f"{run.id}:model:0")
-    row, settlement = await store.close_run(
+    row, settlement = await store.runs.close(
         run.id, reason=TerminationReason.COMPLETED, detail=None, usage=USAGE, output="# done"
     )
     assert (row.status, row.termination_reason, row.output) == ("succeeded", "completed", "# done")
@@ -86,7 +86,7 @@ async def test_close_run_ends_settles_and_publishes_at_once(store: Store, org: O
     assert (await store.orgs.get(org.id)).reserved_micros == 0
 
     # A second close (the runtime abandoning a run its agent just ended) changes nothing.
-    again, same = await store.close_run(
+    again, same = await store.runs.close(
         run.id, reason=TerminationReason.CANCELLED, detail="late", usage={}, output=None
     )
     assert (again.status, same) == ("succeeded", settlement)
@@ -97,7 +97,10 @@ async def test_concurrent_closes_end_the_run_once(store: Store, org: Org) -> Non
     run = await _run(store, org)
     reasons = [TerminationReason.COMPLETED, TerminationReason.CANCELLED] * 3
     rows = await asyncio.gather(
-        *(store.close_run(run.id, reason=r, detail=None, usage=USAGE, output=None) for r in reasons)
+        *(
+            store.runs.close(run.id, reason=r, detail=None, usage=USAGE, output=None)
+            for r in reasons
+        )
     )
     assert len({row.status for row, _ in rows}) == 1
     types = await _types(store, run.id)
@@ -111,10 +114,10 @@ async def test_a_failing_close_leaves_the_run_open_and_unsettled(store: Store, o
     async with store.engine.begin() as conn:  # the run's total no longer matches its ledger
         await conn.execute(sa.update(runs).where(runs.c.id == run.id).values(charged_micros=99))
     with pytest.raises(errors.EphemeralError, match="ledger"):
-        await store.close_run(
+        await store.runs.close(
             run.id, reason=TerminationReason.COMPLETED, detail=None, usage=USAGE, output="x"
         )
-    row = await store.get_run(run.id)
+    row = await store.runs.get(run.id)
     assert (row.status, row.settled, row.ended_at) == ("queued", False, None)
     assert await _types(store, run.id) == ["run.queued"]
     assert (await store.orgs.get(org.id)).reserved_micros == 10_000
@@ -125,13 +128,13 @@ async def test_close_run_settles_a_run_an_older_version_left_terminal(
 ) -> None:
     run = await _run(store, org)
     await force_status(store, run.id, "failed", "infra_error")
-    assert [r.id for r in await store.unsettled_runs()] == [run.id]
-    row, settlement = await store.close_run(
+    assert [r.id for r in await store.runs.unsettled()] == [run.id]
+    row, settlement = await store.runs.close(
         run.id, reason=TerminationReason.INFRA_ERROR, detail="unsettled", usage={}, output="x"
     )
     assert (row.status, row.settled, settlement.refunded_micros) == ("failed", True, 10_000)
     assert await _types(store, run.id) == ["run.queued", "run.settled"]
-    assert await store.unsettled_runs() == []
+    assert await store.runs.unsettled() == []
 
 
 async def test_compute_charge_and_its_event_are_one_fact(store: Store, org: Org) -> None:
@@ -158,20 +161,20 @@ async def _run_in(store: Store, org: Org, status: RunStatus) -> RunRow:
     if status == RunStatus.QUEUED:
         return run
     if status in TERMINAL_STATUSES:
-        row, _ = await store.close_run(
+        row, _ = await store.runs.close(
             run.id, reason=REASON_FOR[status], detail=None, usage={}, output=None
         )
         return row
-    return await store.transition(run.id, expect={RunStatus.QUEUED}, to=status)
+    return await store.runs.transition(run.id, expect={RunStatus.QUEUED}, to=status)
 
 
 async def _move(store: Store, run_id: str, start: RunStatus, to: RunStatus) -> RunRow:
     if to in TERMINAL_STATUSES:
-        row, _ = await store.close_run(
+        row, _ = await store.runs.close(
             run_id, reason=REASON_FOR[to], detail=None, usage=USAGE, output="x", expect={start}
         )
         return row
-    return await store.transition(
+    return await store.runs.transition(
         run_id, expect={start}, to=to, events=[("sandbox.ready", {"boot_ms": 1})]
     )
 
@@ -185,16 +188,16 @@ async def test_every_status_pair_is_legal_only_if_the_table_says_so(
     store: Store, org: Org, start: RunStatus, to: RunStatus
 ) -> None:
     run = await _run_in(store, org, start)
-    before = (await store.get_run(run.id), await _types(store, run.id))
+    before = (await store.runs.get(run.id), await _types(store, run.id))
     balance = (await store.orgs.get(org.id)).model_dump()
     if (start, to) in TRANSITIONS:
         row = await _move(store, run.id, start, to)
         assert row.status == to
-        assert (await store.get_run(run.id)).status == to
+        assert (await store.runs.get(run.id)).status == to
         return
     with pytest.raises(errors.IllegalTransition, match=f"{start} -> {to}"):
         await _move(store, run.id, start, to)
-    assert (await store.get_run(run.id), await _types(store, run.id)) == before
+    assert (await store.runs.get(run.id), await _types(store, run.id)) == before
     assert (await store.orgs.get(org.id)).model_dump() == balance
 
 

@@ -20,7 +20,7 @@ CANARY = "CANARY-7f3a9c-not-for-storage"
 
 
 async def _run(store: Store, org: Org, **pol: object) -> RunRow:
-    run, _ = await store.admit_run(
+    run, _ = await store.runs.admit(
         org_id=org.id,
         run_id=new_run_id(),
         model="replay/x",
@@ -60,12 +60,12 @@ async def test_an_event_with_usage_sets_the_runs_usage_with_it(store: Store, org
     run = await _run(store, org)
     event = await store.events.append(run.id, "sandbox.exec", {"n": 1}, usage={"execs": 1})
     assert event.seq == 2
-    assert (await store.get_run(run.id)).usage == {"execs": 1}
+    assert (await store.runs.get(run.id)).usage == {"execs": 1}
     with pytest.raises(errors.InvalidRequest) as info:
         await store.events.append(run.id, "sandbox.exec", {"n": 2}, usage=["not", "an", "object"])  # type: ignore[arg-type]
     assert info.value.errors and info.value.errors[0]["field"] == "usage"
     assert [e.seq for e in await store.events.list(run.id)] == [1, 2]  # the refused one: nothing
-    assert (await store.get_run(run.id)).usage == {"execs": 1}
+    assert (await store.runs.get(run.id)).usage == {"execs": 1}
 
 
 async def test_zero_data_retention_keeps_no_content(store: Store, org: Org) -> None:
@@ -115,13 +115,13 @@ async def test_erase_content_keeps_billing(store: Store, org: Org) -> None:
     )
     await store.events.append(run.id, "run.output", {"markdown": CANARY})
     await store.transcripts.save(run.id, [{"role": "user", "content": CANARY}])
-    await store.update_run(run.id, output=CANARY, usage={"model_calls": 1})
+    await store.runs.update(run.id, output=CANARY, usage={"model_calls": 1})
     await store.money.charge(run.id, "model", 123, "m1")
     settled = await store.money.settle(run.id)
 
     await store.retention.erase(run.id)
 
-    after = await store.get_run(run.id)
+    after = await store.runs.get(run.id)
     assert after.prompt is None and after.output is None and after.erased_at is not None
     assert await store.transcripts.get(run.id) is None
     events = await store.events.list(run.id)
@@ -181,7 +181,7 @@ async def test_transcript_roundtrip_and_overwrite(store: Store, org: Org) -> Non
 async def test_update_run_fields_and_guard(store: Store, org: Org) -> None:
     run = await _run(store, org)
     now = utcnow()
-    updated = await store.update_run(
+    updated = await store.runs.update(
         run.id, isolation="gvisor", sandbox_id="sb-1", started_at=now, owner="host:123"
     )
     assert (updated.status, updated.isolation, updated.sandbox_id, updated.owner) == (
@@ -202,11 +202,11 @@ async def test_update_run_fields_and_guard(store: Store, org: Org) -> None:
         {"started_at": now.replace(tzinfo=None)},
     ):
         with pytest.raises(errors.InvalidRequest) as info:
-            await store.update_run(run.id, **bad)
+            await store.runs.update(run.id, **bad)
         assert info.value.errors and info.value.errors[0]["field"] == next(iter(bad))
-    assert (await store.get_run(run.id)).status == "queued"
+    assert (await store.runs.get(run.id)).status == "queued"
     with pytest.raises(errors.NotFound):
-        await store.update_run("run_" + "0" * 32, owner="x")
+        await store.runs.update("run_" + "0" * 32, owner="x")
 
 
 async def test_open_and_unsettled_runs(store: Store, org: Org) -> None:
@@ -214,38 +214,38 @@ async def test_open_and_unsettled_runs(store: Store, org: Org) -> None:
     finished = await _run(store, org)
     settled = await _run(store, org)
     await force_status(store, finished.id, "failed", "infra_error")  # as an older version could
-    await store.close_run(
+    await store.runs.close(
         settled.id, reason=TerminationReason.COMPLETED, detail=None, usage={}, output=None
     )
-    assert [r.id for r in await store.open_runs()] == [queued.id]
-    assert [r.id for r in await store.unsettled_runs()] == [finished.id]
+    assert [r.id for r in await store.runs.open()] == [queued.id]
+    assert [r.id for r in await store.runs.unsettled()] == [finished.id]
 
 
 async def test_list_runs_pages_newest_first(store: Store, org: Org) -> None:
     ids = [(await _run(store, org)).id for _ in range(7)]
-    await store.transition(ids[3], expect={RunStatus.QUEUED}, to=RunStatus.RUNNING)
+    await store.runs.transition(ids[3], expect={RunStatus.QUEUED}, to=RunStatus.RUNNING)
     seen: list[str] = []
     cursor: str | None = None
     while True:
-        page, cursor = await store.list_runs(org.id, limit=3, cursor=cursor)
+        page, cursor = await store.runs.list(org.id, limit=3, cursor=cursor)
         seen += [r.id for r in page]
         if cursor is None:
             break
     assert seen == ids[::-1]
-    running, nxt = await store.list_runs(org.id, status="running")
+    running, nxt = await store.runs.list(org.id, status="running")
     assert [r.id for r in running] == [ids[3]] and nxt is None
     with pytest.raises(errors.InvalidRequest) as info:
-        await store.list_runs(org.id, cursor="garbage!")
+        await store.runs.list(org.id, cursor="garbage!")
     assert info.value.errors and info.value.errors[0]["field"] == "cursor"
     for bad in ({"limit": 0}, {"limit": 101}, {"status": "nope"}):
         with pytest.raises(errors.InvalidRequest):
-            await store.list_runs(org.id, **bad)  # type: ignore[arg-type]
+            await store.runs.list(org.id, **bad)  # type: ignore[arg-type]
 
 
 async def test_another_orgs_run_is_not_found(store: Store, org: Org) -> None:
     run = await _run(store, org)
     other = await store.orgs.ensure("other", initial_credit_micros=100_000)
-    assert (await store.get_run(run.id, org.id)).id == run.id
+    assert (await store.runs.get(run.id, org.id)).id == run.id
     with pytest.raises(errors.NotFound):
-        await store.get_run(run.id, other.id)
-    assert await store.list_runs(other.id) == ([], None)
+        await store.runs.get(run.id, other.id)
+    assert await store.runs.list(other.id) == ([], None)

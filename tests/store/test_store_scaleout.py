@@ -21,7 +21,7 @@ from tests.store.storehelp import policy
 
 
 async def _run(store: Store, org: Org) -> RunRow:
-    run, _ = await store.admit_run(
+    run, _ = await store.runs.admit(
         org_id=org.id, run_id=new_run_id(), model="replay/x", prompt="p", policy=policy(10_000)
     )
     return run
@@ -29,7 +29,7 @@ async def _run(store: Store, org: Org) -> RunRow:
 
 async def _claim(store: Store, run_id: str, lease: timedelta, owner: str | None = None) -> RunRow:
     now = utcnow()
-    return await store.transition(
+    return await store.runs.transition(
         run_id,
         expect={RunStatus.QUEUED},
         to=RunStatus.PROVISIONING,
@@ -50,7 +50,7 @@ async def test_a_lease_expires_unless_renewed_and_only_open_runs_count(
     assert (claimed.host, claimed.lease_expires_at is not None) == ("a", True)
     await _claim(store, stale.id, timedelta(seconds=-1), owner="a:1:1")
     await _claim(store, done.id, timedelta(seconds=-1), owner="a:1:1")
-    await store.close_run(
+    await store.runs.close(
         done.id, reason=TerminationReason.COMPLETED, detail=None, usage={}, output=None
     )
     assert [r.id for r in await store.leases.expired(utcnow())] == [stale.id]
@@ -67,7 +67,7 @@ async def test_a_lease_expires_unless_renewed_and_only_open_runs_count(
         expires_at=later + timedelta(1),
     )
     assert await store.leases.expired(later) == []
-    assert (await store.get_run(done.id)).lease_expires_at < later  # a closed run is not renewed
+    assert (await store.runs.get(done.id)).lease_expires_at < later  # a closed run is not renewed
 
 
 async def test_a_live_process_lease_covers_its_runs_until_it_lapses_or_lets_go(
@@ -84,7 +84,7 @@ async def test_a_live_process_lease_covers_its_runs_until_it_lapses_or_lets_go(
     # a run the live process lets go of is no longer covered; of another owner, refused
     assert await store.leases.let_go(dropped.id, "host-b:2:2", utcnow()) is False
     assert await store.leases.let_go(dropped.id, "host-a:1:1", utcnow()) is True
-    assert (await store.get_run(dropped.id)).owner is None
+    assert (await store.runs.get(dropped.id)).owner is None
     assert {r.id for r in await store.leases.expired(utcnow())} == {other.id, dropped.id}
     # the process lease lapses (the process died): its runs expire with their own leases
     await leases.renew(store.engine, "host-a:1:1", "a", -1)
@@ -142,11 +142,11 @@ async def test_a_process_lease_is_renewed_while_the_loop_turns_and_lapses_when_i
 async def test_cancel_requests_are_kept_for_open_runs_only(store: Store, org: Org) -> None:
     run, other = await _run(store, org), await _run(store, org)
     assert await store.cancels.request(run.id) is True
-    first = (await store.get_run(run.id)).cancel_requested_at
+    first = (await store.runs.get(run.id)).cancel_requested_at
     assert await store.cancels.request(run.id) is True
-    assert (await store.get_run(run.id)).cancel_requested_at == first  # the first request stays
+    assert (await store.runs.get(run.id)).cancel_requested_at == first  # the first request stays
     assert await store.cancels.requested([run.id, other.id]) == [run.id]
-    await store.close_run(
+    await store.runs.close(
         other.id, reason=TerminationReason.CANCELLED, detail=None, usage={}, output=None
     )
     assert await store.cancels.request(other.id) is False
@@ -156,7 +156,7 @@ async def test_close_run_with_expect_leaves_a_claimed_run_alone(store: Store, or
     run = await _run(store, org)
     await _claim(store, run.id, timedelta(seconds=30))
     with pytest.raises(errors.Conflict, match="provisioning"):
-        await store.close_run(
+        await store.runs.close(
             run.id,
             reason=TerminationReason.CANCELLED,
             detail="cancelled by request",
@@ -164,7 +164,7 @@ async def test_close_run_with_expect_leaves_a_claimed_run_alone(store: Store, or
             output=None,
             expect={RunStatus.QUEUED},
         )
-    row = await store.get_run(run.id)
+    row = await store.runs.get(run.id)
     assert (row.status, row.settled) == ("provisioning", False)
     assert [e.type for e in await store.events.list(run.id)] == ["run.queued", "run.claimed"]
 
@@ -211,7 +211,7 @@ async def test_the_outbox_finds_undispatched_ownerless_runs_and_a_release_renumb
     # a draining worker hands back what it holds: ownerless, undispatched, the next number
     assert await store.outbox.release(owned.id, "b:1:2") is None  # not b's
     assert await store.outbox.release(owned.id, "a:1:2") == 1
-    back = await store.get_run(owned.id)
+    back = await store.runs.get(owned.id)
     assert (back.owner, back.host, back.lease_expires_at, back.dispatches) == (None,) * 3 + (1,)
     assert await store.outbox.release(dispatched.id, "a:1:2") == 1  # received untaken
     assert {r.id for r in await store.outbox.undispatched(later)} == {

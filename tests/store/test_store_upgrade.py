@@ -31,14 +31,14 @@ async def test_open_adds_missing_columns_and_widens_strings(db_url: str) -> None
     store = await Store.open(db_url)
     try:
         org = await store.orgs.ensure("old", initial_credit_micros=1_000_000)
-        row, _ = await store.admit_run(
+        row, _ = await store.runs.admit(
             org_id=org.id,
             run_id="run_" + "a" * 32,
             model="replay/sandbox-proof",
             prompt="p",
             policy={"max_cost_micros": 1000},
         )
-        row = await store.update_run(
+        row = await store.runs.update(
             row.id, isolation="namespaces-privileged", runtime="bubblewrap 0.8.0"
         )
         assert (row.isolation, row.runtime) == ("namespaces-privileged", "bubblewrap 0.8.0")

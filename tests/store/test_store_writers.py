@@ -15,7 +15,7 @@ from tests.store.storehelp import policy
 
 async def test_writers_take_turns_in_the_order_they_asked(sqlite_store: Store) -> None:
     org = await sqlite_store.orgs.ensure("turns", initial_credit_micros=100_000)
-    run, _ = await sqlite_store.admit_run(
+    run, _ = await sqlite_store.runs.admit(
         org_id=org.id, run_id=new_run_id(), model="replay/x", prompt="p", policy=policy(1_000)
     )
     async with sqlite_store.engine.begin() as conn:  # the write lock, held
