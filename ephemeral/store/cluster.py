@@ -14,16 +14,13 @@ import sqlalchemy as sa
 from ephemeral.ids import utcnow
 from ephemeral.lifecycle import OPEN_STATUSES, RunStatus
 from ephemeral.store import ledger, rows
-from ephemeral.store.db import Db
+from ephemeral.store.db import Repository
 from ephemeral.store.models import RunRow
 from ephemeral.store.schema import cluster_facts, process_leases, runs
 
 
-class Leases:
+class Leases(Repository):
     """A run's lease: renewed by the process executing it while its host lives."""
-
-    def __init__(self, db: Db) -> None:
-        self._db = db
 
     async def renew(
         self,
@@ -81,11 +78,8 @@ class Leases:
         return bool(done.rowcount)
 
 
-class Outbox:
+class Outbox(Repository):
     """Runs admitted and waiting for a worker: handed over to Prefect, taken, handed back."""
-
-    def __init__(self, db: Db) -> None:
-        self._db = db
 
     async def mark_dispatched(self, run_id: str, generation: int) -> None:
         """Its task run of hand-over ``generation`` exists in Prefect now."""
@@ -159,11 +153,8 @@ class Outbox:
         return None if row is None else int(row[0])
 
 
-class Cancels:
+class Cancels(Repository):
     """Requests to cancel a run, read by the process executing it."""
-
-    def __init__(self, db: Db) -> None:
-        self._db = db
 
     async def request(self, run_id: str) -> bool:
         """Flag an open run for cancellation by the host executing it; False if it ended."""
@@ -180,20 +171,12 @@ class Cancels:
         if not run_ids:
             return []
         async with self._db.read() as conn:
-            found = await conn.execute(
-                sa.select(runs.c.id).where(
-                    runs.c.id.in_(sorted(run_ids)), runs.c.cancel_requested_at.is_not(None)
-                )
-            )
-            return [r[0] for r in found]
+            return await rows.ids_among(conn, run_ids, runs.c.cancel_requested_at.is_not(None))
 
 
-class Facts:
+class Facts(Repository):
     """Values every process of a cluster agrees on (ephemeral.cluster.sharing): the first
     one stored."""
-
-    def __init__(self, db: Db) -> None:
-        self._db = db
 
     async def claim(self, name: str, value: str) -> str:
         """Store ``value`` under ``name`` unless some process did first; returns the stored one."""

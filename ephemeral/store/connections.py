@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ephemeral import errors
 from ephemeral.ids import utcnow
 from ephemeral.store import rows
-from ephemeral.store.db import Db
+from ephemeral.store.db import Repository
 from ephemeral.store.schema import connections
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")  # the same rule as a policy's connection
@@ -122,10 +122,7 @@ async def missing(conn: AsyncConnection, org_id: str, names: Iterable[str]) -> l
     return [n for n in wanted if n not in have]
 
 
-class Connections:
-    def __init__(self, db: Db) -> None:
-        self._db = db
-
+class Connections(Repository):
     async def add(
         self,
         org_id: str,

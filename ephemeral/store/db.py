@@ -5,6 +5,7 @@ as it leaves, rolled back on an exception; on SQLite it holds the write lock fro
 statement), :meth:`Db.read` for a read that must never queue behind writers (see
 :mod:`ephemeral.store.backends`). The statements themselves take the open connection, so that a
 unit of work of one repository can call into another's (closing a run charges and appends).
+Each repository is a :class:`Repository` over the one :class:`Db` its :class:`Store` owns.
 """
 
 from __future__ import annotations
@@ -35,3 +36,10 @@ class Db:
         await self.engine.dispose()
         if self._reader.sync_engine.pool is not self.engine.sync_engine.pool:
             await self._reader.dispose()
+
+
+class Repository:
+    """One concern of the store: its methods are units of work through :attr:`_db`."""
+
+    def __init__(self, db: Db) -> None:
+        self._db = db

@@ -21,7 +21,7 @@ from ephemeral import errors
 from ephemeral.events import Event, redact_for_zdr
 from ephemeral.ids import rfc3339, utcnow
 from ephemeral.store import ledger, rows
-from ephemeral.store.db import Db
+from ephemeral.store.db import Repository
 from ephemeral.store.schema import run_events, run_transcripts, runs
 
 EVENT_TYPE_RE = re.compile(r"^[a-z][a-z_]*(\.[a-z][a-z_]*)+$")
@@ -90,10 +90,7 @@ async def append(conn: AsyncConnection, run_id: str, type: str, data: dict[str, 
     return (await append_many(conn, run_id, [(type, data)]))[0]
 
 
-class Events:
-    def __init__(self, db: Db) -> None:
-        self._db = db
-
+class Events(Repository):
     async def append(
         self, run_id: str, type: str, data: dict[str, Any], *, usage: dict[str, Any] | None = None
     ) -> Event:
@@ -146,10 +143,7 @@ async def save_transcript(
     )
 
 
-class Transcripts:
-    def __init__(self, db: Db) -> None:
-        self._db = db
-
+class Transcripts(Repository):
     async def save(self, run_id: str, messages: list[dict[str, Any]]) -> None:
         """Keep the model messages; a no-op under zero data retention or after erasure."""
         check_transcript(messages)

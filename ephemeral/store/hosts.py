@@ -13,8 +13,8 @@ import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict
 
 from ephemeral.lifecycle import TERMINAL_STATUSES
-from ephemeral.store import ledger
-from ephemeral.store.db import Db
+from ephemeral.store import ledger, rows
+from ephemeral.store.db import Repository
 from ephemeral.store.schema import runs, worker_hosts
 
 
@@ -34,10 +34,7 @@ class HostRow(BaseModel):
         return self.session_slots - self.sessions_live
 
 
-class Hosts:
-    def __init__(self, db: Db) -> None:
-        self._db = db
-
+class Hosts(Repository):
     async def register(
         self,
         *,
@@ -111,9 +108,4 @@ class Hosts:
         if not run_ids:
             return []
         async with self._db.read() as conn:
-            rows = await conn.execute(
-                sa.select(runs.c.id).where(
-                    runs.c.id.in_(sorted(run_ids)), runs.c.status.in_(sorted(TERMINAL_STATUSES))
-                )
-            )
-            return [str(r[0]) for r in rows]
+            return await rows.ids_among(conn, run_ids, runs.c.status.in_(sorted(TERMINAL_STATUSES)))

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ephemeral.store import events as events_
 from ephemeral.store import ledger, rows
-from ephemeral.store.db import Db
+from ephemeral.store.db import Repository
 from ephemeral.store.models import Settlement
 from ephemeral.store.schema import runs
 
@@ -41,10 +41,7 @@ async def charge(
     return total
 
 
-class Money:
-    def __init__(self, db: Db) -> None:
-        self._db = db
-
+class Money(Repository):
     async def charge(
         self,
         run_id: str,

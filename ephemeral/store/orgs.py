@@ -10,17 +10,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ephemeral import errors
 from ephemeral.ids import new_id, utcnow
 from ephemeral.store import keys, ledger, rows
-from ephemeral.store.db import Db
+from ephemeral.store.db import Repository
 from ephemeral.store.models import ApiKey, Org, Principal
 from ephemeral.store.schema import api_keys, orgs
 
 ORG_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
-class Orgs:
-    def __init__(self, db: Db) -> None:
-        self._db = db
-
+class Orgs(Repository):
     async def create(self, name: str) -> Org:
         async with self._db.write() as conn:
             org = await _insert(conn, name)
@@ -73,10 +70,7 @@ async def _insert(conn: AsyncConnection, name: str) -> Org | None:
     return None if row is None else Org.model_validate(row._mapping)
 
 
-class Keys:
-    def __init__(self, db: Db) -> None:
-        self._db = db
-
+class Keys(Repository):
     async def create(self, org_id: str, member: str) -> tuple[ApiKey, str]:
         if not isinstance(member, str) or not 0 < len(member) <= 320 or not member.isprintable():
             raise errors.InvalidRequest.field("member", "must be 1-320 printable characters")

@@ -15,16 +15,13 @@ from ephemeral.events import redact_for_zdr
 from ephemeral.ids import utcnow
 from ephemeral.lifecycle import TERMINAL_STATUSES
 from ephemeral.store import ledger, rows
-from ephemeral.store.db import Db
+from ephemeral.store.db import Repository
 from ephemeral.store.schema import idempotency, run_events, run_transcripts, runs, sealed_content
 
 IDEMPOTENCY_RETENTION = timedelta(hours=24)
 
 
-class Sealed:
-    def __init__(self, db: Db) -> None:
-        self._db = db
-
+class Sealed(Repository):
     async def put(self, run_id: str, kind: str, sealed: str, expires_at: datetime) -> None:
         """Keep a sealed zero-data-retention prompt or output for its one reader."""
         async with self._db.write() as conn:
@@ -63,10 +60,7 @@ class Sealed:
         return int(gone.rowcount or 0)
 
 
-class Retention:
-    def __init__(self, db: Db) -> None:
-        self._db = db
-
+class Retention(Repository):
     async def erase(self, run_id: str) -> None:
         """Remove prompt, output, transcript and event content; money and usage stay."""
         async with self._db.write() as conn:

@@ -4,6 +4,7 @@ or a run by id, the run fields a writer may set, and the size bound on the JSON 
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from datetime import datetime
 from typing import Any
 
@@ -70,6 +71,12 @@ async def run(conn: AsyncConnection, run_id: str, org_id: str | None = None) -> 
     if row is None:
         raise errors.NotFound(f"run {run_id} not found")
     return RunRow.model_validate(row._mapping)
+
+
+async def ids_among(conn: AsyncConnection, run_ids: Collection[str], *where: Any) -> list[str]:
+    """Which of ``run_ids`` match ``where``."""
+    found = await conn.execute(sa.select(runs.c.id).where(runs.c.id.in_(sorted(run_ids)), *where))
+    return [str(r[0]) for r in found]
 
 
 async def runs_where(conn: AsyncConnection, *where: Any) -> list[RunRow]:

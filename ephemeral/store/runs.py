@@ -32,7 +32,7 @@ from ephemeral.lifecycle import (
 )
 from ephemeral.store import events as events_
 from ephemeral.store import ledger, money, rows
-from ephemeral.store.db import Db
+from ephemeral.store.db import Repository
 from ephemeral.store.models import RunRow, Settlement
 from ephemeral.store.schema import runs
 
@@ -80,10 +80,7 @@ async def _cas(
     return RunRow.model_validate(row._mapping)
 
 
-class Runs:
-    def __init__(self, db: Db) -> None:
-        self._db = db
-
+class Runs(Repository):
     async def admit(
         self,
         *,
