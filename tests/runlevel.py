@@ -1,14 +1,17 @@
 """What a test's runtime must not leave behind, at run level: the sandbox fixture's check
-(tests/sandbox/conftest.py) one level up. The ``runtime`` fixtures of tests/run, tests/sessions,
-tests/api, tests/broker and tests/gateway, and the tests that start a runtime of their own, call
-it around closing the runtime (through :func:`started`), so a test need not check by hand."""
+(tests/sandbox/conftest.py) one level up. Every runtime a test starts is started here, through
+:func:`started` (the ``runtime`` fixtures of tests/run, tests/sessions, tests/api, tests/broker
+and tests/gateway, and the tests that start one of their own; tests/test_runtime_starts.py fails
+on a ``Runtime.start`` anywhere else in tests/), so the check runs around closing each runtime
+and a test need not check by hand. ``check=False`` only where a test leaves runs open on
+purpose, each named with its reason in tests/test_runtime_starts.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import sqlalchemy as sa
@@ -56,12 +59,17 @@ async def after_close(runtime: Runtime) -> list[str]:
 
 @contextlib.asynccontextmanager
 async def started(
-    settings: Settings, *, check: bool = False, **start: Any
+    settings: Settings,
+    *,
+    check: bool = True,
+    opener: Callable[..., Awaitable[Runtime]] | None = None,
+    **start: Any,
 ) -> AsyncIterator[Runtime]:
-    """A runtime on ``settings`` (``start``: :meth:`Runtime.start`'s keywords) for a test or its
-    fixture, closed after it; with ``check``, what it left behind (:func:`before_close`,
-    :func:`after_close`) fails the test."""
-    rt = await Runtime.start(settings, **start)
+    """A runtime on ``settings`` (``start``: :meth:`Runtime.start`'s keywords; ``opener``: another
+    way to start one, such as ``serve``'s ``start_runtime``) for a test or its fixture, closed
+    after it; what it left behind (:func:`before_close`, :func:`after_close`) fails the test
+    unless ``check`` is off."""
+    rt = await (opener or Runtime.start)(settings, **start)
     left: list[str] = []
     try:
         yield rt

@@ -168,8 +168,7 @@ async def test_client_waits_out_a_full_queue(api_settings: Settings) -> None:
     from ephemeral.client import AsyncClient
 
     settings = api_settings.model_copy(update={"max_concurrent_runs": 1, "max_queued_runs": 0})
-    rt = await Runtime.start(settings)
-    try:
+    async with runlevel.started(settings) as rt:
         member = await new_member(rt, "patient")
         app = create_app(settings, rt)
         seen: list[int] = []
@@ -199,5 +198,3 @@ async def test_client_waits_out_a_full_queue(api_settings: Settings) -> None:
             assert seen[:2] == [201, 429] and seen[-1] == 201
             done = await client.runs.wait(run["id"], timeout=60)
             assert done["status"] == "succeeded"
-    finally:
-        await rt.close()

@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 
 from ephemeral.api import viewer
-from ephemeral.engine.runtime import LOCAL_ORG, Runtime
+from ephemeral.engine.runtime import LOCAL_ORG
 from ephemeral.evals.plan import Evaluation
 from ephemeral.evals.store import write_report
 from ephemeral.evals.suite import run_evaluation
 from ephemeral.recipes.recipe import load_recipe
 from ephemeral.settings import Settings
 from ephemeral.store import Store
+from tests import runlevel
 from tests.api.server import live_server
 from tests.browser.conftest import shot
 from tests.recipes.helpers import write
@@ -47,9 +48,8 @@ def _recipe(root: Path, name: str, wanted: str) -> Any:
 async def _two_suite_runs(settings: Settings, root: Path) -> tuple[str, str, str]:
     """A suite run where both recipes pass, then one where `changes` fails; and a member key
     of the local org (whose runs these are)."""
-    runtime = await Runtime.start(settings)
     ids = []
-    try:
+    async with runlevel.started(settings) as runtime:
         for wanted in ("Done", "Nope"):
             report = await run_evaluation(
                 runtime,
@@ -61,8 +61,6 @@ async def _two_suite_runs(settings: Settings, root: Path) -> tuple[str, str, str
             )
             write_report(report, settings)
             ids.append(report.suite_run_id)
-    finally:
-        await runtime.close()
     store = await Store.open(settings.db_url)
     try:
         org = await store.orgs.ensure(LOCAL_ORG)

@@ -9,12 +9,12 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from ephemeral.engine.runtime import Runtime
 from ephemeral.evals.plan import Evaluation
 from ephemeral.evals.suite import run_evaluation
 from ephemeral.recipes.recipe import load_recipe
 from ephemeral.records.export import COLUMNS, export_suite_run
 from ephemeral.settings import Settings
+from tests import runlevel
 from tests.drivers import built_image
 from tests.evals.conftest import REPO, cli, write_cassette
 from tests.recipes.helpers import write
@@ -94,11 +94,8 @@ async def test_a_zero_data_retention_run_exports_without_content(tmp_path: Path)
     """,
         )
     )
-    runtime = await Runtime.start(settings)
-    try:
+    async with runlevel.started(settings) as runtime:
         report = await run_evaluation(runtime, Evaluation(name="zdr", recipes=[recipe]))
-    finally:
-        await runtime.close()
     [result] = report.results
     assert result.status == "succeeded" and result.passed  # judged on the exit code alone
     out = tmp_path / "zdr.jsonl"

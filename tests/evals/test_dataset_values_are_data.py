@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral.engine.runtime import Runtime
 from ephemeral.evals.plan import Evaluation
 from ephemeral.evals.suite import run_evaluation
 from ephemeral.recipes.recipe import load_recipe
 from ephemeral.sandbox.registry import probe_level
 from ephemeral.settings import Settings
+from tests import runlevel
 from tests.drivers import unavailable
 from tests.evals.conftest import write_cassette
 from tests.recipes.helpers import write
@@ -75,11 +75,8 @@ async def test_hostile_rows_cannot_change_what_verify_runs(tmp_path: Path, isola
     """,
         )
     )
-    runtime = await Runtime.start(settings)
-    try:
+    async with runlevel.started(settings) as runtime:
         report = await run_evaluation(runtime, Evaluation(name="rows", recipes=[recipe]))
-    finally:
-        await runtime.close()
     assert [r.cell["name"] for r in report.results] == list(HOSTILE)
     for result in report.results:
         assert result.passed, (result.cell, result.status, result.detail, result.checks)

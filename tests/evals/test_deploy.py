@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral.engine.runtime import Runtime
 from ephemeral.policy import RunRequest
 from ephemeral.prefect_setup import ensure_template
 from ephemeral.records import Records
 from ephemeral.settings import Settings
 from ephemeral.store import Store
+from tests import runlevel
 from tests.evals.prefect_server import PREFECT, REPO, PrefectServer
 from tests.sample import SAMPLE_PROMPT
 
@@ -57,14 +57,12 @@ async def test_deployments_run_on_a_process_worker(server: PrefectServer, tmp_pa
     state_dir = tmp_path / "state"
     settings = Settings.load(state_dir=state_dir, use_prefect=False)
     # The API (here: the test) admits the run and hands the worker nothing but its id.
-    runtime = await Runtime.start(settings)
-    try:
+    # Left queued for the deployment's worker: no leftover check here.
+    async with runlevel.started(settings, check=False) as runtime:
         row, _ = await runtime.admit(
             await runtime.local_org(),
             RunRequest(prompt=SAMPLE_PROMPT, model="replay/sandbox-proof"),
         )
-    finally:
-        await runtime.close()
 
     server.prefect("work-pool", "create", POOL, "--type", "process")
     deployed = server.prefect("deploy", "--all", EPHEMERAL_PROJECT_DIR=str(REPO))

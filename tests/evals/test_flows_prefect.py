@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral.engine.runtime import Runtime
 from ephemeral.flows.executor import executor_for
 from ephemeral.settings import Settings
+from tests import runlevel
 from tests.evals.conftest import write_cassette
 from tests.recipes.helpers import write
 
@@ -55,13 +55,10 @@ async def test_eval_suite_and_recipe_run_flows(tmp_path: Path) -> None:
         f"name: flows\nrecipes: [{recipe}]\ngates: {{min_pass_rate: 0}}\n",
         name="suite.yaml",
     )
-    runtime = await Runtime.start(settings, executor=executor_for(settings))
-    try:
+    async with runlevel.started(settings, executor=executor_for(settings)) as runtime:
         # The flows are handed the runtime: they look nothing up.
         first = await eval_suite_flow(runtime)(suite=str(suite))
         second = await recipe_run_flow(runtime)(recipe=str(recipe), compare=first["suite_run_id"])
-    finally:
-        await runtime.close()
     assert first["passed"] is True and first["runs"] == 2 and first["passing"] == 0
     assert second["regressions"] == 0 and len(second["run_ids"]) == 2
     assert (settings.state_dir / "evals" / f"{first['suite_run_id']}.md").is_file()

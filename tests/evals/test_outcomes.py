@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral.engine.runtime import Runtime
 from ephemeral.evals.execute import Watchers
 from ephemeral.evals.plan import Evaluation
 from ephemeral.evals.store import write_report
@@ -27,6 +26,7 @@ from ephemeral.records.export import export_suite_run
 from ephemeral.sandbox import handles
 from ephemeral.sandbox.registry import probe_level
 from ephemeral.settings import Settings
+from tests import runlevel
 from tests.drivers import unavailable
 from tests.evals.conftest import write_cassette
 from tests.recipes.helpers import write
@@ -94,8 +94,7 @@ async def test_a_sandbox_killed_mid_run_is_an_error_in_table_export_and_gate(
         _recipe(tmp_path, "healthy", fine, isolation),
     ]
     admitted: list[str] = []
-    runtime = await Runtime.start(settings)
-    try:
+    async with runlevel.started(settings) as runtime:
         killer = asyncio.create_task(_kill_sandbox_of(admitted, settings.sandboxes_dir))
         report = await run_evaluation(
             runtime,
@@ -108,8 +107,6 @@ async def test_a_sandbox_killed_mid_run_is_an_error_in_table_export_and_gate(
             ),
         )
         killed_run = await asyncio.wait_for(killer, 10)
-    finally:
-        await runtime.close()
 
     killed, healthy = report.results
     assert killed.run_id == killed_run

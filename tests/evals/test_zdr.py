@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral.engine.runtime import Runtime
 from ephemeral.evals.execute import ZDR_REASON
 from ephemeral.evals.plan import Evaluation
 from ephemeral.evals.store import write_report
@@ -15,6 +14,7 @@ from ephemeral.evals.suite import run_evaluation
 from ephemeral.recipes.recipe import load_recipe
 from ephemeral.records import Records
 from ephemeral.settings import Settings
+from tests import runlevel
 from tests.evals.conftest import write_cassette
 from tests.recipes.helpers import write
 
@@ -44,8 +44,7 @@ async def test_zdr_output_is_judged_once_and_not_kept(tmp_path: Path) -> None:
     """,
         )
     )
-    runtime = await Runtime.start(settings)
-    try:
+    async with runlevel.started(settings) as runtime:
         report = await run_evaluation(runtime, Evaluation(name="zdr", recipes=[recipe]))
         [r] = report.results
         # The output existed once, in this process: the check saw it.
@@ -55,8 +54,6 @@ async def test_zdr_output_is_judged_once_and_not_kept(tmp_path: Path) -> None:
         row = await runtime.store.runs.get(r.run_id or "")
         assert row.output is None
         assert [c["passed"] for c in row.labels["checks"]] == [True, False, False]
-    finally:
-        await runtime.close()
     write_report(report, settings)
     for path in (settings.state_dir).rglob("*"):
         if path.is_file() and path.suffix in (".json", ".md", ".parquet", ".db"):

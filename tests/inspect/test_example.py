@@ -14,10 +14,9 @@ pytest.importorskip("inspect_ai", reason="the inspect extra is not installed")
 
 from inspect_ai.log import read_eval_log
 
-from ephemeral.engine.runtime import Runtime
 from ephemeral.inspect_provider import EphemeralSandboxConfig, EphemeralSandboxEnvironment
 from ephemeral.settings import Settings
-from tests import costs
+from tests import costs, runlevel
 
 pytestmark = pytest.mark.sandbox
 REPO = Path(__file__).resolve().parents[2]
@@ -68,10 +67,7 @@ async def test_task_cleanup_ends_sessions_a_sample_left_open(
     finally:
         mp.undo()
     settings = Settings.load(state_dir=tmp_path / "state", use_prefect=False)
-    runtime = await Runtime.start(settings, recover=False)
-    try:
+    async with runlevel.started(settings, recover=False) as runtime:
         row = await runtime.sessions.get(sandbox.session_id)
-    finally:
-        await runtime.close()
     assert row.status == "succeeded" and row.settled
     assert list(settings.sandboxes_dir.glob("*.json")) == []

@@ -18,11 +18,11 @@ from typing import Any
 
 from ephemeral.agent.loop import PLAIN_STEPS
 from ephemeral.engine import close as closing
-from ephemeral.engine.runtime import Runtime
 from ephemeral.lifecycle import RunStatus
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
 from ephemeral.store.runs import Runs
+from tests import runlevel
 
 
 def _die() -> None:
@@ -77,11 +77,11 @@ async def main(boundary: str, state_dir: str, cassettes_dir: str, model: str) ->
         state_dir=Path(state_dir), cassettes_dir=Path(cassettes_dir), use_prefect=False
     )
     # Recovery is the test's to run, after every child has died.
-    runtime = await Runtime.start(settings, recover=False, watchdog=False)
-    BOUNDARIES[boundary]()
-    request = RunRequest(prompt="crash test", model=model, timeout_seconds=120)
-    row, _ = await runtime.admit(await runtime.local_org(), request)
-    await runtime.execute(row.id)
+    async with runlevel.started(settings, check=False, recover=False, watchdog=False) as runtime:
+        BOUNDARIES[boundary]()  # it SIGKILLs this process there, the run left open
+        request = RunRequest(prompt="crash test", model=model, timeout_seconds=120)
+        row, _ = await runtime.admit(await runtime.local_org(), request)
+        await runtime.execute(row.id)
     raise SystemExit(f"the run ended without reaching the boundary {boundary!r}")
 
 

@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 import pytest
 
-from ephemeral.engine.runtime import Runtime
 from ephemeral.ids import new_run_id
 from ephemeral.records import Records
 from ephemeral.settings import Settings
 from ephemeral.store import Store
+from tests import runlevel
 from tests.run.conftest import turn
 from tests.store.storehelp import force_status, policy
 
@@ -106,12 +106,9 @@ async def test_kill_9_mid_run_is_recovered(
             proc.kill()
             proc.wait()
 
-    runtime = await Runtime.start(run_settings)  # recovery runs at start-up
-    try:
+    async with runlevel.started(run_settings) as runtime:  # recovery runs at start-up
         row = await runtime.store.runs.get(run_id)
         events = await runtime.store.events.list(run_id)
-    finally:
-        await runtime.close()
     assert row.status == "failed"
     assert row.termination_reason == "infra_error"
     assert row.charged_micros + row.refunded_micros == row.reserved_micros
@@ -184,8 +181,9 @@ async def test_kill_9_at_every_step_boundary_is_recovered(
     sandbox_pids = _sandbox_pids(run_settings)
     assert len(list(run_settings.sandboxes_dir.glob("*.json"))) == 3, sandbox_pids
 
-    runtime = await Runtime.start(run_settings, watchdog=False)  # recovery runs at start-up
-    try:
+    async with runlevel.started(
+        run_settings, watchdog=False
+    ) as runtime:  # recovery runs at start-up
         for run_id in rows:
             # The whole point: nothing is left for Runtime.wait to poll on forever.
             row = await runtime.wait(run_id, timeout=5)
@@ -205,8 +203,6 @@ async def test_kill_9_at_every_step_boundary_is_recovered(
             )
             assert found == [(1,)], (run_id, found)
         org = await runtime.store.orgs.get("local")
-    finally:
-        await runtime.close()
     assert org.reserved_micros == 0, "a reservation is still held"
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in sandbox_pids) and time.monotonic() < deadline:
@@ -233,13 +229,10 @@ async def test_recovery_settles_a_run_left_terminal_but_unsettled(run_settings: 
     finally:
         await store.close()
 
-    runtime = await Runtime.start(run_settings, watchdog=False)
-    try:
+    async with runlevel.started(run_settings, watchdog=False) as runtime:
         done = await runtime.wait(row.id, timeout=5)
         events = [e.type for e in await runtime.store.events.list(row.id)]
         org = await runtime.store.orgs.get("local")
-    finally:
-        await runtime.close()
     assert (done.status, done.termination_reason) == ("failed", "infra_error")
     assert (done.charged_micros, done.refunded_micros) == (700, 9_300)
     assert events == ["run.queued", "run.settled"]

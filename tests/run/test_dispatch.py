@@ -7,8 +7,9 @@ the runtime's side: ownerless admission, sealed ZDR content, cancel through the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timedelta
 
 import pytest
@@ -22,6 +23,7 @@ from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
 from ephemeral.store import Store
 from ephemeral.store.schema import sealed_content
+from tests import runlevel
 from tests.run.conftest import turn
 
 pytestmark = [pytest.mark.sandbox]
@@ -53,15 +55,19 @@ class ToWorker:
         return None
 
 
-async def _pair(settings: Settings) -> tuple[Runtime, Runtime, ToWorker]:
+@contextlib.asynccontextmanager
+async def _pair(settings: Settings) -> AsyncIterator[tuple[Runtime, Runtime, ToWorker]]:
+    """An API runtime that dispatches to a worker runtime, the worker closed first."""
     fake = ToWorker()
     assert isinstance(fake, Dispatcher)
-    api = await Runtime.start(settings, executor=fake)
     worker_settings = settings.model_copy(update={"host_id": "w1"})
-    worker = await Runtime.start(worker_settings, recover=False)
-    await worker.hold_leases(30)
-    fake.worker = worker
-    return api, worker, fake
+    async with (
+        runlevel.started(settings, executor=fake) as api,
+        runlevel.started(worker_settings, recover=False) as worker,
+    ):
+        await worker.hold_leases(30)
+        fake.worker = worker
+        yield api, worker, fake
 
 
 async def test_a_dispatched_zdr_run_crosses_sealed_and_is_read_once(
@@ -69,8 +75,7 @@ async def test_a_dispatched_zdr_run_crosses_sealed_and_is_read_once(
 ) -> None:
     canary = "CANARY-dispatch-91b2"
     model = make_cassette("dispatch-zdr", [turn("echo hi"), turn(final=f"{canary} done")])
-    api, worker, fake = await _pair(run_settings)
-    try:
+    async with _pair(run_settings) as (api, worker, fake):
         org = await api.local_org()
         row, _ = await api.submit(
             org, RunRequest(prompt=f"say {canary}", model=model, zero_data_retention=True)
@@ -83,9 +88,6 @@ async def test_a_dispatched_zdr_run_crosses_sealed_and_is_read_once(
         second = await worker.claim_zdr_output(settled)
         async with api.store.engine.connect() as conn:
             left = (await conn.execute(sealed_content.select())).all()
-    finally:
-        await worker.close()
-        await api.close()
     assert settled.status == "succeeded", settled.termination_detail
     assert (settled.host, settled.owner == worker.owner) == ("w1", True)
     assert settled.prompt is None and settled.output is None
@@ -100,14 +102,13 @@ async def test_a_hand_over_prefect_refuses_leaves_the_run_queued_for_the_outbox(
     # Prefect's server answers 503 under load: the run must neither fail nor fail the POST,
     # it waits undispatched and the outbox hands it over again.
     model = make_cassette("dispatch-503", [turn(final="done")])
-    api, worker, fake = await _pair(run_settings)
-    handed = fake.dispatch
 
     async def refuse(run_id: str) -> None:
         raise RuntimeError("Server error '503 Service Unavailable' for url '.../task_runs/'")
 
-    api.engine.dispatcher = refuse
-    try:
+    async with _pair(run_settings) as (api, _, fake):
+        handed = fake.dispatch
+        api.engine.dispatcher = refuse
         org = await api.local_org()
         row, _ = await api.submit(org, RunRequest(prompt="p", model=model))
         stored = await api.store.runs.get(row.id)
@@ -119,9 +120,6 @@ async def test_a_hand_over_prefect_refuses_leaves_the_run_queued_for_the_outbox(
             api.store, waiting[0], lambda run_id, _task_run: handed(api.store, run_id)
         )
         settled = await api.wait(row.id, timeout=60)
-    finally:
-        await worker.close()
-        await api.close()
     assert settled.status == "succeeded", settled.termination_detail
     assert settled.dispatched_at is not None and settled.host == "w1"
 
@@ -130,8 +128,7 @@ async def test_cancel_from_the_api_reaches_the_run_on_the_worker(
     run_settings: Settings, make_cassette: Callable[..., str]
 ) -> None:
     model = make_cassette("dispatch-sleep", [turn("sleep 60"), turn(final="slept")])
-    api, worker, _ = await _pair(run_settings)
-    try:
+    async with _pair(run_settings) as (api, _, _):
         org = await api.local_org()
         row, _ = await api.submit(org, RunRequest(prompt="sleep", model=model))
         async with asyncio.timeout(60):
@@ -142,9 +139,6 @@ async def test_cancel_from_the_api_reaches_the_run_on_the_worker(
         took = time.monotonic() - t0
         queued, _ = await api.admit(org, RunRequest(prompt="never", model=model))
         never = await api.cancel(queued.id)  # still waiting for a worker: closed at once
-    finally:
-        await worker.close()
-        await api.close()
     assert cancelled.status == "cancelled" and cancelled.settled
     assert cancelled.termination_reason == "cancelled"
     assert cancelled.charged_micros + cancelled.refunded_micros == cancelled.reserved_micros
@@ -155,9 +149,10 @@ async def test_cancel_from_the_api_reaches_the_run_on_the_worker(
 async def test_an_expired_lease_is_settled_once_up_to_its_last_renewal(
     run_settings: Settings,
 ) -> None:
-    api = await Runtime.start(run_settings, watchdog=False)
-    other = await Runtime.start(run_settings, recover=False, watchdog=False)
-    try:
+    async with (
+        runlevel.started(run_settings, watchdog=False) as api,
+        runlevel.started(run_settings, recover=False, watchdog=False) as other,
+    ):
         org = await api.local_org()
         row, _ = await api.store.runs.admit(
             org_id=org,
@@ -198,9 +193,6 @@ async def test_an_expired_lease_is_settled_once_up_to_its_last_renewal(
         found = await asyncio.gather(api.settle_expired_leases(), other.settle_expired_leases())
         settled = await api.store.runs.get(row.id)
         events = await api.store.events.list(row.id)
-    finally:
-        await other.close()
-        await api.close()
     assert sorted(found, key=len)[-1] == [row.id]
     assert (settled.status, settled.termination_reason) == ("failed", "infra_error")
     assert "host dead stopped renewing" in (settled.termination_detail or "")
@@ -220,12 +212,13 @@ def _parse(at: str) -> datetime:
 async def test_a_taken_run_waiting_on_a_dead_worker_is_refunded_in_full(
     run_settings: Settings,
 ) -> None:
-    api = await Runtime.start(run_settings, watchdog=False)
-    worker = await Runtime.start(
-        run_settings.model_copy(update={"host_id": "w9"}), recover=False, watchdog=False
-    )
-    await worker.hold_leases(30)
-    try:
+    async with (
+        runlevel.started(run_settings, watchdog=False) as api,
+        runlevel.started(
+            run_settings.model_copy(update={"host_id": "w9"}), recover=False, watchdog=False
+        ) as worker,
+    ):
+        await worker.hold_leases(30)
         org = await api.local_org()
         row, _ = await api.store.runs.admit(
             org_id=org,
@@ -260,8 +253,5 @@ async def test_a_taken_run_waiting_on_a_dead_worker_is_refunded_in_full(
         assert await api.settle_expired_leases() == [row.id]
         settled = await api.store.runs.get(row.id)
         assert await worker.engine.grant(row.id) is False  # nothing left to start
-    finally:
-        await worker.close()
-        await api.close()
     assert (settled.status, settled.termination_reason) == ("failed", "infra_error")
     assert (settled.charged_micros, settled.refunded_micros) == (0, settled.reserved_micros)

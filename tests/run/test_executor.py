@@ -11,9 +11,9 @@ import pytest
 
 from ephemeral.api.app import start_runtime
 from ephemeral.engine.executor import PlainExecutor, RunHandle
-from ephemeral.engine.runtime import Runtime
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
+from tests import runlevel
 from tests.run.conftest import turn
 
 
@@ -39,15 +39,12 @@ class Broken:
 
 
 async def test_an_executor_that_fails_leaves_the_run_settled(run_settings: Settings) -> None:
-    runtime = await Runtime.start(run_settings, executor=Broken())
-    try:
+    async with runlevel.started(run_settings, executor=Broken()) as runtime:
         org = await runtime.local_org()
         row, _ = await runtime.admit(org, RunRequest(prompt="p", model="replay/sandbox-proof"))
         row = await runtime.execute(row.id)
         events = [e.type for e in await runtime.store.events.list(row.id)]
         balance = await runtime.store.orgs.get(org)
-    finally:
-        await runtime.close()
     assert row.termination_reason == "infra_error"
     assert "RuntimeError: no way to start this run" in (row.termination_detail or "")
     assert row.settled and events[-1] == "run.settled"
@@ -60,13 +57,10 @@ async def test_the_runtime_uses_the_executor_it_was_handed(
 ) -> None:
     model = make_cassette("exec-seam", [turn("echo seam"), turn(final="seam done")])
     executor = Counting()
-    runtime = await Runtime.start(run_settings, executor=executor)
-    try:
+    async with runlevel.started(run_settings, executor=executor) as runtime:
         org = await runtime.local_org()
         row, _ = await runtime.admit(org, RunRequest(prompt="p", model=model))
         row = await runtime.execute(row.id)
-    finally:
-        await runtime.close()
     assert row.status == "succeeded", row.termination_detail
     assert executor.executed == [row.id]
     assert executor.closed == 1
@@ -83,7 +77,6 @@ async def test_serve_executes_cancels_and_hands_out_zdr_output_on_one_runtime(
     canary = "CANARY-serve-4c1e"
     model = make_cassette("serve-zdr", [turn(f"echo {canary}"), turn(final=f"{canary} done")])
     settings = run_settings.model_copy(update={"executor": "flow"})
-    runtime = await start_runtime(settings, warm_pool=False)
     engines: list[Engine] = []
     build = Engine.build
 
@@ -93,22 +86,22 @@ async def test_serve_executes_cancels_and_hands_out_zdr_output_on_one_runtime(
 
     Engine.build = seen  # type: ignore[method-assign]
     try:
-        org = await runtime.local_org()
-        zdr, _ = await runtime.admit(
-            org, RunRequest(prompt=f"p {canary}", model=model, zero_data_retention=True)
-        )
-        idle, _ = await runtime.admit(org, RunRequest(prompt="never runs", model=model))
-        # held here, as a worker holds the runs it took: the watchdog ends a run nothing
-        # executes after two sweeps (5-10 s), and under load the zdr run took longer than that
-        runtime.holding = {idle.id}
-        zdr = await runtime.launch(zdr.id)
-        first = runtime.take_zdr_output(zdr.id)
-        second = runtime.take_zdr_output(zdr.id)
-        cancelled = await runtime.cancel(idle.id)
-        settled = await runtime.wait(idle.id, timeout=30)
+        async with runlevel.started(settings, opener=start_runtime, warm_pool=False) as runtime:
+            org = await runtime.local_org()
+            zdr, _ = await runtime.admit(
+                org, RunRequest(prompt=f"p {canary}", model=model, zero_data_retention=True)
+            )
+            idle, _ = await runtime.admit(org, RunRequest(prompt="never runs", model=model))
+            # held here, as a worker holds the runs it took: the watchdog ends a run nothing
+            # executes after two sweeps (5-10 s), and under load the zdr run took longer than that
+            runtime.holding = {idle.id}
+            zdr = await runtime.launch(zdr.id)
+            first = runtime.take_zdr_output(zdr.id)
+            second = runtime.take_zdr_output(zdr.id)
+            cancelled = await runtime.cancel(idle.id)
+            settled = await runtime.wait(idle.id, timeout=30)
     finally:
         Engine.build = build  # type: ignore[method-assign]
-        await runtime.close()
     assert zdr.status == "succeeded", zdr.termination_detail
     assert zdr.output is None  # never stored
     assert first is not None and canary in first and second is None
@@ -129,16 +122,14 @@ async def test_a_flow_run_drives_the_run_of_the_engine_that_started_it(
 
     model = make_cassette("two-runtimes", [turn("echo one"), turn(final="one done")])
     settings = run_settings.model_copy(update={"executor": "flow"})
-    first = await Runtime.start(settings, executor=FlowExecutor())
-    other = await Runtime.start(
-        Settings.load(state_dir=tmp_path / "other", use_prefect=False), recover=False
-    )
-    try:
+    async with (
+        runlevel.started(settings, executor=FlowExecutor()) as first,
+        runlevel.started(
+            Settings.load(state_dir=tmp_path / "other", use_prefect=False), recover=False
+        ),
+    ):
         org = await first.local_org()
         row, _ = await first.admit(org, RunRequest(prompt="p", model=model))
         row = await first.execute(row.id)
-    finally:
-        await other.close()
-        await first.close()
     assert row.status == "succeeded", row.termination_detail
     assert row.recorded_at is not None

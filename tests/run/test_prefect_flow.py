@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from ephemeral.engine.runtime import Runtime
 from ephemeral.flows.executor import executor_for
 from ephemeral.flows.prefect_client import RetryWhenBusy
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
+from tests import runlevel
 from tests.run.conftest import turn
 from tests.sample import SAMPLE_PROMPT
 
@@ -38,8 +38,7 @@ async def test_sample_runs_as_a_prefect_flow(
     canary = "CANARY-prefect-91b2"
     model = make_cassette("zdr-prefect", [turn(f"echo {canary}"), turn(final=f"{canary} done")])
     executor = executor_for(prefect_settings)
-    runtime = await Runtime.start(prefect_settings, executor=executor)
-    try:
+    async with runlevel.started(prefect_settings, executor=executor) as runtime:
         org = await runtime.local_org()
         # Each admitted just before it executes: a run admitted here and left unexecuted for
         # two watchdog sweeps (the first flow on a loaded box takes longer) is abandoned.
@@ -54,8 +53,6 @@ async def test_sample_runs_as_a_prefect_flow(
         # the embedded server's 503s (a SQLite write collision) are sent again in milliseconds
         transport = executor._client.client._client._transport  # type: ignore[attr-defined]
         assert isinstance(transport, RetryWhenBusy)
-    finally:
-        await runtime.close()
     assert sample.status == "succeeded", sample.termination_detail
     assert zdr.status == "succeeded", zdr.termination_detail
 
@@ -88,8 +85,9 @@ async def test_an_agent_run_is_one_agent_command_task_of_its_flow(
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-    runtime = await Runtime.start(prefect_settings, executor=executor_for(prefect_settings))
-    try:
+    async with runlevel.started(
+        prefect_settings, executor=executor_for(prefect_settings)
+    ) as runtime:
         org = await runtime.local_org()
         row, _ = await runtime.admit(
             org,
@@ -104,8 +102,6 @@ async def test_an_agent_run_is_one_agent_command_task_of_its_flow(
         )
         row = await runtime.execute(row.id)
         events = [e.type for e in await runtime.store.events.list(row.id)]
-    finally:
-        await runtime.close()
     assert row.status == "succeeded", row.termination_detail
     assert row.output == "the prompt was read\n"
     assert (

@@ -9,23 +9,24 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from ephemeral.engine.runtime import Runtime
 from ephemeral.sessions.requests import ExecRequest, SessionRequest
 from ephemeral.settings import Settings
+from tests import runlevel
 
 
 async def main(state_dir: str, isolation: str) -> None:
-    runtime = await Runtime.start(Settings.load(state_dir=state_dir, use_prefect=False))
-    org = await runtime.local_org()
-    row, _ = await runtime.sessions.create(
-        org, SessionRequest(isolation=isolation, timeout_seconds=300)
-    )
-    # a process left running in the sandbox (its output detached, so the exec returns at once)
-    await runtime.sessions.exec(
-        row.id, org, ExecRequest(command="sleep 1000 </dev/null >/dev/null 2>&1 &")
-    )
-    print(row.id, flush=True)
-    await asyncio.sleep(3600)
+    settings = Settings.load(state_dir=state_dir, use_prefect=False)
+    async with runlevel.started(settings, check=False) as runtime:  # SIGKILLed with it open
+        org = await runtime.local_org()
+        row, _ = await runtime.sessions.create(
+            org, SessionRequest(isolation=isolation, timeout_seconds=300)
+        )
+        # a process left running in the sandbox (its output detached, so the exec returns at once)
+        await runtime.sessions.exec(
+            row.id, org, ExecRequest(command="sleep 1000 </dev/null >/dev/null 2>&1 &")
+        )
+        print(row.id, flush=True)
+        await asyncio.sleep(3600)
 
 
 if __name__ == "__main__":

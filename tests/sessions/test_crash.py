@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ephemeral.engine.runtime import Runtime
 from ephemeral.settings import Settings
+from tests import runlevel
 from tests.run.test_crash import _alive, _sandbox_pids
 
 pytestmark = pytest.mark.sandbox
@@ -44,13 +44,10 @@ async def test_kill_9_with_an_open_session_is_recovered(isolation: str, tmp_path
             proc.kill()
             proc.wait()
 
-    runtime = await Runtime.start(settings)  # recovery runs at start-up
-    try:
+    async with runlevel.started(settings) as runtime:  # recovery runs at start-up
         row = await runtime.sessions.get(session_id)
         events = [e.type for e in await runtime.store.events.list(session_id)]
         org = await runtime.store.orgs.get("local")
-    finally:
-        await runtime.close()
     assert (row.status, row.termination_reason) == ("failed", "infra_error")
     assert row.charged_micros + row.refunded_micros == row.reserved_micros
     assert events[-3:] == ["sandbox.destroyed", "run.failed", "run.settled"]
@@ -68,13 +65,10 @@ async def test_kill_9_of_the_server_settles_its_sessions(isolation: str, tmp_pat
     from tests.api.test_serve import _free_port, _reach, _serve
 
     settings = Settings.load(state_dir=tmp_path / "state", use_prefect=False)
-    runtime = await Runtime.start(settings)
-    try:
+    async with runlevel.started(settings) as runtime:
         org = await runtime.store.orgs.create("acme")
         await runtime.store.orgs.credit(org.id, 1_000_000, note="test")
         _, key = await runtime.store.keys.create(org.id, "me@acme.test")
-    finally:
-        await runtime.close()
     port = _free_port()
     with _serve(tmp_path, {}, "--port", str(port)) as proc:
         await asyncio.to_thread(_reach, proc, port, tmp_path / "serve.log")
@@ -91,12 +85,9 @@ async def test_kill_9_of_the_server_settles_its_sessions(isolation: str, tmp_pat
         proc.kill()
         proc.wait(10)
 
-    runtime = await Runtime.start(settings)
-    try:
+    async with runlevel.started(settings) as runtime:
         row = await runtime.sessions.get(session_id)
         acme = await runtime.store.orgs.get("acme")
-    finally:
-        await runtime.close()
     assert (row.status, row.termination_reason) == ("failed", "infra_error")
     assert row.charged_micros + row.refunded_micros == 50_000 and acme.reserved_micros == 0
     deadline = time.monotonic() + 10

@@ -111,65 +111,66 @@ async def test_a_placed_session_is_driven_through_the_host(
     member: Member,
     link: MemoryTransport | None,
 ) -> None:
-    host_rt = await Runtime.start(settings_for(tmp_path, "h1"), recover=False, watchdog=False)
-    host = await SessionHost.start(host_rt, slots=1, listen=link.listen if link else None)
-    try:
-        h = member.headers
-        r = await http.post("/v1/sandboxes", json=BODY, headers=h)
-        assert r.status_code == 201, r.text
-        sid = r.json()["id"]
-        assert r.json()["status"] == "running"
-        row = await api.store.runs.get(sid)
-        assert (row.host, row.status) == ("h1", "running")
-        assert sid in host.hosted and not api.sessions.owns(sid)
+    async with runlevel.started(
+        settings_for(tmp_path, "h1"), recover=False, watchdog=False
+    ) as host_rt:
+        host = await SessionHost.start(host_rt, slots=1, listen=link.listen if link else None)
+        try:
+            h = member.headers
+            r = await http.post("/v1/sandboxes", json=BODY, headers=h)
+            assert r.status_code == 201, r.text
+            sid = r.json()["id"]
+            assert r.json()["status"] == "running"
+            row = await api.store.runs.get(sid)
+            assert (row.host, row.status) == ("h1", "running")
+            assert sid in host.hosted and not api.sessions.owns(sid)
 
-        r = await http.post(f"/v1/sandboxes/{sid}/exec", json={"command": "echo hi"}, headers=h)
-        assert r.status_code == 200 and r.json()["stdout"] == "hi\n", r.text
-        assert link is None or link.frames >= 2  # the start and the exec: never a socket
-        r = await http.put(
-            f"/v1/sandboxes/{sid}/files", params={"path": "a.txt"}, content=b"data", headers=h
-        )
-        assert r.status_code == 204, r.text
-        r = await http.get(f"/v1/sandboxes/{sid}/files", params={"path": "a.txt"}, headers=h)
-        assert r.content == b"data"
-        r = await http.get(f"/v1/sandboxes/{sid}/files", params={"path": "nope"}, headers=h)
-        assert r.status_code == 404 and "file-not-found" in r.json()["type"]
-        r = await http.post(
-            f"/v1/sandboxes/{sid}/exec", json={"command": "id", "user": "4294967295"}, headers=h
-        )
-        assert r.status_code == 422, r.text  # the host's own validation, same as in one process
+            r = await http.post(f"/v1/sandboxes/{sid}/exec", json={"command": "echo hi"}, headers=h)
+            assert r.status_code == 200 and r.json()["stdout"] == "hi\n", r.text
+            assert link is None or link.frames >= 2  # the start and the exec: never a socket
+            r = await http.put(
+                f"/v1/sandboxes/{sid}/files", params={"path": "a.txt"}, content=b"data", headers=h
+            )
+            assert r.status_code == 204, r.text
+            r = await http.get(f"/v1/sandboxes/{sid}/files", params={"path": "a.txt"}, headers=h)
+            assert r.content == b"data"
+            r = await http.get(f"/v1/sandboxes/{sid}/files", params={"path": "nope"}, headers=h)
+            assert r.status_code == 404 and "file-not-found" in r.json()["type"]
+            r = await http.post(
+                f"/v1/sandboxes/{sid}/exec", json={"command": "id", "user": "4294967295"}, headers=h
+            )
+            assert r.status_code == 422, r.text  # the host's own validation, same as in one process
 
-        other = await new_member(api, "other")
-        r = await http.post(
-            f"/v1/sandboxes/{sid}/exec", json={"command": "true"}, headers=other.headers
-        )
-        assert r.status_code == 404
+            other = await new_member(api, "other")
+            r = await http.post(
+                f"/v1/sandboxes/{sid}/exec", json={"command": "true"}, headers=other.headers
+            )
+            assert r.status_code == 404
 
-        # the host's one slot is taken: the next session is refused or ends refunded
-        r = await http.post("/v1/sandboxes", json=BODY, headers=h)
-        if r.status_code == 201:
-            assert r.json()["status"] == "failed" and r.json()["cost"]["charged_micros"] == 0
-        else:
-            assert r.status_code == 429, r.text
+            # the host's one slot is taken: the next session is refused or ends refunded
+            r = await http.post("/v1/sandboxes", json=BODY, headers=h)
+            if r.status_code == 201:
+                assert r.json()["status"] == "failed" and r.json()["cost"]["charged_micros"] == 0
+            else:
+                assert r.status_code == 429, r.text
 
-        r = await http.delete(f"/v1/sandboxes/{sid}", headers=h)
-        assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
-        cost = r.json()["cost"]
-        assert cost["charged_micros"] + cost["refunded_micros"] == cost["reserved_micros"]
-        types = [e.type for e in await api.store.events.list(sid)]
-        assert types[:4] == ["run.queued", "run.claimed", "sandbox.ready", "worker.started"]
-        assert types.count("sandbox.exec") == 1 and types[-1] == "run.settled"
-        r = await http.post(f"/v1/sandboxes/{sid}/exec", json={"command": "true"}, headers=h)
-        assert r.status_code == 409 and "has ended" in r.json()["detail"]
-        assert (await api.store.orgs.get(member.org_id)).reserved_micros == 0
+            r = await http.delete(f"/v1/sandboxes/{sid}", headers=h)
+            assert r.status_code == 200 and r.json()["status"] == "succeeded", r.text
+            cost = r.json()["cost"]
+            assert cost["charged_micros"] + cost["refunded_micros"] == cost["reserved_micros"]
+            types = [e.type for e in await api.store.events.list(sid)]
+            assert types[:4] == ["run.queued", "run.claimed", "sandbox.ready", "worker.started"]
+            assert types.count("sandbox.exec") == 1 and types[-1] == "run.settled"
+            r = await http.post(f"/v1/sandboxes/{sid}/exec", json={"command": "true"}, headers=h)
+            assert r.status_code == 409 and "has ended" in r.json()["detail"]
+            assert (await api.store.orgs.get(member.org_id)).reserved_micros == 0
 
-        # a host that went away: its session's calls answer 409 at once, naming it
-        r = await http.post("/v1/sandboxes", json=BODY, headers=h)
-        assert r.json()["status"] == "running", r.text
-        live = r.json()["id"]
-        await host.server.close()
-        r = await http.post(f"/v1/sandboxes/{live}/exec", json={"command": "true"}, headers=h)
-        assert r.status_code == 409 and "host h1 does not answer" in r.json()["detail"], r.text
-    finally:
-        await host.close()
-        await host_rt.close()
+            # a host that went away: its session's calls answer 409 at once, naming it
+            r = await http.post("/v1/sandboxes", json=BODY, headers=h)
+            assert r.json()["status"] == "running", r.text
+            live = r.json()["id"]
+            await host.server.close()
+            r = await http.post(f"/v1/sandboxes/{live}/exec", json={"command": "true"}, headers=h)
+            assert r.status_code == 409 and "host h1 does not answer" in r.json()["detail"], r.text
+        finally:
+            await host.close()
