@@ -1,9 +1,10 @@
 """Drain, lost admissions and shared settings, from real processes (issue 22; docs/deploy.md).
 
 One PostgreSQL 15 store, one ``prefect server start``, one ``ephemeral serve`` (dispatch mode)
-and one ``ephemeral worker`` ``d`` (limit 4, a 25 s drain, a 60 s lease: a run settled by its
-lease would take 60 s, so a settle faster than that was the drain's). The tests run in file
-order against the module's cluster.
+and one ``ephemeral worker`` ``d`` (limit 4, a 25 s drain, a 60 s lease). The tests run in file
+order against the module's cluster, each with ``d`` up when it begins. Which path settled a run
+(the drain, a second signal or the lease) is read from its termination detail, not from how long
+it took: with other work beside the suite the drain alone outlasted its timeout + 5 s.
 """
 
 from __future__ import annotations
@@ -24,13 +25,19 @@ import pytest
 from ephemeral.lifecycle import TERMINAL_STATUSES
 from ephemeral.sandbox import handles
 from tests.cluster.crash_api import POINTS
-from tests.cluster.harness import EPHEMERAL, Cluster
+from tests.cluster.harness import EPHEMERAL, HUNG_SECONDS, PATIENCE, Cluster
 from tests.cluster.test_scaleout import REPO, SAMPLE, Api, assert_money
 from tests.evals.conftest import write_cassette
 from tests.evals.prefect_server import free_port
 from tests.fixtures_pg import PgCluster
 
-pytestmark = [pytest.mark.prefect, pytest.mark.postgres, pytest.mark.slow, pytest.mark.sandbox]
+pytestmark = [
+    pytest.mark.prefect,
+    pytest.mark.postgres,
+    pytest.mark.slow,
+    pytest.mark.sandbox,
+    pytest.mark.timeout(HUNG_SECONDS),
+]
 
 LEASE_SECONDS = 60.0
 DRAIN_SECONDS = 25.0
@@ -75,11 +82,22 @@ def api(cluster: Cluster) -> Api:
     return Api(cluster.api_url, cluster.api_key)
 
 
+@pytest.fixture(autouse=True)
+def worker_d(cluster: Cluster) -> None:
+    """Worker ``d`` is up when each test begins: a test that stopped it and failed before
+    starting it again does not fail the tests after it with runs no worker takes."""
+    proc = cluster.procs.get("d")
+    if proc is not None and proc.poll() is None:
+        return
+    cluster.procs.pop("d", None)
+    cluster.start_worker("d", limit=4)
+
+
 def _status(api: Api, run_id: str) -> str:
     return str(api.get(run_id)["status"])
 
 
-def _wait(what: str, ready: Any, timeout: float) -> None:
+def _wait(what: str, ready: Any, timeout: float = PATIENCE) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
@@ -96,21 +114,23 @@ def test_sigterm_drains_a_worker_with_four_runs_in_flight(cluster: Cluster, api:
         assert {h for h in pool.map(lambda r: api.running_on(r["id"]), runs)} == {"d"}
     # a fifth run: Prefect hands it to d, which holds it (queued) until a slot frees
     waiting = api.post(NAP)
-    _wait("d holds the fifth run", lambda: api.get(waiting["id"])["host"] == "d", 60)
+    _wait("d holds the fifth run", lambda: api.get(waiting["id"])["host"] == "d")
     worker = cluster.procs.pop("d")
     os.kill(worker.pid, signal.SIGTERM)  # the worker alone, as systemd's KillMode=mixed does
     signalled = time.monotonic()
 
-    # the fifth goes back to the queue at once, never started here
-    _wait("the held run is handed back", lambda: api.get(waiting["id"])["host"] is None, 10)
+    # the fifth goes back to the queue at once, never started here: before the drain ends, so
+    # while the long runs are still in their sandboxes
+    _wait("the held run is handed back", lambda: api.get(waiting["id"])["host"] is None)
     assert _status(api, waiting["id"]) == "queued"
-    # runs shorter than the drain timeout finish; the longer ones end at it, settled
-    naps = [api.settled(r["id"], timeout=DRAIN_SECONDS + 5) for r in runs[:2]]
+    assert [_status(api, r["id"]) for r in runs[2:]] == ["running", "running"]
+    # runs shorter than the drain timeout finish; the longer ones end at it (the detail below
+    # says so: not at the 60 s lease), settled; how soon is bench/'s to measure
+    naps = [api.settled(r["id"]) for r in runs[:2]]
     assert [r["status"] for r in naps] == ["succeeded", "succeeded"], naps
-    long = [api.settled(r["id"], timeout=DRAIN_SECONDS + 5) for r in runs[2:]]
+    long = [api.settled(r["id"]) for r in runs[2:]]
     took = time.monotonic() - signalled
     print(f"SIGTERM -> long runs settled: {took:.1f} s (drain timeout {DRAIN_SECONDS} s)")
-    assert took <= DRAIN_SECONDS + 5  # and below the 60 s lease: not settled by it
     for obj in long:
         assert obj["status"] == "cancelled", obj
         assert "host d was stopped (drained)" in obj["termination"]["detail"], obj
@@ -119,7 +139,7 @@ def test_sigterm_drains_a_worker_with_four_runs_in_flight(cluster: Cluster, api:
         assert_money(obj)
         types = [e["type"] for e in api.events(obj["id"])]
         assert types.count("sandbox.destroyed") == 1 and types.count("run.settled") == 1
-    assert worker.wait(30) == 0, cluster.tail("d")
+    assert worker.wait(PATIENCE) == 0, cluster.tail("d")
     assert cluster.org_reserved("acme") == api.get(waiting["id"])["cost"]["reserved_micros"]
     # no sandbox left (runs' and the warm pool's), no Prefect slot held
     left = [h for _, h in handles.read_all(cluster.state_dir("d") / "sandboxes") if h]
@@ -144,12 +164,12 @@ def test_drain_command_stops_a_worker_and_its_running_runs(cluster: Cluster, api
         env=cluster.env("d"),
         capture_output=True,
         text=True,
-        timeout=DRAIN_SECONDS + 90,
+        timeout=PATIENCE,
         check=False,
     )
     assert res.returncode == 0, res.stderr
     assert worker.poll() == 0
-    obj = api.settled(run["id"], timeout=5)
+    obj = api.settled(run["id"])
     assert obj["status"] == "cancelled" and "drain timeout" in obj["termination"]["detail"]
     again = subprocess.run(
         [*EPHEMERAL, "worker", "--drain"],
@@ -175,12 +195,12 @@ def test_a_second_sigterm_during_a_drain_ends_the_worker_at_once(
     start = log.stat().st_size
     worker = cluster.procs.pop("d")
     os.kill(worker.pid, signal.SIGTERM)
-    _wait("the drain begins", lambda: b"draining" in log.read_bytes()[start:], 30)
+    _wait("the drain begins", lambda: b"draining" in log.read_bytes()[start:])
     # the drain gives the long runs 15 s; the second signal ends them now
     assert [_status(api, r["id"]) for r in runs] == ["running", "running"]
     os.kill(worker.pid, signal.SIGTERM)
     for run in runs:
-        obj = api.settled(run["id"], timeout=DRAIN_SECONDS + 5)
+        obj = api.settled(run["id"])
         assert obj["status"] == "cancelled", obj
         detail = obj["termination"]["detail"]
         # the honest reason: the second signal, not the drain timeout or a lease
@@ -188,7 +208,7 @@ def test_a_second_sigterm_during_a_drain_ends_the_worker_at_once(
         assert_money(obj)
         types = [e["type"] for e in api.events(obj["id"])]
         assert types.count("sandbox.destroyed") == 1 and types.count("run.settled") == 1
-    assert worker.wait(30) == 0, cluster.tail("d")
+    assert worker.wait(PATIENCE) == 0, cluster.tail("d")
     assert b"at a second signal" in log.read_bytes()[start:]
     left = [h for _, h in handles.read_all(cluster.state_dir("d") / "sandboxes") if h]
     assert left == []
@@ -232,11 +252,7 @@ def test_an_api_killed_at_each_point_of_admission_loses_no_run(
     [row] = rows
     # another live process (the API or the worker) hands it over: it is executed
     api = Api(cluster.api_url, key)
-    _wait(
-        "the run is taken by a worker",
-        lambda: api.get(row.id)["status"] != "queued",
-        LEASE_SECONDS + 5,
-    )
+    _wait("the run is taken by a worker", lambda: api.get(row.id)["status"] != "queued")
     print(f"{point}: kill -9 -> run taken: {time.monotonic() - killed:.1f} s")
     obj = api.settled(row.id)
     assert obj["status"] == "succeeded", obj
@@ -280,7 +296,7 @@ def test_a_host_with_its_own_records_root_or_seal_key_is_refused(
         env=cluster.env("x", **{setting: str(cluster.root / value)}),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=PATIENCE,  # a refusal, but after the process's start: 120 s passed under load
         check=False,
     )
     assert res.returncode != 0, res.stdout[-2000:]

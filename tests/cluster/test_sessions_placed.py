@@ -20,10 +20,16 @@ import pytest
 
 from ephemeral.lifecycle import TERMINAL_STATUSES
 from ephemeral.sandbox import handles
-from tests.cluster.harness import Cluster
+from tests.cluster.harness import HUNG_SECONDS, PATIENCE, Cluster
 from tests.fixtures_pg import PgCluster
 
-pytestmark = [pytest.mark.prefect, pytest.mark.postgres, pytest.mark.slow, pytest.mark.sandbox]
+pytestmark = [
+    pytest.mark.prefect,
+    pytest.mark.postgres,
+    pytest.mark.slow,
+    pytest.mark.sandbox,
+    pytest.mark.timeout(HUNG_SECONDS),
+]
 
 LEASE_SECONDS = 5.0
 SESSION = {"shell": True, "timeout_seconds": 600, "max_cost_micros": 200_000}
@@ -158,7 +164,7 @@ def test_forty_sessions_land_on_both_hosts_and_work_through_a_second_api(
     cancelled = ids[N // 2]
     res = second.http.post(f"/v1/runs/{cancelled}/cancel")
     assert res.status_code in (200, 202), res.text
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + PATIENCE
     while second.get(cancelled)["status"] != "cancelled" and time.monotonic() < deadline:
         time.sleep(0.2)
     obj = second.get(cancelled)
@@ -199,7 +205,7 @@ def test_sessions_of_a_killed_host_settle_and_answer_409(cluster: Cluster) -> No
     # b's sessions carry on
     assert api.exec(on_b[0], "echo still").json()["stdout"] == "still\n"
 
-    deadline = killed + LEASE_SECONDS + 10
+    deadline = killed + PATIENCE  # settled by the lease (the detail below); how soon: bench/
     pending = set(on_a)
     while pending and time.monotonic() < deadline:
         for sid in list(pending):
@@ -207,7 +213,7 @@ def test_sessions_of_a_killed_host_settle_and_answer_409(cluster: Cluster) -> No
             if obj["status"] in TERMINAL_STATUSES and "run.settled" in api.events(sid):
                 pending.discard(sid)
         time.sleep(0.2)
-    assert not pending, f"not settled within lease + 10 s: {sorted(pending)}"
+    assert not pending, f"not settled: {sorted(pending)}"
     print(f"kill -9 -> {len(on_a)} sessions settled: {time.monotonic() - killed:.1f} s")
     for sid in on_a:
         obj = api.get(sid)
@@ -239,7 +245,7 @@ def test_sessions_of_a_killed_host_settle_and_answer_409(cluster: Cluster) -> No
     assert "a" in hosts
     for sid in on_b:
         assert api.http.delete(f"/v1/sandboxes/{sid}").status_code == 200
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + PATIENCE
     while cluster.org_reserved("acme") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert cluster.org_reserved("acme") == 0

@@ -13,11 +13,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ephemeral.records import Records
 from ephemeral.records.writer import write_run
+from tests.cluster.harness import HUNG_SECONDS, PATIENCE
 from tests.records.helpers import make_run
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(HUNG_SECONDS)  # three CLI processes, minutes each under load
 
 
 def _env(root: Path, host: str, tmp: Path) -> dict[str, str]:
@@ -42,7 +46,7 @@ def test_two_hosts_compact_at_once_and_any_host_sees_all(tmp_path: Path) -> None
         )
         for h in ("a", "b")
     ]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    outs = [p.communicate(timeout=PATIENCE)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     # each host's partitions were compacted once, by whichever host took its lock first
     merged = sum(int(o.split()[1]) for o in outs)
@@ -70,7 +74,7 @@ def test_two_hosts_compact_at_once_and_any_host_sees_all(tmp_path: Path) -> None
         env=_env(root, "c", tmp_path),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=PATIENCE,
         check=False,
     )
     assert res.returncode == 0, res.stderr
