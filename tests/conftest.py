@@ -91,7 +91,12 @@ HEAVY_MARKERS = ("slow", "prefect", "browser")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from tests.patience import HUNG_DIRS, HUNG_SECONDS
+
     for item in items:
+        heavy = item.nodeid.startswith(HUNG_DIRS) or item.get_closest_marker("prefect")
+        if heavy and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(HUNG_SECONDS))
         if "[microvm-tcg" in item.nodeid and (
             not item.nodeid.startswith(TCG_SMOKE) or item.nodeid.endswith(TCG_SLOW_IN_SMOKE)
         ):

@@ -21,7 +21,10 @@ from ephemeral.settings import Settings
 from ephemeral.store import Store
 from ephemeral.store.schema import orgs
 
-RECORD_WAIT_SECONDS = 30.0  # a session ended by its watchdog writes its record after it settles
+# A session ended by its watchdog writes its record after it settles: the check waits for it,
+# bounded only against a hung writer (every check of every test that starts a runtime waits
+# here, and at load 30 on these 2 cores one step of a run can take tens of seconds).
+RECORD_WAIT_SECONDS = 300.0
 
 
 async def before_close(runtime: Runtime) -> list[str]:

@@ -20,6 +20,7 @@ import pytest
 
 from ephemeral.settings import Settings
 from tests import drivers
+from tests.patience import PATIENCE
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.prefect, pytest.mark.slow]
 
@@ -95,7 +96,7 @@ def test_serve_logs_its_stages_and_where_it_is(env: dict[str, str], tmp_path: Pa
     base = f"http://127.0.0.1:{port}"
     ready = f"ready: API {base}/v1 (GET {base}/healthz), runs {base}/runs"
     try:
-        deadline = time.monotonic() + 300  # a cold Prefect server on a loaded 2-core host
+        deadline = time.monotonic() + PATIENCE  # a cold Prefect server on a loaded 2-core host
         while ready not in log.read_text():
             assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()

@@ -25,15 +25,9 @@ import httpx
 
 from tests import watchdog
 from tests.evals.prefect_server import REPO, PrefectServer, free_port
+from tests.patience import PATIENCE
 
 EPHEMERAL = [sys.executable, "-m", "ephemeral.cli"]
-# How long a wait on a condition (a process up, a run taken or settled) may last before the test
-# is called hung: a bound against hanging only, never a claim about speed (that is bench/'s). With
-# `stress -c 8` beside the suite (load 30 on 2 cores) a process's start alone took two minutes.
-PATIENCE = 900.0
-# The pytest-timeout of a test on a cluster: its module fixture's setup (PostgreSQL, Prefect and
-# the processes) counts against its first test, and a test waits on several processes in turn.
-HUNG_SECONDS = 2400
 
 
 class Cluster:

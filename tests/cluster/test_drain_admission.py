@@ -25,19 +25,14 @@ import pytest
 from ephemeral.lifecycle import TERMINAL_STATUSES
 from ephemeral.sandbox import handles
 from tests.cluster.crash_api import POINTS
-from tests.cluster.harness import EPHEMERAL, HUNG_SECONDS, PATIENCE, Cluster
+from tests.cluster.harness import EPHEMERAL, Cluster
 from tests.cluster.test_scaleout import REPO, SAMPLE, Api, assert_money
 from tests.evals.conftest import write_cassette
 from tests.evals.prefect_server import free_port
 from tests.fixtures_pg import PgCluster
+from tests.patience import PATIENCE
 
-pytestmark = [
-    pytest.mark.prefect,
-    pytest.mark.postgres,
-    pytest.mark.slow,
-    pytest.mark.sandbox,
-    pytest.mark.timeout(HUNG_SECONDS),
-]
+pytestmark = [pytest.mark.prefect, pytest.mark.postgres, pytest.mark.slow, pytest.mark.sandbox]
 
 LEASE_SECONDS = 60.0
 DRAIN_SECONDS = 25.0

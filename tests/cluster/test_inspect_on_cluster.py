@@ -21,7 +21,7 @@ from inspect_ai.util._sandbox.self_check import *  # noqa: F403
 from ephemeral.inspect_provider import EphemeralSandboxConfig, EphemeralSandboxEnvironment
 from ephemeral.sandbox.registry import probe_level
 from ephemeral.settings import Settings
-from tests.cluster.harness import HUNG_SECONDS, Cluster
+from tests.cluster.harness import Cluster
 from tests.drivers import unavailable
 from tests.fixtures_pg import PgCluster
 from tests.inspect.test_self_check import KNOWN_FAILURES
@@ -32,7 +32,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.sandbox,
     pytest.mark.asyncio(loop_scope="module"),
-    pytest.mark.timeout(HUNG_SECONDS),
 ]
 LEVEL = "gvisor"
 

@@ -26,18 +26,13 @@ import pytest
 from ephemeral.evals.report import Report, report_json
 from ephemeral.lifecycle import TERMINAL_STATUSES
 from ephemeral.sandbox import handles
-from tests.cluster.harness import EPHEMERAL, HUNG_SECONDS, PATIENCE, Cluster
+from tests.cluster.harness import EPHEMERAL, Cluster
 from tests.evals.conftest import write_cassette
 from tests.fixtures_pg import PG_BIN, PgCluster
+from tests.patience import PATIENCE
 from tests.sample import SAMPLE_PROMPT
 
-pytestmark = [
-    pytest.mark.prefect,
-    pytest.mark.postgres,
-    pytest.mark.slow,
-    pytest.mark.sandbox,
-    pytest.mark.timeout(HUNG_SECONDS),
-]
+pytestmark = [pytest.mark.prefect, pytest.mark.postgres, pytest.mark.slow, pytest.mark.sandbox]
 
 REPO = Path(__file__).resolve().parents[2]
 LEASE_SECONDS = 5.0

@@ -20,16 +20,11 @@ import pytest
 
 from ephemeral.lifecycle import TERMINAL_STATUSES
 from ephemeral.sandbox import handles
-from tests.cluster.harness import HUNG_SECONDS, PATIENCE, Cluster
+from tests.cluster.harness import Cluster
 from tests.fixtures_pg import PgCluster
+from tests.patience import PATIENCE
 
-pytestmark = [
-    pytest.mark.prefect,
-    pytest.mark.postgres,
-    pytest.mark.slow,
-    pytest.mark.sandbox,
-    pytest.mark.timeout(HUNG_SECONDS),
-]
+pytestmark = [pytest.mark.prefect, pytest.mark.postgres, pytest.mark.slow, pytest.mark.sandbox]
 
 LEASE_SECONDS = 5.0
 SESSION = {"shell": True, "timeout_seconds": 600, "max_cost_micros": 200_000}

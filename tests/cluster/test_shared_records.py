@@ -13,15 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from ephemeral.records import Records
 from ephemeral.records.writer import write_run
-from tests.cluster.harness import HUNG_SECONDS, PATIENCE
+from tests.patience import PATIENCE
 from tests.records.helpers import make_run
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(HUNG_SECONDS)  # three CLI processes, minutes each under load
 
 
 def _env(root: Path, host: str, tmp: Path) -> dict[str, str]:
