@@ -253,5 +253,8 @@ async def test_a_taken_run_waiting_on_a_dead_worker_is_refunded_in_full(
         assert await api.settle_expired_leases() == [row.id]
         settled = await api.store.runs.get(row.id)
         assert await worker.engine.grant(row.id) is False  # nothing left to start
+        # what the worker's task (flows/dispatch.py) does then: it finds the run settled and
+        # lets it go (the run-level check found the engine still holding it without this)
+        assert (await worker.execute(row.id)).status == "failed"
     assert (settled.status, settled.termination_reason) == ("failed", "infra_error")
     assert (settled.charged_micros, settled.refunded_micros) == (0, settled.reserved_micros)
