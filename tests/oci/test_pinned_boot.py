@@ -139,6 +139,8 @@ async def test_a_run_boots_its_admitted_digest_after_the_name_moves(
         # a run admitted now gets what the name means now
         late = (await rt.admit(org, request))[0]
         assert late.image_hash == second
+        # never executed: cancelled, so its hold goes back (the run-level check asks it)
+        assert (await rt.cancel(late.id)).status == "cancelled"
 
 
 async def test_a_session_boots_its_admitted_digest_when_its_boot_waits(
