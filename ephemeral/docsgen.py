@@ -74,16 +74,16 @@ def cli_markdown() -> str:
 
 
 def _exit_status() -> list[str]:
-    from ephemeral.cli.exits import FOR_STATUS, MEANING
+    from ephemeral.cli.exit_codes import FOR_STATUS, MEANING
 
     by_code = {int(code): status for status, code in FOR_STATUS.items()}
     lines = [
         "## Exit status",
         "",
-        "Every command exits with one of these (`ephemeral/cli/exits.py`). `ephemeral run` exits",
-        "with the highest code of its runs; `ephemeral eval` with 1 when a gate fails (its runs'",
-        "endings are results it counts). `ephemeral sandbox exec` exits with the sandboxed",
-        "command's own status.",
+        "Every command exits with one of these (`ExitCode`, `ephemeral/cli/exit_codes.py`).",
+        "`ephemeral run` exits with the highest code of its runs; `ephemeral eval` with 1 when a",
+        "gate fails (its runs' endings are results it counts). `ephemeral sandbox exec` exits",
+        "with the sandboxed command's own status.",
         "",
         "| code | name | run status | meaning |",
         "|---|---|---|---|",

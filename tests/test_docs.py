@@ -99,13 +99,13 @@ def test_documented_setting_defaults_are_the_settings_defaults(
 
 
 def test_exit_status_table_is_the_cli_exit_codes() -> None:
-    from ephemeral.cli.exits import FOR_STATUS, MEANING, Exit
+    from ephemeral.cli.exit_codes import FOR_STATUS, MEANING, ExitCode
 
     rows = _table_rows((DOCS / "cli.md").read_text(), "## Exit status")
     documented = {int(code): (name.strip("`"), status.strip("`")) for code, name, status, _ in rows}
     by_code = {int(c): s for s, c in FOR_STATUS.items()}
     assert documented == {int(e): (e.name, by_code.get(int(e), "")) for e in MEANING}
-    assert Exit.USAGE not in by_code  # bad input is never a run's ending
+    assert ExitCode.USAGE not in by_code  # bad input is never a run's ending
 
 
 def test_termination_reasons_are_what_the_code_writes() -> None:

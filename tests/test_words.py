@@ -6,6 +6,8 @@ their values (``row.kind == "session"``, ``status in ("queued", "running")``) by
 a renamed or added status would leave it silently comparing against a word no row holds. Every
 such comparison in the package (flows and tasks included) fails here, unless it compares a
 status that is not a run's, listed in ``NOT_A_RUN`` with what it is.
+
+``Exit`` is a run's exit only (``ephemeral/engine/exits.py``); the CLI's is ``ExitCode``.
 """
 
 from __future__ import annotations
@@ -136,3 +138,15 @@ if env.kind == "dockerfile": pass
 if row.name == "queued": pass
 """
     assert literal_comparisons(good) == []
+
+
+def test_exit_is_a_runs_exit_only() -> None:
+    """``Exit`` is how a run ends (ephemeral/engine/exits.py); the CLI's exit status is
+    ``ExitCode`` (ephemeral/cli/exit_codes.py), and typer's ``typer.Exit`` is typer's."""
+    where = [
+        rel
+        for rel, path in package_files()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.name == "Exit"
+    ]
+    assert where == ["ephemeral/engine/exits.py"]

@@ -1,6 +1,6 @@
 """CLI group: ``eval`` — run an eval suite (or a recipe) here, live, and gate on its pass rate.
 
-Exit status (ephemeral/cli/exits.py): 0 every gate passed, 1 a gate failed (e.g.
+Exit status (ephemeral/cli/exit_codes.py): 0 every gate passed, 1 a gate failed (e.g.
 ``min_pass_rate``), 2 bad input, 3 the suite could not run.
 """
 
@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ephemeral import errors, progress
-from ephemeral.cli.exits import Exit
+from ephemeral.cli.exit_codes import ExitCode
 from ephemeral.cli.output import fail
 from ephemeral.cli.progress import announcing, quiet, start_prefect
 from ephemeral.money.amounts import usd
@@ -268,7 +268,7 @@ def register(app: typer.Typer) -> None:
             f"page: /suites/{report.suite_run_id} (ephemeral view, or ephemeral serve)",
             markup=False,
         )
-        raise typer.Exit(Exit.OK if report.passed else Exit.FAILED)
+        raise typer.Exit(ExitCode.OK if report.passed else ExitCode.FAILED)
 
 
 def _require_model(model: str, settings: Settings) -> None:

@@ -6,7 +6,7 @@ names a file (a recipe's) prints one ``file:line: field: message`` line per prob
 like a compiler. ``flags`` maps the request fields a command fills from its options to the
 flags the user typed (``max_cost_micros`` → ``--budget``), so errors name what the user wrote.
 :func:`fail` reports and returns the :class:`typer.Exit` to raise, with the code
-:mod:`ephemeral.cli.exits` assigns to that kind of error.
+:mod:`ephemeral.cli.exit_codes` assigns to that kind of error.
 :func:`print_event` prints one line of a run's timeline (local and remote runs alike).
 """
 
@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ephemeral import errors
-from ephemeral.cli.exits import Exit, for_error
+from ephemeral.cli.exit_codes import ExitCode, for_error
 from ephemeral.timeline import COMMAND_EVENTS, describe
 
 out = Console(highlight=False, soft_wrap=True)
@@ -64,7 +64,7 @@ def fail(
 def usage(message: str) -> typer.Exit:
     """A usage mistake found by the command itself (click finds the others, also exit 2)."""
     err.print(f"[red]error:[/red] {escape(message)}")
-    return typer.Exit(Exit.USAGE)
+    return typer.Exit(ExitCode.USAGE)
 
 
 def print_event(ev: Any, index: int) -> None:

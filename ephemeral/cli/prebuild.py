@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ephemeral.cli.exits import Exit
+from ephemeral.cli.exit_codes import ExitCode
 from ephemeral.recipes import prebuild
 from ephemeral.settings import Settings
 
@@ -74,7 +74,7 @@ def images_prebuild(
         counts = {s: sum(o.status == s for o in outcomes) for s in STYLES}
         console.print(", ".join(f"{v} {k}" for k, v in counts.items()), markup=False)
     if any(o.status == "failed" for o in outcomes):
-        raise typer.Exit(Exit.FAILED)
+        raise typer.Exit(ExitCode.FAILED)
 
 
 async def _with_progress(

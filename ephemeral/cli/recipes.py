@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from ephemeral.cli.exits import Exit
+from ephemeral.cli.exit_codes import ExitCode
 from ephemeral.cli.output import fail, report
 from ephemeral.errors import EphemeralError
 from ephemeral.models import default_model
@@ -121,7 +121,7 @@ def register(app: typer.Typer) -> None:
                 else "recipe"
             )
             typer.echo(f"{path}: ok ({kind})")
-        raise typer.Exit(Exit.FAILED if failed else Exit.OK)
+        raise typer.Exit(ExitCode.FAILED if failed else ExitCode.OK)
 
     @group.command("show")
     def show(

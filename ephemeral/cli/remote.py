@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 
 from ephemeral import errors
-from ephemeral.cli import exits
+from ephemeral.cli import exit_codes
 from ephemeral.cli.output import err, fail, out, print_event
 from ephemeral.client import Client
 from ephemeral.policy import RunRequest
@@ -47,7 +47,7 @@ def run_remote(
                         Markdown(run["output"]) if out.is_terminal else run["output"], markup=False
                     )
                     out.rule()
-                worst = max(worst, exits.for_status(run["status"]))
+                worst = max(worst, exit_codes.for_status(run["status"]))
     except errors.EphemeralError as exc:
         raise fail(exc) from exc
     except httpx.HTTPError as exc:

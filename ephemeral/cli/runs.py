@@ -13,7 +13,7 @@ from rich.markdown import Markdown
 from rich.markup import escape
 
 from ephemeral import errors
-from ephemeral.cli import exits
+from ephemeral.cli import exit_codes
 from ephemeral.cli.output import err, fail, out, print_event
 from ephemeral.cli.progress import announcing, quiet, start_prefect
 from ephemeral.lifecycle import RunStatus
@@ -60,7 +60,7 @@ async def _run_local(
                         f"{row.status}: {row.termination_reason}: {row.termination_detail}",
                         markup=False,
                     )
-            worst = max(worst, exits.for_status(row.status))
+            worst = max(worst, exit_codes.for_status(row.status))
     finally:
         await runtime.close()
     return worst
@@ -128,17 +128,17 @@ async def _run_recipe(settings: Settings, path: Path, as_json: bool) -> int:
         if result.status == "skipped":  # the recipe's budget could not cover it
             if not as_json:
                 err.print(f"skipped {escape(result.pair_key)}: {escape(result.detail or '')}")
-            code = exits.Exit.BUDGET_EXHAUSTED
+            code = exit_codes.ExitCode.BUDGET_EXHAUSTED
         elif result.run_id is None:  # refused at admission, or it broke
             if not as_json:
                 err.print(
                     f"{result.status} {escape(result.pair_key)}: {escape(result.detail or '')}"
                 )
-            code = exits.Exit.ERROR
+            code = exit_codes.ExitCode.ERROR
         else:
-            code = exits.for_status(result.status)
-            if code == exits.Exit.OK and not result.passed:  # a check failed
-                code = exits.Exit.FAILED
+            code = exit_codes.for_status(result.status)
+            if code == exit_codes.ExitCode.OK and not result.passed:  # a check failed
+                code = exit_codes.ExitCode.FAILED
         worst = max(worst, int(code))
     return worst
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from ephemeral import errors
 from ephemeral.cli import app as cli_app
-from ephemeral.cli.exits import Exit
+from ephemeral.cli.exit_codes import ExitCode
 from ephemeral.client import AsyncClient, Client, SSEParser
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
@@ -243,4 +243,4 @@ def test_cli_exit_code_for_a_cancelled_run(server: LiveServer) -> None:
         assert run_id is not None
         client.runs.cancel(run_id)
         t.join(60)
-    assert holder["code"] == Exit.CANCELLED
+    assert holder["code"] == ExitCode.CANCELLED

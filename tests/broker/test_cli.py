@@ -53,7 +53,7 @@ def test_add_list_rm(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert state_bytes_contain(state, b"2022-11-28") == []  # every header value is sealed
 
     code, out = cli("add", "github", "--base-url", "https://x.example", "--header", "A: b")
-    assert code == 3 and "already exists" in out  # ERROR (ephemeral/cli/exits.py)
+    assert code == 3 and "already exists" in out  # ERROR (ephemeral/cli/exit_codes.py)
     code, out = cli(
         "add", "github", "--base-url", "https://x.example", "--header", "A: b", "--replace"
     )

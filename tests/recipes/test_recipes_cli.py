@@ -128,6 +128,6 @@ def test_show_a_suite(app: typer.Typer) -> None:
 def test_show_a_bad_recipe_fails(app: typer.Typer, tmp_path: Path) -> None:
     path = write(tmp_path, "name: x\nprompt: '{{ 1 +'\n")
     code, out, err = run(app, "show", str(path))
-    assert code == 2  # bad input (ephemeral/cli/exits.py)
+    assert code == 2  # bad input (ephemeral/cli/exit_codes.py)
     assert out == ""
     assert err.startswith(f"{path}:2: prompt: template syntax:")

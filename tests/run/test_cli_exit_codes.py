@@ -1,4 +1,4 @@
-"""``ephemeral run`` tells how a run ended by its exit status (ephemeral/cli/exits.py).
+"""``ephemeral run`` tells how a run ended by its exit status (ephemeral/cli/exit_codes.py).
 
 Real runs in a real sandbox, replayed model turns: one per ending a script must tell apart.
 """
@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ephemeral.cli import app
-from ephemeral.cli.exits import FOR_STATUS, Exit
+from ephemeral.cli.exit_codes import FOR_STATUS, ExitCode
 from ephemeral.lifecycle import TERMINAL_STATUSES
 from tests.sample import SAMPLE_MODEL, SAMPLE_PROMPT
 
@@ -45,12 +45,12 @@ def test_every_terminal_status_has_its_own_code() -> None:
     assert set(FOR_STATUS) == TERMINAL_STATUSES
     codes = list(FOR_STATUS.values())
     assert len(set(codes)) == len(codes)
-    assert Exit.USAGE not in codes and Exit.ERROR not in codes
+    assert ExitCode.USAGE not in codes and ExitCode.ERROR not in codes
 
 
 def test_a_succeeded_run_exits_0(run_cli: Callable[..., tuple[int, str]]) -> None:
     code, output = run_cli("--prompt", SAMPLE_PROMPT, "--model", "replay/sandbox-proof")
-    assert code == Exit.OK == 0, output
+    assert code == ExitCode.OK == 0, output
     assert "Settled" in output
 
 
@@ -60,7 +60,7 @@ def test_a_prompt_is_never_answered_by_another_prompts_transcript(
     """The sample's replay asked for `uname -a` fails saying why; it plays none of the
     sample's commands (primes, whoami, curl) and never says succeeded."""
     code, output = run_cli("--prompt", "Run uname -a and report it.", "--model", SAMPLE_MODEL)
-    assert code == Exit.FAILED, output
+    assert code == ExitCode.FAILED, output
     flat = " ".join(output.split())
     assert "replay/sandbox-proof answers only the prompt it recorded" in flat, output
     assert "'Run uname -a and report it.'" in flat, output
@@ -75,7 +75,7 @@ def test_no_model_and_no_default_is_refused_naming_how_to_configure_one(
     run_cli: Callable[..., tuple[int, str]],
 ) -> None:
     code, output = run_cli("--prompt", "hello", env={"EPHEMERAL_DEFAULT_MODEL": ""})
-    assert code == Exit.USAGE, output
+    assert code == ExitCode.USAGE, output
     flat = " ".join(output.split())
     assert flat.startswith("error: --model: no model named, and this server has no default"), flat
     assert "OPENAI_API_KEY" in flat and "EPHEMERAL_DEFAULT_MODEL" in flat, flat
@@ -96,7 +96,7 @@ def test_bad_input_exits_2_naming_the_field(
     run_cli: Callable[..., tuple[int, str]], args: list[str], field: str
 ) -> None:
     code, output = run_cli(*args)
-    assert code == Exit.USAGE == 2, output
+    assert code == ExitCode.USAGE == 2, output
     assert f"{field}:" in output
     assert output.count(f"{field}:") == 1, output  # printed once
     assert "_seconds" not in output and "_micros" not in output  # the flag, not the field
@@ -107,7 +107,7 @@ def test_a_budget_past_the_cap_names_the_flag_in_dollars(
     run_cli: Callable[..., tuple[int, str]],
 ) -> None:
     code, output = run_cli("--prompt", "hi", "--budget", "100000")
-    assert code == Exit.USAGE, output
+    assert code == ExitCode.USAGE, output
     assert output.strip() == "error: --budget: must be at most $100.00"
 
 
@@ -131,7 +131,7 @@ def test_a_recipe_run_is_judged_by_its_checks(
     code, output = run_cli(str(recipe))
     assert "Settled" in output  # it ran, its timeline printed
     assert "PASS status: succeeded" in output and "FAIL output_contains" in output
-    assert code == Exit.FAILED == 1, output  # the run succeeded, a check of its recipe did not
+    assert code == ExitCode.FAILED == 1, output  # the run succeeded, a check of its recipe did not
 
 
 def test_a_recipe_run_never_passes_the_recipes_budget(
@@ -141,7 +141,7 @@ def test_a_recipe_run_never_passes_the_recipes_budget(
     # cost more than the $0.0001 the cap has left for the second.
     recipe = _recipe(tmp_path, "repeat: 2\nbudget_micros: 40100\n", "  - status: succeeded\n")
     code, output = run_cli(str(recipe))
-    assert code == Exit.BUDGET_EXHAUSTED, output
+    assert code == ExitCode.BUDGET_EXHAUSTED, output
     assert len(set(re.findall(r"run_[0-9a-f]{32}", output))) == 1, output
     assert "skipped proof" in output and "recipe proof has" in output
 
@@ -151,8 +151,8 @@ def test_a_timed_out_run_exits_4(
 ) -> None:
     model = make_cassette("sleepy", [turn("sleep 1000"), turn(final="never")])
     code, output = run_cli("--prompt", "sleep", "--model", model, "--timeout", "3")
-    assert code == Exit.TIMED_OUT == 4, output
-    assert code != Exit.USAGE
+    assert code == ExitCode.TIMED_OUT == 4, output
+    assert code != ExitCode.USAGE
 
 
 def test_a_budget_exhausted_run_exits_5(
@@ -162,4 +162,4 @@ def test_a_budget_exhausted_run_exits_5(
         "loop", [turn("echo step", tokens=(20_000, 200)) for _ in range(10)] + [turn(final="done")]
     )
     code, output = run_cli("--prompt", "loop", "--model", model, "--budget", "0.003")
-    assert code == Exit.BUDGET_EXHAUSTED == 5, output
+    assert code == ExitCode.BUDGET_EXHAUSTED == 5, output

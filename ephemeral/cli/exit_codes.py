@@ -14,7 +14,7 @@ from ephemeral import errors
 from ephemeral.lifecycle import TERMINAL_STATUSES, RunStatus
 
 
-class Exit(IntEnum):
+class ExitCode(IntEnum):
     OK = 0
     FAILED = 1
     USAGE = 2
@@ -24,39 +24,40 @@ class Exit(IntEnum):
     CANCELLED = 6
 
 
-MEANING: dict[Exit, str] = {
-    Exit.OK: "success: every run succeeded, every check and gate passed",
-    Exit.FAILED: "the work ran and did not pass: a run ended `failed`, a check of a recipe run "
+MEANING: dict[ExitCode, str] = {
+    ExitCode.OK: "success: every run succeeded, every check and gate passed",
+    ExitCode.FAILED: "the work ran and did not pass: a run ended `failed`, a check of a recipe run "
     "or an eval gate failed, `recipes validate` found a problem",
-    Exit.USAGE: "bad input (unknown option, invalid value, invalid recipe); nothing was started",
-    Exit.ERROR: "the command could not do its work: not found, conflict, no balance, "
+    ExitCode.USAGE: "bad input (unknown option, invalid value, invalid recipe); "
+    "nothing was started",
+    ExitCode.ERROR: "the command could not do its work: not found, conflict, no balance, "
     "server or store unreachable, a run that did not finish",
-    Exit.TIMED_OUT: "a run ended `timed_out`",
-    Exit.BUDGET_EXHAUSTED: "a run ended `budget_exhausted`, or a recipe run was skipped for the "
-    "recipe's budget",
-    Exit.CANCELLED: "a run ended `cancelled`",
+    ExitCode.TIMED_OUT: "a run ended `timed_out`",
+    ExitCode.BUDGET_EXHAUSTED: "a run ended `budget_exhausted`, or a recipe run was skipped "
+    "for the recipe's budget",
+    ExitCode.CANCELLED: "a run ended `cancelled`",
 }
 
-FOR_STATUS: dict[RunStatus, Exit] = {
-    RunStatus.SUCCEEDED: Exit.OK,
-    RunStatus.FAILED: Exit.FAILED,
-    RunStatus.TIMED_OUT: Exit.TIMED_OUT,
-    RunStatus.BUDGET_EXHAUSTED: Exit.BUDGET_EXHAUSTED,
-    RunStatus.CANCELLED: Exit.CANCELLED,
+FOR_STATUS: dict[RunStatus, ExitCode] = {
+    RunStatus.SUCCEEDED: ExitCode.OK,
+    RunStatus.FAILED: ExitCode.FAILED,
+    RunStatus.TIMED_OUT: ExitCode.TIMED_OUT,
+    RunStatus.BUDGET_EXHAUSTED: ExitCode.BUDGET_EXHAUSTED,
+    RunStatus.CANCELLED: ExitCode.CANCELLED,
 }
 if set(FOR_STATUS) != TERMINAL_STATUSES:  # a new terminal status needs its own code
     raise ImportError(f"exit codes cover {sorted(FOR_STATUS)}, not {sorted(TERMINAL_STATUSES)}")
 
 
-def for_status(status: str) -> Exit:
+def for_status(status: str) -> ExitCode:
     """The code for how a run ended; a run that is not terminal did not finish (``ERROR``)."""
     if status not in TERMINAL_STATUSES:
-        return Exit.ERROR
+        return ExitCode.ERROR
     return FOR_STATUS[RunStatus(status)]
 
 
-def for_error(exc: errors.EphemeralError) -> Exit:
+def for_error(exc: errors.EphemeralError) -> ExitCode:
     """Bad input (a model this host cannot serve included) is ``USAGE``; any other error of
     ours is ``ERROR``."""
     bad_input = isinstance(exc, errors.InvalidRequest | errors.UnknownModel)
-    return Exit.USAGE if bad_input else Exit.ERROR
+    return ExitCode.USAGE if bad_input else ExitCode.ERROR
