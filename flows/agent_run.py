@@ -66,13 +66,24 @@ class RunId(str):
 
 
 def _finish_elsewhere(exit: Exit) -> Any:
-    """A hook for cancellation/crash: the run takes ``exit``. It runs in another process after
-    the flow process is gone, so it finds the run (and through it the sandbox) from persisted
-    state only."""
+    """A hook for cancellation/crash: the run takes ``exit``. Prefect's runner calls it in a
+    thread of its own after the flow's process is gone, so it finds the run (and through it the
+    sandbox) from persisted state only.
+
+    Where the flow ran in this process (``serve``, ``run``, ``eval``: an executor started it),
+    Prefect's flow engine calls the hook on the loop that drives the run, and the engine on that
+    loop ends the run itself (its slot's task is the flow's); a second runtime here would race
+    it, and ``asyncio.run`` cannot start on a running loop anyway."""
 
     def hook(flow: Any, flow_run: Any, state: Any) -> None:
         run_id = (flow_run.parameters or {}).get("run_id")
         if not run_id:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # the runner's thread: nothing of this process drives the run
+        else:
             return
 
         async def alive(owner: str) -> bool:
