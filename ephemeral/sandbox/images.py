@@ -781,9 +781,8 @@ async def ensure_image(settings: Settings, name: str = "default") -> Path:
         mark_used(out)
         _name_current(settings, name, out)
         return out / "rootfs"
-    lock = settings.image_cache_dir / f".{name}.lock"
     # flock blocks: take it in a thread so other coroutines keep running during a build
-    async with _AsyncFileLock(lock):
+    async with _AsyncFileLock(name_lock_path(settings, name)):
         if (out / _MARKER).is_file():
             return out / "rootfs"
         progress.stage(f"building image {name} (not built yet for this definition: minutes)")
@@ -811,6 +810,25 @@ async def ensure_image(settings: Settings, name: str = "default") -> Path:
         # microVM hook (owned by microvm_image.py): kernel, initramfs and ext4 of this rootfs
         await asyncio.to_thread(build_with_image, settings, name, out / "rootfs", digest[:16])
     return out / "rootfs"
+
+
+def name_lock_path(settings: Settings, name: str) -> Path:
+    """The lock a build of image ``name`` holds (any builder, any process sharing the cache),
+    and so does a removal of its builds: one of them at a time."""
+    return settings.image_cache_dir / f".{name}.lock"
+
+
+@contextlib.contextmanager
+def name_locked(settings: Settings, name: str) -> Iterator[None]:
+    """Hold :func:`name_lock_path` (blocking: from a thread, or where nothing else runs)."""
+    path = name_lock_path(settings, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and the lock with it
 
 
 class _AsyncFileLock:
@@ -976,21 +994,30 @@ def list_images(settings: Settings, *, sizes: bool = True) -> list[ImageInfo]:
 def remove_images(
     settings: Settings, name: str, *, all_versions: bool = True, include_base: bool = False
 ) -> list[Path]:
-    """Delete cached builds of ``name`` (every version, or only stale ones); returns what went."""
+    """Delete cached builds of ``name`` (every version, or only stale ones); returns what went.
+
+    Under the name's build lock, listed once it is held: processes sharing the cache (two
+    checkouts' test suites, an ``images rm`` beside a build) take turns, so a removal never
+    deletes a build while it is committed, and never a tree another removal is deleting (both
+    rmtrees failed with FileNotFoundError on whichever directory the other took first)."""
     removed: list[Path] = []
-    for info in list_images(settings):
-        if info.name == name and (all_versions or not info.current):
-            shutil.rmtree(info.path)
-            removed.append(info.path)
-            # the microVM's disk of this build (microvm_image names it <name>-<hash16>.ext4)
-            ext4 = settings.image_cache_dir / "microvm" / "rootfs" / f"{info.path.name}.ext4"
-            if ext4.is_file():
-                ext4.unlink()
-                removed.append(ext4)
-    pointer = _names_dir(settings) / f"{name}.json"
-    if all_versions and _NAME.fullmatch(name) and pointer.is_file():
-        pointer.unlink()  # a Dockerfile image's name: nothing left to point at
-        removed.append(pointer)
+    # a name no builder takes has no build and no lock (nor a lock file made from it)
+    with name_locked(settings, name) if _NAME.fullmatch(name) else contextlib.nullcontext():
+        for info in list_images(settings):
+            if info.name == name and (all_versions or not info.current):
+                shutil.rmtree(info.path)
+                removed.append(info.path)
+                # the microVM's disk of this build (microvm_image names it <name>-<hash16>.ext4)
+                ext4 = settings.image_cache_dir / "microvm" / "rootfs" / f"{info.path.name}.ext4"
+                if ext4.is_file():
+                    ext4.unlink()
+                    removed.append(ext4)
+        pointer = _names_dir(settings) / f"{name}.json"
+        if all_versions and _NAME.fullmatch(name) and pointer.is_file():
+            pointer.unlink()  # a Dockerfile image's name: nothing left to point at
+            removed.append(pointer)
+        if all_versions and _NAME.fullmatch(name):  # a definition's current build: gone too
+            (settings.image_cache_dir / CURRENT / name).unlink(missing_ok=True)
     if include_base and (settings.image_cache_dir / "base").is_dir():
         base = settings.image_cache_dir / "base"
         shutil.rmtree(base)

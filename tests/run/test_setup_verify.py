@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -190,31 +191,34 @@ async def test_an_images_env_and_workdir_apply_to_every_command_of_a_run(
     tmp_path: Path, cassettes: Path, make_cassette: Callable[..., str]
 ) -> None:
     """A derived image (built here on default's cached layer) with env and workdir: setup, the
-    agent's shell and verify all run in scratch/<workdir> with that environment."""
+    agent's shell and verify all run in scratch/<workdir> with that environment. Its name is
+    this run's own: the image cache is shared, and another checkout's suite running this test
+    at the same time would otherwise boot, and remove, the same build."""
     defs = tmp_path / "images"
     shutil.copytree(REPO_ROOT / "sandbox_images" / "default", defs / "default")
-    (defs / "wd").mkdir()
-    (defs / "wd" / "image.yaml").write_text(
-        "name: wd\nbase: default\nenv: {WD_MARK: here}\nworkdir: work/dir\n"
+    wd = f"wd-{uuid.uuid4().hex[:12]}"
+    (defs / wd).mkdir()
+    (defs / wd / "image.yaml").write_text(
+        f"name: {wd}\nbase: default\nenv: {{WD_MARK: here}}\nworkdir: work/dir\n"
     )
     settings = Settings.load(
         state_dir=tmp_path / "state", cassettes_dir=cassettes, images_dir=defs, use_prefect=False
     )
     if images.built_rootfs(settings, "default") is None:
         unavailable("image default not built (make setup)")
-    await images.ensure_image(settings, "wd")
+    await images.ensure_image(settings, wd)
     model = make_cassette("sv-wd", [turn("pwd; echo $WD_MARK; cat from-setup"), turn(final="ok")])
     async with runlevel.started(settings, check=True) as runtime:
         row, events = await run_to_end(
             runtime,
             request(
                 model,
-                image="wd",
+                image=wd,
                 setup=["echo set > from-setup"],
                 verify=['test "$(basename "$PWD")" = dir && test "$WD_MARK" = here'],
             ),
         )
-        images.remove_images(settings, "wd")
+        images.remove_images(settings, wd)
     assert row.status == "succeeded", row.termination_detail
     shell = next(e.data for e in events if e.type == "shell.executed")
     pwd, mark, setup_out = shell["stdout"].splitlines()

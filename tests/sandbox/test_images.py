@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from ephemeral import errors
 from ephemeral.sandbox import images
 from ephemeral.settings import REPO_ROOT, Settings
+from tests.patience import PATIENCE
 
 
 @pytest.fixture
@@ -79,6 +83,43 @@ def test_list_and_remove_cached_builds(defs: Path, tmp_path: Path) -> None:
     assert listed == {current: True, stale: False}
     assert images.remove_images(settings, "default", all_versions=False) == [stale]
     assert images.remove_images(settings, "default") == [current]
+    assert images.built_rootfs(settings) is None
+
+
+def _waiting_on(lock: Path) -> int:
+    """How many flock requests wait on ``lock`` (the kernel's /proc/locks marks them ``->``)."""
+    ino = f":{os.stat(lock).st_ino} "
+    return sum(
+        1 for line in Path("/proc/locks").read_text().splitlines() if "->" in line and ino in line
+    )
+
+
+def test_removals_of_an_image_wait_for_its_build_and_for_each_other(
+    defs: Path, tmp_path: Path
+) -> None:
+    """Two removals of one build beside its build (two checkouts' suites sharing the cache):
+    each waits for the name's build lock and lists what is left once it holds it, so one
+    removes the build and the other finds it gone. Without the lock both rmtrees ran at once
+    and one failed with FileNotFoundError on a directory the other had taken."""
+    settings = Settings.load(
+        state_dir=tmp_path / "state", cache_dir=tmp_path / "cache", images_dir=defs
+    )
+    build = images.image_dir(settings, "default")
+    for d in ("etc/apt/auth.conf.d", "etc/ld.so.conf.d", "usr/lib"):
+        (build / "rootfs" / d).mkdir(parents=True)
+    (build / "image.json").write_text(json.dumps({"name": "default", "hash": "h", "built_at": 1}))
+    lock = images.name_lock_path(settings, "default")
+    with ThreadPoolExecutor(2) as pool:
+        with images.name_locked(settings, "default"):  # what a build of it holds
+            removals = [pool.submit(images.remove_images, settings, "default") for _ in range(2)]
+            deadline = time.monotonic() + PATIENCE
+            while _waiting_on(lock) < 2:
+                assert not any(r.done() for r in removals), "a removal did not wait for the build"
+                assert time.monotonic() < deadline, "the removals neither waited nor ended"
+                time.sleep(0.01)
+            assert build.is_dir()
+        got = sorted((r.result(timeout=PATIENCE) for r in removals), key=len)
+    assert got == [[], [build]]
     assert images.built_rootfs(settings) is None
 
 

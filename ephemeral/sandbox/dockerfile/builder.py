@@ -291,8 +291,7 @@ async def abuild_dockerfile(
     out = settings.image_cache_dir / f"{name}-{digest[:16]}"
     marker = out / "image.json"
     if not marker.is_file():
-        lock = settings.image_cache_dir / f".{name}.lock"
-        async with images._AsyncFileLock(lock):
+        async with images._AsyncFileLock(images.name_lock_path(settings, name)):
             if not marker.is_file():
                 await _build(settings, plan, ctx, dockerfile, base_hash, out, digest, name)
     images.point_name(settings, name, out)
