@@ -29,7 +29,7 @@ NOT_A_RUN = {
     ("ephemeral/cli/prebuild.py", "out.status == 'failed'"): "a prebuild outcome's status",
     ("ephemeral/cli/prebuild.py", "out.status != 'failed'"): "a prebuild outcome's status",
     (
-        "ephemeral/harbor/environment.py",
+        "ephemeral/harbor/task_image.py",
         "outcome.status == 'failed'",
     ): "a prebuild outcome's status",
 }

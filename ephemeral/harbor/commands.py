@@ -18,9 +18,14 @@ created before anything else can learn them (``/tmp`` is sticky: nobody else can
 
 from __future__ import annotations
 
+import base64
 import re
 import shlex
+import time
 
+from ephemeral.sessions.requests import MAX_EXEC_OUTPUT, ExecRequest
+
+HOUSEKEEPING_TIMEOUT = 600.0  # the adapter's own commands (mkdir, upload, wait, kill, fetch)
 WAIT_SLICE_SECONDS = 2.0
 POLL_SECONDS = 0.02
 # An argv element past this goes through stdin instead (Linux caps one at 128 KiB).
@@ -83,6 +88,35 @@ def start_argv(
     if inline:
         return ["bash", "-c", script, "harbor-exec", command], b""
     return ["bash", "-c", script, "harbor-exec"], command.encode()
+
+
+def slice_until(deadline: float | None) -> float:
+    """How long one wait may last so as not to pass ``deadline`` (``time.monotonic``) by more
+    than a poll: never cancelled halfway, a wait ends by itself."""
+    if deadline is None:
+        return WAIT_SLICE_SECONDS
+    return max(POLL_SECONDS, min(WAIT_SLICE_SECONDS, deadline - time.monotonic()))
+
+
+def exec_request(
+    command: list[str] | str,
+    *,
+    user: str,
+    cwd: str = "/",
+    env: dict[str, str] | None = None,
+    stdin: bytes = b"",
+    timeout: float = HOUSEKEEPING_TIMEOUT,
+) -> ExecRequest:
+    """One guest command as the session takes it (its output within the session's cap)."""
+    return ExecRequest(
+        command=command,
+        stdin_base64=base64.b64encode(stdin).decode(),
+        env=env or {},
+        cwd=cwd,
+        user=user,
+        timeout_seconds=timeout,
+        max_output_bytes=MAX_EXEC_OUTPUT,
+    )
 
 
 def wait_argv(exec_id: str, slice_s: float = WAIT_SLICE_SECONDS) -> list[str]:

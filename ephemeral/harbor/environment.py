@@ -4,6 +4,11 @@ Each trial is one sandbox session (docs/integrations.md): admitted with its poli
 cap, limited in time, every command an event, settled and recorded at ``stop``. The image is
 the task's Dockerfile built into one of our images (cached by content), a ``docker_image``
 mapped to a built image (``--ek images=...``), or ``--ek image=NAME``.
+
+The class is Harbor's interface and the session's commands and files; what it hands on is
+elsewhere in this package: the task checked and the session's request, limits and labels
+(``request.py``), the image (``task_image.py``), the scripts behind ``exec`` and their requests
+(``commands.py``), the ``--ek`` settings (``config.py``), the shared runtime (``backend.py``).
 """
 
 from __future__ import annotations
@@ -32,32 +37,23 @@ from harbor.environments.capabilities import (
     EnvironmentCapabilities,
     EnvironmentResourceCapabilities,
 )
-from harbor.models.task.config import NetworkMode
 from harbor.models.trial.config import ResourceMode
 from harbor.models.trial.paths import EnvironmentPaths
 from harbor.utils.path_filter import filter_paths_by_patterns
 
 from ephemeral import errors
-from ephemeral.harbor import backend, commands
+from ephemeral.harbor import backend, commands, request, task_image
 from ephemeral.harbor.config import HarborConfig, load_config
-from ephemeral.labels import bounded
 from ephemeral.lifecycle import RunStatus
-from ephemeral.oci import sandbox_image
-from ephemeral.policy import MIN_DISK_MIB
-from ephemeral.recipes import prebuild
 from ephemeral.sandbox import hostread, hostwrite, images
 from ephemeral.sandbox.base import Limits
-from ephemeral.sessions.manager import NO_ROOT_ISOLATIONS
-from ephemeral.sessions.requests import MAX_EXEC_OUTPUT, MAX_FILE_BYTES, ExecRequest, SessionRequest
+from ephemeral.sessions.requests import MAX_FILE_BYTES, ExecRequest
 
 log = logging.getLogger("ephemeral.harbor")
 
-DOCKERFILE = prebuild.DOCKERFILE
-COMPOSE_FILES = prebuild.COMPOSE_FILES
 # A file up to this size comes back as base64 on stdout (one exec); a larger one is copied
 # to /tmp and read as a file (the session's file limit, 128 MiB).
 INLINE_DOWNLOAD_BYTES = 3 << 20
-HOUSEKEEPING_TIMEOUT = 600.0
 MAX_OUTPUT_BYTES = 64 << 20  # per stream of one command
 SKIPS_LOGGED = 20  # entries of a download not written (links, devices) named in the log
 CLEANUP_BATCH = 16  # finished commands whose files one rm removes (in the next starter)
@@ -78,12 +74,6 @@ def _runtime_request_error(action: str, message: str) -> Exception:
     except ImportError:  # pragma: no cover - an older Harbor
         return RuntimeError(message)
     return RuntimeRequestError(action, 0, message)
-
-
-def storage_disk_mib(storage_mb: int, max_storage_mb: int) -> int:
-    """A task's ``storage_mb`` as the session's ``disk_mib``: the job's ``max_storage_mb`` at
-    most (the host's ``disk_max_mib`` is checked at admission), the request's least at least."""
-    return max(MIN_DISK_MIB, min(storage_mb, max_storage_mb))
 
 
 class EphemeralEnvironment(BaseEnvironment):
@@ -128,67 +118,35 @@ class EphemeralEnvironment(BaseEnvironment):
         )
 
     def _validate_definition(self) -> None:
-        env_dir = Path(self.environment_dir)
-        if env_dir.is_symlink():  # its files (or a build context) would be the host's
-            raise ValueError(
-                f"ephemeral environment: {env_dir} is a symbolic link (to "
-                f"{os.readlink(env_dir)}): a task's files must be its own, not a host directory"
-            )
-        for name in COMPOSE_FILES:
-            if (env_dir / name).exists():
-                raise ValueError(
-                    f"ephemeral environment: {env_dir / name}: docker-compose tasks (sidecar "
-                    "services) are not supported"
-                )
-        if (
-            not (env_dir / DOCKERFILE).is_file()
-            and not self.task_env_config.docker_image
-            and not self.config.image
-        ):
-            raise FileNotFoundError(
-                f"ephemeral environment: {env_dir} has no {DOCKERFILE}, the task sets no "
-                "docker_image, and no --ek image=NAME was given"
-            )
-        if self.config.isolation in NO_ROOT_ISOLATIONS:
-            raise ValueError(
-                f"ephemeral environment: --ek isolation={self.config.isolation}: Harbor runs "
-                "its own commands as root, which that level refuses (there root is host root)"
-            )
-        self._check_network(self.network_policy)
-        for policy in self._phase_network_policies:
-            self._check_network(policy)
-
-    def _check_network(self, policy: Any) -> None:
-        mode = policy.network_mode
-        if mode != NetworkMode.NO_NETWORK and not self.config.web:
-            raise ValueError(
-                f"ephemeral environment: the task asks for network_mode={mode.value!r}, and web "
-                "is off: sandboxes have no network. Pass --ek web=true to let it out through "
-                "the broker (docs/broker.md), or set network_mode = 'no-network' in task.toml"
-            )
-
-    def _labels(self) -> dict[str, str]:
-        """Which job, task and trial this session's money went to (``costs --by
-        label:harbor_job``): Harbor puts a trial's directory in its job's."""
-        labels = {"harbor_session": self.session_id, "harbor_task": self.environment_name}
-        trial_dir = getattr(getattr(self, "trial_paths", None), "trial_dir", None)
-        if isinstance(trial_dir, Path):
-            labels |= {"harbor_trial": trial_dir.name, "harbor_job": trial_dir.parent.name}
-        return {k: bounded(v) for k, v in labels.items()}
+        request.check_task(
+            self.config,
+            Path(self.environment_dir),
+            self.task_env_config.docker_image,
+            [self.network_policy, *self._phase_network_policies],
+        )
 
     # lifecycle ------------------------------------------------------------------------------
     async def start(self, force_build: bool) -> None:
         runtime, org = await backend.acquire()
         self._runtime, self._org, self._holding = runtime, org, True
-        image = await self._resolve_image(force_build)
+        image = await task_image.resolve(
+            runtime.settings,
+            self.config,
+            Path(self.environment_dir),
+            self.task_env_config.docker_image,
+            force_build=force_build,
+            trial=self.session_id,
+        )
         self._image = image
-        request = self._session_request(image.name)
+        limits = self._limits()
         try:
             row, _ = await runtime.sessions.create(
                 org,
-                request,
-                labels=self._labels(),
-                limits=self._limits(),
+                request.session_request(
+                    self.config, self.network_policy, image.name, limits.disk_mib
+                ),
+                labels=request.labels(self.session_id, self.environment_name, self.trial_paths),
+                limits=limits,
             )
         except errors.EphemeralError as exc:
             raise SandboxBuildFailedError(
@@ -225,91 +183,14 @@ class EphemeralEnvironment(BaseEnvironment):
                 self._holding = False
                 backend.release()
 
-    def _session_request(self, image: str) -> SessionRequest:
-        policy = self.network_policy
-        web: bool | dict[str, list[str]] = False
-        if policy.network_mode == NetworkMode.PUBLIC:
-            web = True
-        elif policy.network_mode == NetworkMode.ALLOWLIST:
-            web = {"allow": list(policy.allowed_hosts)} if policy.allowed_hosts else False
-        fields: dict[str, Any] = {
-            "isolation": self.config.isolation,
-            "web": web,
-            "timeout_seconds": self.config.timeout_seconds,
-            "max_cost_micros": self.config.max_cost_micros,
-            "zero_data_retention": self.config.zero_data_retention,
-            "image": image,
-            # the task's storage_mb: the host's disk_max_mib refuses more (Harbor's
-            # environment error), and above disk_tmpfs_max_mib the root is on disk
-            "disk_mib": self._limits().disk_mib,
-        }
-        try:
-            return SessionRequest.model_validate(fields)
-        except ValueError as exc:  # pydantic's message names the field
-            raise SandboxBuildFailedError(f"ephemeral: bad session settings: {exc}") from exc
-
     def _limits(self) -> Limits:
-        cpus = self._resource_limit_value("cpu", auto_mode=ResourceMode.LIMIT)
-        memory = self._resource_limit_value("memory", auto_mode=ResourceMode.LIMIT)
-        storage = self._effective_storage_mb or self.config.storage_mb
-        return Limits(
-            cpus=float(cpus) if cpus else self.config.cpus,
-            memory_mib=int(memory) if memory else self.config.memory_mb,
-            pids=self.config.pids,
-            disk_mib=storage_disk_mib(int(storage), self.config.max_storage_mb),
+        # Harbor's effective values: the task's, with the job's --override-* applied
+        return request.limits(
+            self.config,
+            cpus=self._resource_limit_value("cpu", auto_mode=ResourceMode.LIMIT),
+            memory_mb=self._resource_limit_value("memory", auto_mode=ResourceMode.LIMIT),
+            storage_mb=self._effective_storage_mb,
         )
-
-    # images ---------------------------------------------------------------------------------
-    async def _resolve_image(self, force_build: bool) -> images.ImageConfig:
-        """The task's image, as Harbor with Docker has it (``ephemeral/recipes/prebuild.py``): its
-        ``docker_image`` pulled (or one of ours), else its Dockerfile built; made once per
-        environment across trials and processes, a failed build not tried again until asked.
-        Any failure is Harbor's environment error (retried, never graded)."""
-        settings = self._runtime.settings
-        if self.config.image:
-            return self._built(settings, self.config.image, "--ek image")
-        docker_image = self.task_env_config.docker_image
-        mapped = self.config.images.get(docker_image) if docker_image else None
-        if mapped is not None and not (force_build and self._has_dockerfile()):
-            return self._built(settings, mapped, f"--ek images[{docker_image!r}]")
-        env = prebuild.for_harbor(
-            settings,
-            Path(self.environment_dir),
-            docker_image,
-            source=str(Path(self.environment_dir).parent),
-            force_build=force_build,
-        )
-        t0 = time.monotonic()
-        try:
-            outcome = await prebuild.ensure(settings, env, retry_failed=self.config.retry_failed)
-        except Exception as exc:  # the host's (a full disk, say): still not the agent's 0
-            raise SandboxBuildFailedError(f"ephemeral: {env.label}: {exc}") from exc
-        if outcome.status == "failed":
-            raise SandboxBuildFailedError(f"ephemeral: {outcome.detail}")
-        found = sandbox_image.built_image(settings, outcome.image)
-        if found is None:  # collected between the two lines: the next attempt makes it again
-            raise SandboxBuildFailedError(f"ephemeral: image {outcome.image!r} is gone")
-        log.info(
-            "%s: image %s %s in %.1f s",
-            self.session_id,
-            outcome.image,
-            outcome.status,
-            time.monotonic() - t0,
-        )
-        return found
-
-    def _has_dockerfile(self) -> bool:
-        return (Path(self.environment_dir) / DOCKERFILE).is_file()
-
-    @staticmethod
-    def _built(settings: Any, name: str, where: str) -> images.ImageConfig:
-        found = sandbox_image.built_image(settings, name)
-        if found is None:
-            raise SandboxBuildFailedError(
-                f"ephemeral: {where}: image {name!r} is not built here "
-                f"(ephemeral images build {name}; built: {', '.join(images.available(settings))})"
-            )
-        return found
 
     # commands -------------------------------------------------------------------------------
     def _user(self, user: str | int | None) -> str:
@@ -343,43 +224,25 @@ class EphemeralEnvironment(BaseEnvironment):
         cwd: str = "/",
         env: dict[str, str] | None = None,
         stdin: bytes = b"",
-        timeout: float = HOUSEKEEPING_TIMEOUT,
+        timeout: float = commands.HOUSEKEEPING_TIMEOUT,
     ) -> Any:
         """One guest command through the session (an event); never cancelled halfway: the
         guest serves one request at a time, so a cancel waits for this reply."""
         return await self._checked(
-            self._request(command, user=user, cwd=cwd, env=env, stdin=stdin, timeout=timeout)
+            commands.exec_request(
+                command, user=user, cwd=cwd, env=env, stdin=stdin, timeout=timeout
+            )
         )
 
-    @staticmethod
-    def _request(
-        command: list[str] | str,
-        *,
-        user: str,
-        cwd: str = "/",
-        env: dict[str, str] | None = None,
-        stdin: bytes = b"",
-        timeout: float = HOUSEKEEPING_TIMEOUT,
-    ) -> ExecRequest:
-        return ExecRequest(
-            command=command,
-            stdin_base64=base64.b64encode(stdin).decode(),
-            env=env or {},
-            cwd=cwd,
-            user=user,
-            timeout_seconds=timeout,
-            max_output_bytes=MAX_EXEC_OUTPUT,
-        )
-
-    async def _checked(self, request: ExecRequest) -> Any:
-        result, cancelled = await self._through(request)
+    async def _checked(self, call: ExecRequest) -> Any:
+        result, cancelled = await self._through(call)
         if cancelled:
             raise asyncio.CancelledError()
         return result
 
-    async def _through(self, request: ExecRequest) -> tuple[Any, bool]:
+    async def _through(self, sent: ExecRequest) -> tuple[Any, bool]:
         """(the result, whether this task was cancelled meanwhile): the call always ends."""
-        call = asyncio.ensure_future(self._runtime.sessions.exec(self._live(), self._org, request))
+        call = asyncio.ensure_future(self._runtime.sessions.exec(self._live(), self._org, sent))
         cancelled = False
         while not call.done():
             try:
@@ -412,13 +275,13 @@ class EphemeralEnvironment(BaseEnvironment):
         if len(self._finished) >= CLEANUP_BATCH:
             cleanup, self._finished = self._finished, []
         argv, stdin = commands.start_argv(
-            exec_id, command, slice_s=self._slice(deadline), cleanup=cleanup
+            exec_id, command, slice_s=commands.slice_until(deadline), cleanup=cleanup
         )
-        request = self._request(
+        starter = commands.exec_request(
             argv, user=as_user, cwd=self._cwd(cwd), env=self._merge_env(env), stdin=stdin
         )
         try:
-            started, cancelled = await self._through(request)
+            started, cancelled = await self._through(starter)
         except ValueError as exc:  # a missing cwd, a uid outside the sandbox: as docker exec
             return ExecResult(stdout="", stderr=f"{exc}\n", return_code=126)
         if cancelled:  # while it started: it dies now
@@ -439,7 +302,7 @@ class EphemeralEnvironment(BaseEnvironment):
                 if deadline is not None and time.monotonic() >= deadline:
                     raise RuntimeError(f"Command timed out after {timeout_sec} seconds")
                 res = await self._call(
-                    commands.wait_argv(exec_id, self._slice(deadline)), user="root"
+                    commands.wait_argv(exec_id, commands.slice_until(deadline)), user="root"
                 )
                 code = commands.parse_wait(res.stdout)
             stdout, stderr = await self._outputs(exec_id)
@@ -450,14 +313,6 @@ class EphemeralEnvironment(BaseEnvironment):
             raise
         self._finished.append(exec_id)
         return ExecResult(stdout=stdout, stderr=stderr, return_code=code)
-
-    @staticmethod
-    def _slice(deadline: float | None) -> float:
-        if deadline is None:
-            return commands.WAIT_SLICE_SECONDS
-        return max(
-            commands.POLL_SECONDS, min(commands.WAIT_SLICE_SECONDS, deadline - time.monotonic())
-        )
 
     async def _outputs(self, exec_id: str) -> tuple[str, str]:
         out_path, err_path, _ = commands.paths(exec_id)
@@ -498,18 +353,13 @@ class EphemeralEnvironment(BaseEnvironment):
     # Uploads read host files without following a link (ephemeral/sandbox/hostread.py);
     # downloads come back as a tar the host parses itself and writes under the target without
     # following a link, links and devices not written (ephemeral/sandbox/hostwrite.py).
-    def _source_root(self, source: Path | str) -> Path | None:
-        """The task's directory when ``source`` lies in it: walked from there, so a link on the
-        way (``environment/`` itself, say) is refused. Elsewhere (the agent's own scripts, the
-        trial's logs, Harbor's staged copy of a filtered ``tests/``): opened as given, but not
-        through a link at its last component nor at any member."""
-        task = Path(os.path.abspath(self.environment_dir)).parent
-        return task if Path(os.path.abspath(source)).is_relative_to(task) else None
-
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
         source = Path(source_path)
         data = await asyncio.to_thread(
-            hostread.read_file, source, root=self._source_root(source), max_bytes=MAX_FILE_BYTES
+            hostread.read_file,
+            source,
+            root=_source_root(self.environment_dir, source),
+            max_bytes=MAX_FILE_BYTES,
         )
         t = shlex.quote(target_path)
         res = await self._call(
@@ -521,7 +371,9 @@ class EphemeralEnvironment(BaseEnvironment):
 
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
         source = Path(source_dir)
-        data = await asyncio.to_thread(hostread.pack, source, root=self._source_root(source))
+        data = await asyncio.to_thread(
+            hostread.pack, source, root=_source_root(self.environment_dir, source)
+        )
         t = shlex.quote(target_dir)
         res = await self._call(
             ["bash", "-c", f"mkdir -p -- {t} && tar xzf - -C {t} --no-same-owner"],
@@ -633,6 +485,15 @@ def _check(res: Any, what: str) -> None:
     if res.exit_code != 0:
         said = (res.stderr or res.stdout)[:500]
         raise _runtime_request_error("upload", f"ephemeral: {what}: exit {res.exit_code}: {said}")
+
+
+def _source_root(environment_dir: Path | str, source: Path | str) -> Path | None:
+    """The task's directory when ``source`` lies in it: walked from there, so a link on the
+    way (``environment/`` itself, say) is refused. Elsewhere (the agent's own scripts, the
+    trial's logs, Harbor's staged copy of a filtered ``tests/``): opened as given, but not
+    through a link at its last component nor at any member."""
+    task = Path(os.path.abspath(environment_dir)).parent
+    return task if Path(os.path.abspath(source)).is_relative_to(task) else None
 
 
 def _write_file(target: Path, data: bytes) -> None:

@@ -3,7 +3,7 @@
 
 An *environment* is what a Harbor task, a recipe or a suite needs its sandbox made from: an
 image to pull (an OCI reference), a Dockerfile to build, or one of our built images. Harbor's
-adapter (``ephemeral/harbor/environment.py``) and ``ephemeral images prebuild`` resolve a task
+adapter (``ephemeral/harbor/task_image.py``) and ``ephemeral images prebuild`` resolve a task
 the same way, through :func:`for_harbor`, so what prebuild made is what a trial finds:
 
 - ``docker_image`` set (and not ``force_build`` with a Dockerfile): one of our images when the

@@ -13,7 +13,7 @@ from typing import Any
 from harbor.models.task.config import EnvironmentConfig, NetworkPolicy
 from harbor.models.trial.paths import TrialPaths
 
-from ephemeral.harbor import EphemeralEnvironment
+from ephemeral.harbor import EphemeralEnvironment, request
 
 
 def env(storage_mb: int | None, isolation: str, **ek: Any) -> EphemeralEnvironment:
@@ -41,7 +41,9 @@ async def main(isolation: str) -> dict[str, object]:
         ("job_max_raised", 20_000, {"max_storage_mb": 50_000}),
     ]:
         e = env(storage, isolation, **ek)
-        out[name] = [e._limits().disk_mib, e._session_request("default").disk_mib]
+        limits = e._limits()
+        asked = request.session_request(e.config, e.network_policy, "default", limits.disk_mib)
+        out[name] = [limits.disk_mib, asked.disk_mib]
     trial = env(2048, isolation)
     await trial.start(False)
     try:
