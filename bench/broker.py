@@ -371,7 +371,7 @@ async def egress(levels: list[str], n: int, mib: int, trials: int) -> None:
                         timeout_seconds=3600,
                     )
                     row, _ = await runtime.admit(await runtime.local_org(), request)
-                    runtime.holding = {row.id}  # driven here, not by an executor: not orphaned
+                    runtime.taken = {row.id}  # driven here, not by an executor: not orphaned
                     agent = await runtime.engine.build(row.id)
                     await agent.provision()
                     try:

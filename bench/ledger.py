@@ -34,7 +34,7 @@ async def main(batches: int) -> None:
                 prompt="bench", model="replay/sandbox-proof", max_cost_micros=10_000_000
             )
             row, _ = await runtime.admit(org, request)
-            runtime.holding = {row.id}  # nothing executes it: not an orphan for the watchdog
+            runtime.taken = {row.id}  # nothing executes it: not an orphan for the watchdog
             t = cpu()
             for i in range(batches):
                 await store.events.append(row.id, "web.requested", {"method": "GET", "n": i})

@@ -309,7 +309,7 @@ class Settings(BaseSettings):
         le=86_400.0,
         description="How long a draining worker (SIGTERM, `ephemeral worker --drain`) lets its "
         "running runs finish before it ends the rest `cancelled` (settled at once, sandboxes "
-        "destroyed); runs it holds but has not started go back to the queue at once.",
+        "destroyed); runs it has taken but not started go back to the queue at once.",
     )
     link_address: str = Field(
         default="127.0.0.1",

@@ -114,7 +114,7 @@ async def dispatch(store: Store, run_id: str, client: Any = None) -> None:
 
 
 async def hand_back(runtime: Runtime, run_id: str) -> bool:
-    """Give a run this worker holds but never started back to the queue, under a fresh task
+    """Give a run this worker took but never started back to the queue, under a fresh task
     run (a drain). False if it no longer waits here. If the new task run cannot be made now,
     the outbox of any live process makes it."""
     if await runtime.store.outbox.release(run_id, runtime.owner) is None:

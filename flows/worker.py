@@ -8,7 +8,7 @@ updated) and ``microvm-total`` (created if missing; an operator sets its real va
 
 **Drain.** SIGTERM, SIGINT or ``ephemeral worker --drain`` (a SIGTERM to the pid in
 ``<state dir>/worker.pid``) stops the subscription, so Prefect hands this host no more runs.
-Runs the host holds but has not started go back to the queue at once under a fresh task run
+Runs the host has taken but not started go back to the queue at once under a fresh task run
 (``hand_back``); running ones get up to ``drain_seconds`` to finish; then, or at a second
 signal, the rest are ended ``cancelled`` with the drain as the reason (settled at once, their
 sandboxes destroyed). Their Prefect slots are released as each run's body returns.
@@ -52,7 +52,7 @@ log = logging.getLogger("ephemeral.flows.worker")
 PID_FILE = "worker.pid"
 DRAIN_POLL_SECONDS = 0.2
 SCHEDULED_PATH = "/task_runs/subscriptions/scheduled"  # Prefect's websocket of task runs to run
-TAKE_SECONDS = 60.0  # from a held run's slot to the runtime's take, at most (seconds, loaded)
+TAKE_SECONDS = 60.0  # from a taken run's slot to the runtime's take, at most (seconds, loaded)
 
 
 async def ensure_limits(host: str, limit: int, total: int) -> None:
@@ -74,11 +74,11 @@ async def ensure_limits(host: str, limit: int, total: int) -> None:
 class HostWorker:
     """This host's task worker, on Prefect's public API: Prefect's ``TaskWorker`` executes each
     task run (``execute_task_run``), this class receives them (``Subscription``, the websocket
-    Prefect's worker uses), keeps to the limit, claims a run received at the limit, and drains.
+    Prefect's worker uses), keeps to the limit, takes a run received at the limit, and drains.
 
     A subscription hands over (and acknowledges) the next task run before anything waits for
-    a free slot, so at its limit the worker holds one run Prefect will not give anyone else.
-    That run is claimed here (``queued``, this host, a lease renewed by :meth:`_renew`): if the
+    a free slot, so at its limit the worker has one run Prefect will not give anyone else.
+    That run is taken here (``queued``, this host, a lease renewed by :meth:`_renew`): if the
     worker dies it is settled through its lease, and a drain hands it back. Prefect's own
     worker keeps its limit inside (a private limiter and receive loop, which this class once
     overrode); here its limit is off and the limit is :attr:`slots`.
@@ -92,11 +92,11 @@ class HostWorker:
         self.signals = 0
         self._drain = asyncio.Event()
         self._now = asyncio.Event()
-        self._held: dict[UUID, str] = {}  # task run id -> run id, waiting for a slot
-        # run id -> when its slot came: renewed here until the runtime took it (its parameters
+        self._waiting: dict[UUID, str] = {}  # task run id -> run id, taken, waiting for a slot
+        # run id -> when its slot came: renewed here until the engine took it (its parameters
         # are read and Prefect's engine starts in between: seconds on a loaded host)
-        self._claimed: dict[str, float | None] = {}
-        runtime.holding = self._claimed  # so its watchdog does not end them as unexecuted
+        self._taken: dict[str, float | None] = {}
+        runtime.taken = self._taken  # so its watchdog does not end them as unexecuted
         self._executing: set[asyncio.Task[None]] = set()  # one per task run given a slot
         self.on_drain: list[Callable[[], Awaitable[None]]] = []  # run as the drain begins
 
@@ -123,14 +123,14 @@ class HostWorker:
                         running.cancel()
                     receiving.result()
                     return
-                held = list(self._held.values())
+                waiting = list(self._waiting.values())
                 for hook in self.on_drain:
                     with contextlib.suppress(Exception):
                         await hook()
                 receiving.cancel()
                 with contextlib.suppress(BaseException):
                     await receiving
-                await self._drain_runs(held)
+                await self._drain_runs(waiting)
             finally:
                 for loop_task in (drain, receiving, renew):
                     loop_task.cancel()
@@ -149,17 +149,17 @@ class HostWorker:
             base_url=api,
         )
         async for task_run in subscription:
-            if self.slots.locked():  # at the limit: the run waits here, claimed
+            if self.slots.locked():  # at the limit: the run waits here, taken
                 try:
-                    await self._hold(task_run)
-                except Exception:  # unclaimed it is still served when a slot frees
-                    log.exception("task run %s: could not claim the run it carries", task_run.id)
+                    await self._take(task_run)
+                except Exception:  # untaken it is still served when a slot frees
+                    log.exception("task run %s: could not take the run it carries", task_run.id)
             try:
                 await self.slots.acquire()
             finally:
-                run_id = self._held.pop(task_run.id, None)
+                run_id = self._waiting.pop(task_run.id, None)
                 if run_id is not None:
-                    self._claimed[run_id] = time.monotonic()
+                    self._taken[run_id] = time.monotonic()
             executing = asyncio.create_task(self._execute(task_run), name=f"task-{task_run.name}")
             self._executing.add(executing)
             executing.add_done_callback(self._executing.discard)
@@ -170,10 +170,10 @@ class HostWorker:
         finally:
             self.slots.release()
 
-    async def _hold(self, task_run: TaskRun) -> None:
+    async def _take(self, task_run: TaskRun) -> None:
         run_id = task_run.name  # named for its run (create_task_run)
-        self._held[task_run.id] = run_id
-        self._claimed[run_id] = None
+        self._waiting[task_run.id] = run_id
+        self._taken[run_id] = None
         now = utcnow()
         await self.runtime.store.outbox.take(
             run_id,
@@ -183,7 +183,7 @@ class HostWorker:
             expires_at=now + _seconds(self.runtime.settings.lease_seconds),
         )
 
-    async def _drain_runs(self, held: list[str]) -> None:
+    async def _drain_runs(self, waiting: list[str]) -> None:
         runtime, engine = self.runtime, self.runtime.engine
         began = engine.began()
         started = {r for r, b in began.items() if b}
@@ -192,9 +192,9 @@ class HostWorker:
             runtime.host,
             len(started),
             self.drain_seconds,
-            len(held) + len(began) - len(started),
+            len(waiting) + len(began) - len(started),
         )
-        for run_id in held:
+        for run_id in waiting:
             await hand_back(runtime, run_id)
         deadline = time.monotonic() + self.drain_seconds
         while True:
@@ -229,25 +229,25 @@ class HostWorker:
         )
 
     async def _renew(self) -> None:
-        """Keep the leases of the runs claimed at receipt until the runtime takes them (and
-        renews them itself). One the runtime has not taken ``TAKE_SECONDS`` after its slot (its
+        """Keep the leases of the runs taken at receipt until the engine takes them (and
+        renews them itself). One the engine has not taken ``TAKE_SECONDS`` after its slot (its
         task run failed to start) is let go: disowned with its lease ended, it is settled by the
         next sweep of any process."""
         lease = self.runtime.settings.lease_seconds
         while True:
             await asyncio.sleep(lease / 3)
-            taken = self.runtime.engine.executing()
-            for run_id, slot_at in list(self._claimed.items()):
+            executing = self.runtime.engine.executing()
+            for run_id, slot_at in list(self._taken.items()):
                 late = slot_at is not None and time.monotonic() - slot_at > TAKE_SECONDS
-                if run_id in taken or late:
-                    del self._claimed[run_id]
-                if late and run_id not in taken:
+                if run_id in executing or late:
+                    del self._taken[run_id]
+                if late and run_id not in executing:
                     with contextlib.suppress(Exception):
                         await self.runtime.store.leases.let_go(run_id, self.runtime.owner, utcnow())
             with contextlib.suppress(Exception):
                 now = utcnow()
                 await self.runtime.store.leases.renew(
-                    list(self._claimed),
+                    list(self._taken),
                     owner=self.runtime.owner,
                     renewed_at=now,
                     expires_at=now + _seconds(lease),
@@ -270,7 +270,7 @@ async def serve(settings: Settings, *, limit: int, total: int, sessions: int = 3
     await ensure_limits(settings.host_id, limit, total)
     # recover=True: sandboxes left by this host's previous (killed) worker are reaped now.
     runtime = await Runtime.start(settings, warm_pool=settings.pool_size > 0, recover=True)
-    await runtime.hold_leases(settings.lease_seconds)
+    await runtime.renew_leases(settings.lease_seconds)
     runtime.lease_expired_hooks.append(mark_crashed)
     host = await SessionHost.start(runtime, slots=sessions) if sessions else None
     freeze_startup_heap()

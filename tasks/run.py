@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 @task(name="load_run", **TASK_OPTIONS)
 async def load_run(run: RunHandle) -> AgentRun | None:
     """Build the admitted run's agent (its row, its zero-data-retention prompt, its in-run
-    budget); None if it is not waiting to run. Its money was held at admission."""
+    budget); None if it is not waiting to run. Its money was reserved at admission."""
     return await run.build()
 
 

@@ -7,13 +7,22 @@ a renamed or added status would leave it silently comparing against a word no ro
 such comparison in the package (flows and tasks included) fails here, unless it compares a
 status that is not a run's, listed in ``NOT_A_RUN`` with what it is.
 
-``Exit`` is a run's exit only (``ephemeral/engine/exits.py``); the CLI's is ``ExitCode``.
+Words that once named several concepts name one now, and an identifier (a name the code defines
+or reads: function, class, attribute, variable, argument) that spells one of them is listed in
+``SPELLED`` with what it means there: *hold* is a model call's worst case held inside its run's
+reservation (the gateway's), *claim* a host's slot grant (``run.claimed``). The other holds
+listed are plain English outside a run's words (a lock, bytes held back). A new identifier
+spelled so fails here until it is listed, so a second concept under either word is seen, and
+so are the renamed ones (``HostWorker._hold``, ``Runtime.holding`` and ``hold_leases``,
+``ledger.hold``, ``claim_zdr_output``, ``ledger.claim_idempotency``, ``facts.claim``). ``Exit``
+is a run's exit only (``ephemeral/engine/exits.py``); the CLI's is ``ExitCode``.
 """
 
 from __future__ import annotations
 
 import ast
 import itertools
+import re
 from pathlib import Path
 
 from ephemeral.lifecycle import RunKind, RunStatus
@@ -138,6 +147,110 @@ if env.kind == "dockerfile": pass
 if row.name == "queued": pass
 """
     assert literal_comparisons(good) == []
+
+
+# How each word is spelled in an identifier's words (``_hold``, ``hold_leases``, ``_Held``).
+SPELLINGS = {
+    "hold": {"hold", "holds", "held", "holding", "holder", "holders"},
+    "claim": {"claim", "claims", "claimed", "claiming"},
+}
+# Every identifier spelling one, by file and name: what it means there.
+SPELLED = {
+    "hold": {
+        ("ephemeral/broker/gateway.py", "hold"): "a model call's hold (Words: hold)",
+        ("ephemeral/broker/egress.py", "held"): "a plain-HTTP response head kept until whole",
+        ("ephemeral/broker/redact.py", "hold"): "how many bytes the redactor keeps back",
+        ("ephemeral/broker/redact.py", "_held"): "the bytes the redactor keeps back",
+        ("ephemeral/build_proxy.py", "_holder"): "the process keeping a network namespace",
+        ("ephemeral/sandbox/build_sandbox.py", "HOLDER_SH"): "a process keeping a user namespace",
+        ("ephemeral/sandbox/dockerfile/layers.py", "HOLDER_SH"): "the same, imported",
+        ("ephemeral/sandbox/namespaces.py", "held"): "the fd locking a uid range",
+        ("ephemeral/sandbox/build_area.py", "_hold"): "take a build area's file lock",
+        ("ephemeral/flock.py", "held"): "a file lock held for a block",
+        ("ephemeral/records/compaction.py", "held"): "the same (flock.held)",
+        ("ephemeral/oci/store.py", "held"): "whether the store's file lock is held",
+        ("ephemeral/harbor/backend.py", "_Held"): "a loop's shared runtime and its users",
+        ("ephemeral/harbor/backend.py", "held"): "the same",
+        ("ephemeral/harbor/environment.py", "_holding"): "whether a trial uses the shared runtime",
+        ("ephemeral/inspect_provider/provider.py", "hold"): "one more user of a loop's backend",
+    },
+    "claim": {
+        ("ephemeral/sessions/host.py", "_claiming"): "placed sessions being claimed here",
+        ("ephemeral/sessions/placement.py", "_claimed"): "whether a host claimed the session",
+    },
+}
+
+
+def identifiers(source: str) -> set[str]:
+    """Every name ``source`` defines or reads."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.arg | ast.keyword) and node.arg is not None:
+            names.add(node.arg)
+        elif isinstance(node, ast.alias):
+            names.add(node.asname or node.name.rsplit(".", 1)[-1])
+    return names
+
+
+def spelled(source: str, word: str) -> set[str]:
+    """The identifiers of ``source`` one of whose words (snake_case or CamelCase) is ``word``."""
+    return {
+        name
+        for name in identifiers(source)
+        if {w.lower() for w in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])", name)} & SPELLINGS[word]
+    }
+
+
+def test_hold_and_claim_each_name_one_concept() -> None:
+    wrong = [
+        f"{rel}: {name} (spells {word!r})"
+        for rel, path in package_files()
+        for word in SPELLINGS
+        for name in sorted(spelled(path.read_text(), word))
+        if (rel, name) not in SPELLED[word]
+    ]
+    assert not wrong, "one word per concept (docs/architecture.md, Words):\n" + "\n".join(wrong)
+
+
+def test_every_spelling_listed_is_still_in_the_code() -> None:
+    """A listed identifier that is gone would excuse the next one of its name in that file."""
+    found = {
+        (rel, name)
+        for rel, path in package_files()
+        for word in SPELLINGS
+        for name in spelled(path.read_text(), word)
+    }
+    listed = {key for keys in SPELLED.values() for key in keys}
+    assert listed <= found, listed - found
+
+
+def test_the_identifier_checker_sees_each_spelling() -> None:
+    bad = """
+class HostWorker:
+    async def _hold(self, task_run): self._held[task_run.id] = task_run.name
+runtime.holding = set()
+await runtime.hold_leases(30)
+await ledger.hold(conn, org_id=org, amount=1)
+earlier = await ledger.claim_idempotency(conn, key=key)
+value = await store.facts.claim("seal_key", mine)
+def claim_zdr_output(self, row): pass
+class _Held: pass
+"""
+    assert spelled(bad, "hold") == {"_hold", "_held", "holding", "hold_leases", "hold", "_Held"}
+    assert spelled(bad, "claim") == {"claim_idempotency", "claim", "claim_zdr_output"}
+    good = """
+threshold = PLACEHOLDER_KEY
+await runtime.renew_leases(30)
+await ledger.reserve(conn, org_id=org, amount=1)
+emit("run.claimed", {"host": host})
+"""
+    assert spelled(good, "hold") == set() and spelled(good, "claim") == set()
 
 
 def test_exit_is_a_runs_exit_only() -> None:

@@ -82,7 +82,7 @@ async def render_run(request: Request, runtime: Runtime, row: RunRow) -> dict[st
         # A zero-data-retention run's output is held in memory (or sealed in the store by the
         # worker that ran it) and handed out exactly once (to the first read of the settled
         # run: `runs.wait` returns that read).
-        obj["output"] = await runtime.claim_zdr_output(row)
+        obj["output"] = await runtime.take_or_unseal_zdr_output(row)
     return obj
 
 
@@ -226,7 +226,7 @@ async def delete_run(request: Request, who: Auth, runtime: Rt, run_id: str) -> d
         except TimeoutError as exc:
             raise errors.Conflict("the run is still stopping; retry the DELETE") from exc
     await runtime.store.retention.erase(run_id)
-    await runtime.claim_zdr_output(await runtime.store.runs.get(run_id))
+    await runtime.take_or_unseal_zdr_output(await runtime.store.runs.get(run_id))
     return run_object(await runtime.store.runs.get(run_id, who.org_id), base_url(request))
 
 

@@ -1,6 +1,6 @@
 """A worker process's lease on the store: the proof that it is alive, apart from its runs.
 
-Every run a worker holds carries a lease on its row (``runs.lease_expires_at``), renewed by the
+Every run a worker owns carries a lease on its row (``runs.lease_expires_at``), renewed by the
 runtime's run watcher (ephemeral.engine.runtime) and used to charge compute up to the host's death
 (ephemeral.engine.close). Those renewals share the run rows with everything else a run writes and
 share the worker's event loop with its sandboxes, so under load one can be seconds late.
@@ -98,7 +98,7 @@ class ProcessLease:
 
     async def start(self) -> None:
         """Start the ticker on this event loop and the renewing thread; returns once the first
-        renewal is committed (so a run claimed after this is covered)."""
+        renewal is committed (so a run taken or claimed after this is covered)."""
         self._turned = self.clock.monotonic()
         self._ticker = asyncio.create_task(self._tick(), name="process-lease-tick")
         self._thread = threading.Thread(target=self._main, name="process-lease", daemon=True)

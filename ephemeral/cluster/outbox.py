@@ -7,7 +7,7 @@ process and worker finds here (:func:`redrive`, every ``REDRIVE_SECONDS``) once 
 ``GRACE_SECONDS`` old, and hands over again. The hand-over is idempotent: the task run's id is
 derived from the run id and the hand-over number (``dispatches``), so a second creation of the
 same task run is refused by Prefect (409) instead of making a duplicate, whoever makes it and
-however the first attempt ended. A draining worker hands the runs it holds but never started
+however the first attempt ended. A draining worker hands the runs it took but never started
 back under the next number (``store.outbox.release``), which gives them a fresh task run.
 """
 

@@ -46,7 +46,7 @@ async def check(settings: Settings) -> None:
                 store, "prefect_task_storage", Path(tasks), "PREFECT_RESULTS_LOCAL_STORAGE_PATH"
             )
         mine = Sealer.for_settings(settings).fingerprint()
-        if await store.facts.claim("seal_key", mine) != mine:
+        if await store.facts.put_first("seal_key", mine) != mine:
             raise errors.InvalidRequest.field(
                 "EPHEMERAL_SEAL_KEY_FILE",
                 f"{settings.seal_key_path} is not the key the other processes of this cluster "
@@ -61,7 +61,7 @@ async def _check_dir(store: Store, fact: str, root: Path, setting: str) -> None:
         here = await asyncio.to_thread(_marker, root)
     except OSError as exc:
         raise errors.InvalidRequest.field(setting, f"{root}: {exc}") from exc
-    cluster = await store.facts.claim(fact, here)
+    cluster = await store.facts.put_first(fact, here)
     if here != cluster:
         raise errors.InvalidRequest.field(
             setting,

@@ -73,7 +73,7 @@ class Custody:
         """The output held in memory, delivered once, then forgotten."""
         return self._outputs.pop(run_id, None)
 
-    async def claim_output(self, run_id: str, zdr: bool) -> str | None:
+    async def take_or_unseal_output(self, run_id: str, zdr: bool) -> str | None:
         """The output for its first reader only: from memory, or sealed by the worker that
         ran it (``zdr``: the run keeps zero data, so a sealed one may wait)."""
         output = self.take_output(run_id)

@@ -5,7 +5,7 @@ of this package by name)::
 
     admit     runtime.py:Runtime.admit              validate (model, connections, image,
                                                     isolation) → store/runs.py:Runs.admit: one
-                                                    transaction: idempotency claim, hold
+                                                    transaction: idempotency key, reserve
                                                     max_cost_micros on the org, run ``queued``
     launch    runtime.py:Runtime.submit             → engine.py:Engine.launch (a task per run), or
                                                     Engine.dispatch (a worker on some host runs it)
@@ -273,7 +273,7 @@ class Engine:
     async def execute(self, run_id: str) -> RunRow:
         """Run to the end in this process and return the settled row.
 
-        The run waits ``queued`` for an execution slot holding nothing but its reservation; the
+        The run waits ``queued`` for an execution slot with nothing but its reservation; the
         executor's grant marks it ``provisioning`` and starts its clock (``started_at``);
         the sandbox is attached only when its body provisions. Whatever goes wrong on this path,
         the run is settled before this returns (or, if even that fails, by the watchdog).

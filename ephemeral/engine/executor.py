@@ -78,7 +78,7 @@ class Executor(Protocol):
 class Dispatcher(Protocol):
     """An executor that hands runs to other processes (``EPHEMERAL_EXECUTOR=dispatch``).
 
-    A runtime built with one admits runs without an owner (a worker claims each), seals a
+    A runtime built with one admits runs without an owner (a worker takes each), seals a
     zero-data-retention prompt into the store for that worker, answers ``submit`` by calling
     :meth:`dispatch` (nothing executes in its process) and cancels through the store.
     """

@@ -91,10 +91,10 @@ class Runtime:
         self.lease_expired_hooks: list[Callable[[str], Awaitable[None]]] = []
         self._watchdog: asyncio.Task[None] | None = None
         self._leases: asyncio.Task[None] | None = None
-        self.process_lease: ProcessLease | None = None  # a worker's (hold_leases)
-        # Runs a worker received from Prefect and holds until their task body takes them
-        # (flows.worker.HostWorker): nothing executes them yet, and that is not a fault.
-        self.holding: Collection[str] = ()
+        self.process_lease: ProcessLease | None = None  # a worker's (renew_leases)
+        # Runs a worker took from Prefect and keeps until their task body takes them into the
+        # engine (flows.worker.HostWorker): nothing executes them yet, and that is not a fault.
+        self.taken: Collection[str] = ()
         self.draining = False  # a draining worker takes no new runs (ephemeral.flows.worker)
         # The run watchdog's (its sweeps and the time limits it enforces): a test moves a fake
         # one; the sessions, leases and runs keep their own.
@@ -201,7 +201,7 @@ class Runtime:
             labels={**request.labels, **(labels or {})},
             idempotency_key=idempotency_key,
             body_hash=body_hash,
-            # A dispatched run has no owner until a worker claims it: no process's death or
+            # A dispatched run has no owner until a worker takes it: no process's death or
             # recovery may take it for an orphan while it waits in Prefect's queue.
             owner=None if self.dispatcher is not None else self.owner,
             image_hash=image_hash,
@@ -261,11 +261,11 @@ class Runtime:
         """A zero-data-retention run's output held here, delivered once (engine/custody.py)."""
         return self.engine.custody.take_output(run_id)
 
-    async def claim_zdr_output(self, row: RunRow) -> str | None:
+    async def take_or_unseal_zdr_output(self, row: RunRow) -> str | None:
         """The output of a zero-data-retention run, for its first reader only: from this
         process's memory, or sealed in the store by the worker that ran it."""
         zdr = bool(row.policy.get("zero_data_retention"))
-        return await self.engine.custody.claim_output(row.id, zdr)
+        return await self.engine.custody.take_or_unseal_output(row.id, zdr)
 
     # control -------------------------------------------------------------------------------
     async def cancel(self, run_id: str, org_id: str | None = None) -> RunRow:
@@ -316,7 +316,7 @@ class Runtime:
         suspects: set[str] = set()
         now = self.clock.now()
         for row in await self.store.runs.open():
-            if row.owner != self.owner or self.sessions.owns(row.id) or row.id in self.holding:
+            if row.owner != self.owner or self.sessions.owns(row.id) or row.id in self.taken:
                 continue  # a live session has its own watchdog (ephemeral.sessions.manager)
             task = self.engine.task(row.id)
             if task is None or task.done():
@@ -360,7 +360,7 @@ class Runtime:
         return finished
 
     # leases --------------------------------------------------------------------------------
-    async def hold_leases(self, lease_seconds: float) -> None:
+    async def renew_leases(self, lease_seconds: float) -> None:
         """Make this runtime a worker: its slot grants take a lease, renewed every third of
         ``lease_seconds`` while the run executes here (by the run watcher), and this process
         holds a lease of its own until :meth:`close` (ephemeral.cluster.leases)."""
@@ -421,7 +421,7 @@ class Runtime:
         orphans: list[RunRow] = []
         for row in await self.store.runs.open():
             if row.owner is None:
-                continue  # dispatched, waiting in Prefect's queue for a worker to claim it
+                continue  # dispatched, waiting in Prefect's queue for a worker to take it
             if is_alive(row.owner) is False and row.owner != self.owner:
                 orphans.append(row)
         orphan_ids = {r.id for r in orphans}

@@ -1,7 +1,7 @@
 """A run's budget inside its reservation: worst-case holds before model calls, compute accrual.
 
-The org-level hold (``max_cost_micros``) is taken at admission by the store. Inside the run,
-this object decides whether the *next* step can still fit, so the run stops with
+The run's reservation (``max_cost_micros``) is made on the org at admission by the store.
+Inside the run, this object decides whether the *next* step can still fit, so the run stops with
 ``budget_exhausted`` before it could overspend, never after.
 """
 

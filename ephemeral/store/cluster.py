@@ -30,9 +30,9 @@ class Leases(Repository):
         renewed_at: datetime,
         expires_at: datetime,
     ) -> None:
-        """Extend the leases of these open runs that ``owner`` holds (its host is alive). A
-        run it does not hold (yet, or any more: handed back, let go) is left alone: a renewal
-        must never put a lease on a row nobody claimed, which would expire as a host's death."""
+        """Extend the leases of these open runs that ``owner`` owns (its host is alive). A
+        run it does not own (yet, or any more: handed back, let go) is left alone: a renewal
+        must never put a lease on a row nobody owns, which would expire as a host's death."""
         if not run_ids:
             return
         async with self._db.write() as conn:
@@ -62,7 +62,7 @@ class Leases(Repository):
             )
 
     async def let_go(self, run_id: str, owner: str, now: datetime) -> bool:
-        """This owner will not execute the run it holds: disown it with its lease ended, so
+        """This owner will not execute the run it owns: disown it with its lease ended, so
         that the next sweep of any process settles it (its live process lease no longer
         covers it). False if it is not this owner's or no longer open."""
         async with self._db.write() as conn:
@@ -178,7 +178,7 @@ class Facts(Repository):
     """Values every process of a cluster agrees on (ephemeral.cluster.sharing): the first
     one stored."""
 
-    async def claim(self, name: str, value: str) -> str:
+    async def put_first(self, name: str, value: str) -> str:
         """Store ``value`` under ``name`` unless some process did first; returns the stored one."""
         async with self._db.write() as conn:
             stmt = ledger.insert(conn, cluster_facts).values(

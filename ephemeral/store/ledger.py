@@ -7,7 +7,7 @@ overdraw (PostgreSQL re-checks the WHERE clause after waiting for a row lock; SQ
 writer at a time under ``BEGIN IMMEDIATE``).
 
 Balance semantics: ``orgs.balance_micros`` is money the org owns, ``orgs.reserved_micros`` the
-part held by unsettled runs. Admission raises ``reserved``; settlement lowers ``reserved`` by
+part reserved for unsettled runs. Admission raises ``reserved``; settlement lowers ``reserved`` by
 the run's reservation and ``balance`` by what the run was charged.
 """
 
@@ -52,7 +52,7 @@ def check_micros(field: str, value: object, *, allow_zero: bool = True) -> int:
     return value
 
 
-async def claim_idempotency(
+async def bind_idempotency_key(
     conn: AsyncConnection,
     *,
     org_id: str,
@@ -61,17 +61,17 @@ async def claim_idempotency(
     run_id: str,
     now: datetime,
 ) -> sa.Row[Any] | None:
-    """Claim ``key`` for ``run_id``; return the earlier claim instead if there is one.
+    """Bind ``key`` to ``run_id``; return the earlier binding instead if there is one.
 
-    The claim is written ``done``: it commits with the admission or not at all (a concurrent
-    claim of the same key waits for that commit, then finds it). The schema also allows
-    ``admitting``, a claim held open across transactions; a request that meets one gets 409.
+    The binding is written ``done``: it commits with the admission or not at all (a concurrent
+    binding of the same key waits for that commit, then finds it). The schema also allows
+    ``admitting``, a binding left open across transactions; a request that meets one gets 409.
     """
     if not key or len(key) > MAX_IDEMPOTENCY_KEY or not key.isascii() or not key.isprintable():
         raise errors.InvalidRequest.field(
             "Idempotency-Key", f"must be 1-{MAX_IDEMPOTENCY_KEY} printable ASCII characters"
         )
-    claimed = await conn.execute(
+    bound = await conn.execute(
         insert(conn, idempotency)
         .values(
             org_id=org_id,
@@ -84,7 +84,7 @@ async def claim_idempotency(
         .on_conflict_do_nothing()
         .returning(idempotency.c.run_id)
     )
-    if claimed.first() is not None:
+    if bound.first() is not None:
         return None
     earlier = (
         await conn.execute(
@@ -100,15 +100,15 @@ async def claim_idempotency(
     return earlier
 
 
-async def hold(conn: AsyncConnection, *, org_id: str, amount: int) -> None:
+async def reserve(conn: AsyncConnection, *, org_id: str, amount: int) -> None:
     """Raise the org's reservation by ``amount`` if its available balance covers it."""
-    held = await conn.execute(
+    reserved = await conn.execute(
         sa.update(orgs)
         .where(orgs.c.id == org_id, orgs.c.balance_micros - orgs.c.reserved_micros >= amount)
         .values(reserved_micros=orgs.c.reserved_micros + amount)
         .returning(orgs.c.reserved_micros)
     )
-    if held.first() is None:
+    if reserved.first() is None:
         org = (await conn.execute(sa.select(orgs).where(orgs.c.id == org_id))).first()
         if org is None:
             raise errors.NotFound(f"org {org_id} not found")
@@ -140,12 +140,12 @@ async def admit(
     amount = check_micros("max_cost_micros", policy.get("max_cost_micros"), allow_zero=False)
     now = utcnow()
     if idempotency_key is not None:
-        earlier = await claim_idempotency(
+        earlier = await bind_idempotency_key(
             conn, org_id=org_id, key=idempotency_key, body_hash=body_hash, run_id=run_id, now=now
         )
         if earlier is not None:
             return str(earlier.run_id)
-    await hold(conn, org_id=org_id, amount=amount)
+    await reserve(conn, org_id=org_id, amount=amount)
     inserted = await conn.execute(
         sa.insert(runs)
         .values(
@@ -368,7 +368,7 @@ async def settle(conn: AsyncConnection, run_id: str) -> Settlement:
 
 
 async def credit(conn: AsyncConnection, *, org_id: str, micros: int, note: str) -> None:
-    """Add (or, negative, remove) money; never below what running runs hold."""
+    """Add (or, negative, remove) money; never below what unsettled runs reserve."""
     if not isinstance(micros, int) or isinstance(micros, bool) or micros == 0:
         raise errors.InvalidRequest.field("micros", "must be a non-zero integer")
     if abs(micros) > MAX_MICROS:

@@ -96,7 +96,7 @@ class Runs(Repository):
         kind: str | None = None,
         image_hash: str | None = None,
     ) -> tuple[RunRow, bool]:
-        """Claim the idempotency key, reserve the budget, record the run and ``run.queued``.
+        """Bind the idempotency key, reserve the budget, record the run and ``run.queued``.
         ``image_hash`` is the digest admission resolved a registry image to (its sandbox boots
         that one).
 

@@ -132,16 +132,16 @@ async def test_watchdog_finishes_a_run_whose_task_is_gone(runtime: Runtime) -> N
     assert (await runtime.store.orgs.get(member.org_id)).reserved_micros == 0
 
 
-async def test_watchdog_leaves_a_run_a_worker_holds_for_a_token(runtime: Runtime) -> None:
-    """A worker at its limit holds the next run, claimed and queued, with no task until a
-    token frees (flows/worker.py); under load that takes longer than two sweeps."""
+async def test_watchdog_leaves_a_run_a_worker_took_for_a_slot(runtime: Runtime) -> None:
+    """A worker at its limit takes the next run (still queued) with no task until a slot
+    frees (flows/worker.py); under load that takes longer than two sweeps."""
     member = await new_member(runtime, "held")
     row, _ = await runtime.admit(member.org_id, RunRequest(prompt="held at the limit"))
-    runtime.holding = {row.id}
+    runtime.taken = {row.id}
     for _ in range(3):
         assert row.id not in await runtime.sweep()
     assert (await runtime.store.runs.get(row.id)).status == "queued"
-    runtime.holding = set()  # let go (never taken): the watchdog's again
+    runtime.taken = set()  # let go (never taken): the watchdog's again
     assert row.id not in await runtime.sweep()
     assert row.id in await runtime.sweep()
 

@@ -432,5 +432,5 @@ async def test_a_zero_data_retention_agent_run_keeps_only_sizes_and_seals_its_an
     assert "command" not in started and started["command_bytes"] > 0
     assert canary not in json.dumps([e.data for e in events])
     assert not state_bytes_contain(runtime.settings.state_dir, canary.encode())
-    assert await runtime.claim_zdr_output(row) == f"say {canary}"
-    assert await runtime.claim_zdr_output(row) is None  # read once
+    assert await runtime.take_or_unseal_zdr_output(row) == f"say {canary}"
+    assert await runtime.take_or_unseal_zdr_output(row) is None  # read once

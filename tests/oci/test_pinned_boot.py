@@ -96,7 +96,7 @@ async def test_a_run_boots_its_admitted_digest_after_the_name_moves(
         )
         moved, gone, lost = [(await rt.admit(org, request))[0] for _ in range(3)]
         assert moved.image_hash == gone.image_hash == lost.image_hash == first  # at admission
-        rt.holding = {moved.id, gone.id, lost.id}  # admitted and held, as a worker holds runs
+        rt.taken = {moved.id, gone.id, lost.id}  # admitted and taken, as a worker takes runs
         # the name moves before either run boots: a new image under the tag, pulled again
         second = push("second")
         assert (await oci_pull.pull(settings, ref)).hex == second != first

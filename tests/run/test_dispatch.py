@@ -65,7 +65,7 @@ async def _pair(settings: Settings) -> AsyncIterator[tuple[Runtime, Runtime, ToW
         runlevel.started(settings, executor=fake) as api,
         runlevel.started(worker_settings, recover=False) as worker,
     ):
-        await worker.hold_leases(30)
+        await worker.renew_leases(30)
         fake.worker = worker
         yield api, worker, fake
 
@@ -84,8 +84,8 @@ async def test_a_dispatched_zdr_run_crosses_sealed_and_is_read_once(
         assert fake.dispatched == [row.id]
         settled = await api.wait(row.id, timeout=60)
         events = [e.type for e in await api.store.events.list(row.id)]
-        first = await api.claim_zdr_output(settled)
-        second = await worker.claim_zdr_output(settled)
+        first = await api.take_or_unseal_zdr_output(settled)
+        second = await worker.take_or_unseal_zdr_output(settled)
         async with api.store.engine.connect() as conn:
             left = (await conn.execute(sealed_content.select())).all()
     assert settled.status == "succeeded", settled.termination_detail
@@ -218,7 +218,7 @@ async def test_a_taken_run_waiting_on_a_dead_worker_is_refunded_in_full(
             run_settings.model_copy(update={"host_id": "w9"}), recover=False, watchdog=False
         ) as worker,
     ):
-        await worker.hold_leases(30)
+        await worker.renew_leases(30)
         org = await api.local_org()
         row, _ = await api.store.runs.admit(
             org_id=org,

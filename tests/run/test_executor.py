@@ -92,9 +92,9 @@ async def test_serve_executes_cancels_and_hands_out_zdr_output_on_one_runtime(
                 org, RunRequest(prompt=f"p {canary}", model=model, zero_data_retention=True)
             )
             idle, _ = await runtime.admit(org, RunRequest(prompt="never runs", model=model))
-            # held here, as a worker holds the runs it took: the watchdog ends a run nothing
+            # taken here, as a worker keeps the runs it took: the watchdog ends a run nothing
             # executes after two sweeps (5-10 s), and under load the zdr run took longer than that
-            runtime.holding = {idle.id}
+            runtime.taken = {idle.id}
             zdr = await runtime.launch(zdr.id)
             first = runtime.take_zdr_output(zdr.id)
             second = runtime.take_zdr_output(zdr.id)

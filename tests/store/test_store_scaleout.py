@@ -223,6 +223,6 @@ async def test_the_outbox_finds_undispatched_ownerless_runs_and_a_release_renumb
     assert await store.outbox.release(waiting.id, "a:1:2") is None  # began: not handed back
 
 
-async def test_a_cluster_fact_is_the_first_one_claimed(store: Store) -> None:
-    assert await store.facts.claim("records_root", "x") == "x"
-    assert await store.facts.claim("records_root", "y") == "x"
+async def test_a_cluster_fact_is_the_first_one_stored(store: Store) -> None:
+    assert await store.facts.put_first("records_root", "x") == "x"
+    assert await store.facts.put_first("records_root", "y") == "x"
