@@ -18,9 +18,9 @@ from prefect.states import Crashed
 
 from ephemeral.engine import exits
 from ephemeral.engine.runtime import Runtime
+from ephemeral.flows.agent_run import agent_run
 from ephemeral.lifecycle import RunStatus, TerminationReason
 from ephemeral.policy import RunRequest
-from flows.agent_run import agent_run
 from tests.api.conftest import new_member
 
 
