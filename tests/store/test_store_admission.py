@@ -106,7 +106,7 @@ async def test_admission_records_queued_event_and_policy_unchanged(store: Store,
     assert run == await store.runs.get(run.id)
 
 
-async def test_same_key_same_body_replays_without_second_hold(store: Store, org: Org) -> None:
+async def test_same_key_same_body_replays_reserving_once(store: Store, org: Org) -> None:
     first, replayed1 = await _admit(store, org, idempotency_key="k-1", body_hash="h1")
     second, replayed2 = await _admit(store, org, idempotency_key="k-1", body_hash="h1")
     assert (replayed1, replayed2) == (False, True)
