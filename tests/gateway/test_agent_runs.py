@@ -41,10 +41,20 @@ pytestmark = [pytest.mark.sandbox]
 IMAGE = "mini-swe-agent"
 GPT = "openai/gpt-6-luna"
 PROJECT = REPO_ROOT / "recipes" / "evals" / "fix-the-test" / "project"
+# mini-swe-agent's runs end on their own; their limits only stop a hung agent. Compute is charged
+# by the second of sandbox life, and on an emulated microVM (TCG) at load 40 mini had not made
+# its first call after 125 s: the budget covers compute for the whole time limit, as a
+# session's default does, so what these tests assert is settlement, never the host's speed.
+MINI_SECONDS = 1800
+MINI_BUDGET = MINI_SECONDS * 800 + 100_000  # 800 micros a second: the default book's sandbox
+HUNG_TEST_SECONDS = 2400  # pytest-timeout for a mini run: longer than its time limit
 # What a user writes: mini in yolo mode on the prompt, its model through the gateway (litellm's
 # `openai/` provider reads OPENAI_BASE_URL and OPENAI_API_KEY), its submission as the answer.
+# Each of mini's commands may take the run's time limit (its own default is 30 s, which a
+# pytest on TCG under load passed, and mini then told the model the command timed out).
 MINI = (
     'python3 -m minisweagent.run.mini -y --exit-immediately -m "openai/$EPHEMERAL_MODEL" '
+    f"-c mini.yaml -c environment.timeout={MINI_SECONDS} "
     '-t "$EPHEMERAL_PROMPT" -o /tmp/mini.traj.json > /tmp/mini.log 2>&1; status=$?; '
     'python3 -c \'import json; print(json.load(open("/tmp/mini.traj.json"))'
     '["info"]["submission"])\' > /tmp/answer.md; exit $status'
@@ -56,13 +66,6 @@ FIX = (
 )
 PYTEST = "python3 -m pytest -q -p no:cacheprovider"
 BREAK = "sed -i 's/return a + b/return a - b/' calc/ops.py"
-# mini-swe-agent's runs end on their own; their limits only stop a hung agent. Compute is charged
-# by the second of sandbox life, and on an emulated microVM (TCG) at load 40 mini had not made
-# its first call after 125 s: the budget covers compute for the whole time limit, as a
-# session's default does, so what these tests assert is settlement, never the host's speed.
-MINI_SECONDS = 1800
-MINI_BUDGET = MINI_SECONDS * 800 + 100_000  # 800 micros a second: the default book's sandbox
-HUNG_TEST_SECONDS = 2400  # pytest-timeout for a mini run: longer than its time limit
 
 
 @pytest.fixture(scope="session")
