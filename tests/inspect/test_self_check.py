@@ -17,13 +17,14 @@ import contextlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
 
 pytest.importorskip("inspect_ai", reason="the inspect extra is not installed")
 
-from inspect_ai.util import SandboxEnvironment
+from inspect_ai.util import ExecResult, SandboxEnvironment
 from inspect_ai.util._sandbox.local import LocalSandboxEnvironment
 from inspect_ai.util._sandbox.self_check import *  # noqa: F403
 
@@ -32,6 +33,7 @@ from ephemeral.sandbox.registry import probe_level
 from ephemeral.settings import Settings
 from tests.api.server import live_server
 from tests.drivers import unavailable
+from tests.patience import PATIENCE
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.asyncio(loop_scope="module")]
 
@@ -56,6 +58,11 @@ if os.geteuid() == 0:  # as root (make test here, CI) local bypasses file permis
         "test_write_text_file_without_permissions": "run as root: root writes a chmod -w file",
         "test_write_binary_file_without_permissions": "run as root: root writes a chmod -w file",
     }
+# Checks whose exec timeout bounds a hang, not a speed: there it is PATIENCE. Inspect's
+# test_exec_as_user gives adduser 10 s ("in one case adduser decided to ask for input which
+# caused the test to hang indefinitely"), and adduser (a Perl script) on microvm-tcg at load 20
+# took longer. The checks of timeouts themselves (test_exec_timeout*) keep theirs.
+HANG_BOUNDS = {"test_exec_as_user"}
 # microvm-tcg (software emulation) is slow: in the slow set, like the other TCG tests
 PROVIDERS = [
     "gvisor",
@@ -107,10 +114,19 @@ async def provider_env(
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def sandbox_env(
-    request: pytest.FixtureRequest, provider_env: tuple[str, SandboxEnvironment]
+    request: pytest.FixtureRequest,
+    provider_env: tuple[str, SandboxEnvironment],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> SandboxEnvironment:
     name, env = provider_env
     reason = KNOWN_FAILURES[name].get(request.node.originalname)
     if reason is not None:
         request.node.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+    if request.node.originalname in HANG_BOUNDS:
+        bounded = env.exec
+
+        async def exec(cmd: list[str], timeout: int | None = None, **kw: Any) -> ExecResult[str]:
+            return await bounded(cmd, timeout=None if timeout is None else int(PATIENCE), **kw)
+
+        monkeypatch.setattr(env, "exec", exec)  # this check only: the env is the module's
     return env
