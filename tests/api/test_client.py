@@ -18,6 +18,7 @@ from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
 from tests.api.conftest import SAMPLE_BODY, Member
 from tests.api.server import LiveServer, live_server
+from tests.patience import PATIENCE
 
 pytestmark = pytest.mark.sandbox
 
@@ -35,7 +36,7 @@ async def test_async_client_create_stream_wait_get(app: FastAPI, member: Member)
         run = await client.runs.create(**SAMPLE_BODY)
         seen = [ev.type async for ev in client.runs.stream(run["id"])]
         assert seen[0] == "run.queued" and seen[-1] == "run.settled"
-        done = await client.runs.wait(run["id"], timeout=60)
+        done = await client.runs.wait(run["id"], timeout=PATIENCE)
         assert done["status"] == "succeeded"
         assert [e.type for e in await client.runs.events(run["id"])] == seen
         page = await client.runs.list(limit=5)
@@ -87,7 +88,7 @@ async def test_create_retries_with_the_same_idempotency_key(app: FastAPI, member
         assert len(keys) == 2 and keys[0] == keys[1]
         page = await client.runs.list()
         assert [r["id"] for r in page["runs"]] == [run["id"]]  # one run, one reservation
-        await client.runs.wait(run["id"], timeout=60)
+        await client.runs.wait(run["id"], timeout=PATIENCE)
 
 
 async def test_a_read_is_sent_again_after_a_connection_error_a_write_is_not(
@@ -117,7 +118,7 @@ async def test_a_read_is_sent_again_after_a_connection_error_a_write_is_not(
         with pytest.raises(httpx.ReadError):
             await client.runs.cancel(run["id"])
         assert dropped[-1] == f"POST /v1/runs/{run['id']}/cancel"
-        done = await client.runs.wait(run["id"], timeout=60)
+        done = await client.runs.wait(run["id"], timeout=PATIENCE)
         assert done["status"] == "succeeded"  # the cancel never reached the server
 
 
@@ -163,7 +164,7 @@ def test_sync_client_over_loopback_and_stream_resume(server: LiveServer) -> None
         # resume from the middle, as after a dropped connection
         tail = list(client.runs.events(run["id"], stream=True, after=events[3].seq))
         assert [e.seq for e in tail] == [e.seq for e in events[4:]]
-        assert client.runs.wait(run["id"], timeout=60)["status"] == "succeeded"
+        assert client.runs.wait(run["id"], timeout=PATIENCE)["status"] == "succeeded"
         assert client.runs.cancel(run["id"])["status"] == "succeeded"  # idempotent, settled
         assert [r["id"] for r in client.runs.iter_all(page_size=1)] == [run["id"]]
 

@@ -16,6 +16,7 @@ from ephemeral.engine.runtime import Runtime
 from ephemeral.settings import Settings
 from tests.api.conftest import SAMPLE_BODY, Member, new_member
 from tests.api.server import live_server
+from tests.patience import PATIENCE
 
 pytestmark = pytest.mark.sandbox
 
@@ -35,8 +36,8 @@ async def test_costs_are_scoped_to_the_callers_org(
         mine = [await acme.runs.create(**SAMPLE_BODY) for _ in range(2)]
         theirs = await globex.runs.create(**SAMPLE_BODY)
         for run in mine:
-            await acme.runs.wait(run["id"], timeout=60)
-        await globex.runs.wait(theirs["id"], timeout=60)
+            await acme.runs.wait(run["id"], timeout=PATIENCE)
+        await globex.runs.wait(theirs["id"], timeout=PATIENCE)
 
         page = await acme.costs(by="model", since="all")
         assert page["by"] == "model"

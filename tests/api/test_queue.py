@@ -23,6 +23,7 @@ from ephemeral.sandbox import handles
 from ephemeral.settings import Settings
 from tests import runlevel
 from tests.api.conftest import SAMPLE_BODY, Member, new_member
+from tests.patience import PATIENCE
 
 pytestmark = pytest.mark.sandbox
 
@@ -93,7 +94,7 @@ async def test_queued_run_holds_nothing_and_429_past_the_bound_reserves_nothing(
     assert "sandbox.ready" not in types and types[-1] == "run.settled"
 
     await http1.post(f"/v1/runs/{first['id']}/cancel", headers=member.headers)
-    row = await one_slot.wait(first["id"], timeout=60)
+    row = await one_slot.wait(first["id"], timeout=PATIENCE)
     assert row.charged_micros + row.refunded_micros == row.reserved_micros
     assert (await one_slot.store.orgs.get(member.org_id)).reserved_micros == 0
 
@@ -104,8 +105,8 @@ async def test_queue_wait_is_reported_and_not_billed(
     member = await new_member(one_slot, "wait")
     first = (await http1.post("/v1/runs", json=SAMPLE_BODY, headers=member.headers)).json()
     second = (await http1.post("/v1/runs", json=SAMPLE_BODY, headers=member.headers)).json()
-    await one_slot.wait(first["id"], timeout=60)
-    row = await one_slot.wait(second["id"], timeout=60)
+    await one_slot.wait(first["id"], timeout=PATIENCE)
+    row = await one_slot.wait(second["id"], timeout=PATIENCE)
     assert row.status == "succeeded"
     events = await one_slot.store.events.list(second["id"])
     ready = next(e for e in events if e.type == "sandbox.ready")
@@ -156,7 +157,7 @@ async def test_an_exception_on_the_execution_path_settles_the_run(
 
     monkeypatch.setattr(runtime.engine, "build", broken_build)
     row, _ = await runtime.submit(member.org_id, RunRequest(prompt="hello"))
-    done = await runtime.wait(row.id, timeout=30)
+    done = await runtime.wait(row.id, timeout=PATIENCE)
     assert done.status in TERMINAL_STATUSES and done.termination_reason == "infra_error"
     assert "ConnectionError: database went away" in (done.termination_detail or "")
     assert done.charged_micros + done.refunded_micros == done.reserved_micros
@@ -190,11 +191,11 @@ async def test_client_waits_out_a_full_queue(api_settings: Settings) -> None:
             second = asyncio.create_task(
                 client.runs.create(request=RunRequest.model_validate(SAMPLE_BODY))
             )
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(PATIENCE):
                 while 429 not in seen:
                     await asyncio.sleep(0.05)
             await client.runs.cancel(first["id"])
             run = await second
             assert seen[:2] == [201, 429] and seen[-1] == 201
-            done = await client.runs.wait(run["id"], timeout=60)
+            done = await client.runs.wait(run["id"], timeout=PATIENCE)
             assert done["status"] == "succeeded"

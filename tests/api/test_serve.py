@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.patience import PATIENCE
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -51,7 +53,7 @@ def _serve(tmp_path: Path, env: dict[str, str], *args: str) -> Iterator[subproce
 
 
 def _reach(proc: subprocess.Popen[bytes], port: int, log: Path) -> httpx.Response:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + PATIENCE  # serve's start took minutes at load 30
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"serve exited {proc.returncode}: {log.read_text()}"
         try:

@@ -34,6 +34,7 @@ from tests.api.server import live_server
 from tests.broker.conftest import state_bytes_contain
 from tests.gateway.conftest import OPENAI_KEY
 from tests.goldenlog import assert_golden_log
+from tests.patience import PATIENCE
 from tests.run.test_agent_run import POOL_PATIENCE, assert_settled, run_to_end, types
 
 pytestmark = [pytest.mark.sandbox]
@@ -397,12 +398,12 @@ async def test_a_cancelled_agent_run_ends_cancelled_its_agent_killed_and_settled
     org = await runtime.local_org()
     row, _ = await runtime.admit(org, request)
     task = runtime.engine.launch(row.id)
-    deadline = asyncio.get_running_loop().time() + 90
+    deadline = asyncio.get_running_loop().time() + PATIENCE
     while "agent.started" not in types(await runtime.store.events.list(row.id)):
         assert not task.done() and asyncio.get_running_loop().time() < deadline
         await asyncio.sleep(0.1)
     await runtime.cancel(row.id)
-    row = await runtime.engine.wait(row.id, timeout=60)  # the task itself ends cancelled
+    row = await runtime.engine.wait(row.id, timeout=PATIENCE)  # the task itself ends cancelled
     events = await runtime.store.events.list(row.id)
     assert (row.status, row.termination_reason) == ("cancelled", "cancelled"), row
     assert_settled(row, events)

@@ -21,6 +21,7 @@ from ephemeral.oci.credentials import Credential, CredentialStore
 from ephemeral.settings import Settings
 from tests.oci.layouts import Layout
 from tests.oci.token_server import ISSUER, SERVICE, TokenServer
+from tests.patience import PATIENCE
 from tests.sandbox.image_cache import link_runtime_source
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ http:
         ["docker-registry", "serve", str(base / "config.yml")], stdout=log, stderr=log
     )
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + PATIENCE
         while True:
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:

@@ -13,6 +13,7 @@ import pytest
 from ephemeral.errors import InvalidRequest
 from ephemeral.records import Records, write_run
 from ephemeral.records.compaction import MERGING_SUFFIX, reading
+from tests.patience import PATIENCE
 from tests.records.helpers import NOW, make_run
 
 SUMMARY = (
@@ -189,7 +190,7 @@ def test_a_query_in_progress_holds_back_the_retiring_of_the_files_it_listed(
         compactor.start()
         # the compactor gets as far as the new compacted file, then waits for this reader
         compacted = fresh.with_name("compacted.parquet")
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + PATIENCE
         while not compacted.exists():
             assert time.monotonic() < deadline, "the compactor never wrote a compacted file"
             compactor.join(0.01)

@@ -19,6 +19,7 @@ from ephemeral.records import Records
 from ephemeral.settings import Settings
 from ephemeral.store import Store
 from tests import runlevel
+from tests.patience import PATIENCE
 from tests.run.conftest import turn
 from tests.store.storehelp import force_status, policy
 
@@ -82,7 +83,7 @@ async def test_kill_9_mid_run_is_recovered(
     )
     try:
         # Wait until the run is inside its sleep step: the sandbox is up and persisted.
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + PATIENCE
         run_id = None
         while time.monotonic() < deadline:
             store = await Store.open(run_settings.db_url)
@@ -113,7 +114,7 @@ async def test_kill_9_mid_run_is_recovered(
     assert row.termination_reason == "infra_error"
     assert row.charged_micros + row.refunded_micros == row.reserved_micros
     assert [e.type for e in events][-3:] == ["sandbox.destroyed", "run.failed", "run.settled"]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + PATIENCE
     while any(_alive(p) for p in sandbox_pids) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     assert not any(_alive(p) for p in sandbox_pids), "sandbox processes survived the reaper"
@@ -186,7 +187,7 @@ async def test_kill_9_at_every_step_boundary_is_recovered(
     ) as runtime:  # recovery runs at start-up
         for run_id in rows:
             # The whole point: nothing is left for Runtime.wait to poll on forever.
-            row = await runtime.wait(run_id, timeout=5)
+            row = await runtime.wait(run_id, timeout=PATIENCE)
             events = [e.type for e in await runtime.store.events.list(run_id)]
             assert row.settled and row.status in ("failed", "succeeded"), (row.status, events)
             assert row.charged_micros + row.refunded_micros == row.reserved_micros
@@ -204,7 +205,7 @@ async def test_kill_9_at_every_step_boundary_is_recovered(
             assert found == [(1,)], (run_id, found)
         org = await runtime.store.orgs.get("local")
     assert org.reserved_micros == 0, "a reservation is still held"
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + PATIENCE
     while any(_alive(p) for p in sandbox_pids) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     assert not any(_alive(p) for p in sandbox_pids), "sandbox processes survived the reaper"
@@ -230,7 +231,7 @@ async def test_recovery_settles_a_run_left_terminal_but_unsettled(run_settings: 
         await store.close()
 
     async with runlevel.started(run_settings, watchdog=False) as runtime:
-        done = await runtime.wait(row.id, timeout=5)
+        done = await runtime.wait(row.id, timeout=PATIENCE)
         events = [e.type for e in await runtime.store.events.list(row.id)]
         org = await runtime.store.orgs.get("local")
     assert (done.status, done.termination_reason) == ("failed", "infra_error")

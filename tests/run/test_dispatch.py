@@ -84,7 +84,7 @@ async def test_a_dispatched_zdr_run_crosses_sealed_and_is_read_once(
         )
         assert row.owner is None  # no process owns it until a worker claims it
         assert fake.dispatched == [row.id]
-        settled = await api.wait(row.id, timeout=60)
+        settled = await api.wait(row.id, timeout=PATIENCE)
         events = [e.type for e in await api.store.events.list(row.id)]
         first = await api.take_or_unseal_zdr_output(settled)
         second = await worker.take_or_unseal_zdr_output(settled)
@@ -121,7 +121,7 @@ async def test_a_hand_over_prefect_refuses_leaves_the_run_queued_for_the_outbox(
         await outbox.hand_over(
             api.store, waiting[0], lambda run_id, _task_run: handed(api.store, run_id)
         )
-        settled = await api.wait(row.id, timeout=60)
+        settled = await api.wait(row.id, timeout=PATIENCE)
     assert settled.status == "succeeded", settled.termination_detail
     assert settled.dispatched_at is not None and settled.host == "w1"
 

@@ -14,6 +14,7 @@ from ephemeral.engine.executor import PlainExecutor, RunHandle
 from ephemeral.policy import RunRequest
 from ephemeral.settings import Settings
 from tests import runlevel
+from tests.patience import PATIENCE
 from tests.run.conftest import turn
 
 
@@ -99,7 +100,7 @@ async def test_serve_executes_cancels_and_hands_out_zdr_output_on_one_runtime(
             first = runtime.take_zdr_output(zdr.id)
             second = runtime.take_zdr_output(zdr.id)
             cancelled = await runtime.cancel(idle.id)
-            settled = await runtime.wait(idle.id, timeout=30)
+            settled = await runtime.wait(idle.id, timeout=PATIENCE)
     finally:
         Engine.build = build  # type: ignore[method-assign]
     assert zdr.status == "succeeded", zdr.termination_detail

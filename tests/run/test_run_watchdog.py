@@ -17,6 +17,7 @@ from ephemeral.settings import Settings
 from ephemeral.testing.clock import FakeClock
 from tests import runlevel
 from tests.drivers import unavailable
+from tests.patience import PATIENCE
 from tests.run.conftest import turn
 
 pytestmark = [pytest.mark.sandbox]
@@ -45,7 +46,7 @@ async def test_the_watchdog_ends_a_run_past_its_time_limit_timed_out(
         # The watchdog sleeps its first WATCHDOG_SECONDS on the fake clock: one move wakes it
         # past the run's limit and grace (a second move could come before it sleeps again).
         clock.advance(60 + WATCHDOG_GRACE_SECONDS + WATCHDOG_SECONDS)
-        done = await runtime.wait(row.id, timeout=60)
+        done = await runtime.wait(row.id, timeout=PATIENCE)
 
         assert (done.status, done.termination_reason) == ("timed_out", "timeout")
         assert done.termination_detail == WATCHDOG_DETAIL

@@ -26,6 +26,7 @@ from ephemeral.sandbox import images
 from ephemeral.settings import REPO_ROOT, Settings
 from tests import runlevel
 from tests.drivers import built_image, unavailable
+from tests.patience import PATIENCE
 from tests.run.conftest import turn
 from tests.run.test_agent_run import assert_settled, run_to_end, types
 
@@ -173,7 +174,7 @@ async def test_the_warm_pool_serves_only_its_own_image(
     settings = run_settings.model_copy(update={"pool_size": 1})
     async with runlevel.started(settings, check=True, warm_pool=True) as runtime:
         [pool] = runtime.sandboxes.pools.values()
-        await pool.wait_ready(60)
+        await pool.wait_ready(PATIENCE)
         got = {}
         for image in ("python-dev", None):
             row, events = await run_to_end(

@@ -17,6 +17,7 @@ from ephemeral.sandbox.base import Limits, SandboxDriver
 from ephemeral.sandbox.pool import WarmPool
 from ephemeral.settings import Settings
 from tests.drivers import unavailable
+from tests.patience import PATIENCE
 
 pytestmark = pytest.mark.sandbox
 
@@ -92,7 +93,7 @@ async def test_warm_pool_hands_out_each_sandbox_once(driver: SandboxDriver) -> N
     pool = WarmPool(driver, size=2, limits=Limits())
     await pool.start()
     try:
-        await pool.wait_ready(timeout=120)
+        await pool.wait_ready(timeout=PATIENCE)
         a = await pool.acquire("run_" + "a" * 32)
         b = await pool.acquire("run_" + "b" * 32)
         c = await pool.acquire("run_" + "c" * 32)  # pool drained: a cold one
@@ -100,7 +101,7 @@ async def test_warm_pool_hands_out_each_sandbox_once(driver: SandboxDriver) -> N
         for sbx in (a, b, c):
             assert (await sbx.exec("whoami")).stdout == "worker\n"
             await sbx.destroy()
-        await pool.wait_ready(timeout=120)  # refilled
+        await pool.wait_ready(timeout=PATIENCE)  # refilled
         assert pool.ready_count == 2
     finally:
         await pool.close()

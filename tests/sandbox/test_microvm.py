@@ -21,6 +21,7 @@ from ephemeral.sandbox.base import Limits
 from ephemeral.sandbox.microvm import MicroVMDriver, MicroVMSandbox, Snapshot
 from ephemeral.settings import Settings
 from tests.drivers import unavailable
+from tests.patience import PATIENCE
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -253,7 +254,7 @@ async def test_warm_pool_hands_out_a_restored_vm_once(tcg: tuple[MicroVMDriver, 
     pool = WarmPool(driver, 1, LIMITS)
     await pool.start()
     try:
-        await pool.wait_ready(timeout=120)
+        await pool.wait_ready(timeout=PATIENCE)
         sbx = await pool.acquire("run_pooltest")
         assert isinstance(sbx, MicroVMSandbox) and sbx.alive
         try:

@@ -14,6 +14,7 @@ import pytest
 
 from ephemeral.settings import Settings
 from tests import runlevel
+from tests.patience import PATIENCE
 from tests.run.test_crash import _alive, _sandbox_pids
 
 pytestmark = pytest.mark.sandbox
@@ -52,7 +53,7 @@ async def test_kill_9_with_an_open_session_is_recovered(isolation: str, tmp_path
     assert row.charged_micros + row.refunded_micros == row.reserved_micros
     assert events[-3:] == ["sandbox.destroyed", "run.failed", "run.settled"]
     assert org.reserved_micros == 0
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + PATIENCE
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     assert not any(_alive(p) for p in pids), "sandbox processes survived the reaper"
@@ -90,7 +91,7 @@ async def test_kill_9_of_the_server_settles_its_sessions(isolation: str, tmp_pat
         acme = await runtime.store.orgs.get("acme")
     assert (row.status, row.termination_reason) == ("failed", "infra_error")
     assert row.charged_micros + row.refunded_micros == 50_000 and acme.reserved_micros == 0
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + PATIENCE
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     assert not any(_alive(p) for p in pids), "sandbox processes survived the reaper"

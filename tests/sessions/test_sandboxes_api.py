@@ -14,6 +14,7 @@ from ephemeral.engine.runtime import Runtime
 from ephemeral.testing.clock import FakeClock
 from tests.api.conftest import Member, new_member
 from tests.drivers import built_image
+from tests.patience import PATIENCE
 
 pytestmark = pytest.mark.sandbox
 
@@ -192,7 +193,7 @@ async def test_time_limit_and_zdr_over_http(
     )
     assert r.json()["stdout"] == "private\n"
     clock.advance(1)
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(PATIENCE):
         while (await http.get(f"/v1/sandboxes/{sbx['id']}", headers=h)).json()["status"] == (
             "running"
         ):

@@ -20,6 +20,7 @@ from ephemeral.testing.clock import FakeClock
 from tests import runlevel
 from tests.drivers import built_image
 from tests.goldenlog import assert_golden_log
+from tests.patience import PATIENCE
 
 pytestmark = pytest.mark.sandbox
 
@@ -99,7 +100,7 @@ async def test_session_lifecycle_money_and_records(
 
 async def _settled(runtime: Runtime, org: str, session_id: str) -> RunRow:
     """The session once settled in the store and let go here (what its watchdog does)."""
-    async with asyncio.timeout(30):
+    async with asyncio.timeout(PATIENCE):
         while not (done := await runtime.sessions.get(session_id, org)).settled or (
             runtime.sessions.owns(session_id)
         ):
@@ -304,7 +305,7 @@ async def test_a_runtime_without_a_pool_gets_one_at_its_first_session(
         org = await runtime.local_org()
         first, _ = await runtime.sessions.create(org, SessionRequest(isolation=isolation))
         pool = runtime.sandboxes.pools[(isolation, settings.image)]
-        await pool.wait_ready(60)
+        await pool.wait_ready(PATIENCE)
         warm = {s.id for s in pool._ready}
         second, _ = await runtime.sessions.create(org, SessionRequest(isolation=isolation))
         assert second.sandbox_id in warm  # the second one came from the pool

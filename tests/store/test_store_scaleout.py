@@ -17,6 +17,7 @@ from ephemeral.lifecycle import RunStatus, TerminationReason
 from ephemeral.store import Org, RunRow, Store
 from ephemeral.store.schema import process_leases
 from ephemeral.testing.clock import FakeClock
+from tests.patience import PATIENCE
 from tests.store.storehelp import policy
 
 
@@ -102,7 +103,7 @@ async def _lease_expires(store: Store, owner: str) -> object:
 
 async def _until(done: Callable[[], bool]) -> None:
     """Wait for the lease's thread to act on a clock move (its store write takes real time)."""
-    async with asyncio.timeout(60):
+    async with asyncio.timeout(PATIENCE):
         while not done():
             await asyncio.sleep(0.01)
 
@@ -123,7 +124,7 @@ async def test_a_process_lease_is_renewed_while_the_loop_turns_and_lapses_when_i
         # a loop wedged for two leases (a blocking call: this one waits for the thread without
         # letting the loop turn): the thread stops renewing
         clock.advance(60)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + PATIENCE
         while lease.stalls == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert lease.stalls > 0
