@@ -25,6 +25,7 @@ from ephemeral.sandbox.base import Limits, Sandbox, SandboxDriver
 from ephemeral.sandbox.streams import GuestStream
 from ephemeral.settings import Settings
 from tests.drivers import unavailable
+from tests.patience import PATIENCE
 from tests.sandbox.conftest import Factory, busybox_tree, driver_for
 
 pytestmark = pytest.mark.sandbox
@@ -125,7 +126,7 @@ async def _egress_round_trip(sbx: Sandbox) -> None:
         "if command -v nc >/dev/null; then echo ping | nc 127.0.0.1 3128; else "
         "bash -c 'exec 3<>/dev/tcp/127.0.0.1/3128; echo ping >&3; cat <&3'; fi"
     )
-    res = await sbx.exec(talk, timeout=20)
+    res = await sbx.exec(talk, timeout=PATIENCE)
     assert res.stdout == "pong:ping\n", res.stderr
 
 

@@ -21,6 +21,7 @@ from ephemeral import errors
 from ephemeral.sandbox import cgroups
 from ephemeral.sandbox.base import Limits, Sandbox, SandboxDriver
 from ephemeral.settings import Settings
+from tests.patience import PATIENCE
 from tests.sandbox.conftest import DRIVERS, Factory, driver_for
 
 pytestmark = pytest.mark.sandbox
@@ -65,7 +66,7 @@ async def test_no_network_beyond_loopback(make_sandbox: Factory) -> None:
     sbx = await make_sandbox()
     # (static glibc's resolver, busybox's, cannot load its NSS modules: only curl says why)
     if (await sbx.exec("command -v curl")).exit_code == 0:
-        res = await sbx.exec("curl -sS -m 8 https://example.com", timeout=20)
+        res = await sbx.exec("curl -sS -m 8 https://example.com", timeout=PATIENCE)
         assert res.exit_code != 0
         assert "Could not resolve host" in res.stderr
     ifaces = await sbx.exec("tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '")
