@@ -62,7 +62,7 @@ async def main(isolation: str, runs: int) -> None:
         assert (await env.exec(SETUP, user="root")).return_code == 0
         for i in range(runs):
             t0 = time.perf_counter()
-            data = await env._fetch("tar czf - --hard-dereference -C /data .", "/data")
+            data = await env._live().fetch("tar czf - --hard-dereference -C /data .", "/data")
             times["fetch"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             await asyncio.to_thread(_unpack, data, d / f"new{i}")

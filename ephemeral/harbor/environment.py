@@ -5,16 +5,16 @@ cap, limited in time, every command an event, settled and recorded at ``stop``. 
 the task's Dockerfile built into one of our images (cached by content), a ``docker_image``
 mapped to a built image (``--ek images=...``), or ``--ek image=NAME``.
 
-The class is Harbor's interface and the session's commands and files; what it hands on is
-elsewhere in this package: the task checked and the session's request, limits and labels
-(``request.py``), the image (``task_image.py``), the scripts behind ``exec`` and their requests
+The class is Harbor's interface: ``exec`` and the file transfers as Harbor's Docker environment
+does them. What it hands on is elsewhere in this package: the task checked and the session's
+request, limits and labels (``request.py``), the image (``task_image.py``), the session's guest
+calls that always end (``session.py``), the scripts behind ``exec`` and their requests
 (``commands.py``), the ``--ek`` settings (``config.py``), the shared runtime (``backend.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import inspect
 import io
@@ -44,17 +44,14 @@ from harbor.utils.path_filter import filter_paths_by_patterns
 from ephemeral import errors
 from ephemeral.harbor import backend, commands, request, task_image
 from ephemeral.harbor.config import HarborConfig, load_config
+from ephemeral.harbor.session import Session, not_started, runtime_request_error
 from ephemeral.lifecycle import RunStatus
 from ephemeral.sandbox import hostread, hostwrite, images
 from ephemeral.sandbox.base import Limits
-from ephemeral.sessions.requests import MAX_FILE_BYTES, ExecRequest
+from ephemeral.sessions.requests import MAX_FILE_BYTES
 
 log = logging.getLogger("ephemeral.harbor")
 
-# A file up to this size comes back as base64 on stdout (one exec); a larger one is copied
-# to /tmp and read as a file (the session's file limit, 128 MiB).
-INLINE_DOWNLOAD_BYTES = 3 << 20
-MAX_OUTPUT_BYTES = 64 << 20  # per stream of one command
 SKIPS_LOGGED = 20  # entries of a download not written (links, devices) named in the log
 CLEANUP_BATCH = 16  # finished commands whose files one rm removes (in the next starter)
 # Harbor's verifier starts by removing the reward files, as root (``Verifier._remove_reward_files``,
@@ -64,16 +61,6 @@ _REWARDS = EnvironmentPaths()
 VERIFIER_START = "rm -f -- " + " ".join(
     shlex.quote(str(p)) for p in (_REWARDS.reward_text_path, _REWARDS.reward_json_path)
 )
-
-
-def _runtime_request_error(action: str, message: str) -> Exception:
-    """Harbor classifies failures by class name: RuntimeRequestError is a sandbox failure
-    (retried, not graded), never the agent's."""
-    try:
-        from harbor.agents.computer_1.runtime import RuntimeRequestError
-    except ImportError:  # pragma: no cover - an older Harbor
-        return RuntimeError(message)
-    return RuntimeRequestError(action, 0, message)
 
 
 class EphemeralEnvironment(BaseEnvironment):
@@ -89,7 +76,7 @@ class EphemeralEnvironment(BaseEnvironment):
                 f"(known: {', '.join(HarborConfig.model_fields)})"
             )
         self.config = load_config(own)
-        self._session: str | None = None
+        self._session: Session | None = None
         self._runtime: Any = None
         self._org: str | None = None
         self._image: images.ImageConfig | None = None
@@ -152,7 +139,7 @@ class EphemeralEnvironment(BaseEnvironment):
             raise SandboxBuildFailedError(
                 f"ephemeral: the sandbox was refused: {exc.detail}"
             ) from exc
-        self._session = row.id
+        self._session = Session(runtime, org, row.id, self.session_id)
         if row.status != RunStatus.RUNNING:
             self._session = None
             raise SandboxBuildFailedError(
@@ -161,7 +148,7 @@ class EphemeralEnvironment(BaseEnvironment):
             )
         log.info("%s: sandbox session %s (image %s)", self.session_id, row.id, image.name)
         if self.task_env_config.workdir:  # as Docker's WORKDIR: made when missing
-            made = await self._call(
+            made = await self._live().call(
                 ["mkdir", "-p", "--", self.task_env_config.workdir], user="root"
             )
             _check(made, f"mkdir {self.task_env_config.workdir}")
@@ -177,7 +164,8 @@ class EphemeralEnvironment(BaseEnvironment):
         session, self._session = self._session, None
         try:
             if session is not None and self._runtime is not None:
-                await asyncio.shield(self._runtime.sessions.end(session, self._org))
+                session.closed = True  # a call still in flight (a shielded kill) ends here
+                await asyncio.shield(self._runtime.sessions.end(session.id, self._org))
         finally:
             if self._holding:
                 self._holding = False
@@ -193,6 +181,11 @@ class EphemeralEnvironment(BaseEnvironment):
         )
 
     # commands -------------------------------------------------------------------------------
+    def _live(self) -> Session:
+        if self._session is None:
+            raise not_started()
+        return self._session
+
     def _user(self, user: str | int | None) -> str:
         resolved = self._resolve_user(user)
         if resolved is None:
@@ -211,53 +204,6 @@ class EphemeralEnvironment(BaseEnvironment):
         image_cwd = getattr(self._image, "cwd", None)
         return image_cwd if isinstance(image_cwd, str) and image_cwd else "/"
 
-    def _live(self) -> str:
-        if self._session is None:
-            raise _runtime_request_error("exec", "ephemeral: the environment is not started")
-        return self._session
-
-    async def _call(
-        self,
-        command: list[str] | str,
-        *,
-        user: str,
-        cwd: str = "/",
-        env: dict[str, str] | None = None,
-        stdin: bytes = b"",
-        timeout: float = commands.HOUSEKEEPING_TIMEOUT,
-    ) -> Any:
-        """One guest command through the session (an event); never cancelled halfway: the
-        guest serves one request at a time, so a cancel waits for this reply."""
-        return await self._checked(
-            commands.exec_request(
-                command, user=user, cwd=cwd, env=env, stdin=stdin, timeout=timeout
-            )
-        )
-
-    async def _checked(self, call: ExecRequest) -> Any:
-        result, cancelled = await self._through(call)
-        if cancelled:
-            raise asyncio.CancelledError()
-        return result
-
-    async def _through(self, sent: ExecRequest) -> tuple[Any, bool]:
-        """(the result, whether this task was cancelled meanwhile): the call always ends."""
-        call = asyncio.ensure_future(self._runtime.sessions.exec(self._live(), self._org, sent))
-        cancelled = False
-        while not call.done():
-            try:
-                await asyncio.shield(call)
-            except asyncio.CancelledError:
-                cancelled = cancelled or not call.done()
-            except Exception:  # noqa: BLE001 - the call's own error, raised below
-                break
-        try:
-            return call.result(), cancelled
-        except errors.InvalidRequest as exc:
-            raise ValueError(f"ephemeral exec: {exc.detail}") from exc
-        except errors.EphemeralError as exc:
-            raise _runtime_request_error("exec", f"ephemeral: {exc.detail}") from exc
-
     async def exec(
         self,
         command: str,
@@ -267,8 +213,9 @@ class EphemeralEnvironment(BaseEnvironment):
         user: str | int | None = None,
     ) -> ExecResult:
         as_user = self._user(user)
+        session = self._live()
         if command == VERIFIER_START:
-            await self._end_phase()
+            await session.end_phase()
         exec_id = secrets.token_hex(16)
         deadline = None if timeout_sec is None else time.monotonic() + timeout_sec
         cleanup: list[str] = []
@@ -281,14 +228,14 @@ class EphemeralEnvironment(BaseEnvironment):
             argv, user=as_user, cwd=self._cwd(cwd), env=self._merge_env(env), stdin=stdin
         )
         try:
-            started, cancelled = await self._through(starter)
+            started, cancelled = await session.through(starter)
         except ValueError as exc:  # a missing cwd, a uid outside the sandbox: as docker exec
             return ExecResult(stdout="", stderr=f"{exc}\n", return_code=126)
         if cancelled:  # while it started: it dies now
             if started.exit_code == 0:
                 sid, _ = commands.parse_started(started.stdout)
                 with contextlib.suppress(Exception):
-                    await self._kill(exec_id, sid)
+                    await session.kill(exec_id, sid)
             raise asyncio.CancelledError()
         if started.exit_code != 0:
             # the command never ran: an unknown user, say, as Docker reports it
@@ -301,53 +248,18 @@ class EphemeralEnvironment(BaseEnvironment):
             while code is None:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise RuntimeError(f"Command timed out after {timeout_sec} seconds")
-                res = await self._call(
+                res = await session.call(
                     commands.wait_argv(exec_id, commands.slice_until(deadline)), user="root"
                 )
                 code = commands.parse_wait(res.stdout)
-            stdout, stderr = await self._outputs(exec_id)
+            stdout, stderr = await session.outputs(exec_id)
         except BaseException:
             # cancelled (a phase timeout), timed out or failed: the command dies now
             with contextlib.suppress(Exception):
-                await asyncio.shield(self._kill(exec_id, sid))
+                await asyncio.shield(session.kill(exec_id, sid))
             raise
         self._finished.append(exec_id)
         return ExecResult(stdout=stdout, stderr=stderr, return_code=code)
-
-    async def _outputs(self, exec_id: str) -> tuple[str, str]:
-        out_path, err_path, _ = commands.paths(exec_id)
-        texts = []
-        for path in (out_path, err_path):
-            try:
-                data = await self._runtime.sessions.read_file(
-                    self._live(), self._org, path, MAX_OUTPUT_BYTES
-                )
-            except errors.FilePermissionDenied:  # a umask that left it unreadable: root reads
-                data = await self._fetch(f"cat -- {shlex.quote(path)}", path)
-            except errors.PayloadTooLarge as exc:
-                raise _runtime_request_error(
-                    "exec", f"ephemeral: the command's output is over {MAX_OUTPUT_BYTES} bytes"
-                ) from exc
-            except errors.EphemeralError as exc:
-                raise _runtime_request_error("exec", f"ephemeral: {exc.detail}") from exc
-            texts.append(bytes(data).decode("utf-8", errors="replace"))
-        return texts[0], texts[1]
-
-    async def _end_phase(self) -> None:
-        """Kill every process the agent phase left (a setsid or double-forked child, root's, one
-        ignoring SIGTERM: the command's own kill reaches its session only) before the verifier
-        runs, so none can rewrite its reward. The verifier does not run if that fails."""
-        try:
-            killed = await self._runtime.sessions.kill_all(self._live(), self._org)
-        except errors.EphemeralError as exc:
-            raise _runtime_request_error(
-                "exec", f"ephemeral: the agent phase's processes could not be stopped: {exc.detail}"
-            ) from exc
-        if killed:
-            log.info("%s: %d processes of the agent phase killed", self.session_id, killed)
-
-    async def _kill(self, exec_id: str, sid: int) -> None:
-        await self._call(["bash", "-c", commands.kill_script(exec_id, sid)], user="root")
 
     # files ----------------------------------------------------------------------------------
     # Uploads read host files without following a link (ephemeral/sandbox/hostread.py);
@@ -362,7 +274,7 @@ class EphemeralEnvironment(BaseEnvironment):
             max_bytes=MAX_FILE_BYTES,
         )
         t = shlex.quote(target_path)
-        res = await self._call(
+        res = await self._live().call(
             ["bash", "-c", f'mkdir -p -- "$(dirname -- {t})" && cat > {t}'],
             user="root",
             stdin=data,
@@ -375,7 +287,7 @@ class EphemeralEnvironment(BaseEnvironment):
             hostread.pack, source, root=_source_root(self.environment_dir, source)
         )
         t = shlex.quote(target_dir)
-        res = await self._call(
+        res = await self._live().call(
             ["bash", "-c", f"mkdir -p -- {t} && tar xzf - -C {t} --no-same-owner"],
             user="root",
             stdin=data,
@@ -383,7 +295,7 @@ class EphemeralEnvironment(BaseEnvironment):
         _check(res, f"upload {source_dir} to {target_dir}")
 
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
-        data = await self._fetch(f"cat -- {shlex.quote(source_path)}", source_path)
+        data = await self._live().fetch(f"cat -- {shlex.quote(source_path)}", source_path)
         await asyncio.to_thread(_write_file, Path(target_path), data)
 
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
@@ -414,7 +326,7 @@ class EphemeralEnvironment(BaseEnvironment):
     ) -> None:
         """Harbor's filtered download (exclude wins; ``protect`` always), through our own."""
         await asyncio.to_thread(Path(target_dir).mkdir, parents=True, exist_ok=True)
-        listed = await self._fetch(
+        listed = await self._live().fetch(
             f"cd -- {shlex.quote(source_dir)} && find . -type f -print0", source_dir
         )
         paths = [
@@ -440,7 +352,7 @@ class EphemeralEnvironment(BaseEnvironment):
     async def _download_tree(
         self, source_dir: str, target_dir: Path | str, members: str, stdin: bytes = b""
     ) -> None:
-        data = await self._fetch(
+        data = await self._live().fetch(
             f"tar czf - --hard-dereference -C {shlex.quote(source_dir)} {members}",
             source_dir,
             stdin=stdin,
@@ -455,36 +367,11 @@ class EphemeralEnvironment(BaseEnvironment):
             left = len(report.skipped) - SKIPS_LOGGED
             self.logger.warning(f"download of {source_dir}: {left} more entries not written")
 
-    async def _fetch(self, producer: str, what: str, stdin: bytes = b"") -> bytes:
-        """The bytes ``producer`` writes, read as root: base64 on stdout when small, else
-        through a file in /tmp that the session reads (as the worker, so it is made readable)."""
-        tmp = f"/tmp/.ephemeral-dl-{secrets.token_hex(6)}"
-        script = (
-            f"set -e; umask 077; {producer} > {tmp}\n"
-            f'if [ "$(stat -c %s {tmp})" -le {INLINE_DOWNLOAD_BYTES} ]; then '
-            f"base64 -w0 {tmp}; rm -f {tmp}; else chmod 644 {tmp}; echo SPILL; fi\n"
-        )
-        res = await self._call(["bash", "-c", script], user="root", stdin=stdin)
-        if res.exit_code != 0:
-            await self._call(["rm", "-f", "--", tmp], user="root")
-            said = (res.stderr or res.stdout).strip()[:500]
-            raise _runtime_request_error("download", f"ephemeral: cannot read {what}: {said}")
-        if res.stdout.strip() != "SPILL":
-            return base64.b64decode(res.stdout.strip(), validate=True)
-        try:
-            return bytes(await self._runtime.sessions.read_file(self._live(), self._org, tmp))
-        except errors.EphemeralError as exc:
-            raise _runtime_request_error(
-                "download", f"ephemeral: cannot read {what}: {exc.detail}"
-            ) from exc
-        finally:
-            await self._call(["rm", "-f", "--", tmp], user="root")
-
 
 def _check(res: Any, what: str) -> None:
     if res.exit_code != 0:
         said = (res.stderr or res.stdout)[:500]
-        raise _runtime_request_error("upload", f"ephemeral: {what}: exit {res.exit_code}: {said}")
+        raise runtime_request_error("upload", f"ephemeral: {what}: exit {res.exit_code}: {said}")
 
 
 def _source_root(environment_dir: Path | str, source: Path | str) -> Path | None:
