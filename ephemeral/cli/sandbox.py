@@ -259,6 +259,7 @@ def images_build(
             raise fail(errors.InvalidRequest.field("--dockerfile", "needed by those options"))
         image = name or "default"
         rootfs = _run(lambda: images.ensure_image(settings, image))
+        _run(lambda: images.ensure_layer(settings, image))  # what builds on it needs
         typer.echo(f"{rootfs}  ({time.monotonic() - t0:.1f}s)")
         return
     from ephemeral.sandbox import dockerfile as df

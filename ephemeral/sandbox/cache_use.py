@@ -24,7 +24,7 @@ class Entry:
     last_used: float
     extra: list[Path] = field(default_factory=list)  # removed with it (a microVM disk, a name)
     in_use: bool = False
-    kept: bool = False  # the current build of an image definition: `images rm NAME` only
+    kept: bool = False  # a definition's current build, or its layer: `images rm NAME` only
 
 
 def mark_used(path: Path) -> None:

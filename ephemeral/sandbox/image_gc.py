@@ -13,7 +13,10 @@ remove until the cache fits ``image_cache_max_mib``. Never removed:
   from it soon);
 - the current build of an image definition (``sandbox_images/NAME``): a run naming it needs
   it, and admission refuses a name that is not built (``ephemeral images rm NAME`` removes
-  it). Its older builds, Dockerfile images and mmdebstrap layers are collected.
+  it); and the mmdebstrap layer it was built on (its ``image.json``'s ``layer``): a
+  Dockerfile ``FROM NAME`` or a ``base: NAME`` definition builds on that layer, which takes
+  minutes and a Debian mirror to make again (``ephemeral images rm NAME --base`` removes it).
+  Its older builds, Dockerfile images and other mmdebstrap layers are collected.
 
 A use is recorded by :func:`mark_used` (``.used``'s mtime) when a build or a lookup returns
 the entry. ``ephemeral images gc`` runs it (``--dry-run`` lists what would go); each build
@@ -85,11 +88,15 @@ def _builds(settings: Settings) -> Iterator[Entry]:
 
 
 def _bases(settings: Settings) -> Iterator[Entry]:
+    kept = set()  # the layers the current builds of definitions were made on (image.json)
+    for build in _current_definition_builds(settings):
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            kept.add(json.loads((build / "image.json").read_text()).get("layer"))
     for done in (settings.image_cache_dir / "base").glob("*/done"):
         d = done.parent
         if d.is_symlink():
             continue
-        yield Entry("base", d, du(d), last_used(d, done))
+        yield Entry("base", d, du(d), last_used(d, done), kept=d.name in kept)
 
 
 def _pulled_layers(settings: Settings) -> Iterable[Entry]:

@@ -801,6 +801,8 @@ async def ensure_image(settings: Settings, name: str = "default") -> Path:
                 **info,
                 "base": base_name,
                 "base_hash": definition_hash(defdir.parent / base_name) if base_name else None,
+                # its mmdebstrap layer, kept by the cache's gc while this is the current build
+                "layer": base.parent.name,
                 "size_bytes": await asyncio.to_thread(_du, work),
             }
             (work / _MARKER).write_text(json.dumps(meta, indent=1))
@@ -810,6 +812,25 @@ async def ensure_image(settings: Settings, name: str = "default") -> Path:
         # microVM hook (owned by microvm_image.py): kernel, initramfs and ext4 of this rootfs
         await asyncio.to_thread(build_with_image, settings, name, out / "rootfs", digest[:16])
     return out / "rootfs"
+
+
+async def ensure_layer(settings: Settings, name: str) -> Path:
+    """The mmdebstrap layer of definition ``name``'s chain (what a ``FROM NAME`` Dockerfile or a
+    ``base: NAME`` definition builds on), made again if the cache's gc removed it, and named in
+    the current build's ``image.json`` so the gc keeps it from now on (builds made before that
+    field lack it). ``ephemeral images build NAME`` calls it: a cache over its size had
+    evicted python-dev's layer while its build stayed, and ``make setup`` did not restore it."""
+    rootfs = await ensure_image(settings, name)
+    spec = _layer_spec([d for _, d in chain(definition_dir(settings, name))])
+    layer = await _ensure_base(settings, spec)
+    marker = rootfs.parent / _MARKER
+    async with _AsyncFileLock(name_lock_path(settings, name)):
+        meta = json.loads(marker.read_text())
+        if meta.get("layer") != layer.parent.name:
+            tmp = marker.with_suffix(".tmp")
+            tmp.write_text(json.dumps({**meta, "layer": layer.parent.name}, indent=1))
+            tmp.replace(marker)
+    return layer
 
 
 def name_lock_path(settings: Settings, name: str) -> Path:

@@ -248,6 +248,30 @@ def test_gc_removes_the_least_recently_used_first_and_keeps_what_is_used(
     assert recent.exists() and held.exists() and current.exists()
 
 
+def test_gc_keeps_the_layer_of_a_definitions_current_build(tmp_path: Path) -> None:
+    """The mmdebstrap layer a definition's current build was made on stays (a ``FROM NAME``
+    Dockerfile builds on it, and it takes minutes and a mirror to make again); another layer,
+    as old and unused, goes. A cache over its size once evicted python-dev's layer this way and
+    every Dockerfile build on python-dev needed a mirror again."""
+    import json
+
+    settings = _settings(tmp_path)
+    current = _fake_entry(settings, "default", 1000, 99999, images.image_dir(settings))
+    layers = {}
+    for name in ("a" * 16, "b" * 16):
+        d = settings.image_cache_dir / "base" / name
+        (d / "rootfs").mkdir(parents=True)
+        (d / "rootfs" / "blob").write_bytes(os.urandom(1000))
+        (d / "done").touch()
+        os.utime(d / "done", (1, 1))
+        layers[name] = d
+    meta = json.loads((current / "image.json").read_text())
+    (current / "image.json").write_text(json.dumps({**meta, "layer": "a" * 16}))
+    gone = [e.path for e in image_gc.collect(settings, max_bytes=0)]
+    assert gone == [layers["b" * 16]]
+    assert layers["a" * 16].is_dir() and current.is_dir()
+
+
 @pytest.mark.sandbox
 @pytest.mark.parametrize("isolation", ["namespaces", "gvisor"])
 async def test_gc_never_removes_the_image_of_a_live_sandbox(

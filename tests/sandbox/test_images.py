@@ -288,3 +288,23 @@ def test_a_run_naming_an_image_not_built_here_is_told_the_command_that_builds_it
     with pytest.raises(errors.InvalidRequest) as undefined:
         images.require_built(settings, "nope")
     assert "build one with `ephemeral images build NAME`" in undefined.value.detail
+
+
+@pytest.mark.sandbox
+async def test_images_build_names_the_layer_its_build_was_made_on(
+    defs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``images build NAME`` (``ensure_layer``) writes the build's mmdebstrap layer into its
+    ``image.json``, where the cache's gc reads what to keep (tests/sandbox/test_build_limits.py);
+    a build made before that field gets it too. Built for real on the shared default layer."""
+    from tests.sandbox.image_cache import isolated_settings
+
+    settings = isolated_settings(tmp_path, defs, "default", monkeypatch)
+    layer = await images.ensure_layer(settings, "default")
+    marker = images.image_dir(settings, "default") / "image.json"
+    assert json.loads(marker.read_text())["layer"] == layer.parent.name
+    assert (layer.parent / "done").is_file()
+    older = {k: v for k, v in json.loads(marker.read_text()).items() if k != "layer"}
+    marker.write_text(json.dumps(older))  # as a build made before the field
+    assert await images.ensure_layer(settings, "default") == layer
+    assert json.loads(marker.read_text()) == {**older, "layer": layer.parent.name}
