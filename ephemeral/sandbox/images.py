@@ -842,14 +842,18 @@ def name_lock_path(settings: Settings, name: str) -> Path:
 @contextlib.contextmanager
 def name_locked(settings: Settings, name: str) -> Iterator[None]:
     """Hold :func:`name_lock_path` (blocking: from a thread, or where nothing else runs)."""
-    path = name_lock_path(settings, name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    fd = _open_lock(name_lock_path(settings, name))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # and the lock with it
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file at ``path`` (made, with its directory, if missing), open for ``flock``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
 
 
 class _AsyncFileLock:
@@ -858,8 +862,7 @@ class _AsyncFileLock:
         self._fh: int | None = None
 
     async def __aenter__(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+        fd = _open_lock(self.path)
         self._fh = fd
         await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
 
